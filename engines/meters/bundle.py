@@ -1,0 +1,89 @@
+"""One object that carries a rank's three meters through a step, and their report."""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from labkit.engines import runtime
+from labkit.engines.mesh import DIMS, Mesh
+from labkit.engines.meters.comm import CommMeter
+from labkit.engines.meters.memory import MemoryMeter
+from labkit.engines.meters.timeline import Timeline
+
+
+def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
+    """Group ranks -> dim name, for every group of every (combined) dim of the layout.
+
+    A single dim wins over a combination with the same ranks (with cp == 1 the dp-cp groups are
+    the dp groups, and are called 'dp'). Groups created by PyTorch itself (DTensor's or FSDP2's
+    DeviceMesh) map by their ranks too.
+    """
+    from labkit.engines.mesh import COMBINED
+
+    out: dict[tuple[int, ...], str] = {}
+    for dims in [(d,) for d in DIMS] + [mesh.layout.canonical(c) for c in COMBINED]:
+        for g in mesh.layout.groups(*dims):
+            if len(g) > 1:
+                out.setdefault(tuple(g), mesh.layout.label(*dims))
+    return out
+
+
+class Meters:
+    def __init__(self, mesh: Mesh, device: torch.device):
+        self.mesh = mesh
+        self.device = device
+        self.comm = CommMeter(dims_by_ranks(mesh))
+        self.memory = MemoryMeter()
+        self.timeline = Timeline(device)
+        self.cuda = device.type == "cuda"
+
+    def __enter__(self):
+        self.comm.__enter__()
+        runtime.attach_comm_meter(self.comm)
+        return self
+
+    def __exit__(self, *exc):
+        self.comm.__exit__(*exc)
+
+    @contextmanager
+    def step(self, step: int, model_state_bytes: int):
+        self.comm.step = step
+        self.timeline.begin_step(step)
+        self.memory.set_states(model_state_bytes)
+        self.memory.reset_peaks()
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        with self.span("step"):
+            yield
+        self.timeline.end_step()
+
+    @contextmanager
+    def phase(self, name: str):
+        before, self.comm.phase = self.comm.phase, name
+        try:
+            yield
+        finally:
+            self.comm.phase = before
+
+    def span(self, kind: str, microbatch=None, chunk=None, **extra):
+        return self.timeline.span(kind, microbatch, chunk, **extra)
+
+    @staticmethod
+    def check_cancelled() -> None:
+        runtime.check_cancelled()
+
+    def memory_report(self, states: dict[str, int]) -> dict[str, int]:
+        """Bytes: params, grads, optimizer (persistent, after the step), activations (peak of the
+        last step) and peak: CUDA's max_memory_allocated, or on the CPU the largest sum of model
+        states and live transients (activations, gathered parameters) the meters saw."""
+        out = dict(states)
+        out["activations"] = self.memory.peak_of.get("activations", 0)
+        for k, v in self.memory.peak_of.items():
+            if k != "activations":
+                out[k] = v
+        if self.cuda:
+            out["peak"] = int(torch.cuda.max_memory_allocated(self.device))
+        else:
+            out["peak"] = int(max(self.memory.peak, sum(states.values())))
+        return out

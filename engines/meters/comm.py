@@ -1,0 +1,332 @@
+"""The communication meter: every collective and point-to-point op a rank issues.
+
+How it sees them. `install()` registers one small Python kernel, at the Autograd dispatch key
+of the CPU and CUDA backends, for each `c10d::*` op and each functional collective
+(`_c10d_functional::*`, DTensor's path), then re-dispatches below autograd to the real
+kernel. Every process-group op goes through the dispatcher whoever issues it — our code,
+PyTorch DDP's C++ reducer (its bucket all-reduces and its bucket-order broadcasts), FSDP2,
+DTensor, torch.distributed.pipelining — so this one hook sees them all, while the model's
+own ops never touch Python. (A TorchDispatchMode would see them too, but it sends every aten
+op through Python: 35-130% slower steps on the lab's models, measured. It is kept as
+`CommAudit`, which the tests run beside this meter to prove it missed nothing.)
+
+What it records, per op (a plain dict, see labkit.results.CommEvent): op, dim (the mesh
+dimension whose group it ran on), group ranks, numel, dtype, payload bytes (B: the logical
+full tensor), wire bytes this rank sends under the ring model, a sequence number per group,
+start/end on the run's clock, and the phase of the step. An op is 'left' when its Work
+completes (a future callback), or for works without a future (gloo's reduce-scatter), when
+the meter next finds it completed; entered-but-not-left ops are what the hang diagnosis reads.
+"""
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+
+# Ring-model bytes one rank sends, B = bytes of the full (logical) tensor, n = group size.
+# DESIGN.md section 4. Gloo runs some of these differently on the wire (reduce-scatter as an
+# all-reduce); we count the algorithm, not gloo's traffic.
+WIRE = {
+    "all_reduce": lambda B, n: 2 * (n - 1) / n * B,
+    "all_gather": lambda B, n: (n - 1) / n * B,
+    "reduce_scatter": lambda B, n: (n - 1) / n * B,
+    "all_to_all": lambda B, n: (n - 1) / n * B,
+    "broadcast": lambda B, n: (n - 1) / n * B,
+    "reduce": lambda B, n: (n - 1) / n * B,
+    "scatter": lambda B, n: (n - 1) / n * B,    # at the root; the others send nothing
+    "gather": lambda B, n: B / n,               # from each non-root; the root sends nothing
+    "send": lambda B, n: B,
+    "recv": lambda B, n: 0,
+    "barrier": lambda B, n: 0,
+}
+
+
+def _nb(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _first(ts):
+    while isinstance(ts, (list, tuple)):
+        ts = ts[0] if ts else None
+    return ts
+
+
+def _total(ts) -> int:
+    if isinstance(ts, (list, tuple)):
+        return sum(_total(t) for t in ts)
+    return _nb(ts)
+
+
+# c10d op -> (our op name, argument holding the tensor(s), how B is read, peer/root argument)
+# B: 'sum' of that argument's bytes, or 'n*' that many bytes times the group size.
+_C10D = {
+    "allreduce_": ("all_reduce", "tensors", "sum", None),
+    "allreduce_coalesced_": ("all_reduce", "tensors", "sum", None),
+    "_allgather_base_": ("all_gather", "output_tensor", "sum", None),
+    "allgather_": ("all_gather", "input_tensors", "n*", None),
+    "allgather_coalesced_": ("all_gather", "input_list", "n*", None),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs", "sum", None),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor", "sum", None),
+    "reduce_scatter_": ("reduce_scatter", "output_tensors", "n*", None),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs", "sum", None),
+    "alltoall_base_": ("all_to_all", "input", "sum", None),
+    "alltoall_": ("all_to_all", "input_tensors", "sum", None),
+    "broadcast_": ("broadcast", "tensors", "sum", "root_rank"),
+    "reduce_": ("reduce", "tensors", "sum", "root_rank"),
+    "scatter_": ("scatter", "output_tensors", "n*", "root_rank"),
+    "gather_": ("gather", "input_tensors", "n*", "root_rank"),
+    "send": ("send", "tensors", "sum", "dst"),
+    "recv_": ("recv", "tensors", "sum", "src"),
+    "recv_any_source_": ("recv", "tensors", "sum", None),
+    "barrier": ("barrier", None, None, None),
+    "monitored_barrier_": ("barrier", None, None, None),
+}
+
+# functional collectives: (op, tensor argument, B rule); group from 'group_name'
+_FUNCOL = {
+    "all_reduce": ("all_reduce", "input", "sum"),
+    "all_reduce_": ("all_reduce", "input", "sum"),
+    "all_reduce_coalesced": ("all_reduce", "inputs", "sum"),
+    "all_reduce_coalesced_": ("all_reduce", "inputs", "sum"),
+    "all_gather_into_tensor": ("all_gather", "input", "n*"),
+    "all_gather_into_tensor_out": ("all_gather", "input", "n*"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs", "n*"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input", "sum"),
+    "reduce_scatter_tensor_out": ("reduce_scatter", "input", "sum"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs", "sum"),
+    "all_to_all_single": ("all_to_all", "input", "sum"),
+    "broadcast": ("broadcast", "input", "sum"),
+    "broadcast_": ("broadcast", "input", "sum"),
+}
+
+
+class CommMeter:
+    """Collects CommEvents for one run on one rank. `CommMeter.current` is the active one
+    (a class attribute, not a thread-local: DDP's reducer may issue from autograd threads)."""
+
+    current: "CommMeter | None" = None
+
+    def __init__(self, dims_by_ranks: dict[tuple[int, ...], str], clock=time.perf_counter):
+        self.dims_by_ranks = dims_by_ranks   # group ranks -> mesh dim name ('dp', 'cp-dp', ...)
+        self.clock = clock
+        self.events: list[dict] = []
+        self.phase = "setup"
+        self.step = -1
+        self._seq: dict[str, int] = {}
+        self._pending: list[tuple[object, dict]] = []   # works with no future: polled
+        self._by_output: dict[int, dict] = {}           # functional collectives: output storage -> event
+        self._lock = threading.Lock()
+
+    def __enter__(self):
+        install()
+        CommMeter.current = self
+        return self
+
+    def __exit__(self, *exc):
+        self.sweep()
+        CommMeter.current = None
+
+    # -- recording ----------------------------------------------------------------------------
+    def begin(self, op: str, pg, tensor, payload: int, peer: int | None = None, root: bool = True) -> dict:
+        ranks = _ranks_of(pg)
+        n = len(ranks)
+        name = pg.group_name
+        with self._lock:
+            seq = self._seq.get(name, 0)
+            self._seq[name] = seq + 1
+        wire = WIRE[op](payload, n)
+        if op == "scatter" and not root or op == "gather" and root:
+            wire = 0.0
+        ev = {
+            "op": op,
+            "dim": self.dims_by_ranks.get(ranks, "world" if n == dist.get_world_size() else "other"),
+            "group": list(ranks),
+            "numel": int(tensor.numel()) if tensor is not None else 0,
+            "dtype": str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
+            "shape": list(tensor.shape) if tensor is not None else [],
+            "payload_bytes": int(payload),
+            "wire_bytes": float(wire),
+            "seq": seq,
+            "peer": peer,
+            "phase": self.phase,
+            "step": self.step,
+            "start": self.clock(),
+            "end": None,
+        }
+        self.sweep()
+        self.events.append(ev)
+        return ev
+
+    def end(self, ev: dict) -> None:
+        if ev["end"] is None:
+            ev["end"] = self.clock()
+
+    def watch(self, work, ev: dict) -> None:
+        """Stamp `ev` when the op's Work completes."""
+        if work is None:
+            self.end(ev)
+            return
+        try:
+            work.get_future().add_done_callback(lambda _f: self.end(ev))
+        except Exception:   # e.g. gloo's reduce-scatter has no future: poll it
+            self._pending.append((work, ev))
+
+    def sweep(self) -> None:
+        """Stamp the polled works that have completed since the last look."""
+        if not self._pending:
+            return
+        still = []
+        for work, ev in self._pending:
+            if work.is_completed():
+                self.end(ev)
+            else:
+                still.append((work, ev))
+        self._pending = still
+
+    def open_events(self) -> list[dict]:
+        """Ops entered and not (yet) left: what a hung rank is waiting in."""
+        self.sweep()
+        return [e for e in self.events if e["end"] is None]
+
+
+_ranks_cache: dict[str, tuple[int, ...]] = {}
+
+
+def _ranks_of(pg) -> tuple[int, ...]:
+    name = pg.group_name
+    if name not in _ranks_cache:
+        _ranks_cache[name] = tuple(dist.get_process_group_ranks(pg))
+    return _ranks_cache[name]
+
+
+def _bind(op, args, kwargs) -> dict:
+    names = [a.name for a in op._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    return bound
+
+
+def _c10d_kernel(name: str):
+    op = getattr(torch.ops.c10d, name).default
+    our, tensor_arg, rule, peer_arg = _C10D[name]
+
+    def kernel(*args, **kwargs):
+        meter = CommMeter.current
+        if meter is None:
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(*args, **kwargs)
+        a = _bind(op, args, kwargs)
+        pg = dist.ProcessGroup.unbox(a["process_group"])
+        n = pg.size()
+        if tensor_arg is None:
+            tensor, payload = None, 0
+        else:
+            ts = a[tensor_arg]
+            tensor = _first(ts)
+            payload = _total(ts) * (n if rule == "n*" else 1)   # n*: one chunk of the full tensor
+        peer, root = None, True
+        if peer_arg is not None:
+            local = a[peer_arg]
+            peer = _ranks_of(pg)[local]
+            root = pg.rank() == local
+        ev = meter.begin(our, pg, tensor, payload, peer if our in ("send", "recv") else None, root)
+        with torch._C._AutoDispatchBelowAutograd():
+            out = op(*args, **kwargs)
+        work = out[-1] if isinstance(out, tuple) else out
+        meter.watch(torch._C._distributed_c10d.Work.unbox(work) if work is not None else None, ev)
+        return out
+
+    return kernel
+
+
+def _funcol_kernel(name: str):
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    op = getattr(torch.ops._c10d_functional, name).default
+    our, tensor_arg, rule = _FUNCOL[name]
+
+    def kernel(*args, **kwargs):
+        meter = CommMeter.current
+        if meter is None:
+            with torch._C._AutoDispatchBelowAutograd():
+                return op(*args, **kwargs)
+        a = _bind(op, args, kwargs)
+        pg = _resolve_process_group(a["group_name"])
+        ts = a[tensor_arg]
+        payload = _total(ts) * (pg.size() if rule == "n*" else 1)
+        ev = meter.begin(our, pg, _first(ts), payload)
+        with torch._C._AutoDispatchBelowAutograd():
+            out = op(*args, **kwargs)
+        for t in (out if isinstance(out, (list, tuple)) else [out]):
+            meter._by_output[t.untyped_storage().data_ptr()] = ev   # ends at its wait_tensor
+        return out
+
+    return kernel
+
+
+def _wait_kernel():
+    op = torch.ops._c10d_functional.wait_tensor.default
+
+    def kernel(tensor):
+        with torch._C._AutoDispatchBelowAutograd():
+            out = op(tensor)
+        meter = CommMeter.current
+        if meter is not None:
+            ev = meter._by_output.pop(tensor.untyped_storage().data_ptr(), None)
+            if ev is not None:
+                meter.end(ev)
+        return out
+
+    return kernel
+
+
+_LIBS: list = []   # the registrations live as long as these Library objects
+
+
+def install() -> None:
+    """Register the metering kernels once per process (idempotent; a no-op pass-through when no
+    meter is active)."""
+    if _LIBS:
+        return
+    import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops)
+
+    c10d = torch.library.Library("c10d", "IMPL")
+    funcol = torch.library.Library("_c10d_functional", "IMPL")
+    for key in ("AutogradCPU", "AutogradCUDA"):
+        for name in _C10D:
+            if hasattr(torch.ops.c10d, name):
+                c10d.impl(name, _c10d_kernel(name), key)
+        for name in _FUNCOL:
+            if hasattr(torch.ops._c10d_functional, name):
+                funcol.impl(name, _funcol_kernel(name), key)
+        funcol.impl("wait_tensor", _wait_kernel(), key)
+    _LIBS.extend([c10d, funcol])
+
+
+class CommAudit:
+    """A TorchDispatchMode that counts every c10d op issued in its thread (tests use it to prove
+    that CommMeter saw each one). Slow: every aten op passes through Python while it is on."""
+
+    def __init__(self):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        counts: dict[str, int] = {}
+
+        class _Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                name = str(func.overloadpacket)
+                if "c10d" in name and "wait" not in name and "_wrap" not in name:
+                    counts[name] = counts.get(name, 0) + 1
+                return func(*args, **(kwargs or {}))
+
+        self.counts = counts
+        self._mode = _Mode()
+
+    def __enter__(self):
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._mode.__exit__(*exc)

@@ -1,0 +1,109 @@
+"""The memory meter: model-state bytes by category, and activations saved for backward.
+
+Model states are counted in unique storages, so a flat buffer that backs many gradient views
+is counted once, and a parameter that is a view of a bigger buffer counts the whole buffer
+(that is what it holds). Activations are the tensors autograd saves for backward, seen through
+`torch.autograd.graph.saved_tensors_hooks`: live bytes rise at each save and fall when the
+graph releases the saved tensor, and the peak over the step is kept — so GPipe's m
+microbatches in flight and 1F1B's at most p show up. Saved tensors that are parameters (a
+Linear saves its weight) are not activations and are skipped.
+"""
+from __future__ import annotations
+
+import torch
+
+
+def storage_key(t: torch.Tensor) -> tuple:
+    s = t.untyped_storage()
+    return (t.device.type, s.data_ptr())
+
+
+def unique_bytes(tensors) -> int:
+    """Bytes of the distinct storages behind `tensors` (None entries are skipped)."""
+    seen: dict[tuple, int] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        seen[storage_key(t)] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+class _Saved:
+    """What the pack hook hands to autograd: holds the tensor; releasing it lowers the count."""
+
+    __slots__ = ("tensor", "meter", "key")
+
+    def __init__(self, tensor, meter, key):
+        self.tensor, self.meter, self.key = tensor, meter, key
+
+    def __del__(self):
+        self.meter._release(self.key)
+
+
+class MemoryMeter:
+    """Live and peak bytes per category on one rank.
+
+    `activations` is driven by the saved-tensor hooks; strategies may track other transient
+    categories (ZeRO-3's gathered parameters: `track("gathered", +n)`). `peak` is the largest
+    sum of the persistent model states (set once per step by `set_states`) and every live
+    transient category; on CUDA the report uses the allocator's max_memory_allocated instead.
+    """
+
+    def __init__(self):
+        self.live: dict[str, int] = {}
+        self.peak_of: dict[str, int] = {}
+        self.states = 0
+        self.peak = 0
+        self._refs: dict[tuple, list] = {}   # storage -> [bytes, count]
+        self._exclude: set[tuple] = set()
+
+    def exclude(self, tensors) -> None:
+        """Storages that are not activations (parameters, their flat buffers)."""
+        self._exclude = {storage_key(t) for t in tensors if t is not None}
+
+    def set_states(self, nbytes: int) -> None:
+        self.states = nbytes
+        self._update_peak()
+
+    def track(self, category: str, delta: int) -> None:
+        self.live[category] = self.live.get(category, 0) + delta
+        self.peak_of[category] = max(self.peak_of.get(category, 0), self.live[category])
+        self._update_peak()
+
+    def _update_peak(self) -> None:
+        self.peak = max(self.peak, self.states + sum(self.live.values()))
+
+    def reset_peaks(self) -> None:
+        self.peak_of = dict(self.live)
+        self.peak = self.states + sum(self.live.values())
+
+    # -- saved tensors ------------------------------------------------------------------------
+    def saved_tensors(self):
+        """Context manager: count what autograd saves inside it as activations."""
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _pack(self, t: torch.Tensor):
+        key = storage_key(t)
+        if key in self._exclude or t.untyped_storage().nbytes() == 0:
+            return t
+        ref = self._refs.get(key)
+        if ref is None:
+            nbytes = t.untyped_storage().nbytes()
+            self._refs[key] = [nbytes, 1]
+            self.track("activations", nbytes)
+        else:
+            ref[1] += 1
+        return _Saved(t, self, key)
+
+    @staticmethod
+    def _unpack(saved):
+        return saved.tensor if isinstance(saved, _Saved) else saved
+
+    def _release(self, key) -> None:
+        ref = self._refs.get(key)
+        if ref is None:
+            return
+        ref[1] -= 1
+        if ref[1] == 0:
+            del self._refs[key]
+            self.track("activations", -ref[0])

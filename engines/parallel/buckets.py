@@ -1,0 +1,24 @@
+"""Gradient buckets: which parameters are reduced together. Pure Python (the theory uses it).
+
+Parameters are taken in reverse registration order — roughly the order backward produces
+their gradients — and packed greedily into buckets of at most `cap_bytes` (a parameter larger
+than the cap gets a bucket of its own). This is PyTorch DDP's rule (Li et al., "PyTorch
+Distributed", VLDB 2020, section 3.2.3) without its smaller first bucket.
+"""
+from __future__ import annotations
+
+
+def plan_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """Indices (into sizes_bytes) of each bucket, in launch order."""
+    buckets: list[list[int]] = []
+    current: list[int] = []
+    filled = 0
+    for i in reversed(range(len(sizes_bytes))):
+        if current and filled + sizes_bytes[i] > cap_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+        current.append(i)
+        filled += sizes_bytes[i]
+    if current:
+        buckets.append(current)
+    return buckets

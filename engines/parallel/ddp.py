@@ -1,0 +1,156 @@
+"""Data parallelism (DDP), two ways: labkit's own, readable, and PyTorch's DistributedDataParallel.
+
+Every replica holds the whole model and sees different samples; after backward the gradients
+are averaged over the replicas, so every replica takes the same optimizer step. Ours follows
+PyTorch DDP's design (Li et al., VLDB 2020): gradients live in flat buckets, each bucket is
+all-reduced asynchronously as soon as backward has produced its last gradient, so
+communication overlaps the rest of backward; buckets are launched strictly in order, so every
+replica issues the same sequence of collectives. With microbatches > 1 (and pp == 1) the
+gradients accumulate locally and are reduced once, after the last microbatch (`no_sync`).
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.config import OptimConfig
+from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
+from labkit.engines.parallel.buckets import plan_buckets
+from labkit.engines.parallel.common import param_piece
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter]):
+        self.params = params
+        numel = sum(p.numel() for p in params)
+        self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
+        offset = 0
+        for p in params:   # each grad is a view into the flat buffer: no copy before the all-reduce
+            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.pending = len(params)
+        self.work = None
+
+
+class DDP:
+    """labkit's DDP over `group`; implements GradSync (engines/parallel/common.py).
+
+    `loss_shards` is the number of ranks whose local mean losses average to the global loss
+    (dp * ep * cp): reduced gradients are summed over `group`, then divided by it.
+    `norm_group` / `counted` say how the global gradient norm is assembled when other mesh
+    dims (tp, pp, ep) split the parameters (None / all True for plain DDP).
+    """
+
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, loss_shards: int,
+                 bucket_bytes: int, optim: OptimConfig, norm_group=None, counted=None):
+        self.names = [n for n, _ in named_params]
+        self.params = [p for _, p in named_params]
+        self.group = group
+        self.loss_shards = loss_shards
+        self.optim_cfg = optim
+        self.norm_group = norm_group
+        self.counted = counted or [True] * len(self.params)
+        sizes = [p.numel() * p.element_size() for p in self.params]
+        self.buckets = [_Bucket([self.params[i] for i in idx]) for idx in plan_buckets(sizes, bucket_bytes)]
+        self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.next_launch = 0
+        self.sync = True
+        for p in self.params:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+        self.opt = AdamW(self.params, optim, [decays(n, p) for n, p in named_params])
+
+    @contextmanager
+    def microbatch(self, index: int, count: int):
+        self.sync = index == count - 1
+        for b in self.buckets:
+            b.pending = len(b.params)
+        yield
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        bucket = self.bucket_of[id(p)]
+        bucket.pending -= 1
+        self._launch_ready()
+
+    def _launch_ready(self, all_remaining: bool = False) -> None:
+        """All-reduce buckets in index order, as far as they are complete (or all, at the end)."""
+        while self.next_launch < len(self.buckets):
+            b = self.buckets[self.next_launch]
+            if b.pending > 0 and not all_remaining:
+                return
+            if dist.get_world_size(self.group) > 1:
+                b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)   # (numel,) summed
+            self.next_launch += 1
+
+    def finish(self) -> None:
+        self._launch_ready(all_remaining=True)   # buckets with unused params still go, in order
+        for b in self.buckets:
+            if b.work is not None:
+                b.work.wait()
+                b.work = None
+            if self.loss_shards > 1:
+                b.buffer.div_(self.loss_shards)
+        self.next_launch = 0
+
+    def step(self) -> float:
+        grads = [p.grad for p in self.params]
+        norm = grad_norm(grads, self.counted, self.norm_group)
+        self.opt.step(grads, clip_coefficient(norm, self.optim_cfg.clip))
+        for b in self.buckets:
+            b.buffer.zero_()
+        return float(norm)
+
+    def memory(self) -> dict[str, int]:
+        return {"params": unique_bytes(self.params),
+                "grads": unique_bytes(b.buffer for b in self.buckets),
+                "optimizer": unique_bytes(self.opt.state_tensors())}
+
+    def pieces(self) -> list[dict]:
+        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+
+
+class TorchDDP:
+    """PyTorch's DistributedDataParallel with torch.optim.AdamW and clip_grad_norm_, as a user
+    would write it. gradient_as_bucket_view keeps one copy of the gradients (the grads are views
+    of the reducer's buckets), so its memory is comparable with ours. The comm meter sees the C++
+    reducer's all-reduces at the dispatcher (engines/meters/comm.py)."""
+
+    def __init__(self, module: nn.Module, group, bucket_mb: float, optim: OptimConfig):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.names = [n for n, _ in module.named_parameters()]
+        self.params = [p for _, p in module.named_parameters()]
+        self.module = DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_mb,
+                                              gradient_as_bucket_view=True, broadcast_buffers=False)
+        self.clip = optim.clip
+        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
+        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+    def microbatch(self, index: int, count: int):
+        return nullcontext() if index == count - 1 else self.module.no_sync()
+
+    def finish(self) -> None:
+        pass   # DDP's reducer waits for its all-reduces at the end of backward
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf"))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        return float(norm)
+
+    def memory(self) -> dict[str, int]:
+        state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+        return {"params": unique_bytes(self.params),
+                "grads": unique_bytes(p.grad for p in self.params),
+                "optimizer": unique_bytes(state)}
+
+    def pieces(self) -> list[dict]:
+        return [param_piece(n, p) for n, p in zip(self.names, self.params)]

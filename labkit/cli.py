@@ -1,0 +1,149 @@
+"""The command line: the same machinery as the notebook, no notebook.
+
+    labkit run                                  # the default demo: 4 CPU engines, dp=4
+    labkit run --engines 4 --dp 2 --tp 2 --steps 3 --report report.html
+    labkit estimate --dp 64 --tp 8 --pp 4       # the theory table, no cluster
+
+This is the top rung of the import ladder: the only module that imports both the Lab and the
+figures.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import typing
+
+from labkit.config import ConfigError, ModelConfig, ParallelConfig
+
+DEMO = {"dp": 4}
+
+
+def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        flag = "--" + prefix + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None)
+        else:
+            parser.add_argument(flag, dest=prefix + f.name, type=kind, default=None, metavar=f.name.upper())
+
+
+def _pick(ns: argparse.Namespace, cls, prefix: str = "") -> dict:
+    return {f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(cls)
+            if getattr(ns, prefix + f.name) is not None}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def write_report(path: str, result, ref, estimate) -> None:
+    """One self-contained HTML page with every figure (plotly.js inlined once)."""
+    from labkit.widgets.figures import report_figures
+
+    figs = report_figures(result, ref, estimate)
+    parts = []
+    for i, (name, fig) in enumerate(figs.items()):
+        parts.append(f'<section id="{name}">' + fig.to_html(full_html=False, include_plotlyjs=(i == 0)) + "</section>")
+    cfg = result.config
+    head = (f"<h1>labkit run</h1><p>{cfg.world} ranks: dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} "
+            f"ep={cfg.ep}, sharding={cfg.sharding}, impl={cfg.impl}, precision={cfg.precision}, "
+            f"{result.steps} steps; losses {', '.join(f'{x:.4f}' for x in result.losses)}</p>")
+    with open(path, "w") as f:
+        f.write("<!DOCTYPE html><html><head><meta charset='utf-8'><title>labkit report</title></head><body>"
+                + head + "\n".join(parts) + "</body></html>")
+
+
+def cmd_run(ns: argparse.Namespace) -> int:
+    from labkit import Lab, reference, theory
+    from labkit.checks import loss_errors
+
+    parallel = _pick(ns, ParallelConfig) or dict(DEMO)
+    cfg = ParallelConfig(**parallel)
+    model = ModelConfig(**_pick(ns, ModelConfig, "model_"))
+    engines = ns.engines or max(4, cfg.world)
+    print(f"starting {engines} engines ...", flush=True)
+    with Lab(engines=engines, backend=ns.backend, timeout=ns.timeout) as lab:
+        print(lab, flush=True)
+        res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed)
+    ref = reference(model, steps=ns.steps, seed=ns.seed, global_batch=cfg.global_batch, precision=cfg.precision)
+    est = theory.estimate(cfg, model, world=engines)
+    errs = loss_errors(res.losses, ref.losses)
+    print(f"losses    {['%.5f' % x for x in res.losses]}")
+    print(f"reference {['%.5f' % x for x in ref.losses]}  (max relative error {max(errs):.2e})")
+    for rk in res.ranks:
+        mem = ", ".join(f"{k} {_human(v)}" for k, v in rk.memory.items())
+        print(f"rank {rk.rank} {rk.coords}: {mem}")
+    for row in res.comm_table():
+        print(f"rank {row['rank']} {row['dim']:>6} {row['op']:<15} {row['calls']:>3} calls "
+              f"{_human(row['wire_bytes'])} sent")
+    if ns.report:
+        write_report(ns.report, res, ref, est)
+        print(f"report written to {ns.report}")
+    if ns.trace:
+        res.save_trace(ns.trace)
+        print(f"trace written to {ns.trace} (open in ui.perfetto.dev)")
+    return 0
+
+
+def cmd_estimate(ns: argparse.Namespace) -> int:
+    from labkit import theory
+
+    cfg = ParallelConfig(**_pick(ns, ParallelConfig))
+    model = ModelConfig(**_pick(ns, ModelConfig, "model_"))
+    est = theory.estimate(cfg, model, world=ns.world)
+    print(f"{cfg.world} ranks, Ψ = {theory.num_params(model):,} parameters")
+    m = est.memory[0]
+    print("memory per rank (rank 0): " + ", ".join(f"{k} {_human(v)}" for k, v in m.items()))
+    totals: dict[tuple, float] = {}
+    for row in est.comm_table():
+        if row["rank"] == 0:
+            totals[(row["dim"], row["op"])] = row["wire_bytes"]
+    for (dim, op), b in sorted(totals.items()):
+        print(f"comm per step (rank 0) {dim:>6} {op:<15} {_human(b)}")
+    print(f"bubble {est.bubble:.3f}")
+    return 0
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command")
+    run = sub.add_parser("run", help="train a layout on a local cluster and report what it measured")
+    run.add_argument("--engines", type=int, default=None, help="engines to start (default: max(4, layout))")
+    run.add_argument("--steps", type=int, default=3)
+    run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    run.add_argument("--timeout", type=float, default=300.0)
+    run.add_argument("--report", default=None, help="write a self-contained HTML report here")
+    run.add_argument("--trace", default=None, help="write a Chrome/Perfetto trace JSON here")
+    _add_fields(run, ParallelConfig)
+    _add_fields(run, ModelConfig, "model_")
+    run.set_defaults(fn=cmd_run)
+    est = sub.add_parser("estimate", help="print the theory's prediction for a layout (no cluster)")
+    est.add_argument("--world", type=int, default=None)
+    _add_fields(est, ParallelConfig)
+    _add_fields(est, ModelConfig, "model_")
+    est.set_defaults(fn=cmd_estimate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = parser().parse_args(argv)
+    if ns.command is None:
+        parser().print_help()
+        return 0
+    try:
+        return ns.fn(ns)
+    except ConfigError as e:
+        print(f"labkit: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Communication per rank: every collective a layout issues in one (steady-state) step, with the
+same op names, dims and ring-model wire bytes the comm meter records (DESIGN.md section 4)."""
+from __future__ import annotations
+
+from math import prod
+
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.engines.mesh import MeshLayout
+from labkit.engines.parallel.buckets import plan_buckets
+from labkit.theory.model import param_shapes
+
+# ring model, B = bytes of the full tensor, n = group size (same table as the engines' meter)
+WIRE = {
+    "all_reduce": lambda B, n: 2 * (n - 1) / n * B,
+    "all_gather": lambda B, n: (n - 1) / n * B,
+    "reduce_scatter": lambda B, n: (n - 1) / n * B,
+    "all_to_all": lambda B, n: (n - 1) / n * B,
+    "broadcast": lambda B, n: (n - 1) / n * B,
+    "send": lambda B, n: B,
+    "recv": lambda B, n: 0,
+}
+
+
+def torch_ddp_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """PyTorch DDP's rebuilt buckets (from iteration 2 on, with an explicit bucket_cap_mb):
+    gradients in ready order (~ reverse registration), a bucket closes once it reaches the cap."""
+    buckets, current, filled = [], [], 0
+    for i in reversed(range(len(sizes_bytes))):
+        current.append(i)
+        filled += sizes_bytes[i]
+        if filled >= cap_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+class Comm:
+    """Accumulates predicted ops as rows {rank, dim, op, calls, payload_bytes, wire_bytes}."""
+
+    def __init__(self):
+        self.rows: dict[tuple, dict] = {}
+
+    def add(self, rank: int, dim: str, op: str, payload: int, n: int, calls: int = 1) -> None:
+        if n <= 1:
+            return
+        row = self.rows.setdefault((rank, dim, op), {"rank": rank, "dim": dim, "op": op, "calls": 0,
+                                                     "payload_bytes": 0, "wire_bytes": 0.0})
+        for _ in range(calls):
+            row["calls"] += 1
+            row["payload_bytes"] += payload
+            row["wire_bytes"] += WIRE[op](payload, n)
+
+    def table(self) -> list[dict]:
+        return [self.rows[k] for k in sorted(self.rows)]
+
+
+def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
+    """DDP (sharding='none'): each bucket of gradients all-reduced once per step over dp x ep x cp."""
+    dims = ("dp", "ep", "cp")
+    n = layout.size(*dims)
+    sizes = [prod(s) * 4 for _, s in param_shapes(model)]   # fp32 gradients
+    cap = int(cfg.bucket_mb * 2**20)
+    buckets = torch_ddp_buckets(sizes, cap) if cfg.impl == "torch" else plan_buckets(sizes, cap)
+    label = layout.label(*dims)
+    for rank in range(layout.world):
+        for b in buckets:
+            comm.add(rank, label, "all_reduce", sum(sizes[i] for i in b), n)

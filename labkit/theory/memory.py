@@ -1,0 +1,84 @@
+"""Memory per rank: model states (ZeRO paper accounting) and activations saved for backward.
+
+Model states, after Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
+Parameter Models" (SC 2020), section 3.1 and figure 1: mixed-precision Adam keeps 2Ψ bytes of
+fp16/bf16 parameters, 2Ψ of gradients and KΨ = 12Ψ of optimizer state (fp32 master weights,
+momentum, variance). Sharding over N_d data-parallel ranks gives
+    baseline (DDP)      (2 + 2 + K) Ψ
+    P_os   (ZeRO-1)     (2 + 2) Ψ + K Ψ / N_d
+    P_os+g (ZeRO-2)      2 Ψ + (2 + K) Ψ / N_d
+    P_os+g+p (ZeRO-3)   (2 + 2 + K) Ψ / N_d
+Their worked example: Ψ = 7.5B, N_d = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
+In fp32 (no separate master copy) the lab keeps 4Ψ params, 4Ψ grads and 8Ψ Adam moments.
+"""
+from __future__ import annotations
+
+from labkit.config import ModelConfig
+
+
+def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str, dict[str, float]]:
+    """Bytes per rank of params / grads / optimizer for each ZeRO stage (ZeRO paper, figure 1).
+
+    precision 'bf16' (or 'fp16'): 2 + 2 + 12 bytes per parameter; 'fp32': 4 + 4 + 8.
+    Returns {'none' | 'zero1' | 'zero2' | 'zero3': {'params', 'grads', 'optimizer', 'total'}}.
+    """
+    if precision in ("bf16", "fp16"):
+        p, g, k = 2, 2, 12
+    elif precision == "fp32":
+        p, g, k = 4, 4, 8
+    else:
+        raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
+    psi, n = float(params), float(dp)
+    stages = {
+        "none": (p * psi, g * psi, k * psi),
+        "zero1": (p * psi, g * psi, k * psi / n),
+        "zero2": (p * psi, g * psi / n, k * psi / n),
+        "zero3": (p * psi / n, g * psi / n, k * psi / n),
+    }
+    return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in stages.items()}
+
+
+def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head: bool = True,
+                     embed: bool = True, act_bytes: int = 4) -> int:
+    """Bytes the lab model saves for backward for one (batch, seq) microbatch, counted from what
+    each op keeps (pre-LN block, no dropout, PyTorch's CPU/flash attention):
+
+      per block  8bsh (LN inputs and outputs, q k v, attention output, residual) + 2bsf (fc1 out,
+                 GELU out) + 4bs (LayerNorm mean and rstd, fp32) + a·b·s (attention log-sum-exp)
+      head       2bsh (LN input and output) + 2bs (LN stats) + bsV (log-softmax output, fp32)
+                 + bs int64 targets + one fp32 scalar
+      embedding  bs int64 token ids + s int64 positions
+
+    (Korthikanti et al.'s sbh(34 + 5as/h) counts a different block: dropout masks, stored
+    softmax scores; `korthikanti_layer_bytes` gives that published formula.)
+    """
+    b, s, h, f, a, v = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab
+    layers = m.layers if layers is None else layers
+    block = act_bytes * (8 * b * s * h + 2 * b * s * f) + 4 * (4 * b * s + a * b * s)
+    total = layers * block
+    if head:
+        total += act_bytes * 2 * b * s * h + 4 * 2 * b * s + 4 * b * s * v + 8 * b * s + 4
+    if embed:
+        total += 8 * b * s + 8 * s
+    return total
+
+
+def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
+                            recompute: str = "none") -> float:
+    """Activation bytes per transformer layer, Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models" (MLSys 2023), table 2 (16-bit activations):
+      no parallelism                 sbh (34 + 5as/h)
+      tensor parallel                sbh (10 + 24/t + 5as/(ht))
+      tensor + sequence parallel     sbh (34/t + 5as/(ht))
+      + selective recomputation      sbh (34/t) with SP, sbh (10 + 24/t) without
+      full recomputation             2sbh (the layer's input only)
+    """
+    base = s * b * h
+    if recompute == "full":
+        return 2.0 * base
+    attn = 5 * a * s / (h * t)
+    if recompute == "selective":
+        attn = 0.0
+    if sp:
+        return base * (34 / t + attn)
+    return base * (10 + 24 / t + attn)

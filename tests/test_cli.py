@@ -1,0 +1,31 @@
+"""The command line: the default demo writes a report with every figure; estimate prints a table."""
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+from labkit.cli import main
+
+
+def test_estimate_prints_the_table(capsys):
+    assert main(["estimate", "--dp", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank" in out and "all_reduce" in out and "bubble 0.000" in out
+
+
+def test_estimate_refuses_a_bad_layout(capsys):
+    assert main(["estimate", "--tp", "3"]) == 2
+    assert "heads=4 is not divisible by tp=3" in capsys.readouterr().err
+
+
+def test_default_run_writes_a_report(tmp_path):
+    report = tmp_path / "report.html"
+    out = subprocess.run([sys.executable, "-m", "labkit.cli", "run", "--report", str(report)],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "step 3/3" in out.stdout
+    html = report.read_text()
+    assert len(re.findall(r'class="plotly-graph-div"', html)) == 4
+    for name in ("memory", "comm", "timeline", "loss"):
+        assert f'<section id="{name}">' in html
