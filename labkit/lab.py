@@ -126,13 +126,12 @@ class Lab:
         import ipyparallel as ipp
 
         kwargs = dict(client_kwargs)
-        if url_file:
-            kwargs["url_file"] = url_file
+        args = (url_file,) if url_file else ()   # ipyparallel 9 reads the file as connection_info
         if profile:
             kwargs["profile"] = profile
         if cluster_id:
             kwargs["cluster_id"] = cluster_id
-        client = ipp.Client(**kwargs)
+        client = ipp.Client(*args, **kwargs)
         if engines:
             client.wait_for_engines(engines, timeout=START_TIMEOUT_S)
         if not client.ids:
