@@ -43,29 +43,39 @@ class Parallel:
     """Plain data about the layout for the report (TP plan, pipeline stages, ...)."""
 
 
-def data_parallel_dims(cfg: ParallelConfig) -> tuple[str, ...]:
-    """Dims over which dense gradients are reduced: every dim whose ranks see different tokens."""
-    return ("dp", "ep", "cp")
-
-
 def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimConfig, meters) -> Parallel:
+    """Apply every strategy of `cfg` to the full, seeded `model`; return this rank's share."""
+    from labkit.engines.parallel.common import DATA_DIMS
     from labkit.engines.schedules import accumulate
 
-    device = meters.device
-    model = model.to(device)
-    loss_shards = mesh.size(*data_parallel_dims(cfg))
-    group = mesh.group(*data_parallel_dims(cfg))
+    model = model.to(meters.device)
+    inputs = Parallel.inputs
+    schedule = accumulate
+    info: dict = {}
 
-    # 6. data parallelism
+    # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py
+
+    # 2. context parallelism: engines/parallel/context.py
+
+    # 3. expert parallelism: engines/parallel/experts.py
+
+    # 4. activation checkpointing: engines/parallel/checkpoint.py
+
+    # 5. pipeline parallelism: engines/parallel/pipeline.py
+    chunks = [model]
+
+    # 6. precision: engines/precision.py
+
+    # 7. data parallelism: DDP (ddp.py), ZeRO (zero.py), FSDP (fsdp.py)
+    loss_shards = mesh.size(*DATA_DIMS)
     if cfg.impl == "torch":
         from labkit.engines.parallel.ddp import TorchDDP
 
-        sync = TorchDDP(model, group, cfg.bucket_mb, optim)
+        sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), cfg.bucket_mb, optim)
         chunks = [sync.module]
     else:
         from labkit.engines.parallel.ddp import DDP
 
-        sync = DDP(list(model.named_parameters()), group, loss_shards,
-                   int(cfg.bucket_mb * 2**20), optim)
-        chunks = [model]
-    return Parallel(chunks=chunks, grads=sync, schedule=accumulate)
+        params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+        sync = DDP(params, mesh, loss_shards, int(cfg.bucket_mb * 2**20), optim)
+    return Parallel(chunks=chunks, grads=sync, schedule=schedule, inputs=inputs, info=info)

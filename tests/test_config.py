@@ -17,7 +17,20 @@ def only(cfg=ParallelConfig(), model=M, engines=8):
 
 def test_default_is_valid():
     validate(ParallelConfig(), M, 1)
-    validate(ParallelConfig(dp=2, tp=2), M, 4)
+    validate(ParallelConfig(dp=4, microbatches=2), M, 4)
+    assert problems(ParallelConfig(dp=2, tp=2, pp=2, microbatches=2), M, 8) == []
+
+
+def test_unbuilt_strategies_are_refused_with_a_way_out():
+    from labkit.config import not_built_yet
+    for cfg, model in [(ParallelConfig(sharding="zero1"), M), (ParallelConfig(precision="bf16"), M),
+                       (ParallelConfig(checkpoint_activations=True), M), (ParallelConfig(tp=2), M),
+                       (ParallelConfig(cp=2), M), (ParallelConfig(ep=2), ModelConfig(experts=2)),
+                       (ParallelConfig(pp=2), M)]:
+        for line in not_built_yet(cfg, model):
+            assert "not built yet" in line and "use" in line or "set" in line
+            with pytest.raises(ConfigError, match="not built yet"):
+                validate(cfg, model, 8)
 
 
 @pytest.mark.parametrize("cls, value", [(ParallelConfig, ParallelConfig(dp=2, tp=2, sharding="zero1")),

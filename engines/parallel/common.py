@@ -1,10 +1,26 @@
-"""What every data-parallel flavour provides (the GradSync protocol), and shared helpers."""
+"""What every data-parallel flavour provides (the GradSync protocol), and the conventions that
+let strategies compose.
+
+Parameter metadata. A strategy that changes a parameter says so on the tensor, so that the
+later steps (gradient reduction, clipping, checking) need not know which strategy made it:
+  _lk_name        its name in the full model (set when a strategy renames modules)
+  _lk_full_shape  the full tensor's shape, and
+  _lk_box         [start, stop) per dim of the full tensor that this rank holds (TP, EP slices)
+  _lk_reduce      mesh dims its gradient is summed over before dividing by the loss shards
+                  (default ('dp', 'ep', 'cp'): every dim whose ranks see different tokens;
+                  an expert's: ('dp', 'cp'); a sequence-parallel LayerNorm's adds 'tp')
+  _lk_replicas    mesh dims over which other ranks hold the same values (a TP-replicated
+                  LayerNorm: ('tp',)); the global gradient norm counts it on one of them only
+"""
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
+
+DATA_DIMS = ("dp", "ep", "cp")
+"""Dims whose ranks see different tokens: dense gradients are summed over them."""
 
 
 class GradSync(Protocol):
@@ -34,6 +50,10 @@ def full_name(p: torch.nn.Parameter, fallback: str) -> str:
     return getattr(p, "_lk_name", fallback)
 
 
+def reduce_dims(p: torch.Tensor) -> tuple[str, ...]:
+    return getattr(p, "_lk_reduce", DATA_DIMS)
+
+
 def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> dict:
     """A part of a full parameter: `box` is [start, stop) per tensor dim, or `flat` a [start, stop)
     range of the flattened tensor; neither means the whole tensor."""
@@ -42,8 +62,20 @@ def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> d
 
 
 def param_piece(name: str, p: torch.Tensor) -> dict:
-    """The piece a (possibly sliced) parameter holds: strategies that slice set `_lk_full_shape`
-    and `_lk_box` on it; otherwise it is the whole tensor."""
+    """The piece a (possibly sliced) parameter holds (see `_lk_full_shape` / `_lk_box`)."""
     shape = getattr(p, "_lk_full_shape", tuple(p.shape))
     return piece(full_name(p, name), shape, p, box=getattr(p, "_lk_box", None))
 
+
+def norm_plan(params: list[torch.Tensor], mesh, sharded_dims: tuple[str, ...] = ()):
+    """How to assemble the global gradient norm with each parameter counted once.
+
+    Returns (group, counted): `group` spans the dims over which parameters are split (tp, pp,
+    ep, plus any `sharded_dims` such as dp under ZeRO) or is None when nothing is split;
+    `counted[i]` is False where parameter i is a replica that another rank in `group` counts.
+    """
+    split = tuple(d for d in ("tp", "pp", "ep", *sharded_dims) if mesh.size(d) > 1)
+    coords = mesh.coords
+    counted = [all(coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split) for p in params]
+    group = mesh.group(*split) if split else None
+    return group, counted

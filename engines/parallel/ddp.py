@@ -20,12 +20,13 @@ from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
 from labkit.engines.parallel.buckets import plan_buckets
-from labkit.engines.parallel.common import param_piece
+from labkit.engines.parallel.common import param_piece, reduce_dims
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter]):
+    def __init__(self, params: list[nn.Parameter], group):
         self.params = params
+        self.group = group
         numel = sum(p.numel() for p in params)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         offset = 0
@@ -36,26 +37,41 @@ class _Bucket:
         self.work = None
 
 
-class DDP:
-    """labkit's DDP over `group`; implements GradSync (engines/parallel/common.py).
+def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
+    """Buckets (parameter indices) in launch order: parameters are grouped by the dims their
+    gradient is reduced over (`_lk_reduce`), each group bucketed in reverse order (buckets.py),
+    and the buckets of all groups launched by their last parameter, latest first — the order
+    backward produces them. The same on every rank that holds the same parameters."""
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(params):
+        groups.setdefault(reduce_dims(p), []).append(i)
+    out = []
+    for idx in groups.values():
+        sizes = [params[i].numel() * params[i].element_size() for i in idx]
+        out += [[idx[j] for j in b] for b in plan_buckets(sizes, bucket_bytes)]
+    return sorted(out, key=lambda b: -b[0])
 
-    `loss_shards` is the number of ranks whose local mean losses average to the global loss
-    (dp * ep * cp): reduced gradients are summed over `group`, then divided by it.
-    `norm_group` / `counted` say how the global gradient norm is assembled when other mesh
-    dims (tp, pp, ep) split the parameters (None / all True for plain DDP).
+
+class DDP:
+    """labkit's DDP; implements GradSync (engines/parallel/common.py).
+
+    Each parameter's gradient is summed over the mesh dims named by its `_lk_reduce` (default
+    dp x ep x cp) and divided by `loss_shards`, the number of ranks whose local mean losses
+    average to the global loss (dp * ep * cp). `norm_plan` (common.py) says how the global
+    gradient norm is assembled when tp / pp / ep split the parameters.
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], group, loss_shards: int,
-                 bucket_bytes: int, optim: OptimConfig, norm_group=None, counted=None):
+    def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh, loss_shards: int,
+                 bucket_bytes: int, optim: OptimConfig):
+        from labkit.engines.parallel.common import norm_plan
+
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
-        self.group = group
         self.loss_shards = loss_shards
         self.optim_cfg = optim
-        self.norm_group = norm_group
-        self.counted = counted or [True] * len(self.params)
-        sizes = [p.numel() * p.element_size() for p in self.params]
-        self.buckets = [_Bucket([self.params[i] for i in idx]) for idx in plan_buckets(sizes, bucket_bytes)]
+        self.norm_group, self.counted = norm_plan(self.params, mesh)
+        self.buckets = [_Bucket([self.params[i] for i in idx], mesh.group(*reduce_dims(self.params[idx[0]])))
+                        for idx in plan(self.params, bucket_bytes)]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_launch = 0
         self.sync = True
@@ -83,8 +99,8 @@ class DDP:
             b = self.buckets[self.next_launch]
             if b.pending > 0 and not all_remaining:
                 return
-            if dist.get_world_size(self.group) > 1:
-                b.work = dist.all_reduce(b.buffer, group=self.group, async_op=True)   # (numel,) summed
+            if dist.get_world_size(b.group) > 1:
+                b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)   # (numel,) summed
             self.next_launch += 1
 
     def finish(self) -> None:

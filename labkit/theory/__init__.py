@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from labkit.config import ModelConfig, ParallelConfig, validate
+from labkit.config import ConfigError, ModelConfig, ParallelConfig, problems
 from labkit.engines.mesh import MeshLayout
 from labkit.theory import comm as _comm
-from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes
+from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes, rank_memory
 from labkit.theory.model import num_params, param_shapes
 from labkit.theory.pipeline import bubble_fraction as pipeline_bubble
 
@@ -41,26 +41,21 @@ class Estimate:
 def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int | None = None) -> Estimate:
     """Predicted memory, communication and bubble of `cfg` on `model`.
 
-    world: the number of ranks (default: the layout's product); extra ranks are idle.
+    world: the number of ranks (default: the layout's product); extra ranks are idle. Only the
+    layout's arithmetic is checked (not whether the engines implement it yet), so any layout
+    at any scale can be estimated.
     """
     model = model or ModelConfig()
-    validate(cfg, model, world)
+    found = problems(cfg, model, world)
+    if found:
+        raise ConfigError(found)
     layout = MeshLayout.of(cfg)
-    psi = num_params(model)
-    states = model_state_bytes(psi, cfg.dp * cfg.ep * cfg.cp, cfg.precision)["none"]
-    micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
-    acts = activation_bytes(model, micro)
-    memory = []
-    for _ in range(layout.world):
-        m = {"params": int(states["params"]), "grads": int(states["grads"]),
-             "optimizer": int(states["optimizer"]), "activations": acts}
-        m["peak"] = m["params"] + m["grads"] + m["optimizer"] + acts
-        memory.append(m)
+    memory = [rank_memory(cfg, model, layout, r) for r in range(layout.world)]
     c = _comm.Comm()
-    _comm.data_parallel(c, cfg, model, layout)
+    _comm.comm_rows(c, cfg, model, layout)
     return Estimate(cfg, model, world or layout.world, memory, c.table(),
                     pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages))
 
 
 __all__ = ["estimate", "Estimate", "model_state_bytes", "activation_bytes", "korthikanti_layer_bytes",
-           "num_params", "param_shapes", "pipeline_bubble"]
+           "num_params", "param_shapes", "pipeline_bubble", "rank_memory"]

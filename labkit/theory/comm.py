@@ -56,6 +56,12 @@ class Comm:
         return [self.rows[k] for k in sorted(self.rows)]
 
 
+def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
+    """Every collective of one steady-state step of `cfg`, per rank. Each strategy adds its own
+    ops from its theory module (tensor.py, context.py, experts.py, pipeline.py, sharding.py)."""
+    data_parallel(comm, cfg, model, layout)
+
+
 def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """DDP (sharding='none'): each bucket of gradients all-reduced once per step over dp x ep x cp."""
     dims = ("dp", "ep", "cp")

@@ -13,7 +13,7 @@ In fp32 (no separate master copy) the lab keeps 4Ψ params, 4Ψ grads and 8Ψ Ad
 """
 from __future__ import annotations
 
-from labkit.config import ModelConfig
+from labkit.config import ModelConfig, ParallelConfig
 
 
 def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str, dict[str, float]]:
@@ -82,3 +82,22 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     if sp:
         return base * (34 / t + attn)
     return base * (10 + 24 / t + attn)
+
+
+def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> dict[str, int]:
+    """Predicted bytes on one rank: params, grads, optimizer (persistent, after a step),
+    activations (peak saved for backward) and peak (their sum on the CPU; transients a
+    strategy adds — ZeRO-3's gathered parameters — appear as their own categories).
+
+    Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
+    expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
+    microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
+    from labkit.theory.model import num_params
+
+    psi = num_params(model)
+    states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
+    micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    out = {"params": int(states["params"]), "grads": int(states["grads"]),
+           "optimizer": int(states["optimizer"]), "activations": activation_bytes(model, micro)}
+    out["peak"] = sum(out.values())
+    return out
