@@ -20,7 +20,9 @@ def test_groups_spanning_nodes_use_the_slow_link():
     rows = [{"dim": "tp", "op": "all_reduce", "calls": 10, "wire_bytes": 10 * 1e8}]
     inside = step_time(rows, {"tp": list(range(8))}, 1e9, 1e6, 8)
     across = step_time(rows, {"tp": [0, 8, 16, 24, 32, 40, 48, 56]}, 1e9, 1e6, 8)
-    assert across.comm["tp"] / inside.comm["tp"] == pytest.approx(H100.intra.beta / H100.inter.beta, rel=0.05)
+    steps = 2 * (8 - 1)
+    assert inside.comm["tp"] == pytest.approx(10 * (steps * H100.intra.alpha + 1e8 / H100.intra.beta))
+    assert across.comm["tp"] == pytest.approx(10 * (steps * H100.inter.alpha + 1e8 / H100.inter.beta))
 
 
 def test_compute_and_overlap():
