@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
-from labkit.checks import assert_matches
+from labkit.checks import assert_matches, loss_errors
 from labkit.engines import data
 from labkit.engines.mesh import MeshLayout
 from labkit.engines.meters.memory import MemoryMeter
@@ -102,7 +102,10 @@ def test_expert_parallel_trains_like_one_process(lab, ref_cache, cfg, model):
     rank's routing (R, read off its combine all-to-all) replaces the balanced R = N.
     Activations: the same, exact."""
     res = lab.run(cfg, model=model, steps=3, return_params=True)
-    assert_matches(res, ref_cache(model))
+    ref = ref_cache(model)
+    assert_matches(res, ref)
+    for rk in res.ranks:               # the clip is inactive here (norm < 1): check the norm itself
+        assert max(loss_errors(rk.grad_norms, ref.grad_norms)) < 1e-5
     est = theory.estimate(cfg, model, world=4)
     a2a = lambda rows: {r["rank"]: r for r in rows if r["op"] == "all_to_all"}
     others = lambda rows: [r for r in rows if r["op"] != "all_to_all"]
