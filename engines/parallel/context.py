@@ -8,11 +8,12 @@ Milakov & Gimelshein 2018, as FlashAttention rescales): for two partial results 
 of the same queries,  l = log(e^l1 + e^l2),  o = o1 e^(l1-l) + o2 e^(l2-l).
 
 Causal load balance (zigzag). With contiguous blocks the last rank's queries see every key and
-the first rank's only its own. Cut the sequence into 2cp chunks and give rank i chunks i and
-2cp-1-i (Brandon et al. 2023, "Striped Attention", section 3; the layout of Megatron-LM's
-context parallelism and Llama 3, section 3.3.2): at every step after the first each rank
-computes exactly two full (chunk x chunk) blocks, so no rank waits for another. `ring_plan`
-is that schedule as data; the forward and the backward both execute it.
+the first rank's only its own (the imbalance Brandon et al. 2023, "Striped Attention", measure
+and fix by striping tokens). Cut the sequence into 2cp chunks and give rank i chunks i and
+2cp-1-i, the layout of Megatron-LM's context parallelism and of Llama 3 (Dubey et al. 2024,
+section 3.3.2): at every step each rank computes the same work, two (chunk x chunk) blocks'
+worth, so no rank waits for another. `ring_plan` is that schedule as data; the forward and
+the backward both execute it.
 
 Backward (hand-written, FlashAttention-2's algorithm 2 per block pair, Dao 2023): the queries'
 global log-sum-exp and delta = rowsum(dO * O) are known locally, so each block's gradients are

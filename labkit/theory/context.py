@@ -6,8 +6,10 @@ tokens, 2·b·(s/cp)·(h/tp) elements:
   forward   cp-1 hops of K/V
   backward  cp-1 hops of K/V again, and cp-1 hops of the dK/dV accumulators (each block's
             accumulator starts at the first rank after its owner and arrives home at the last hop)
-so 3(cp-1) sends of 2·b·s·h/cp elements: 6(cp-1)/cp · bsh per layer, against the all-gather of
-K/V that a non-ring scheme would do (2(cp-1)/cp · bsh forward, the same reduce-scattered back).
+so 3(cp-1) sends of 2·b·s·h/cp elements: 6(cp-1)/cp · bsh per layer. (Gathering K/V instead,
+as Llama 3's context parallelism does, sends the same 2(cp-1)/cp · bsh forward and reduce-
+scatters 2(cp-1)/cp · bsh of dK/dV backward, but holds the whole sequence's K/V on every rank;
+the ring sends K/V a second time in backward so that no rank ever holds more than two blocks.)
 The cp ranks hold different tokens, so activations are those of one rank's s/cp tokens: the
 memory formula with seq = s/cp (the saved log-sum-exp included), nothing else.
 Under MoE the balance loss's per-sequence expert counts are summed over the cp group, one
