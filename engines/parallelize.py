@@ -56,8 +56,16 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py
 
     # 2. context parallelism: engines/parallel/context.py
+    if cfg.cp > 1:
+        from labkit.engines.parallel.context import apply_cp
+
+        inputs, info["cp"] = apply_cp(model, mesh, cfg)
 
     # 3. expert parallelism: engines/parallel/experts.py
+    if cfg.ep > 1:
+        from labkit.engines.parallel.experts import apply_ep
+
+        info["ep"] = apply_ep(model, mesh, cfg)
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
 

@@ -22,3 +22,17 @@ def plan_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
     if current:
         buckets.append(current)
     return buckets
+
+
+def plan_groups(sizes_bytes: list[int], keys: list, cap_bytes: int) -> list[tuple[object, list[int]]]:
+    """Buckets when parameters are reduced over different groups: (key, indices) per bucket.
+    Parameters are grouped by `keys[i]` (the dims their gradient is reduced over), each group
+    bucketed as above, and all buckets launched by their last parameter, latest first — the
+    order backward produces them."""
+    groups: dict = {}
+    for i, k in enumerate(keys):
+        groups.setdefault(k, []).append(i)
+    out = []
+    for k, idx in groups.items():
+        out += [(k, [idx[j] for j in b]) for b in plan_buckets([sizes_bytes[i] for i in idx], cap_bytes)]
+    return sorted(out, key=lambda kb: -kb[1][0])

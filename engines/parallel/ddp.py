@@ -19,7 +19,7 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
-from labkit.engines.parallel.buckets import plan_buckets
+from labkit.engines.parallel.buckets import plan_groups
 from labkit.engines.parallel.common import param_piece, reduce_dims
 
 
@@ -42,14 +42,8 @@ def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
     gradient is reduced over (`_lk_reduce`), each group bucketed in reverse order (buckets.py),
     and the buckets of all groups launched by their last parameter, latest first — the order
     backward produces them. The same on every rank that holds the same parameters."""
-    groups: dict[tuple, list[int]] = {}
-    for i, p in enumerate(params):
-        groups.setdefault(reduce_dims(p), []).append(i)
-    out = []
-    for idx in groups.values():
-        sizes = [params[i].numel() * params[i].element_size() for i in idx]
-        out += [[idx[j] for j in b] for b in plan_buckets(sizes, bucket_bytes)]
-    return sorted(out, key=lambda b: -b[0])
+    sizes = [p.numel() * p.element_size() for p in params]
+    return [b for _, b in plan_groups(sizes, [reduce_dims(p) for p in params], bucket_bytes)]
 
 
 class DDP:

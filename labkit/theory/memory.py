@@ -44,7 +44,8 @@ def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head
     each op keeps (pre-LN block, no dropout, PyTorch's CPU/flash attention):
 
       per block  8bsh (LN inputs and outputs, q k v, attention output, residual) + 2bsf (fc1 out,
-                 GELU out) + 4bs (LayerNorm mean and rstd, fp32) + a·b·s (attention log-sum-exp)
+                 GELU out; an MoE layer keeps what theory/experts.py lists instead) + 4bs
+                 (LayerNorm mean and rstd, fp32) + a·b·s (attention log-sum-exp)
       head       2bsh (LN input and output) + 2bs (LN stats) + bsV (log-softmax output, fp32)
                  + bs int64 targets + one fp32 scalar
       embedding  bs int64 token ids + s int64 positions
@@ -52,9 +53,12 @@ def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head
     (Korthikanti et al.'s sbh(34 + 5as/h) counts a different block: dropout masks, stored
     softmax scores; `korthikanti_layer_bytes` gives that published formula.)
     """
+    from labkit.theory.experts import layer_activation_bytes
+
     b, s, h, f, a, v = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab
     layers = m.layers if layers is None else layers
-    block = act_bytes * (8 * b * s * h + 2 * b * s * f) + 4 * (4 * b * s + a * b * s)
+    mlp = layer_activation_bytes(m, b, s, act_bytes) if m.experts else act_bytes * 2 * b * s * f
+    block = act_bytes * 8 * b * s * h + mlp + 4 * (4 * b * s + a * b * s)
     total = layers * block
     if head:
         total += act_bytes * 2 * b * s * h + 4 * 2 * b * s + 4 * b * s * v + 8 * b * s + 4
@@ -92,12 +96,14 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
     expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
     microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory.model import num_params
+    from labkit.theory import context, experts
+    from labkit.theory.model import param_shapes
 
-    psi = num_params(model)
+    psi = experts.local_params(cfg, model, param_shapes(model))   # experts split over ep
     states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    acts = activation_bytes(context.local_model(cfg, model), micro)   # s/cp tokens per sequence
     out = {"params": int(states["params"]), "grads": int(states["grads"]),
-           "optimizer": int(states["optimizer"]), "activations": activation_bytes(model, micro)}
+           "optimizer": int(states["optimizer"]), "activations": acts}
     out["peak"] = sum(out.values())
     return out

@@ -18,8 +18,9 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         out += [(b + f"attn.{w}.weight", (h, h)) for w in ("wq", "wk", "wv", "wo")]
         out += [(b + "ln2.weight", (h,)), (b + "ln2.bias", (h,))]
         if m.experts:
-            out += [(b + "mlp.router.weight", (m.experts, h)),
-                    (b + "mlp.w1", (m.experts, h, f)), (b + "mlp.w2", (m.experts, f, h))]
+            # a module's own parameters come before its submodules' (nn.Module.named_parameters)
+            out += [(b + "mlp.w1", (m.experts, h, f)), (b + "mlp.w2", (m.experts, f, h)),
+                    (b + "mlp.router.weight", (m.experts, h))]
         else:
             out += [(b + "mlp.fc1.weight", (f, h)), (b + "mlp.fc2.weight", (h, f))]
     out += [("head.norm.weight", (h,)), ("head.norm.bias", (h,)), ("head.proj.weight", (v, h))]

@@ -1,0 +1,206 @@
+"""Context parallelism: ring attention over the cp ranks, zigzag load balancing.
+
+Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
+(2023): the sequence is split over the cp ranks; each keeps its query block while the key/value
+blocks travel round the ring, one hop per step, the next hop in flight while the rank attends
+to the block it holds. Partial results merge by the log-sum-exp rule (the online softmax of
+Milakov & Gimelshein 2018, as FlashAttention rescales): for two partial results (o1, l1), (o2, l2)
+of the same queries,  l = log(e^l1 + e^l2),  o = o1 e^(l1-l) + o2 e^(l2-l).
+
+Causal load balance (zigzag). With contiguous blocks the last rank's queries see every key and
+the first rank's only its own (the imbalance Brandon et al. 2023, "Striped Attention", measure
+and fix by striping tokens). Cut the sequence into 2cp chunks and give rank i chunks i and
+2cp-1-i, the layout of Megatron-LM's context parallelism and of Llama 3 (Dubey et al. 2024,
+section 3.3.2): at every step each rank computes the same work, two (chunk x chunk) blocks'
+worth, so no rank waits for another. `ring_plan` is that schedule as data; the forward and
+the backward both execute it.
+
+Backward (hand-written, FlashAttention-2's algorithm 2 per block pair, Dao 2023): the queries'
+global log-sum-exp and delta = rowsum(dO * O) are known locally, so each block's gradients are
+exact on their own; the K/V blocks go round the ring again and each block's dK/dV accumulator
+travels behind it, hop by hop, until it arrives back at the block's owner.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+KV_TAG, DKV_TAG = 0, 1   # K/V and dK/dV messages travel the same link at once: tags keep them apart
+
+
+def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
+    """The two of the 2cp sequence chunks that cp rank `rank` holds."""
+    return rank, 2 * cp - 1 - rank
+
+
+def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
+    """Positions of this rank's tokens, in local order: chunk i, then chunk 2cp-1-i.
+    (s,) -> (s/cp,) int64."""
+    c = seq // (2 * cp)
+    return torch.cat([torch.arange(k * c, (k + 1) * c) for k in zigzag_chunks(rank, cp)])
+
+
+def ring_plan(rank: int, cp: int) -> list[list[tuple[int, int, str]]]:
+    """What cp rank `rank` computes at each ring step t (it then holds the K/V of rank
+    (rank - t) % cp): (query half, key half, 'causal' | 'full') for every chunk pair whose keys
+    the queries may see — the diagonal chunk under a causal mask, earlier chunks in full,
+    later ones not at all."""
+    mine = zigzag_chunks(rank, cp)
+    plan = []
+    for t in range(cp):
+        theirs = zigzag_chunks((rank - t) % cp, cp)
+        plan.append([(qa, kb, "causal" if kc == qc else "full")
+                     for qa, qc in enumerate(mine) for kb, kc in enumerate(theirs) if kc <= qc])
+    return plan
+
+
+def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
+    s = (q @ k.transpose(-2, -1)) * scale        # (b, nh, c, hd) @ (b, nh, hd, c) -> (b, nh, c, c)
+    if causal:
+        keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return s
+
+
+def _block(q, k, v, causal: bool, scale: float):
+    """Softmax attention of one chunk pair: out (b, nh, c, hd) and its log-sum-exp (b, nh, c)."""
+    s = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(s, dim=-1)                          # (b, nh, c)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse          # (b, nh, c, c) @ (b, nh, c, hd)
+
+
+def _merge(out, lse, o, l):
+    """Online-softmax merge of a partial result (o, l) into (out, lse), same queries."""
+    new = torch.logaddexp(lse, l)                             # (b, nh, c)
+    return out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1), new
+
+
+def _block_grads(q, k, v, do, lse, delta, causal: bool, scale: float):
+    """One chunk pair's gradients from the queries' global lse and delta (FlashAttention-2, alg. 2):
+    P = exp(S - lse); dV = P^T dO; dP = dO V^T; dS = P (dP - delta); dQ = dS K s; dK = dS^T Q s."""
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))   # (b, nh, c, c)
+    dv = p.transpose(-2, -1) @ do                                     # (b, nh, c, hd)
+    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))         # (b, nh, c, c)
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv       # dq, dk, dv
+
+
+class Ring:
+    """The cp ring of this rank: its plan and point-to-point hops to the next / from the previous rank."""
+
+    def __init__(self, group, rank: int, cp: int):
+        self.group, self.rank, self.cp = group, rank, cp
+        self.plan = ring_plan(rank, cp)
+        self.next, self.prev = (rank + 1) % cp, (rank - 1) % cp
+
+    def hop(self, send: torch.Tensor, tag: int):
+        """Start sending `send` to the next rank and receiving its like from the previous one;
+        returns (received buffer, works to wait on)."""
+        recv = torch.empty_like(send)
+        works = [dist.irecv(recv, group=self.group, group_src=self.prev, tag=tag),
+                 dist.isend(send, group=self.group, group_dst=self.next, tag=tag)]
+        return recv, works
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's zigzag tokens against the whole sequence.
+        q, k, v: (b, nh, s/cp, hd) -> (b, nh, s/cp, hd), the same contract as causal_attention."""
+        return _RingAttention.apply(q, k, v, self)
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+class _RingAttention(torch.autograd.Function):
+    """Forward: K/V round the ring, partial results merged by log-sum-exp.
+    Backward: K/V round the ring again, each block's dK/dV accumulator following it home."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring):
+        b, nh, s_local, hd = q.shape
+        scale = 1.0 / math.sqrt(hd)
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qh = q.to(acc).chunk(2, dim=2)                                 # 2 x (b, nh, c, hd)
+        out = [torch.zeros_like(x) for x in qh]
+        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
+        kv = torch.stack([k, v])                                       # (2, b, nh, s/cp, hd): one message per hop
+        for t, pairs in enumerate(ring.plan):
+            nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
+            kh, vh = kv[0].to(acc).chunk(2, dim=2), kv[1].to(acc).chunk(2, dim=2)
+            for qa, kb, mask in pairs:
+                o, l = _block(qh[qa], kh[kb], vh[kb], mask == "causal", scale)
+                out[qa], lse[qa] = _merge(out[qa], lse[qa], o, l)
+            _wait(works)
+            kv = nxt
+        # laid out (b, s/cp, nh, hd) like PyTorch's CPU flash attention, so the caller's
+        # transpose(1, 2).reshape(b, s/cp, h) is a view, not a copy
+        y = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
+        lse = torch.cat(lse, dim=2)                                    # (b, nh, s/cp)
+        ctx.save_for_backward(q, k, v, y, lse)
+        ctx.ring, ctx.scale = ring, scale
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v, y, lse = ctx.saved_tensors
+        ring, scale = ctx.ring, ctx.scale
+        acc = lse.dtype
+        do = dy.to(acc)
+        delta = (do * y.to(acc)).sum(-1)                               # (b, nh, s/cp)
+        qh, doh = q.to(acc).chunk(2, dim=2), do.chunk(2, dim=2)
+        lseh, deltah = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        dq = [torch.zeros_like(x) for x in qh]
+        kv = torch.stack([k, v])                                       # (2, b, nh, s/cp, hd)
+        own = None                                                     # this rank's part of its own dK/dV
+        incoming, pending, sent = None, [], []
+        for t, pairs in enumerate(ring.plan):
+            nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
+            kh, vh = kv[0].to(acc).chunk(2, dim=2), kv[1].to(acc).chunk(2, dim=2)
+            dk = [torch.zeros_like(x) for x in kh]
+            dv = [torch.zeros_like(x) for x in vh]
+            for qa, kb, mask in pairs:
+                gq, gk, gv = _block_grads(qh[qa], kh[kb], vh[kb], doh[qa], lseh[qa], deltah[qa],
+                                          mask == "causal", scale)
+                dq[qa] += gq
+                dk[kb] += gk
+                dv[kb] += gv
+            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])   # (2, b, nh, s/cp, hd)
+            if t == 0:
+                own = dkv
+            else:
+                if incoming is not None:                               # the accumulator of the block held now
+                    _wait(pending)
+                    dkv = dkv + incoming
+                incoming, pending = ring.hop(dkv, DKV_TAG)             # on to the next holder (last hop: home)
+                sent.append(dkv)
+            _wait(works)
+            kv = nxt
+        if incoming is not None:
+            _wait(pending)
+            own = own + incoming                                       # everyone else's part, back home
+        dq = torch.cat(dq, dim=2).to(q.dtype)
+        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None
+
+
+def apply_cp(model, mesh, cfg):
+    """Swap every block's attention kernel for ring attention on the cp group; tell per-sequence
+    statistics (the MoE router's balance loss) that a sequence spans the cp group. Returns the
+    `Parallel.inputs` map: this rank's zigzag tokens, targets and their positions."""
+    cp, rank = mesh.size("cp"), mesh.coord("cp")
+    group = mesh.group("cp")
+    ring = Ring(group, rank, cp)
+    for block in model.blocks:
+        block.attn.core = ring
+    for m in model.modules():
+        if hasattr(m, "seq_split"):
+            m.seq_split = (group, cp)
+    index = zigzag_index(model.cfg.seq, cp, rank)
+
+    def inputs(tokens: torch.Tensor, targets: torch.Tensor):
+        idx = index.to(tokens.device)
+        return tokens[:, idx], targets[:, idx], idx              # (b, s) -> (b, s/cp), positions (s/cp,)
+
+    info = {"cp_chunks": list(zigzag_chunks(rank, cp)), "ring_plan": ring.plan}
+    return inputs, info
