@@ -116,10 +116,11 @@ class MeshLayout:
         return " x ".join(f"{d}{s[d]}" for d in self.inner_first[::-1] if s[d] > 1) or "1 rank"
 
 
-# The combined dims a strategy may ask for; building them all up front keeps group creation
-# identical on every rank (a rank that builds a group the others do not is a classic hang).
-COMBINED = (("dp", "cp"), ("dp", "ep"), ("dp", "ep", "cp"), ("ep", "cp"), ("tp", "pp", "ep"),
-            ("tp", "pp", "ep", "dp"), tuple(DIMS))
+# Every combination of dims a strategy may ask for (gradient reduction over dp-ep-cp, the norm
+# over whichever of tp-pp-ep-dp split the parameters, ...). Building them all up front keeps
+# group creation identical on every rank (a rank that builds a group the others do not is a
+# classic hang); groups with the same ranks are created once, so this stays cheap.
+COMBINED = tuple(c for k in range(2, len(DIMS) + 1) for c in itertools.combinations(DIMS, k))
 
 
 class Mesh:

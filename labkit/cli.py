@@ -22,7 +22,7 @@ DEMO = {"dp": 4}
 def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        flag = "--" + prefix + f.name.replace("_", "-")
+        flag = "--" + (prefix + f.name).replace("_", "-")
         kind = hints[f.name]
         if kind is bool:
             parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None)
