@@ -253,6 +253,9 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     if cfg.schedule == "interleaved" and cfg.pp > 1 and cfg.microbatches % cfg.pp:
         out.append(f"interleaved 1F1B needs microbatches ({cfg.microbatches}) to be a multiple of "
                    f"pp ({cfg.pp}), as in Megatron; try microbatches={cfg.pp * max(1, cfg.microbatches // cfg.pp)}")
+    if cfg.impl == "torch" and cfg.pp > 1 and cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
+        out.append(f"torch's Schedule1F1B needs microbatches ({cfg.microbatches}) >= pp ({cfg.pp}); "
+                   f"try microbatches={cfg.pp} or impl='lab'")
     if cfg.sequence_parallel and cfg.tp == 1:
         out.append("sequence_parallel=True needs tp > 1 (it shards along the sequence inside a TP group); "
                    "set tp=2 or sequence_parallel=False")
@@ -278,8 +281,6 @@ def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
         out.append("context parallelism is not built yet; use cp=1")
     if cfg.ep > 1 or model.experts:
         out.append("experts (MoE, expert parallelism) are not built yet; use experts=0, ep=1")
-    if cfg.pp > 1:
-        out.append("pipeline parallelism is not built yet; use pp=1")
     return out
 
 
