@@ -97,6 +97,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
         if key in waiting:
             ready.append(waiting.pop(key))
 
+    cost = [{op: costs.of(op, r) for op in ("F", "B", "W", "comm")} for r in range(p)]
     while ready:
         r = ready.popleft()
         acts = pl.actions[r]
@@ -104,7 +105,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
             a = acts[pos[r]]
             t = clock[r]
             if a.op in COMPUTE:
-                end = t + costs.of(a.op, r)
+                end = t + cost[r][a.op]
                 emit(r, a.op, a, t, end)
                 clock[r] = end
                 if a.op == "F":
@@ -115,10 +116,10 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
             elif a.op.startswith("send"):
                 key = _key(pl, r, a)
                 if not blocking_sends:
-                    emit(r, "send", a, t, t + costs.of("comm", r))
-                    deliver(key, t + costs.of("comm", r))
+                    emit(r, "send", a, t, t + cost[r]["comm"])
+                    deliver(key, t + cost[r]["comm"])
                 elif key in waiting:               # the receiver is already there: meet
-                    end = t + costs.of("comm", r)
+                    end = t + cost[r]["comm"]
                     emit(r, "send", a, t, end)
                     clock[r] = end
                     deliver(key, end)
@@ -129,7 +130,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
                 key = _key(pl, r, a)
                 if blocking_sends and key in parked:
                     sender, ts = parked.pop(key)
-                    end = max(t, ts) + costs.of("comm", sender)
+                    end = max(t, ts) + cost[sender]["comm"]
                     events.append({"rank": sender, "kind": "send", "microbatch": a.mb,
                                    "chunk": pl.actions[sender][pos[sender]].chunk, "start": ts, "end": end})
                     clock[sender] = end

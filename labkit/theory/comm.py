@@ -7,7 +7,6 @@ from math import prod
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines.mesh import MeshLayout
 from labkit.engines.parallel.buckets import plan_buckets
-from labkit.theory.model import param_shapes
 
 # ring model, B = bytes of the full tensor, n = group size (same table as the engines' meter)
 WIRE = {
@@ -59,17 +58,35 @@ class Comm:
 def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """Every collective of one steady-state step of `cfg`, per rank. Each strategy adds its own
     ops from its theory module (tensor.py, context.py, experts.py, pipeline.py, sharding.py)."""
+    from labkit.theory import pipeline
+
     data_parallel(comm, cfg, model, layout)
+    pipeline.p2p_rows(comm, cfg, model, layout)
+    grad_norm(comm, cfg, layout)
+
+
+def grad_norm(comm: Comm, cfg: ParallelConfig, layout: MeshLayout) -> None:
+    """The global gradient norm (engines/parallel/common.py norm_plan): one fp32 scalar
+    all-reduced over the dims that split the parameters (tp, pp, ep), in the optimizer phase."""
+    split = tuple(d for d in ("tp", "pp", "ep") if layout.size(d) > 1)
+    if not split:
+        return
+    for rank in range(layout.world):
+        comm.add(rank, layout.label(*split), "all_reduce", 4, layout.size(*split))
 
 
 def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """DDP (sharding='none'): each bucket of gradients all-reduced once per step over dp x ep x cp."""
+    from labkit.theory.pipeline import chunk_params
+
     dims = ("dp", "ep", "cp")
     n = layout.size(*dims)
-    sizes = [prod(s) * 4 for _, s in param_shapes(model)]   # fp32 gradients
     cap = int(cfg.bucket_mb * 2**20)
-    buckets = torch_ddp_buckets(sizes, cap) if cfg.impl == "torch" else plan_buckets(sizes, cap)
     label = layout.label(*dims)
     for rank in range(layout.world):
-        for b in buckets:
-            comm.add(rank, label, "all_reduce", sum(sizes[i] for i in b), n)
+        # each pipeline chunk's parameters bucket on their own (the whole model when pp == 1)
+        for params in chunk_params(cfg, model, layout.coords(rank)["pp"]):
+            sizes = [prod(s) * 4 for _, s in params]   # fp32 gradients
+            buckets = torch_ddp_buckets(sizes, cap) if cfg.impl == "torch" else plan_buckets(sizes, cap)
+            for b in buckets:
+                comm.add(rank, label, "all_reduce", sum(sizes[i] for i in b), n)

@@ -92,12 +92,14 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
     expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
     microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory.model import num_params
+    from labkit.theory import pipeline
 
-    psi = num_params(model)
+    pp_rank = layout.coords(rank)["pp"]
+    psi = pipeline.rank_params(cfg, model, pp_rank)   # the whole model unless pp splits it
     states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    acts = pipeline.activation_peak(cfg, model, pp_rank) if cfg.pp > 1 else activation_bytes(model, micro)
     out = {"params": int(states["params"]), "grads": int(states["grads"]),
-           "optimizer": int(states["optimizer"]), "activations": activation_bytes(model, micro)}
+           "optimizer": int(states["optimizer"]), "activations": acts}
     out["peak"] = sum(out.values())
     return out
