@@ -107,3 +107,19 @@ def test_torch_pipelining_trains_like_one_process(run, cfg):
     got = {(r["rank"], r["op"]): r["payload_bytes"] for r in res.comm_table() if r["op"] in ("send", "recv")}
     assert got == ours
     assert any(e.kind == "F" for rk in res.ranks for e in rk.timeline)
+
+
+def test_measured_and_simulated_timelines_side_by_side(run):
+    from labkit.theory.pipeline import costs_from_result, simulated
+    from labkit.widgets.figures import report_figures, timeline_comparison_figure
+
+    cfg = ParallelConfig(pp=2, dp=2, microbatches=2, schedule="1f1b")
+    res = run(cfg)
+    costs = costs_from_result(res)
+    assert set(costs["F"]) == {0, 1} and all(t > 0 for t in costs["F"].values())
+    sim = simulated(cfg, costs)
+    assert not sim.problems and sim.makespan > 0
+    fig = timeline_comparison_figure(res, sim)
+    rows = {b.y[0] for b in fig.data if b.name.startswith("mb ")}
+    assert rows == {f"rank {rk.rank}" for rk in res.ranks} | {"rank 0 (sim)", "rank 2 (sim)"}
+    assert "pipeline" in report_figures(res)

@@ -178,3 +178,18 @@ def test_p2p_bytes_per_microbatch_per_boundary_times_v():
         assert all(r["dim"] == "pp" for r in rows if r["op"] in ("send", "recv"))
         norm = [r for r in rows if r["op"] == "all_reduce"]
         assert len(norm) == pp and all(r["payload_bytes"] == 4 and r["dim"] == "pp" for r in norm)
+
+
+def test_simulated_timeline_figure():
+    from labkit.widgets.figures import simulated_timeline_figure
+
+    p, m = 4, 6
+    sim = tp.simulated(ParallelConfig(pp=p, microbatches=m, schedule="1f1b", global_batch=12))
+    fig = simulated_timeline_figure(sim)
+    compute = [b for b in fig.data if b.name.startswith("mb ")]
+    assert len(compute) == 2 * p * m
+    assert sorted({b.y[0] for b in compute}) == [f"rank {r}" for r in range(p)]
+    assert f"bubble {theory.pipeline_bubble(p, m):.0%}" in fig.layout.title.text
+    assert {b.marker.pattern.shape for b in compute if b.text.startswith("B")} == {"/"}
+    stuck = simulated_timeline_figure(simulate(broken_plan()))
+    assert "deadlock" in stuck.layout.title.text and "rank 0 stuck" in stuck.layout.annotations[0].text

@@ -123,25 +123,27 @@ def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
 
 
 def costs_from_result(result, step: int = -1) -> dict:
-    """Mean measured seconds of F, B (and W) per pipeline rank, and of a recv that did not have
-    to wait (the shortest one: transfer, not bubble), for the simulator's Costs(**...)."""
+    """Measured seconds per pipeline rank, for the simulator's Costs(**...): the mean F, B (and
+    W) span, over data-parallel replicas too, and as t_comm the fastest receive (one that did
+    not have to wait: transfer, not bubble). Kinds never measured cost 0."""
     wanted = step % result.steps
-    out: dict = {"F": {}, "B": {}, "W": {}, "comm": {}}
+    spans: dict[str, dict[int, list[float]]] = {k: {} for k in ("F", "B", "W", "recv")}
     for rk in result.ranks:
-        r = rk.coords["pp"]
-        for kind in ("F", "B", "W"):
-            ds = [e.end - e.start for e in rk.timeline if e.kind == kind and e.step == wanted]
-            prev = out[kind].get(r)
-            if ds:
-                mean = sum(ds) / len(ds)
-                out[kind][r] = mean if prev is None else (prev + mean) / 2   # dp replicas: average
-        recvs = [e.end - e.start for e in rk.timeline if e.kind == "recv" and e.step == wanted]
-        if recvs:
-            out["comm"][r] = min(recvs + ([out["comm"][r]] if r in out["comm"] else []))
-    p = result.config.pp
-    for kind in out:
-        if not out[kind]:
-            out[kind] = 0.0
-        else:
-            out[kind] = {r: out[kind].get(r, 0.0) for r in range(p)}
+        for e in rk.timeline:
+            if e.step == wanted and e.kind in spans:
+                spans[e.kind].setdefault(rk.coords["pp"], []).append(e.end - e.start)
+    out: dict = {}
+    for kind, name in (("F", "F"), ("B", "B"), ("W", "W"), ("recv", "comm")):
+        per = spans[kind]
+        pick = min if kind == "recv" else (lambda xs: sum(xs) / len(xs))
+        out[name] = {r: pick(per[r]) if per.get(r) else 0.0 for r in range(result.config.pp)} if per else 0.0
     return out
+
+
+def simulated(cfg: ParallelConfig, costs: dict | None = None, schedule: str | None = None):
+    """The simulator's ideal timeline of `cfg`'s schedule (engines/parallel/simulator.py): unit
+    costs by default, or measured ones (`costs_from_result(result)`). Pure; a Simulation."""
+    from labkit.engines.parallel.simulator import Costs, simulate
+
+    pl = plan(schedule or cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    return simulate(pl, Costs(**costs) if costs else Costs())
