@@ -193,3 +193,26 @@ def test_simulated_timeline_figure():
     assert {b.marker.pattern.shape for b in compute if b.text.startswith("B")} == {"/"}
     stuck = simulated_timeline_figure(simulate(broken_plan()))
     assert "deadlock" in stuck.layout.title.text and "rank 0 stuck" in stuck.layout.annotations[0].text
+
+
+def test_measured_bubble_means_what_the_formula_means():
+    """RunResult.bubble_fraction on a timeline laid out exactly as the ideal schedule gives the
+    formula, also when the two data-parallel replicas' pipelines run at different times (the
+    window is per pipeline, not the union over replicas)."""
+    from labkit.results import Event, RankReport, RunResult
+
+    p, m, dp = 4, 8, 2
+    cfg = ParallelConfig(pp=p, dp=dp, microbatches=m, schedule="1f1b", global_batch=16)
+    sim = tp.simulated(cfg)
+    ranks = []
+    for pp_rank in range(p):
+        for d in range(dp):
+            offset = 100.0 * d                                   # replica 1 starts much later
+            tl = [Event(e["kind"], e["microbatch"], e["chunk"], e["start"] + offset, e["end"] + offset)
+                  for e in sim.events if e["rank"] == pp_rank]
+            ranks.append(RankReport(pp_rank * dp + d, {"tp": 0, "cp": 0, "ep": 0, "dp": d, "pp": pp_rank},
+                                    "h", "cpu", {}, [], tl, [0.0]))
+    res = RunResult(cfg, M, 1, 0, [0.0], ranks)
+    got = res.bubble_fraction()
+    assert got["overall"] == pytest.approx(theory.pipeline_bubble(p, m), abs=1e-12)
+    assert all(f == pytest.approx(theory.pipeline_bubble(p, m), abs=1e-12) for f in got["per_rank"].values())
