@@ -71,12 +71,21 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
     # 5. pipeline parallelism: engines/parallel/pipeline.py
     chunks = [model]
+    if mesh.size("pp") > 1:
+        from labkit.engines.parallel.pipeline import apply_pipeline
+
+        chunks, schedule, info["pipeline"] = apply_pipeline(model, mesh, cfg, meters)
 
     # 6. precision: engines/precision.py
 
     # 7. data parallelism: DDP (ddp.py), ZeRO (zero.py), FSDP (fsdp.py)
     loss_shards = mesh.size(*DATA_DIMS)
-    if cfg.impl == "torch":
+    if cfg.impl == "torch" and mesh.size("pp") > 1:
+        from labkit.engines.parallel.pipeline_torch import TorchStageGrads   # DDP per stage chunk
+
+        sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)
+        chunks = sync.modules
+    elif cfg.impl == "torch":
         from labkit.engines.parallel.ddp import TorchDDP
 
         sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), cfg.bucket_mb, optim)

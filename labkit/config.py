@@ -259,6 +259,9 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     if cfg.impl == "torch" and cfg.ep > 1:
         out.append(f"impl='torch' with ep={cfg.ep}: PyTorch has no expert-parallel API; "
                    "use impl='lab' (all-to-all dispatch) or ep=1")
+    if cfg.impl == "torch" and cfg.pp > 1 and cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
+        out.append(f"torch's Schedule1F1B needs microbatches ({cfg.microbatches}) >= pp ({cfg.pp}); "
+                   f"try microbatches={cfg.pp} or impl='lab'")
     if cfg.sequence_parallel and cfg.tp == 1:
         out.append("sequence_parallel=True needs tp > 1 (it shards along the sequence inside a TP group); "
                    "set tp=2 or sequence_parallel=False")
@@ -280,8 +283,6 @@ def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
         out.append("checkpoint_activations is not built yet; set it to False")
     if cfg.tp > 1 or cfg.sequence_parallel:
         out.append("tensor parallelism is not built yet; use tp=1")
-    if cfg.pp > 1:
-        out.append("pipeline parallelism is not built yet; use pp=1")
     return out
 
 

@@ -140,18 +140,30 @@ class RunResult:
         return [acc[k] for k in sorted(acc)]
 
     def bubble_fraction(self, step: int = -1) -> dict:
-        """Idle fraction of each rank between the step's first and last compute span (F/B/W), over
-        all ranks: {'per_rank': {rank: f}, 'overall': mean}. 0 for a layout without a pipeline."""
+        """Idle fraction of each rank between the first and last compute span (F/B/W) of its
+        pipeline in the step: {'per_rank': {rank: f}, 'overall': mean}. 0 without a pipeline.
+
+        This is what (p-1)/(m+p-1) means: the pipeline's step lasts (m+p-1)(t_F+t_B) from the
+        first stage's first forward to its last backward, and each stage computes m(t_F+t_B) of
+        it. The window is taken per pipeline (ranks that differ only in pp), since data-parallel
+        replicas run their pipelines independently until the gradient reduction; time in
+        send/recv counts as idle, as in the formula (which assumes free communication)."""
         wanted = step % self.steps
         spans = {rk.rank: [e for e in rk.timeline if e.kind in COMPUTE_KINDS and e.step == wanted]
                  for rk in self.ranks}
-        everything = [e for es in spans.values() for e in es]
-        if not everything or self.config.pp == 1:
-            per = {r: 0.0 for r in spans}
-        else:
-            t0 = min(e.start for e in everything)
-            t1 = max(e.end for e in everything)
-            per = {r: 1.0 - sum(e.end - e.start for e in es) / (t1 - t0) for r, es in spans.items()}
+        per = {r: 0.0 for r in spans}
+        if self.config.pp > 1:
+            pipelines: dict[tuple, list[int]] = defaultdict(list)
+            for rk in self.ranks:
+                pipelines[tuple(v for d, v in sorted(rk.coords.items()) if d != "pp")].append(rk.rank)
+            for ranks in pipelines.values():
+                everything = [e for r in ranks for e in spans[r]]
+                if not everything:
+                    continue
+                t0 = min(e.start for e in everything)
+                t1 = max(e.end for e in everything)
+                for r in ranks:
+                    per[r] = 1.0 - sum(e.end - e.start for e in spans[r]) / (t1 - t0)
         return {"per_rank": per, "overall": float(np.mean(list(per.values()))) if per else 0.0}
 
     def memory_table(self) -> list[dict]:

@@ -39,11 +39,14 @@ class _Bucket:
 
 def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
     """Buckets (parameter indices) in launch order: parameters are grouped by the dims their
-    gradient is reduced over (`_lk_reduce`), each group bucketed in reverse order (buckets.py),
-    and the buckets of all groups launched by their last parameter, latest first — the order
-    backward produces them. The same on every rank that holds the same parameters."""
+    gradient is reduced over (`_lk_reduce`) and by pipeline chunk (`_lk_chunk`: a chunk's
+    buckets can go as soon as its last backward is over), each group bucketed in reverse order
+    (buckets.py), and the buckets of all groups launched by their last parameter, latest
+    first — the order backward produces them. The same on every rank that holds the same
+    parameters."""
     sizes = [p.numel() * p.element_size() for p in params]
-    return [b for _, b in plan_groups(sizes, [reduce_dims(p) for p in params], bucket_bytes)]
+    keys = [(reduce_dims(p), getattr(p, "_lk_chunk", 0)) for p in params]
+    return [b for _, b in plan_groups(sizes, keys, bucket_bytes)]
 
 
 class DDP:

@@ -6,8 +6,7 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines.mesh import MeshLayout
-from labkit.engines.parallel.buckets import plan_groups
-from labkit.theory.model import param_shapes
+from labkit.engines.parallel.buckets import plan_buckets, plan_groups
 
 # ring model, B = bytes of the full tensor, n = group size (same table as the engines' meter)
 WIRE = {
@@ -59,36 +58,40 @@ class Comm:
 def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """Every collective of one steady-state step of `cfg`, per rank. Each strategy adds its own
     ops from its theory module (tensor.py, context.py, experts.py, pipeline.py, sharding.py)."""
-    from labkit.theory import context, experts
+    from labkit.theory import context, experts, pipeline
 
     context.comm_rows(comm, cfg, model, layout)
     experts.comm_rows(comm, cfg, model, layout)
+    pipeline.p2p_rows(comm, cfg, model, layout)
     data_parallel(comm, cfg, model, layout)
     grad_norm(comm, cfg, layout)
 
 
 def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """DDP (sharding='none'): each bucket of gradients all-reduced once per step over the dims its
-    parameters are reduced over (dp x ep x cp; experts under ep: dp x cp), bucketed per group."""
+    parameters are reduced over (dp x ep x cp; experts under ep: dp x cp), bucketed per group and
+    per pipeline chunk (the whole model when pp == 1)."""
     from labkit.theory import experts
+    from labkit.theory.pipeline import chunk_params
 
-    shapes = experts.local_shapes(cfg, model, param_shapes(model))
-    sizes = [prod(s) * 4 for _, s in shapes]   # fp32 gradients
     cap = int(cfg.bucket_mb * 2**20)
-    if cfg.impl == "torch":
-        dims = ("dp", "ep", "cp")
-        buckets = [(dims, b) for b in torch_ddp_buckets(sizes, cap)]
-    else:
-        buckets = plan_groups(sizes, [experts.reduce_dims(n, cfg) for n, _ in shapes], cap)
     for rank in range(layout.world):
-        for dims, b in buckets:
-            comm.add(rank, layout.label(*dims), "all_reduce", sum(sizes[i] for i in b), layout.size(*dims))
+        for chunk in chunk_params(cfg, model, layout.coords(rank)["pp"]):
+            shapes = experts.local_shapes(cfg, model, chunk)
+            sizes = [prod(s) * 4 for _, s in shapes]   # fp32 gradients
+            if cfg.impl == "torch":
+                buckets = [(("dp", "ep", "cp"), b) for b in torch_ddp_buckets(sizes, cap)]
+            else:
+                buckets = plan_groups(sizes, [experts.reduce_dims(n, cfg) for n, _ in shapes], cap)
+            for dims, b in buckets:
+                comm.add(rank, layout.label(*dims), "all_reduce", sum(sizes[i] for i in b), layout.size(*dims))
 
 
 def grad_norm(comm: Comm, cfg: ParallelConfig, layout: MeshLayout) -> None:
-    """The global gradient norm's one fp32 all-reduce over the dims that split the parameters
-    (tp, pp, ep; engines/parallel/common.py norm_plan)."""
-    split = [d for d in ("tp", "pp", "ep") if layout.size(d) > 1]
-    if split:
-        for rank in range(layout.world):
-            comm.add(rank, layout.label(*split), "all_reduce", 4, layout.size(*split))
+    """The global gradient norm (engines/parallel/common.py norm_plan): one fp32 scalar
+    all-reduced over the dims that split the parameters (tp, pp, ep), in the optimizer phase."""
+    split = tuple(d for d in ("tp", "pp", "ep") if layout.size(d) > 1)
+    if not split:
+        return
+    for rank in range(layout.world):
+        comm.add(rank, layout.label(*split), "all_reduce", 4, layout.size(*split))

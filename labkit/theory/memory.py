@@ -96,13 +96,15 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
     expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
     microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory import context, experts
-    from labkit.theory.model import param_shapes
+    from labkit.theory import context, experts, pipeline
 
-    psi = experts.local_params(cfg, model, param_shapes(model))   # experts split over ep
+    pp_rank = layout.coords(rank)["pp"]
+    chunks = pipeline.chunk_params(cfg, model, pp_rank)   # the whole model unless pp splits it
+    psi = sum(experts.local_params(cfg, model, chunk) for chunk in chunks)   # experts split over ep
     states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
-    acts = activation_bytes(context.local_model(cfg, model), micro)   # s/cp tokens per sequence
+    local = context.local_model(cfg, model)   # s/cp tokens per sequence
+    acts = pipeline.activation_peak(cfg, local, pp_rank) if cfg.pp > 1 else activation_bytes(local, micro)
     out = {"params": int(states["params"]), "grads": int(states["grads"]),
            "optimizer": int(states["optimizer"]), "activations": acts}
     out["peak"] = sum(out.values())

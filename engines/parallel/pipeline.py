@@ -1,0 +1,174 @@
+"""Pipeline parallelism (labkit's own): the layers split into stages that pass activations.
+
+The model's blocks are split evenly over pp·v virtual stages (schedules.chunk_layers); the
+embedding lives on the first, the final norm, LM head and loss on the last. Each rank keeps
+its v chunks (`Chunk`), whose parameters keep their names in the full model (`_lk_name`), so
+DDP, clipping and the reference check work unchanged; `_lk_chunk` tells DDP which chunk a
+parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
+that chunk's last backward is over.
+
+The schedule is data (schedules.plan): this rank's ordered list of F / B / send / recv actions.
+`PipelineExecutor` runs any such list. Deadlock freedom comes from two rules: (1) every send
+is posted asynchronously (isend) the moment its tensor exists and only waited for at the end
+of the step, so a send never blocks; (2) a receive blocks right before the compute that needs
+it. Then the only waits are receives, and a set of lists completes iff the simulator (which
+models exactly these rules) completes it — so the plan is simulated first, and a plan that
+would hang is refused with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.engines.model import aux_loss
+from labkit.engines.parallel.schedules import Plan, ScheduleDeadlock, chunk_layers, check, plan, stage_of
+
+
+class Chunk(nn.Module):
+    """One virtual stage: [embedding] + consecutive blocks + [final norm, head and loss].
+
+    The blocks sit in a ModuleDict keyed by their index in the full model, so the chunk's
+    parameter names are the full model's ('blocks.5.attn.wq.weight')."""
+
+    def __init__(self, model: nn.Module, layers: range, first: bool, last: bool):
+        super().__init__()
+        self.embed = model.embed if first else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
+        self.head = model.head if last else None
+
+    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
+                positions: torch.Tensor | None = None) -> torch.Tensor:
+        """First stage: (b, s) tokens in; others: (b, s, h) activations. Last stage: the mean
+        loss with targets, else the logits (torch.distributed.pipelining applies its loss_fn)."""
+        if self.embed is not None:
+            if positions is None:
+                positions = torch.arange(x.shape[1], device=x.device)
+            x = self.embed(x, positions)                       # (b, s) -> (b, s, h)
+        for block in self.blocks.values():
+            x = block(x)                                       # (b, s, h) -> (b, s, h)
+        if self.head is None:
+            return x
+        if targets is None:
+            return self.head.proj(self.head.norm(x))           # (b, s, h) -> (b, s, V)
+        return self.head(x, targets)                           # scalar
+
+
+def split_model(model: nn.Module, p: int, v: int, rank: int) -> list[Chunk]:
+    """This pipeline rank's v chunks of the full (seeded) model."""
+    for name, prm in model.named_parameters():
+        if not hasattr(prm, "_lk_name"):
+            prm._lk_name = name
+    chunks = []
+    for c in range(v):
+        s = stage_of(rank, c, p)
+        chunk = Chunk(model, chunk_layers(len(model.blocks), p, v, rank, c), first=s == 0, last=s == p * v - 1)
+        for prm in chunk.parameters():
+            prm._lk_chunk = c
+        chunks.append(chunk)
+    return chunks
+
+
+def apply_pipeline(model: nn.Module, mesh, cfg, meters):
+    """Slot 5 of parallelize: (this rank's chunks, schedule callable, plain info for the report)."""
+    p, v, r = mesh.size("pp"), cfg.virtual_stages, mesh.coord("pp")
+    chunks = [c.to(meters.device) for c in split_model(model, p, v, r)]
+    info = {"schedule": cfg.schedule, "p": p, "v": v, "stage": r,
+            "layers": [list(chunk_layers(len(model.blocks), p, v, r, c)) for c in range(v)]}
+    if cfg.impl == "torch":
+        from labkit.engines.parallel.pipeline_torch import TorchSchedule
+
+        return chunks, TorchSchedule(cfg, mesh), info
+    pl = plan(cfg.schedule, p, cfg.microbatches, v)
+    info["actions"] = [str(a) for a in pl.actions[r]]
+    return chunks, PipelineExecutor(pl, mesh, model.cfg.hidden), info
+
+
+class PipelineExecutor:
+    """schedule(par, microbatches, meters) -> this rank's share of the loss, running this rank's
+    actions of a Plan. The share: the last stage's mean loss over the microbatches, 0 elsewhere
+    (plus the MoE load-balancing loss of the layers a stage holds)."""
+
+    def __init__(self, pl: Plan, mesh, hidden: int, dtype: torch.dtype = torch.float32):
+        found = check(pl)
+        if found:
+            raise ScheduleDeadlock(found)
+        self.plan = pl
+        self.rank = mesh.coord("pp")
+        self.actions = pl.actions[self.rank]
+        self.group = mesh.group("pp")
+        self.peers = mesh.ranks("pp")          # pipeline rank -> global rank (sorted = by pp coordinate)
+        self.hidden = hidden
+        self.dtype = dtype                     # what stages pass: fp32 activations and gradients
+
+    def _tag(self, a) -> int:
+        """One tag per message, the same on both sides: (microbatch, receiving stage, kind)."""
+        pl, s = self.plan, stage_of(self.rank, a.chunk, self.plan.p)
+        kind = 0 if a.op.endswith("act") else 1
+        to = s + (1 if a.op == "send_act" else -1 if a.op == "send_grad" else 0)
+        return (a.mb * pl.p * pl.v + to) * 2 + kind
+
+    def _recv(self, a, meters, shape) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype, device=meters.device)
+        with meters.phase("forward" if a.op == "recv_act" else "backward"), \
+                meters.span("recv", a.mb, a.chunk, peer=self.peers[a.peer]):
+            dist.irecv(buf, src=self.peers[a.peer], group=self.group, tag=self._tag(a)).wait()   # (b, s, h)
+        return buf
+
+    def _send(self, a, t: torch.Tensor, meters):
+        with meters.phase("forward" if a.op == "send_act" else "backward"), \
+                meters.span("send", a.mb, a.chunk, peer=self.peers[a.peer]):
+            work = dist.isend(t.contiguous(), dst=self.peers[a.peer], group=self.group, tag=self._tag(a))
+        return work, t
+
+    def __call__(self, par, microbatches, meters) -> float:
+        m = len(microbatches)
+        if m != self.plan.m:
+            raise ValueError(f"the plan is for {self.plan.m} microbatches, the step has {m}")
+        mbs = [par.inputs(tokens, targets) for tokens, targets in microbatches]
+        shape = (*mbs[0][0].shape, self.hidden)                # (b/m, s, h) crosses each boundary
+        inputs, outputs, grads, sends = {}, {}, {}, []
+        backwards_done = [0] * self.plan.v
+        share = torch.zeros((), device=meters.device)
+        for a in self.actions:
+            meters.check_cancelled()
+            key = (a.mb, a.chunk)
+            chunk = par.chunks[a.chunk]
+            if a.op == "recv_act":
+                inputs[key] = self._recv(a, meters, shape).requires_grad_()
+            elif a.op == "F":
+                tokens, targets, positions = mbs[a.mb]
+                with meters.phase("forward"), meters.span("F", a.mb, a.chunk), meters.memory.saved_tensors():
+                    y = chunk(inputs.get(key, tokens), targets if chunk.head is not None else None, positions)
+                    aux = aux_loss(chunk)
+                outputs[key] = (y, aux)
+                if isinstance(aux, torch.Tensor):
+                    share = share + aux.detach()
+                if chunk.head is not None:
+                    share = share + y.detach().float()
+            elif a.op == "send_act":
+                sends.append(self._send(a, outputs[key][0].detach(), meters))
+            elif a.op == "recv_grad":
+                grads[key] = self._recv(a, meters, shape)
+            elif a.op == "B":
+                y, aux = outputs.pop(key)
+                # the loss of the step is the mean over microbatches: each backward carries 1/m
+                if chunk.head is not None:
+                    tensors, seeds = [(y + aux) / m], [None]
+                else:
+                    tensors, seeds = [y], [grads.pop(key)]
+                    if isinstance(aux, torch.Tensor):
+                        tensors, seeds = tensors + [aux / m], seeds + [None]
+                # the chunk's last backward (by count, whatever the order) lets DDP reduce it
+                with meters.phase("backward"), meters.span("B", a.mb, a.chunk), \
+                        par.grads.microbatch(backwards_done[a.chunk], m):
+                    torch.autograd.backward(tensors, seeds)
+                backwards_done[a.chunk] += 1
+            elif a.op == "send_grad":
+                sends.append(self._send(a, inputs.pop(key).grad, meters))
+            else:
+                raise ScheduleDeadlock([f"the executor cannot run {a} (backward is not split here)"])
+        with meters.phase("backward"):
+            for work, _ in sends:
+                work.wait()
+        return float(share) / m

@@ -1,0 +1,145 @@
+"""impl='torch': the same chunks through PyTorch's torch.distributed.pipelining.
+
+Each chunk becomes a `PipelineStage` (virtual stage chunk·p + rank, as ours), driven by
+ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B; the last stage returns logits and the
+schedule applies `loss_fn` (the same arithmetic as model.Head) and scales the gradients by
+1/m. With dp > 1 each chunk is wrapped in PyTorch's DDP, which the stage knows how to drive
+(no_sync until the chunk's last backward). The gradient norm is clipped across the pipeline
+the way torchtitan does it: the local norm, squared, all-reduced over pp.
+
+What we measure: F / B spans come from wrapping the stage's forward_one_chunk and
+backward_one_chunk; activations from the saved-tensor hooks around them and around the loss;
+the comm meter sees the schedule's batched isend/irecv at the dispatcher.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from labkit.config import OptimConfig
+from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.optim import decays
+from labkit.engines.parallel.common import DATA_DIMS, param_piece
+from labkit.engines.parallel.schedules import stage_of
+
+
+def _schedule_class(name: str):
+    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
+
+
+class TorchSchedule:
+    """schedule(par, microbatches, meters) over torch.distributed.pipelining, built on first use
+    (from par.chunks, which DDP may have wrapped by then)."""
+
+    def __init__(self, cfg, mesh):
+        self.cfg = cfg
+        self.mesh = mesh
+        self.sched = None
+        self.first = self.last = False
+
+    def _build(self, par, meters) -> None:
+        from torch.distributed.pipelining import PipelineStage
+
+        p, v, r = self.mesh.size("pp"), self.cfg.virtual_stages, self.mesh.coord("pp")
+        stages = []
+        for c, module in enumerate(par.chunks):
+            st = PipelineStage(module, stage_of(r, c, p), p * v, meters.device, group=self.mesh.group("pp"))
+            _instrument(st, c, meters)
+            stages.append(st)
+        self.first = any(st.is_first for st in stages)
+        self.last = any(st.is_last for st in stages)
+
+        def loss_fn(logits, targets):   # model.Head's loss: (b, s, V) logits -> scalar, in fp32
+            with meters.memory.saved_tensors():
+                return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+        cls = _schedule_class(self.cfg.schedule)
+        self.sched = cls(stages if self.cfg.schedule == "interleaved" else stages[0],
+                         n_microbatches=self.cfg.microbatches, loss_fn=loss_fn)
+
+    def __call__(self, par, microbatches, meters) -> float:
+        if self.sched is None:
+            self._build(par, meters)
+        tokens = torch.cat([t for t, _ in microbatches])      # m x (b/m, s) -> (b, s); the schedule splits it again
+        targets = torch.cat([y for _, y in microbatches])
+        losses: list[torch.Tensor] = []
+        args = (tokens,) if self.first else ()
+        kwargs = {"target": targets, "losses": losses} if self.last else {}
+        self.sched.step(*args, **kwargs)
+        if not self.last:
+            return 0.0
+        return float(sum(l.detach().float() for l in losses)) / len(losses)
+
+
+def _instrument(stage, chunk: int, meters) -> None:
+    """Record the stage's forward / backward of each microbatch on our timeline."""
+    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+    def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
+        with meters.phase("forward"), meters.span("F", fwd_chunk_id, chunk), meters.memory.saved_tensors():
+            return forward(fwd_chunk_id, *args, **kwargs)
+
+    def backward_one_chunk(bwd_chunk_id, *args, **kwargs):
+        with meters.phase("backward"), meters.span("B", bwd_chunk_id, chunk):
+            return backward(bwd_chunk_id, *args, **kwargs)
+
+    stage.forward_one_chunk = forward_one_chunk
+    stage.backward_one_chunk = backward_one_chunk
+
+
+class TorchStageGrads:
+    """GradSync for impl='torch' with pp > 1: PyTorch DDP per chunk over dp (when dp > 1),
+    torch.optim.AdamW, and the gradient norm taken over the whole pipeline."""
+
+    def __init__(self, chunks: list[nn.Module], mesh, bucket_mb: float, optim: OptimConfig):
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.names = [n for c in chunks for n, _ in c.named_parameters()]
+        self.params = [p for c in chunks for p in c.parameters()]
+        self.modules = chunks
+        if mesh.size(*DATA_DIMS) > 1:
+            # find_unused_parameters: DDP otherwise rebuilds its buckets from the first synced
+            # backward, which under the stage's no_sync + prepare_for_backward sees every
+            # microbatch's gradients (2m x the parameters) and trips an internal assert.
+            self.modules = [DistributedDataParallel(c, process_group=mesh.group(*DATA_DIMS), bucket_cap_mb=bucket_mb,
+                                                    gradient_as_bucket_view=True, broadcast_buffers=False,
+                                                    find_unused_parameters=True)
+                            for c in chunks]
+        self.pp_group = mesh.group("pp")
+        self.clip = optim.clip
+        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
+        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+    def microbatch(self, index: int, count: int):
+        return nullcontext()   # the pipelining schedule drives DDP's no_sync itself
+
+    def finish(self) -> None:
+        pass
+
+    def step(self) -> float:
+        grads = [p.grad for p in self.params if p.grad is not None]
+        sq = torch.nn.utils.get_total_norm(grads).pow(2)       # this stage's share of ||g||^2
+        dist.all_reduce(sq, group=self.pp_group)               # () summed over the pipeline
+        norm = sq.sqrt()
+        if self.clip:
+            torch.nn.utils.clip_grads_with_norm_(self.params, self.clip, norm)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        return float(norm)
+
+    def memory(self) -> dict[str, int]:
+        state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+        return {"params": unique_bytes(self.params), "grads": unique_bytes(p.grad for p in self.params),
+                "optimizer": unique_bytes(state)}
+
+    def pieces(self) -> list[dict]:
+        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
