@@ -119,7 +119,8 @@ class MeshLayout:
 # The combined dims a strategy may ask for; building them all up front keeps group creation
 # identical on every rank (a rank that builds a group the others do not is a classic hang).
 COMBINED = (("dp", "cp"), ("dp", "ep"), ("dp", "ep", "cp"), ("ep", "cp"), ("tp", "pp", "ep"),
-            ("tp", "pp", "ep", "dp"), tuple(DIMS))
+            ("tp", "pp", "ep", "dp"), ("tp", "dp", "ep", "cp"), tuple(DIMS))
+# ("tp", "dp", "ep", "cp"): a sequence-parallel LayerNorm's gradient is summed over tp as well
 
 
 class Mesh:

@@ -7,7 +7,6 @@ from math import prod
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines.mesh import MeshLayout
 from labkit.engines.parallel.buckets import plan_buckets
-from labkit.theory.model import param_shapes
 
 # ring model, B = bytes of the full tensor, n = group size (same table as the engines' meter)
 WIRE = {
@@ -59,17 +58,31 @@ class Comm:
 def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """Every collective of one steady-state step of `cfg`, per rank. Each strategy adds its own
     ops from its theory module (tensor.py, context.py, experts.py, pipeline.py, sharding.py)."""
+    from labkit.theory import tensor
+
+    tensor.comm_rows(comm, cfg, model, layout)
     data_parallel(comm, cfg, model, layout)
 
 
 def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
-    """DDP (sharding='none'): each bucket of gradients all-reduced once per step over dp x ep x cp."""
-    dims = ("dp", "ep", "cp")
-    n = layout.size(*dims)
-    sizes = [prod(s) * 4 for _, s in param_shapes(model)]   # fp32 gradients
+    """DDP (sharding='none'): each bucket of gradients all-reduced once per step over the dims its
+    parameters' gradients are summed over (dp x ep x cp; SP's LayerNorms add tp). As in
+    engines/parallel/ddp.py `plan`: parameters grouped by those dims, each group bucketed."""
+    from labkit.theory.tensor import rank_params
+
+    params = rank_params(cfg, model)                       # this rank's (name, shape, reduce dims)
+    sizes = [prod(s) * 4 for _, s, _ in params]             # fp32 gradients
     cap = int(cfg.bucket_mb * 2**20)
-    buckets = torch_ddp_buckets(sizes, cap) if cfg.impl == "torch" else plan_buckets(sizes, cap)
-    label = layout.label(*dims)
+    if cfg.impl == "torch":
+        groups = {("dp", "ep", "cp"): list(range(len(params)))}   # PyTorch's DDP: one process group
+        buckets = [(dims, [idx[j] for j in b]) for dims, idx in groups.items()
+                   for b in torch_ddp_buckets([sizes[i] for i in idx], cap)]
+    else:
+        groups: dict[tuple, list[int]] = {}
+        for i, (_, _, dims) in enumerate(params):
+            groups.setdefault(dims, []).append(i)
+        buckets = sorted(((dims, [idx[j] for j in b]) for dims, idx in groups.items()
+                          for b in plan_buckets([sizes[i] for i in idx], cap)), key=lambda d_b: -d_b[1][0])
     for rank in range(layout.world):
-        for b in buckets:
-            comm.add(rank, label, "all_reduce", sum(sizes[i] for i in b), n)
+        for dims, b in buckets:
+            comm.add(rank, layout.label(*dims), "all_reduce", sum(sizes[i] for i in b), layout.size(*dims))

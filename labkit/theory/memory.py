@@ -92,12 +92,16 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
     expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
     microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory.model import num_params
+    from labkit.theory import tensor
 
-    psi = num_params(model)
+    psi = tensor.rank_param_count(cfg, model)   # Ψ, or this rank's tp slices of it
     states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    if cfg.tp > 1:
+        acts = tensor.activation_bytes(model, micro, cfg.tp, cfg.sequence_parallel, model.seq // cfg.cp)
+    else:
+        acts = activation_bytes(model, micro)
     out = {"params": int(states["params"]), "grads": int(states["grads"]),
-           "optimizer": int(states["optimizer"]), "activations": activation_bytes(model, micro)}
+           "optimizer": int(states["optimizer"]), "activations": acts}
     out["peak"] = sum(out.values())
     return out
