@@ -65,7 +65,8 @@ def test_sequence_parallel_same_bytes_less_activation_memory(runs):
     def wire(res, ops):
         return sum(e.wire_bytes for e in res.ranks[0].comm if e.step == 2 and e.op in ops and e.payload_bytes == big)
 
-    assert wire(sp, ("all_gather", "reduce_scatter")) == wire(tp, ("all_reduce",)) == (4 * TINY.layers + 2) * 2 * (t - 1) / t * big
+    per_step = (4 * TINY.layers + 2) * 2 * (t - 1) / t * big     # 4L + 2 all-reduces of (b, s, h)
+    assert wire(sp, ("all_gather", "reduce_scatter")) == wire(tp, ("all_reduce",)) == per_step
     for r in range(2):
         a_tp, a_sp = tp.ranks[r].memory["activations"], sp.ranks[r].memory["activations"]
         assert a_sp < a_tp
@@ -166,5 +167,22 @@ def test_config_accepts_tp_and_refuses_what_is_not_built():
     validate(ParallelConfig(tp=2, dp=2, sequence_parallel=True), TINY, 4)
     with pytest.raises(ConfigError, match="impl='torch' with tp > 1"):
         validate(ParallelConfig(tp=2, dp=2, impl="torch"), TINY, 4)
-    mem = theory.estimate(ParallelConfig(tp=2), TINY).memory[0]
-    assert mem["params"] < 4 * theory.num_params(TINY)
+    with pytest.raises(ConfigError, match="tensor parallelism of MoE"):
+        validate(ParallelConfig(tp=2), TINY.replace(experts=4, top_k=2), 4)
+
+
+def test_activation_theory_shrinks_as_korthikanti_says():
+    """Per block, TP leaves the LayerNorm regions (and the column-parallel inputs) whole; SP with
+    Megatron's re-gather divides every saved tensor by t (Korthikanti et al. 2022, table 2)."""
+    from labkit.theory import tensor
+
+    def block(t, sp, regather=False):
+        one, two = TINY.replace(layers=1), TINY.replace(layers=2)
+        return (tensor.activation_bytes(two, 4, t, sp, megatron_regather=regather)
+                - tensor.activation_bytes(one, 4, t, sp, megatron_regather=regather))
+
+    full = block(1, False)
+    assert full == theory.activation_bytes(TINY, 4, layers=1, head=False, embed=False)
+    for t in (2, 4):
+        assert block(t, True, regather=True) * t == full
+        assert block(t, False) > block(t, True) > block(t, True, regather=True)

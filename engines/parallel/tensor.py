@@ -176,7 +176,7 @@ class VocabParallelEmbedding(nn.Module):
         x = self.leave(x.masked_fill(outside[..., None], 0.0))     # (b, s, h) partial -> summed (or s/t rows)
         if self.seq_chunk is not None:
             r, t = self.seq_chunk
-            positions = positions.view(t, -1)[r]                   # (s,) -> (s/t,) this rank's rows
+            positions = positions.reshape(t, -1)[r]                # (s,) -> (s/t,) this rank's rows
         return x + self.pos(positions)
 
 

@@ -27,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from labkit.config import OptimConfig, ParallelConfig
-from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.meters.memory import local, unique_bytes
 from labkit.engines.optim import decays
 from labkit.engines.parallel.common import piece
 from labkit.engines.parallel.tensor_plan import shard_box, tp_plan
@@ -100,10 +100,6 @@ def apply_tp_torch(model: nn.Module, mesh, cfg: ParallelConfig, schedule):
     return model, plan, in_loss_parallel
 
 
-def _local(t):
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
 class TorchTP:
     """GradSync for DTensor TP: torch.optim.AdamW and clip_grad_norm_ (DTensor-aware: shards'
     squared norms are summed over tp, replicas counted once)."""
@@ -134,14 +130,14 @@ class TorchTP:
 
     def memory(self) -> dict[str, int]:
         state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-        return {"params": unique_bytes(_local(p) for p in self.params),
-                "grads": unique_bytes(_local(p.grad) for p in self.params if p.grad is not None),
-                "optimizer": unique_bytes(_local(t) for t in state)}
+        return {"params": unique_bytes(local(p) for p in self.params),
+                "grads": unique_bytes(local(p.grad) for p in self.params if p.grad is not None),
+                "optimizer": unique_bytes(local(t) for t in state)}
 
     def pieces(self) -> list[dict]:
         out = []
         for name, p in zip(self.names, self.params):
             shards = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
             box = shard_box(tuple(p.shape), shards[0], self.tp, self.tp_rank) if shards else None
-            out.append(piece(name, tuple(p.shape), _local(p), box=box))
+            out.append(piece(name, tuple(p.shape), local(p), box=box))
         return out

@@ -86,8 +86,8 @@ def collectives(cfg: ParallelConfig, model: ModelConfig) -> list[tuple[str, int,
     act = 2 if cfg.precision == "bf16" else 4
     B = act * b * s * model.hidden
     if cfg.sequence_parallel:
-        rows = [("all_gather", B, (4 * L + 2) * m, "before each column-parallel region (fwd), after each row-parallel one (bwd)"),
-                ("reduce_scatter", B, (4 * L + 2) * m, "after each row-parallel region (fwd), before each column-parallel one (bwd)")]
+        rows = [("all_gather", B, (4 * L + 2) * m, "into column-parallel regions (fwd), out of row-parallel (bwd)"),
+                ("reduce_scatter", B, (4 * L + 2) * m, "out of row-parallel regions (fwd), into column-parallel (bwd)")]
     else:
         rows = [("all_reduce", B, (4 * L + 2) * m, "g after row-parallel layers (fwd), f before column-parallel (bwd)")]
     rows += [("all_reduce", 4 * b * s, m, "vocab-parallel loss: max logit"),
