@@ -53,7 +53,15 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     schedule = accumulate
     info: dict = {}
 
-    # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py
+    # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py, or DTensor's
+    if cfg.tp > 1 and cfg.impl == "torch":
+        from labkit.engines.parallel.tensor_torch import apply_tp_torch
+
+        model, info["tp_plan"], schedule = apply_tp_torch(model, mesh, cfg, schedule)
+    elif cfg.tp > 1:
+        from labkit.engines.parallel.tensor import apply_tp
+
+        model, info["tp_plan"] = apply_tp(model, mesh, cfg)
 
     # 2. context parallelism: engines/parallel/context.py
     if cfg.cp > 1:
@@ -85,6 +93,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
         sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)
         chunks = sync.modules
+    elif cfg.impl == "torch" and cfg.tp > 1:
+        from labkit.engines.parallel.tensor_torch import TorchTP
+
+        sync = TorchTP(chunks[0], mesh, optim)
     elif cfg.impl == "torch":
         from labkit.engines.parallel.ddp import TorchDDP
 

@@ -281,8 +281,11 @@ def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
         out.append(f"precision={cfg.precision!r} is not built yet; use 'fp32'")
     if cfg.checkpoint_activations:
         out.append("checkpoint_activations is not built yet; set it to False")
-    if cfg.tp > 1 or cfg.sequence_parallel:
-        out.append("tensor parallelism is not built yet; use tp=1")
+    if cfg.tp > 1 and cfg.impl == "torch" and cfg.dp * cfg.cp * cfg.ep * cfg.pp > 1:
+        out.append("impl='torch' with tp > 1 and dp, cp, ep or pp > 1 is not built yet (PyTorch composes "
+                   "DTensor TP with FSDP2, not DDP); use impl='lab' or dp=cp=ep=pp=1")
+    if cfg.tp > 1 and model.experts:
+        out.append("tensor parallelism of MoE layers is not built yet; use tp=1 or experts=0")
     return out
 
 

@@ -1,13 +1,16 @@
 """The communication meter: every collective and point-to-point op a rank issues.
 
-How it sees them. `install()` registers one small Python kernel, at the Autograd dispatch key
-of the CPU and CUDA backends, for each `c10d::*` op and each functional collective
-(`_c10d_functional::*`, DTensor's path), then re-dispatches below autograd to the real
-kernel. Every process-group op goes through the dispatcher whoever issues it — our code,
-PyTorch DDP's C++ reducer (its bucket all-reduces and its bucket-order broadcasts), FSDP2,
-DTensor, torch.distributed.pipelining — so this one hook sees them all, while the model's
-own ops never touch Python. (A TorchDispatchMode would see them too, but it sends every aten
-op through Python: 35-130% slower steps on the lab's models, measured. It is kept as
+How it sees them. `install()` registers one small Python kernel for each `c10d::*` op at the
+BackendSelect dispatch key, then re-dispatches to the real (CPU or CUDA) kernel. Every
+process-group op reaches the dispatcher as a c10d op, whoever issues it — our code, PyTorch
+DDP's C++ reducer (its bucket all-reduces and its bucket-order broadcasts), the functional
+collectives (their kernels call the ProcessGroup, which calls the c10d op), FSDP2, DTensor,
+torch.distributed.pipelining — so this one hook sees them all, while the model's own ops never
+touch Python. BackendSelect rather than an Autograd key: DTensor issues the collectives of its
+sharding propagation (loss_parallel's reductions, a clip_grad_norm_ over sharded gradients)
+from inside its own dispatch, where the Autograd keys are already excluded; BackendSelect is
+still ahead of them. (A TorchDispatchMode would see them too, but it sends every aten op
+through Python: 35-130% slower steps on the lab's models, measured. It is kept as
 `CommAudit`, which the tests run beside this meter to prove it missed nothing.)
 
 What it records, per op (a plain dict, see labkit.results.CommEvent): op, dim (the mesh
@@ -84,24 +87,6 @@ _C10D = {
     "monitored_barrier_": ("barrier", None, None, None),
 }
 
-# functional collectives: (op, tensor argument, B rule); group from 'group_name'
-_FUNCOL = {
-    "all_reduce": ("all_reduce", "input", "sum"),
-    "all_reduce_": ("all_reduce", "input", "sum"),
-    "all_reduce_coalesced": ("all_reduce", "inputs", "sum"),
-    "all_reduce_coalesced_": ("all_reduce", "inputs", "sum"),
-    "all_gather_into_tensor": ("all_gather", "input", "n*"),
-    "all_gather_into_tensor_out": ("all_gather", "input", "n*"),
-    "all_gather_into_tensor_coalesced": ("all_gather", "inputs", "n*"),
-    "reduce_scatter_tensor": ("reduce_scatter", "input", "sum"),
-    "reduce_scatter_tensor_out": ("reduce_scatter", "input", "sum"),
-    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs", "sum"),
-    "all_to_all_single": ("all_to_all", "input", "sum"),
-    "broadcast": ("broadcast", "input", "sum"),
-    "broadcast_": ("broadcast", "input", "sum"),
-}
-
-
 class CommMeter:
     """Collects CommEvents for one run on one rank. `CommMeter.current` is the active one
     (a class attribute, not a thread-local: DDP's reducer may issue from autograd threads)."""
@@ -116,7 +101,6 @@ class CommMeter:
         self.step = -1
         self._seq: dict[str, int] = {}
         self._pending: list[tuple[object, dict]] = []   # works with no future: polled
-        self._by_output: dict[int, dict] = {}           # functional collectives: output storage -> event
         self._lock = threading.Lock()
 
     def __enter__(self):
@@ -212,11 +196,11 @@ def _c10d_kernel(name: str):
     op = getattr(torch.ops.c10d, name).default
     our, tensor_arg, rule, peer_arg = _C10D[name]
 
-    def kernel(*args, **kwargs):
+    def kernel(keyset, *args, **kwargs):
+        below = keyset.remove(torch._C.DispatchKey.BackendSelect)
         meter = CommMeter.current
         if meter is None:
-            with torch._C._AutoDispatchBelowAutograd():
-                return op(*args, **kwargs)
+            return op.redispatch(below, *args, **kwargs)
         a = _bind(op, args, kwargs)
         pg = dist.ProcessGroup.unbox(a["process_group"])
         n = pg.size()
@@ -232,51 +216,9 @@ def _c10d_kernel(name: str):
             peer = _ranks_of(pg)[local]
             root = pg.rank() == local
         ev = meter.begin(our, pg, tensor, payload, peer if our in ("send", "recv") else None, root)
-        with torch._C._AutoDispatchBelowAutograd():
-            out = op(*args, **kwargs)
+        out = op.redispatch(below, *args, **kwargs)
         work = out[-1] if isinstance(out, tuple) else out
         meter.watch(torch._C._distributed_c10d.Work.unbox(work) if work is not None else None, ev)
-        return out
-
-    return kernel
-
-
-def _funcol_kernel(name: str):
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
-    op = getattr(torch.ops._c10d_functional, name).default
-    our, tensor_arg, rule = _FUNCOL[name]
-
-    def kernel(*args, **kwargs):
-        meter = CommMeter.current
-        if meter is None:
-            with torch._C._AutoDispatchBelowAutograd():
-                return op(*args, **kwargs)
-        a = _bind(op, args, kwargs)
-        pg = _resolve_process_group(a["group_name"])
-        ts = a[tensor_arg]
-        payload = _total(ts) * (pg.size() if rule == "n*" else 1)
-        ev = meter.begin(our, pg, _first(ts), payload)
-        with torch._C._AutoDispatchBelowAutograd():
-            out = op(*args, **kwargs)
-        for t in (out if isinstance(out, (list, tuple)) else [out]):
-            meter._by_output[t.untyped_storage().data_ptr()] = ev   # ends at its wait_tensor
-        return out
-
-    return kernel
-
-
-def _wait_kernel():
-    op = torch.ops._c10d_functional.wait_tensor.default
-
-    def kernel(tensor):
-        with torch._C._AutoDispatchBelowAutograd():
-            out = op(tensor)
-        meter = CommMeter.current
-        if meter is not None:
-            ev = meter._by_output.pop(tensor.untyped_storage().data_ptr(), None)
-            if ev is not None:
-                meter.end(ev)
         return out
 
     return kernel
@@ -290,32 +232,29 @@ def install() -> None:
     meter is active)."""
     if _LIBS:
         return
-    import torch.distributed._functional_collectives  # noqa: F401  (registers the functional ops)
-
     c10d = torch.library.Library("c10d", "IMPL")
-    funcol = torch.library.Library("_c10d_functional", "IMPL")
-    for key in ("AutogradCPU", "AutogradCUDA"):
-        for name in _C10D:
-            if hasattr(torch.ops.c10d, name):
-                c10d.impl(name, _c10d_kernel(name), key)
-        for name in _FUNCOL:
-            if hasattr(torch.ops._c10d_functional, name):
-                funcol.impl(name, _funcol_kernel(name), key)
-        funcol.impl("wait_tensor", _wait_kernel(), key)
-    _LIBS.extend([c10d, funcol])
+    for name in _C10D:
+        if hasattr(torch.ops.c10d, name):
+            c10d.impl(name, _c10d_kernel(name), "BackendSelect", with_keyset=True)
+    _LIBS.append(c10d)
 
 
 class CommAudit:
     """A TorchDispatchMode that counts every c10d op issued in its thread (tests use it to prove
-    that CommMeter saw each one). Slow: every aten op passes through Python while it is on."""
+    that CommMeter saw each one). Slow: every aten op passes through Python while it is on.
+    DTensor ops are handed back (NotImplemented, as PyTorch's CommDebugMode does) so that DTensor
+    desugars them first and the mode sees the collectives they turn into."""
 
     def __init__(self):
+        from torch.distributed.tensor import DTensor
         from torch.utils._python_dispatch import TorchDispatchMode
 
         counts: dict[str, int] = {}
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                if DTensor in types:
+                    return NotImplemented
                 name = str(func.overloadpacket)
                 if "c10d" in name and "wait" not in name and "_wrap" not in name:
                     counts[name] = counts.get(name, 0) + 1

@@ -13,9 +13,16 @@ from __future__ import annotations
 import torch
 
 
+def local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: a DTensor's local shard (DTensor TP), else `t` itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
 def storage_key(t: torch.Tensor) -> tuple:
-    s = t.untyped_storage()
-    return (t.device.type, s.data_ptr())
+    t = local(t)
+    return (t.device.type, t.untyped_storage().data_ptr())
 
 
 def unique_bytes(tensors) -> int:
@@ -24,7 +31,7 @@ def unique_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        seen[storage_key(t)] = t.untyped_storage().nbytes()
+        seen[storage_key(t)] = local(t).untyped_storage().nbytes()
     return sum(seen.values())
 
 
@@ -84,11 +91,11 @@ class MemoryMeter:
 
     def _pack(self, t: torch.Tensor):
         key = storage_key(t)
-        if key in self._exclude or t.untyped_storage().nbytes() == 0:
+        nbytes = local(t).untyped_storage().nbytes()
+        if key in self._exclude or nbytes == 0:
             return t
         ref = self._refs.get(key)
         if ref is None:
-            nbytes = t.untyped_storage().nbytes()
             self._refs[key] = [nbytes, 1]
             self.track("activations", nbytes)
         else:

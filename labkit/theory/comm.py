@@ -58,8 +58,9 @@ class Comm:
 def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """Every collective of one steady-state step of `cfg`, per rank. Each strategy adds its own
     ops from its theory module (tensor.py, context.py, experts.py, pipeline.py, sharding.py)."""
-    from labkit.theory import context, experts, pipeline
+    from labkit.theory import context, experts, pipeline, tensor
 
+    tensor.comm_rows(comm, cfg, model, layout)
     context.comm_rows(comm, cfg, model, layout)
     experts.comm_rows(comm, cfg, model, layout)
     pipeline.p2p_rows(comm, cfg, model, layout)
@@ -69,20 +70,19 @@ def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshL
 
 def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """DDP (sharding='none'): each bucket of gradients all-reduced once per step over the dims its
-    parameters are reduced over (dp x ep x cp; experts under ep: dp x cp), bucketed per group and
-    per pipeline chunk (the whole model when pp == 1)."""
-    from labkit.theory import experts
-    from labkit.theory.pipeline import chunk_params
+    parameters are reduced over (dp x ep x cp; experts under ep: dp x cp; SP's LayerNorms add tp),
+    bucketed per group and per pipeline chunk (the whole model when pp == 1), as
+    engines/parallel/ddp.py `plan` does."""
+    from labkit.theory.params import chunk_params
 
     cap = int(cfg.bucket_mb * 2**20)
     for rank in range(layout.world):
         for chunk in chunk_params(cfg, model, layout.coords(rank)["pp"]):
-            shapes = experts.local_shapes(cfg, model, chunk)
-            sizes = [prod(s) * 4 for _, s in shapes]   # fp32 gradients
-            if cfg.impl == "torch":
+            sizes = [prod(s) * 4 for _, s, _ in chunk]   # fp32 gradients
+            if cfg.impl == "torch":   # PyTorch's DDP: one process group
                 buckets = [(("dp", "ep", "cp"), b) for b in torch_ddp_buckets(sizes, cap)]
             else:
-                buckets = plan_groups(sizes, [experts.reduce_dims(n, cfg) for n, _ in shapes], cap)
+                buckets = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
             for dims, b in buckets:
                 comm.add(rank, layout.label(*dims), "all_reduce", sum(sizes[i] for i in b), layout.size(*dims))
 

@@ -96,15 +96,20 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
     expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
     microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory import context, experts, pipeline
+    from labkit.theory import context, pipeline, tensor
+    from labkit.theory.params import rank_param_count
 
     pp_rank = layout.coords(rank)["pp"]
-    chunks = pipeline.chunk_params(cfg, model, pp_rank)   # the whole model unless pp splits it
-    psi = sum(experts.local_params(cfg, model, chunk) for chunk in chunks)   # experts split over ep
+    psi = rank_param_count(cfg, model, pp_rank)   # this rank's chunks, ep's experts, tp's slices
     states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     local = context.local_model(cfg, model)   # s/cp tokens per sequence
-    acts = pipeline.activation_peak(cfg, local, pp_rank) if cfg.pp > 1 else activation_bytes(local, micro)
+    if cfg.pp > 1:
+        acts = pipeline.activation_peak(cfg, local, pp_rank)
+    elif cfg.tp > 1:
+        acts = tensor.activation_bytes(model, micro, cfg.tp, cfg.sequence_parallel, model.seq // cfg.cp)
+    else:
+        acts = activation_bytes(local, micro)
     out = {"params": int(states["params"]), "grads": int(states["grads"]),
            "optimizer": int(states["optimizer"]), "activations": acts}
     out["peak"] = sum(out.values())

@@ -1,0 +1,70 @@
+"""The tensor-parallel plan as data: module name -> style. Pure Python (no torch), so the
+executor (tensor.py), the theory (labkit/theory/tensor.py) and a widget read the same table.
+
+Styles (Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2 for SP):
+  colwise    weight rows (output features) split over tp: Y_i = X A_i, no communication
+  rowwise    weight columns (input features) split: partial Y = X_i B_i, then `output`
+  vocab      an embedding table / LM head split along the vocabulary
+  input      what the module's input goes through first, once for all its colwise layers
+             (attention: wq, wk, wv share one): 'copy' (the paper's f: identity forward,
+             all-reduce backward) or, with sequence parallelism, 'all-gather' along the sequence
+  replicate  every tp rank holds the whole parameter and computes the same values
+  sequence   replicated parameters applied to this rank's s/tp positions (LayerNorm, position
+             embedding under SP): the gradient is partial per tp rank and summed over tp
+`output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
+(SP: the sum lands sequence-sharded). The LM head's output is the vocab-parallel
+cross-entropy, whose two small all-reduces (max, then sum-exp with the target logit) replace
+gathering (b, s, V) logits.
+"""
+from __future__ import annotations
+
+from labkit.config import ModelConfig
+
+
+def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, dict]:
+    """Module name -> style dict for the lab GPT (engines/model.py)."""
+    enter = {"style": "input", "input": "all-gather" if sequence_parallel else "copy"}
+    leave = "reduce-scatter" if sequence_parallel else "all-reduce"
+    norm = {"style": "sequence" if sequence_parallel else "replicate"}
+    plan = {
+        "embed.tok": {"style": "vocab", "shard_dim": 0, "output": leave},
+        "embed.pos": dict(norm),
+    }
+    for i in range(model.layers):
+        b = f"blocks.{i}."
+        plan[b + "ln1"] = dict(norm)
+        plan[b + "attn"] = dict(enter)
+        for w in ("wq", "wk", "wv"):
+            plan[b + f"attn.{w}"] = {"style": "colwise", "shard_dim": 0}   # whole heads per rank
+        plan[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
+        plan[b + "ln2"] = dict(norm)
+        plan[b + "mlp"] = dict(enter)
+        plan[b + "mlp.fc1"] = {"style": "colwise", "shard_dim": 0}
+        plan[b + "mlp.fc2"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
+    plan["head.norm"] = dict(norm)
+    plan["head.proj"] = {"style": "vocab", "shard_dim": 0, "input": enter["input"],
+                         "output": "vocab-parallel cross-entropy"}
+    return plan
+
+
+def param_style(plan: dict[str, dict], param_name: str) -> dict:
+    """The style of the module that owns `param_name` ('blocks.0.attn.wq.weight' -> attn.wq's)."""
+    return plan[param_name.rsplit(".", 1)[0]]
+
+
+def shard_box(full_shape, dim: int, tp: int, tp_rank: int) -> list[list[int]]:
+    """[start, stop) per tensor dim of the slice rank `tp_rank` holds: an even split along `dim`."""
+    box = [[0, n] for n in full_shape]
+    size = full_shape[dim] // tp
+    box[dim] = [tp_rank * size, (tp_rank + 1) * size]
+    return box
+
+
+def local_param(plan: dict[str, dict], name: str, full_shape, tp: int, tp_rank: int = 0):
+    """(local shape, box or None, extra reduce dims, replica dims) of one parameter under `plan`."""
+    style = param_style(plan, name)
+    if "shard_dim" in style:
+        box = shard_box(full_shape, style["shard_dim"], tp, tp_rank)
+        return tuple(b - a for a, b in box), box, (), ()
+    extra = ("tp",) if style["style"] == "sequence" else ()
+    return tuple(full_shape), None, extra, ("tp",)

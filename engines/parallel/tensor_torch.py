@@ -1,0 +1,143 @@
+"""The same tensor (+ sequence) parallelism through PyTorch's DTensor, as a user would write it.
+
+`parallelize_module` with ColwiseParallel / RowwiseParallel / PrepareModuleInput (and
+SequenceParallel under SP), each style derived from labkit's plan (tensor_plan.py), on a
+one-dimensional DeviceMesh wrapped around the Mesh's tp group (`DeviceMesh.from_group`: no new
+process group). torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ do the update.
+
+Choices, all of which run on gloo (torch 2.13):
+- Embedding: RowwiseParallel on the token table (vocab-parallel: DTensor masks the tokens other
+  ranks own and all-reduces the partial lookups). Under SP the embedding's sum stays
+  replicated and PrepareModuleOutput slices it to s/t rows (no communication; an all-gather
+  backward), because the learned position embedding is added to the full sequence first.
+- LM head: ColwiseParallel with Shard(-1) logits and `loss_parallel()`, PyTorch's
+  vocab-parallel cross-entropy; it must be active in forward and backward, so the schedule
+  runs inside it.
+- Parameters outside the plan (LayerNorms without SP, the position embedding) become
+  Replicate DTensors with `distribute_module`, so clip_grad_norm_ sees DTensors only (it
+  refuses a mix of DTensors and plain tensors).
+- DDP over dp is not composed with DTensor TP here (PyTorch composes TP with FSDP2);
+  labkit.config refuses impl='torch' with tp > 1 and dp, cp or ep > 1.
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+
+from labkit.config import OptimConfig, ParallelConfig
+from labkit.engines.meters.memory import local, unique_bytes
+from labkit.engines.optim import decays
+from labkit.engines.parallel.common import piece
+from labkit.engines.parallel.tensor_plan import shard_box, tp_plan
+
+
+def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:
+    """labkit's plan in DTensor's ParallelStyles (modules outside it are replicated)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    between = Shard(1) if sequence_parallel else Replicate()   # layout of the residual stream (b, s, h)
+    out = {}
+    for name, style in plan.items():
+        kind = style["style"]
+        if kind == "colwise":
+            out[name] = ColwiseParallel()
+        elif kind == "rowwise":
+            out[name] = RowwiseParallel(output_layouts=between)
+        elif kind == "input":
+            out[name] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
+        elif kind == "sequence" and not name.endswith("pos"):
+            out[name] = SequenceParallel()
+        elif kind == "vocab" and name == "head.proj":
+            out[name] = ColwiseParallel(input_layouts=between, output_layouts=Shard(-1), use_local_output=False)
+        elif kind == "vocab":
+            out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
+            if sequence_parallel:
+                out[name.rpartition(".")[0]] = PrepareModuleOutput(output_layouts=Replicate(),
+                                                                   desired_output_layouts=Shard(1))
+    return out
+
+
+def _replicate_rest(model: nn.Module, tp_mesh) -> None:
+    """Every module whose own parameters are still plain tensors: Replicate DTensor parameters,
+    local tensors in and out."""
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+    def to_dtensor(_mod, inputs, mesh):
+        return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                     for x in inputs)
+
+    def to_local(_mod, out, _mesh):
+        return out.to_local() if isinstance(out, DTensor) else out
+
+    for _, mod in list(model.named_modules()):
+        own = list(mod.parameters(recurse=False))
+        if own and not any(isinstance(p, DTensor) for p in own):
+            distribute_module(mod, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
+
+
+def apply_tp_torch(model: nn.Module, mesh, cfg: ParallelConfig, schedule):
+    """parallelize_module on the tp group; returns (model, plan as data, schedule in loss_parallel)."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+
+    device = next(model.parameters()).device.type
+    tp_mesh = DeviceMesh.from_group(mesh.group("tp"), device)
+    plan = tp_plan(model.cfg, cfg.sequence_parallel)
+    parallelize_module(model, tp_mesh, torch_plan(plan, cfg.sequence_parallel))
+    _replicate_rest(model, tp_mesh)
+    # the loss leaves loss_parallel as a Replicate DTensor; the schedule adds plain tensors
+    model.register_forward_hook(lambda _m, _a, out: out.to_local() if isinstance(out, DTensor) else out)
+
+    def in_loss_parallel(par, microbatches, meters):
+        with loss_parallel():
+            return schedule(par, microbatches, meters)
+
+    return model, plan, in_loss_parallel
+
+
+class TorchTP:
+    """GradSync for DTensor TP: torch.optim.AdamW and clip_grad_norm_ (DTensor-aware: shards'
+    squared norms are summed over tp, replicas counted once)."""
+
+    def __init__(self, module: nn.Module, mesh, optim: OptimConfig):
+        self.module = module
+        self.tp, self.tp_rank = mesh.size("tp"), mesh.coord("tp")
+        self.names = [n for n, _ in module.named_parameters()]
+        self.params = [p for _, p in module.named_parameters()]
+        self.clip = optim.clip
+        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
+        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+    def microbatch(self, index: int, count: int):
+        return nullcontext()   # no data parallelism: gradients simply accumulate
+
+    def finish(self) -> None:
+        pass
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf"))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    def memory(self) -> dict[str, int]:
+        state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+        return {"params": unique_bytes(local(p) for p in self.params),
+                "grads": unique_bytes(local(p.grad) for p in self.params if p.grad is not None),
+                "optimizer": unique_bytes(local(t) for t in state)}
+
+    def pieces(self) -> list[dict]:
+        out = []
+        for name, p in zip(self.names, self.params):
+            shards = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
+            box = shard_box(tuple(p.shape), shards[0], self.tp, self.tp_rank) if shards else None
+            out.append(piece(name, tuple(p.shape), local(p), box=box))
+        return out

@@ -1,0 +1,115 @@
+"""Tensor and sequence parallelism, predicted: parameters per rank, activations saved for
+backward, and wire bytes per collective (labkit's implementation, engines/parallel/tensor.py).
+
+Parameters: the plan (engines/parallel/tensor_plan.py, the same table the engines execute)
+splits every weight matrix, the token table and the LM head over tp; LayerNorms and the
+position embedding stay whole on every rank.
+
+Activations, counted from what our model saves (exact; the meter agrees to the byte). With
+t = tp, b the microbatch, s the sequence, s' = s/t under SP and s otherwise (the rows of the
+residual stream a rank holds), per block, act bytes per element:
+    2bs'h      LayerNorm inputs (the residual stream)
+    2bsh       LayerNorm outputs, replicated / all-gathered, kept by the column-parallel layers
+               (Megatron keeps the s/t shard and all-gathers it again in backward: 2bs'h)
+    4bsh/t     q, k, v and the attention output of the local heads
+    2bsf/t     fc1 output and GELU output
+  + fp32 4bs' x 4 (LayerNorm mean and rstd, two LayerNorms) + 4(a/t)bs (attention log-sum-exp)
+head: bs'h + bsh (norm input, gathered output) + 8bs' (stats) + 4bsV/t (fp32 softmax of the
+vocab-parallel loss) + 8bs (local target ids) + bs (bool: target on another rank)
+embedding: 8bs (local token ids) + bs (bool mask) + 8s (positions).
+Korthikanti et al. (2022), table 2 count a different block (dropout, stored softmax): sbh(10 +
+24/t + 5as/(ht)) with TP, sbh(34/t + 5as/(ht)) with TP + SP (theory.korthikanti_layer_bytes);
+the shape of the saving is the same: only the tensors between the parallel regions shrink.
+
+Communication per microbatch, B = act·b·s·h (s: the rank's sequence, s/cp under CP), L layers,
+all over the tp group:
+  TP    all-reduce B: forward 1 (embedding) + 2L (wo, fc2), backward 2L (attention and MLP
+        inputs: f) + 1 (LM head input)                                     -> 4L + 2 of B
+  SP    the same sums as reduce-scatter + all-gather pairs: all-gather B 2L + 1 forward,
+        2L + 1 backward; reduce-scatter B likewise                         -> 4L + 2 of each
+  loss  all-reduce 4bs (max) and 8bs (sum-exp, target logit), fp32, forward only
+and per step: one all-reduce of the squared gradient norm (4 bytes) over tp; under SP the
+LayerNorm and position-embedding gradients join DDP's buckets over tp (x dp, ep, cp).
+Ring model: all-reduce 2(t-1)/t·B sent per rank, all-gather / reduce-scatter (t-1)/t·B, so
+SP's pair of collectives costs what the all-reduce it replaces costs.
+"""
+from __future__ import annotations
+
+from math import prod
+
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.engines.parallel.tensor_plan import local_param, tp_plan
+from labkit.theory.model import param_shapes
+
+DATA_DIMS = ("dp", "ep", "cp")
+
+
+def rank_params(cfg: ParallelConfig, model: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:
+    """(name, shape this rank holds, mesh dims its gradient is summed over) of every parameter,
+    in registration order (the same on every tp rank: the split is even)."""
+    if cfg.tp == 1:
+        return [(n, s, DATA_DIMS) for n, s in param_shapes(model)]
+    plan = tp_plan(model, cfg.sequence_parallel)
+    out = []
+    for name, shape in param_shapes(model):
+        local, _, extra, _ = local_param(plan, name, shape, cfg.tp)
+        out.append((name, local, DATA_DIMS + extra))
+    return out
+
+
+def rank_param_count(cfg: ParallelConfig, model: ModelConfig) -> int:
+    """Parameters one rank holds (Ψ/t for the split matrices, whole LayerNorms and positions)."""
+    return sum(prod(s) for _, s, _ in rank_params(cfg, model))
+
+
+def activation_bytes(model: ModelConfig, batch: int, tp: int, sp: bool = False, seq: int | None = None,
+                     act_bytes: int = 4, megatron_regather: bool = False) -> int:
+    """Bytes our TP (+ SP) model saves for backward for one microbatch of `batch` rows on one
+    rank (module docstring). seq: the rank's sequence (default the model's; s/cp under CP).
+    megatron_regather: count the column-parallel inputs as s/t shards, as Megatron keeps them."""
+    b, h, f, a, v = batch, model.hidden, model.ffn, model.heads, model.vocab
+    s = seq or model.seq
+    rows = s // tp if sp else s                       # residual-stream rows this rank holds
+    kept = rows if megatron_regather else s           # rows of the column-parallel inputs kept
+    block = act_bytes * (2 * b * rows * h + 2 * b * kept * h + 4 * b * s * h // tp + 2 * b * s * f // tp)
+    block += 4 * (4 * b * rows + a // tp * b * s)
+    head = act_bytes * (b * rows * h + b * kept * h) + 4 * 2 * b * rows + 4 * b * s * v // tp + 8 * b * s + b * s
+    embed = 8 * b * s + b * s + 8 * s
+    return model.layers * block + head + embed
+
+
+def collectives(cfg: ParallelConfig, model: ModelConfig) -> list[tuple[str, int, int, str]]:
+    """(op, payload bytes, calls per step, what) of every tp collective one rank issues per step."""
+    t, L, m = cfg.tp, model.layers, cfg.microbatches
+    b = cfg.global_batch // (cfg.dp * cfg.ep * m)
+    s = model.seq // cfg.cp
+    act = 2 if cfg.precision == "bf16" else 4
+    B = act * b * s * model.hidden
+    if cfg.sequence_parallel:
+        rows = [("all_gather", B, (4 * L + 2) * m, "into column-parallel regions (fwd), out of row-parallel (bwd)"),
+                ("reduce_scatter", B, (4 * L + 2) * m, "out of row-parallel regions (fwd), into column-parallel (bwd)")]
+    else:
+        rows = [("all_reduce", B, (4 * L + 2) * m, "g after row-parallel layers (fwd), f before column-parallel (bwd)")]
+    rows += [("all_reduce", 4 * b * s, m, "vocab-parallel loss: max logit"),
+             ("all_reduce", 8 * b * s, m, "vocab-parallel loss: sum of exponentials, target logit"),
+             ("all_reduce", 4, 1, "squared gradient norm")]
+    return [r for r in rows if t > 1]
+
+
+def per_layer(cfg: ParallelConfig, model: ModelConfig) -> dict[str, int]:
+    """Payload bytes one transformer layer moves per microbatch, per op (forward + backward)."""
+    b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    B = (2 if cfg.precision == "bf16" else 4) * b * (model.seq // cfg.cp) * model.hidden
+    if cfg.sequence_parallel:
+        return {"all_gather": 4 * B, "reduce_scatter": 4 * B}
+    return {"all_reduce": 4 * B}
+
+
+def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+    """Add every rank's tp collectives (one step) to `comm` (theory/comm.py's Comm)."""
+    if cfg.tp == 1:
+        return
+    label = layout.label("tp")
+    for rank in range(layout.world):
+        for op, payload, calls, _ in collectives(cfg, model):
+            comm.add(rank, label, op, payload, cfg.tp, calls)
