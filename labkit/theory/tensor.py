@@ -91,8 +91,8 @@ def collectives(cfg: ParallelConfig, model: ModelConfig) -> list[tuple[str, int,
     else:
         rows = [("all_reduce", B, (4 * L + 2) * m, "g after row-parallel layers (fwd), f before column-parallel (bwd)")]
     rows += [("all_reduce", 4 * b * s, m, "vocab-parallel loss: max logit"),
-             ("all_reduce", 8 * b * s, m, "vocab-parallel loss: sum of exponentials, target logit"),
-             ("all_reduce", 4, 1, "squared gradient norm")]
+             ("all_reduce", 8 * b * s, m, "vocab-parallel loss: sum of exponentials, target logit")]
+    # the squared gradient norm's all-reduce is theory/comm.py grad_norm (over every splitting dim)
     return [r for r in rows if t > 1]
 
 
