@@ -55,11 +55,13 @@ class MemoryMeter:
         self.states = 0
         self.peak = 0
         self._refs: dict[tuple, list] = {}   # storage -> [bytes, count]
-        self._exclude: set[tuple] = set()
+        self._exclude: set[int] = set()   # storage objects (_cdata)
 
     def exclude(self, tensors) -> None:
-        """Storages that are not activations (parameters, their flat buffers)."""
-        self._exclude = {storage_key(t) for t in tensors if t is not None}
+        """Add storages that are not activations (parameters, their flat buffers). Keyed by the
+        storage object, not its address: ZeRO-3 and FSDP free a gathered parameter buffer after use
+        and re-allocate it in place (storage.resize_), and it must stay a parameter."""
+        self._exclude |= {t.untyped_storage()._cdata for t in tensors if t is not None}
 
     def set_states(self, nbytes: int) -> None:
         self.states = nbytes
@@ -83,9 +85,10 @@ class MemoryMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        key = storage_key(t)
-        if key in self._exclude or t.untyped_storage().nbytes() == 0:
+        storage = t.untyped_storage()
+        if storage._cdata in self._exclude or storage.nbytes() == 0:
             return t
+        key = storage_key(t)
         ref = self._refs.get(key)
         if ref is None:
             nbytes = t.untyped_storage().nbytes()

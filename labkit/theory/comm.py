@@ -59,17 +59,26 @@ class Comm:
 def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """Every collective of one steady-state step of `cfg`, per rank. Each strategy adds its own
     ops from its theory module (tensor.py, context.py, experts.py, pipeline.py, sharding.py)."""
-    data_parallel(comm, cfg, model, layout)
+    if cfg.sharding == "none":
+        data_parallel(comm, cfg, model, layout)
+    else:
+        from labkit.theory import sharding
+
+        sharding.comm_rows(comm, cfg, model, layout)
 
 
 def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
-    """DDP (sharding='none'): each bucket of gradients all-reduced once per step over dp x ep x cp."""
+    """DDP (sharding='none'): each bucket of gradients all-reduced once per step over dp x ep x cp.
+    Buckets are cut by gradient bytes in the compute dtype and reduced in fp32 (bf16 gradients
+    are reduced in an fp32 copy: engines/precision.py)."""
     dims = ("dp", "ep", "cp")
     n = layout.size(*dims)
-    sizes = [prod(s) * 4 for _, s in param_shapes(model)]   # fp32 gradients
+    elem = 2 if cfg.precision == "bf16" else 4
+    numels = [prod(s) for _, s in param_shapes(model)]
+    sizes = [k * elem for k in numels]
     cap = int(cfg.bucket_mb * 2**20)
     buckets = torch_ddp_buckets(sizes, cap) if cfg.impl == "torch" else plan_buckets(sizes, cap)
     label = layout.label(*dims)
     for rank in range(layout.world):
         for b in buckets:
-            comm.add(rank, label, "all_reduce", sum(sizes[i] for i in b), n)
+            comm.add(rank, label, "all_reduce", 4 * sum(numels[i] for i in b), n)

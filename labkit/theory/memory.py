@@ -44,20 +44,23 @@ def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head
     each op keeps (pre-LN block, no dropout, PyTorch's CPU/flash attention):
 
       per block  8bsh (LN inputs and outputs, q k v, attention output, residual) + 2bsf (fc1 out,
-                 GELU out) + 4bs (LayerNorm mean and rstd, fp32) + a·b·s (attention log-sum-exp)
+                 GELU out) + 4bs (LayerNorm mean and rstd) + a·b·s (attention log-sum-exp, fp32)
       head       2bsh (LN input and output) + 2bs (LN stats) + bsV (log-softmax output, fp32)
                  + bs int64 targets + one fp32 scalar
       embedding  bs int64 token ids + s int64 positions
+
+    act_bytes: bytes per activation element (4 fp32, 2 bf16). PyTorch's CPU LayerNorm keeps its
+    mean and rstd in the activation dtype (its CUDA kernel keeps them in fp32).
 
     (Korthikanti et al.'s sbh(34 + 5as/h) counts a different block: dropout masks, stored
     softmax scores; `korthikanti_layer_bytes` gives that published formula.)
     """
     b, s, h, f, a, v = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab
     layers = m.layers if layers is None else layers
-    block = act_bytes * (8 * b * s * h + 2 * b * s * f) + 4 * (4 * b * s + a * b * s)
+    block = act_bytes * (8 * b * s * h + 2 * b * s * f + 4 * b * s) + 4 * a * b * s
     total = layers * block
     if head:
-        total += act_bytes * 2 * b * s * h + 4 * 2 * b * s + 4 * b * s * v + 8 * b * s + 4
+        total += act_bytes * (2 * b * s * h + 2 * b * s) + 4 * b * s * v + 8 * b * s + 4
     if embed:
         total += 8 * b * s + 8 * s
     return total
@@ -92,12 +95,13 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
     expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
     microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory.model import num_params
+    from labkit.theory import sharding
 
-    psi = num_params(model)
-    states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
+    n = layout.size(*sharding.DATA_DIMS)
+    index = layout.group_of(rank, *sharding.DATA_DIMS).index(rank)   # its shard
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
-    out = {"params": int(states["params"]), "grads": int(states["grads"]),
-           "optimizer": int(states["optimizer"]), "activations": activation_bytes(model, micro)}
-    out["peak"] = sum(out.values())
+    out = sharding.state_bytes(cfg, model, n, index)
+    out["activations"] = sharding.activation_peak(cfg, model, micro)
+    out.update(sharding.transient_peaks(cfg, model, n))
+    out["peak"] = sum(out.values())   # transients summed as if they peaked together: an upper bound
     return out
