@@ -95,4 +95,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
         params = [(n, p) for c in chunks for n, p in c.named_parameters()]
         sync = DDP(params, mesh, loss_shards, int(cfg.bucket_mb * 2**20), optim, pol, meters)
+    if hasattr(sync, "plans"):   # ours: the flat buffers, for the report
+        info["flat_buffers"] = [{"unit": p.unit, "numel": p.numel, "padded": p.padded, "shard": p.shard}
+                                for p in sync.plans]
     return Parallel(chunks=chunks, grads=sync, schedule=schedule, inputs=inputs, info=info)

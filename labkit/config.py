@@ -292,6 +292,9 @@ def _sharding_problems(cfg: ParallelConfig) -> list[str]:
 def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """Layouts whose strategy is not implemented yet (each line goes when its strategy lands)."""
     out = []
+    if cfg.sharding != "none" and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1 or model.experts):
+        out.append(f"sharding={cfg.sharding!r} with tp, pp, cp, ep or experts is not built yet (ZeRO/FSDP "
+                   "shard whole dense parameters over dp); use sharding='none' (DDP) for those layouts")
     if cfg.tp > 1 or cfg.sequence_parallel:
         out.append("tensor parallelism is not built yet; use tp=1")
     if cfg.cp > 1:

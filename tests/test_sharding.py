@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.checks import assert_matches, rtol_for
+from labkit.checks import assert_matches, reference_shards, rtol_for
 
 from conftest import TINY
 
@@ -35,7 +35,7 @@ def oracle(lab):
     cache = {}
 
     def get(cfg: ParallelConfig, model=TINY):
-        shards = cfg.dp * cfg.ep * cfg.microbatches if cfg.precision == "bf16" else 1
+        shards = reference_shards(cfg)
         key = (model, cfg.precision, shards, cfg.global_batch)
         if key not in cache:
             cache[key] = reference(model, steps=3, global_batch=cfg.global_batch, precision=cfg.precision,

@@ -15,6 +15,8 @@ the mesh's own dp process group (no new groups), with `MixedPrecisionPolicy` for
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 
@@ -97,10 +99,7 @@ class TorchFSDP:
         group._to_unsharded, group._to_sharded = unsharded, sharded
 
     def microbatch(self, index: int, count: int):
-        from contextlib import nullcontext
-
-        self.module.set_requires_gradient_sync(True)   # reduce-scatter every microbatch, as ours
-        return nullcontext()
+        return nullcontext()   # FSDP2 reduce-scatters every microbatch by default, as ours does
 
     def finish(self) -> None:
         pass   # FSDP2 waits for its reduce-scatters at the end of backward
@@ -111,12 +110,14 @@ class TorchFSDP:
         self.opt.zero_grad(set_to_none=False)
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
+    @torch.no_grad()
     def memory(self) -> dict[str, int]:
         state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
         return {"params": unique_bytes(p.to_local() for p in self.params),
                 "grads": unique_bytes(p.grad.to_local() for p in self.params if p.grad is not None),
                 "optimizer": unique_bytes(t.to_local() for t in state)}
 
+    @torch.no_grad()
     def pieces(self) -> list[dict]:
         """Each parameter is split on dim 0 in chunks of ceil(d0 / N) rows (FSDP2's Shard(0))."""
         out = []
