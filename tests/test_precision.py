@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit import ConfigError, ModelConfig, ParallelConfig, theory, validate
+from labkit import ConfigError, ParallelConfig, theory, validate
 from labkit.checks import assert_matches
 from labkit.engines.parallel.flat import padded, unit_plans
 from labkit.theory import sharding
