@@ -9,7 +9,8 @@ are reduced come last, because they wrap whatever the earlier ones left.
   3. expert parallelism                             keeps E/ep experts, all-to-all    [ep]
   4. activation checkpointing                       recomputes blocks in backward
   5. pipeline parallelism                           keeps this stage's chunks         [pp]
-  6. data parallelism: DDP / ZeRO / FSDP            reduces gradients, owns the update [dp]
+  6. precision                                      bf16 compute, fp32 masters (a policy)
+  7. data parallelism: DDP / ZeRO / FSDP            reduces gradients, owns the update [dp]
 
 Steps 1-5 are added by their own modules as they are built; until then `unsupported` names
 the layouts that cannot run yet, and labkit.config refuses them before any engine work.
@@ -76,6 +77,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         info["ep"] = apply_ep(model, mesh, cfg)
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
+    if cfg.checkpoint_activations:
+        from labkit.engines.parallel.checkpoint import apply_ac
+
+        apply_ac(model, meters)
 
     # 5. pipeline parallelism: engines/parallel/pipeline.py
     chunks = [model]
@@ -84,11 +89,23 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
         chunks, schedule, info["pipeline"] = apply_pipeline(model, mesh, cfg, meters)
 
-    # 6. precision: engines/precision.py
+    # 6. precision: engines/precision.py (the data-parallel strategy casts to it and keeps the masters)
+    from labkit.engines.precision import policy
+
+    pol = policy(cfg.precision)
 
     # 7. data parallelism: DDP (ddp.py), ZeRO (zero.py), FSDP (fsdp.py)
     loss_shards = mesh.size(*DATA_DIMS)
-    if cfg.impl == "torch" and mesh.size("pp") > 1:
+    if cfg.sharding == "fsdp":
+        from labkit.engines.parallel.fsdp import apply_fsdp
+
+        sync = apply_fsdp(chunks[0], mesh, cfg, pol, optim, meters, loss_shards)
+        chunks = [sync.module]
+    elif cfg.sharding != "none":
+        from labkit.engines.parallel.zero import apply_zero
+
+        sync = apply_zero(chunks[0], mesh, cfg, pol, optim, meters, loss_shards)
+    elif cfg.impl == "torch" and mesh.size("pp") > 1:
         from labkit.engines.parallel.pipeline_torch import TorchStageGrads   # DDP per stage chunk
 
         sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)
@@ -106,5 +123,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         from labkit.engines.parallel.ddp import DDP
 
         params = [(n, p) for c in chunks for n, p in c.named_parameters()]
-        sync = DDP(params, mesh, loss_shards, int(cfg.bucket_mb * 2**20), optim)
+        sync = DDP(params, mesh, loss_shards, int(cfg.bucket_mb * 2**20), optim, pol, meters)
+    if hasattr(sync, "plans"):   # ours: the flat buffers, for the report
+        info["flat_buffers"] = [{"unit": p.unit, "numel": p.numel, "padded": p.padded, "shard": p.shard}
+                                for p in sync.plans]
     return Parallel(chunks=chunks, grads=sync, schedule=schedule, inputs=inputs, info=info)

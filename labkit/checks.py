@@ -11,6 +11,13 @@ def rtol_for(precision: str) -> float:
     return BF16_RTOL if precision == "bf16" else FP32_RTOL
 
 
+def reference_shards(cfg) -> int:
+    """The `shards` a reference needs to compute a layout's arithmetic (labkit/reference.py): under
+    bf16 every data shard and microbatch rounds its own gradient, so the reference splits the batch
+    the same way (dp * ep * microbatches); in fp32 the whole batch at once (1)."""
+    return cfg.dp * cfg.ep * cfg.microbatches if cfg.precision == "bf16" else 1
+
+
 def loss_errors(losses, ref_losses) -> list[float]:
     """Relative error of each step's loss."""
     return [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)]

@@ -62,7 +62,7 @@ def write_report(path: str, result, ref, estimate) -> None:
 
 def cmd_run(ns: argparse.Namespace) -> int:
     from labkit import Lab, reference, theory
-    from labkit.checks import loss_errors
+    from labkit.checks import loss_errors, reference_shards
 
     parallel = _pick(ns, ParallelConfig) or dict(DEMO)
     cfg = ParallelConfig(**parallel)
@@ -72,7 +72,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     with Lab(engines=engines, backend=ns.backend, timeout=ns.timeout) as lab:
         print(lab, flush=True)
         res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed)
-    ref = reference(model, steps=ns.steps, seed=ns.seed, global_batch=cfg.global_batch, precision=cfg.precision)
+    ref = reference(model, steps=ns.steps, seed=ns.seed, global_batch=cfg.global_batch, precision=cfg.precision,
+                    shards=reference_shards(cfg))
     est = theory.estimate(cfg, model, world=engines)
     errs = loss_errors(res.losses, ref.losses)
     print(f"losses    {['%.5f' % x for x in res.losses]}")

@@ -269,18 +269,41 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         out.append(f"sequence_parallel needs seq={model.seq} divisible by tp*cp={cfg.tp * cfg.cp}")
     if not cfg.bucket_mb > 0:
         out.append(f"bucket_mb={cfg.bucket_mb} must be > 0; try 25")
+    out += _sharding_problems(cfg)
+    return out
+
+
+# What PyTorch offers for each sharding (impl='torch'), or why nothing: the reason in the refusal.
+_TORCH_SHARDING = {
+    "zero1": "PyTorch has no ZeRO-1 for a module (ZeroRedundancyOptimizer shards only the optimizer "
+             "and is not wired into labkit); use impl='lab'",
+    "zero2": "PyTorch has no ZeRO-2 (sharded gradients with replicated parameters); use impl='lab', or "
+             "sharding='fsdp' with reshard_after_forward=False for FSDP2's ZeRO-2-like traffic",
+    "zero3": "PyTorch's ZeRO-3 is FSDP2; use sharding='fsdp' (reshard_after_forward=True) with impl='torch'",
+}
+
+
+def _sharding_problems(cfg: ParallelConfig) -> list[str]:
+    """Combinations of sharding, impl and precision that have no implementation to run."""
+    out = []
+    if cfg.impl == "torch" and cfg.sharding in _TORCH_SHARDING:
+        out.append(f"sharding={cfg.sharding!r} with impl='torch': {_TORCH_SHARDING[cfg.sharding]}")
+    if cfg.impl == "torch" and cfg.sharding == "none" and cfg.precision == "bf16":
+        out.append("precision='bf16' with impl='torch' and sharding='none': PyTorch's DDP has no bf16 "
+                   "compute with fp32 master weights; use impl='lab', or sharding='fsdp' (FSDP2's "
+                   "MixedPrecisionPolicy)")
+    if not cfg.reshard_after_forward and cfg.sharding != "fsdp":
+        out.append(f"reshard_after_forward=False only applies to sharding='fsdp' (got {cfg.sharding!r}); "
+                   "set sharding='fsdp' or reshard_after_forward=True")
     return out
 
 
 def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """Layouts whose strategy is not implemented yet (each line goes when its strategy lands)."""
     out = []
-    if cfg.sharding != "none":
-        out.append(f"sharding={cfg.sharding!r} is not built yet; use sharding='none' (DDP)")
-    if cfg.precision != "fp32":
-        out.append(f"precision={cfg.precision!r} is not built yet; use 'fp32'")
-    if cfg.checkpoint_activations:
-        out.append("checkpoint_activations is not built yet; set it to False")
+    if cfg.sharding != "none" and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1 or model.experts):
+        out.append(f"sharding={cfg.sharding!r} with tp, pp, cp, ep or experts is not built yet (ZeRO/FSDP "
+                   "shard whole dense parameters over dp); use sharding='none' (DDP) for those layouts")
     if cfg.tp > 1 and cfg.impl == "torch" and cfg.dp * cfg.cp * cfg.ep * cfg.pp > 1:
         out.append("impl='torch' with tp > 1 and dp, cp, ep or pp > 1 is not built yet (PyTorch composes "
                    "DTensor TP with FSDP2, not DDP); use impl='lab' or dp=cp=ep=pp=1")

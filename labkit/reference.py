@@ -24,9 +24,34 @@ class Reference:
 
 
 def reference(model: ModelConfig | None = None, steps: int = 3, seed: int = 0, global_batch: int = 8,
-              precision: str = "fp32", optim: OptimConfig | None = None) -> Reference:
-    """Train `steps` steps of `model` on one process and return losses and final parameters."""
+              precision: str = "fp32", optim: OptimConfig | None = None, shards: int = 1,
+              threads: int | None = None) -> Reference:
+    """Train `steps` steps of `model` on one process and return losses and final parameters.
+
+    precision='bf16' computes forward and backward on a bf16 copy of the fp32 master weights
+    (engines/precision.py: the ZeRO paper's mixed precision). shards > 1 splits each step's batch
+    into that many equal parts, each with its own backward, and sums their gradients in fp32
+    (then divides by `shards`): the arithmetic of a layout with that many data shards. In fp32 it
+    changes nothing that matters (~1e-7). In bf16 it does: each shard's gradient is rounded to
+    bf16 before the sum, and AdamW turns any gradient element whose sign that rounding flips
+    into a full step of lr the other way (checks.py). One process splitting its batch in two
+    already moves a LayerNorm bias of the tiny test model by 25% (relative L2) against the
+    unsplit run, with no parallel code involved; so a bf16 layout is checked against the
+    reference that splits its batch the same way (shards = dp * ep * microbatches).
+
+    threads: intra-op threads for this run (default: leave torch's setting). bf16 results depend
+    on how a kernel splits its work: the same bf16 run on 1 and on 2 threads differs by ~1e-2 in
+    that LayerNorm bias. Give the engines' count to compute exactly their arithmetic.
+    """
     import torch
+
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return reference(model, steps, seed, global_batch, precision, optim, shards)
+        finally:
+            torch.set_num_threads(before)
 
     from labkit.engines import data
     from labkit.engines.model import build_model
@@ -43,10 +68,16 @@ def reference(model: ModelConfig | None = None, steps: int = 3, seed: int = 0, g
     losses, norms = [], []
     for step in range(steps):
         tokens, targets = data.global_batch(step, seed, global_batch, model.seq, model.vocab)
-        loss = compute.module(tokens, targets)
-        loss.backward()
-        loss = loss.detach()
-        grads = compute.master_grads()
+        loss, grads = 0.0, None
+        for i in range(shards):
+            part = compute.module(data.shard(tokens, i, shards), data.shard(targets, i, shards))
+            part.backward()
+            loss = loss + part.detach()
+            mine = compute.master_grads()
+            grads = mine if grads is None else [a + b for a, b in zip(grads, mine)]
+            compute.zero_grads()
+        if shards > 1:
+            loss, grads = loss / shards, [g / shards for g in grads]
         norm = grad_norm(grads)
         opt.step(grads, clip_coefficient(norm, optim.clip))
         compute.after_step()

@@ -20,14 +20,16 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
 
 
-def storage_key(t: torch.Tensor) -> tuple:
-    t = local(t)
-    return (t.device.type, t.untyped_storage().data_ptr())
+def storage_key(t: torch.Tensor) -> int:
+    """The storage object behind `t` (its StorageImpl), not its address: ZeRO-3 and FSDP free a
+    gathered parameter's buffer and re-allocate it in place (storage.resize_), and fake tensors
+    (the dry run) all have address 0."""
+    return local(t).untyped_storage()._cdata
 
 
 def unique_bytes(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (None entries are skipped)."""
-    seen: dict[tuple, int] = {}
+    seen: dict[int, int] = {}
     for t in tensors:
         if t is None:
             continue
@@ -61,12 +63,14 @@ class MemoryMeter:
         self.peak_of: dict[str, int] = {}
         self.states = 0
         self.peak = 0
-        self._refs: dict[tuple, list] = {}   # storage -> [bytes, count]
-        self._exclude: set[tuple] = set()
+        self._refs: dict[int, list] = {}   # storage -> [bytes, count]
+        self._exclude: set[int] = set()   # storage objects (_cdata)
 
     def exclude(self, tensors) -> None:
-        """Storages that are not activations (parameters, their flat buffers)."""
-        self._exclude = {storage_key(t) for t in tensors if t is not None}
+        """Add storages that are not activations (parameters, their flat buffers). Keyed by the
+        storage object, not its address: ZeRO-3 and FSDP free a gathered parameter buffer after use
+        and re-allocate it in place (storage.resize_), and it must stay a parameter."""
+        self._exclude |= {storage_key(t) for t in tensors if t is not None}
 
     def set_states(self, nbytes: int) -> None:
         self.states = nbytes
@@ -94,6 +98,7 @@ class MemoryMeter:
         nbytes = local(t).untyped_storage().nbytes()
         if key in self._exclude or nbytes == 0:
             return t
+        key = storage_key(t)
         ref = self._refs.get(key)
         if ref is None:
             self._refs[key] = [nbytes, 1]

@@ -61,10 +61,11 @@ def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> d
             "values": values.detach().float().cpu().numpy().copy()}
 
 
-def param_piece(name: str, p: torch.Tensor) -> dict:
-    """The piece a (possibly sliced) parameter holds (see `_lk_full_shape` / `_lk_box`)."""
+def param_piece(name: str, p: torch.Tensor, values: torch.Tensor | None = None) -> dict:
+    """The piece a (possibly sliced) parameter holds (see `_lk_full_shape` / `_lk_box`); `values`
+    replaces its own (its fp32 master under mixed precision)."""
     shape = getattr(p, "_lk_full_shape", tuple(p.shape))
-    return piece(full_name(p, name), shape, p, box=getattr(p, "_lk_box", None))
+    return piece(full_name(p, name), shape, p if values is None else values, box=getattr(p, "_lk_box", None))
 
 
 def norm_plan(params: list[torch.Tensor], mesh, sharded_dims: tuple[str, ...] = ()):

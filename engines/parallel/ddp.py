@@ -21,6 +21,7 @@ from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
 from labkit.engines.parallel.buckets import plan_groups
 from labkit.engines.parallel.common import param_piece, reduce_dims
+from labkit.engines.precision import Policy, copy_masters, policy, split_masters
 
 
 class _Bucket:
@@ -35,6 +36,7 @@ class _Bucket:
             offset += p.numel()
         self.pending = len(params)
         self.work = None
+        self.reduced = None   # what the all-reduce runs on: the buffer, or its fp32 copy under bf16
 
 
 def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
@@ -55,15 +57,21 @@ class DDP:
     Each parameter's gradient is summed over the mesh dims named by its `_lk_reduce` (default
     dp x ep x cp) and divided by `loss_shards`, the number of ranks whose local mean losses
     average to the global loss (dp * ep * cp). `norm_plan` (common.py) says how the global
-    gradient norm is assembled when tp / pp / ep split the parameters.
+    gradient norm is assembled when tp / pp / ep split the parameters. Under bf16 (precision.py)
+    the parameters and the bucketed gradients are bf16, each bucket is all-reduced in an fp32 copy
+    (the reduce dtype) and rounded back; the optimizer updates fp32 masters and rounds them into
+    the parameters.
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh, loss_shards: int,
-                 bucket_bytes: int, optim: OptimConfig):
+                 bucket_bytes: int, optim: OptimConfig, pol: Policy | None = None, meters=None):
         from labkit.engines.parallel.common import norm_plan
 
+        pol = pol or policy("fp32")
+        self.reduce, self.meters = pol.reduce, meters
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        self.masters = split_masters(self.params, pol)
         self.loss_shards = loss_shards
         self.optim_cfg = optim
         self.norm_group, self.counted = norm_plan(self.params, mesh)
@@ -74,7 +82,7 @@ class DDP:
         self.sync = True
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._grad_ready)
-        self.opt = AdamW(self.params, optim, [decays(n, p) for n, p in named_params])
+        self.opt = AdamW(self.masters, optim, [decays(n, p) for n, p in named_params])
 
     @contextmanager
     def microbatch(self, index: int, count: int):
@@ -97,8 +105,15 @@ class DDP:
             if b.pending > 0 and not all_remaining:
                 return
             if dist.get_world_size(b.group) > 1:
-                b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)   # (numel,) summed
+                b.reduced = b.buffer if b.buffer.dtype == self.reduce else self._track(b.buffer.to(self.reduce))
+                b.work = dist.all_reduce(b.reduced, group=b.group, async_op=True)   # (numel,) summed
             self.next_launch += 1
+
+    def _track(self, buf: torch.Tensor, sign: int = 1) -> torch.Tensor:
+        """bf16: the fp32 copy a bucket is all-reduced in (precision.py), a transient."""
+        if self.meters is not None:
+            self.meters.memory.track("reduce_buffers", sign * buf.nbytes)
+        return buf
 
     def finish(self) -> None:
         self._launch_ready(all_remaining=True)   # buckets with unused params still go, in order
@@ -106,14 +121,20 @@ class DDP:
             if b.work is not None:
                 b.work.wait()
                 b.work = None
+            out = b.buffer if b.reduced is None else b.reduced
             if self.loss_shards > 1:
-                b.buffer.div_(self.loss_shards)
+                out.div_(self.loss_shards)
+            if out is not b.buffer:   # the fp32 mean, rounded once into the bf16 gradients
+                b.buffer.copy_(out)
+                self._track(out, -1)
+            b.reduced = None
         self.next_launch = 0
 
     def step(self) -> float:
         grads = [p.grad for p in self.params]
         norm = grad_norm(grads, self.counted, self.norm_group)
         self.opt.step(grads, clip_coefficient(norm, self.optim_cfg.clip))
+        copy_masters(self.params, self.masters)
         for b in self.buckets:
             b.buffer.zero_()
         return float(norm)
@@ -121,10 +142,11 @@ class DDP:
     def memory(self) -> dict[str, int]:
         return {"params": unique_bytes(self.params),
                 "grads": unique_bytes(b.buffer for b in self.buckets),
-                "optimizer": unique_bytes(self.opt.state_tensors())}
+                "optimizer": unique_bytes(self.opt.state_tensors()
+                                          + [m for m, p in zip(self.masters, self.params) if m is not p])}
 
     def pieces(self) -> list[dict]:
-        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+        return [param_piece(n, p, values=m) for n, p, m in zip(self.names, self.params, self.masters)]
 
 
 class TorchDDP:

@@ -64,27 +64,36 @@ def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshL
     context.comm_rows(comm, cfg, model, layout)
     experts.comm_rows(comm, cfg, model, layout)
     pipeline.p2p_rows(comm, cfg, model, layout)
-    data_parallel(comm, cfg, model, layout)
-    grad_norm(comm, cfg, layout)
+    if cfg.sharding == "none":
+        data_parallel(comm, cfg, model, layout)
+        grad_norm(comm, cfg, layout)
+    else:
+        from labkit.theory import sharding
+
+        sharding.comm_rows(comm, cfg, model, layout)   # ZeRO / FSDP, its own norm included
 
 
 def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> None:
     """DDP (sharding='none'): each bucket of gradients all-reduced once per step over the dims its
     parameters are reduced over (dp x ep x cp; experts under ep: dp x cp; SP's LayerNorms add tp),
     bucketed per group and per pipeline chunk (the whole model when pp == 1), as
-    engines/parallel/ddp.py `plan` does."""
+    engines/parallel/ddp.py `plan` does. Buckets are cut by gradient bytes in the compute dtype
+    and reduced in fp32 (bf16 gradients go through an fp32 copy: engines/precision.py)."""
     from labkit.theory.params import chunk_params
 
+    elem = 2 if cfg.precision == "bf16" else 4
     cap = int(cfg.bucket_mb * 2**20)
     for rank in range(layout.world):
         for chunk in chunk_params(cfg, model, layout.coords(rank)["pp"]):
-            sizes = [prod(s) * 4 for _, s, _ in chunk]   # fp32 gradients
+            numels = [prod(s) for _, s, _ in chunk]
+            sizes = [k * elem for k in numels]
             if cfg.impl == "torch":   # PyTorch's DDP: one process group
                 buckets = [(("dp", "ep", "cp"), b) for b in torch_ddp_buckets(sizes, cap)]
             else:
                 buckets = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
             for dims, b in buckets:
-                comm.add(rank, layout.label(*dims), "all_reduce", sum(sizes[i] for i in b), layout.size(*dims))
+                comm.add(rank, layout.label(*dims), "all_reduce", 4 * sum(numels[i] for i in b),
+                         layout.size(*dims))
 
 
 def grad_norm(comm: Comm, cfg: ParallelConfig, layout: MeshLayout) -> None:

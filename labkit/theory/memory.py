@@ -45,10 +45,13 @@ def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head
 
       per block  8bsh (LN inputs and outputs, q k v, attention output, residual) + 2bsf (fc1 out,
                  GELU out; an MoE layer keeps what theory/experts.py lists instead) + 4bs
-                 (LayerNorm mean and rstd, fp32) + a·b·s (attention log-sum-exp)
+                 (LayerNorm mean and rstd) + a·b·s (attention log-sum-exp, fp32)
       head       2bsh (LN input and output) + 2bs (LN stats) + bsV (log-softmax output, fp32)
                  + bs int64 targets + one fp32 scalar
       embedding  bs int64 token ids + s int64 positions
+
+    act_bytes: bytes per activation element (4 fp32, 2 bf16). PyTorch's CPU LayerNorm keeps its
+    mean and rstd in the activation dtype (its CUDA kernel keeps them in fp32).
 
     (Korthikanti et al.'s sbh(34 + 5as/h) counts a different block: dropout masks, stored
     softmax scores; `korthikanti_layer_bytes` gives that published formula.)
@@ -58,10 +61,10 @@ def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head
     b, s, h, f, a, v = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab
     layers = m.layers if layers is None else layers
     mlp = layer_activation_bytes(m, b, s, act_bytes) if m.experts else act_bytes * 2 * b * s * f
-    block = act_bytes * 8 * b * s * h + mlp + 4 * (4 * b * s + a * b * s)
+    block = act_bytes * (8 * b * s * h + 4 * b * s) + mlp + 4 * a * b * s
     total = layers * block
     if head:
-        total += act_bytes * 2 * b * s * h + 4 * 2 * b * s + 4 * b * s * v + 8 * b * s + 4
+        total += act_bytes * (2 * b * s * h + 2 * b * s) + 4 * b * s * v + 8 * b * s + 4
     if embed:
         total += 8 * b * s + 8 * s
     return total
@@ -96,20 +99,30 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
     expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
     microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory import context, pipeline, tensor
+    from labkit.theory import context, pipeline, sharding, tensor
     from labkit.theory.params import rank_param_count
 
+    micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    if cfg.tp == cfg.pp == cfg.cp == cfg.ep == 1 and not model.experts:
+        # data parallelism alone: DDP / ZeRO / FSDP, any precision, checkpointing
+        n = layout.size(*sharding.DATA_DIMS)
+        index = layout.group_of(rank, *sharding.DATA_DIMS).index(rank)   # its shard
+        out = sharding.state_bytes(cfg, model, n, index)
+        out["activations"] = sharding.activation_peak(cfg, model, micro)
+        out.update(sharding.transient_peaks(cfg, model, n))
+        out["peak"] = sum(out.values())   # transients summed as if they peaked together: an upper bound
+        return out
+    act = 2 if cfg.precision == "bf16" else 4
     pp_rank = layout.coords(rank)["pp"]
     psi = rank_param_count(cfg, model, pp_rank)   # this rank's chunks, ep's experts, tp's slices
     states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
-    micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     local = context.local_model(cfg, model)   # s/cp tokens per sequence
     if cfg.pp > 1:
         acts = pipeline.activation_peak(cfg, local, pp_rank)
     elif cfg.tp > 1:
-        acts = tensor.activation_bytes(model, micro, cfg.tp, cfg.sequence_parallel, model.seq // cfg.cp)
+        acts = tensor.activation_bytes(model, micro, cfg.tp, cfg.sequence_parallel, model.seq // cfg.cp, act)
     else:
-        acts = activation_bytes(local, micro)
+        acts = activation_bytes(local, micro, act_bytes=act)
     out = {"params": int(states["params"]), "grads": int(states["grads"]),
            "optimizer": int(states["optimizer"]), "activations": acts}
     out["peak"] = sum(out.values())

@@ -1,0 +1,138 @@
+"""Flat buffers for sharded data parallelism: which parameters share one, in what order, and how
+it is cut into shards. Pure Python (the theory reads the same plans the engines run).
+
+ZeRO (Rajbhandari et al., SC 2020, section 5) and FSDP (Zhao et al., VLDB 2023, section 3.2)
+both lay a group of parameters end to end in one flat buffer and give rank i of the N data
+ranks the i-th of N equal slices. To make the slices equal the buffer is padded with zeros at
+its end, up to the next multiple of N: the padding rule for every flat buffer here is
+
+    padded = ceil(numel / N) * N,    shard = padded / N   (elements per rank, padding included)
+
+Padding is never a parameter: its gradient is zero, the norm skips it, the update leaves it 0.
+
+Within a buffer the matrices (the tensors that weight decay applies to, engines/optim.py:
+`decays`) come first and the vectors (LayerNorm) after them, so a rank's slice is at most two
+runs — decayed, then not — and AdamW runs on the flat slices with a decay flag per run: the
+decay mask, as two ranges, costs no memory.
+
+Two ways to group parameters:
+  buckets  (ZeRO-1/2): DDP's bucket plan (buckets.py, by gradient bytes), one flat buffer each;
+  units    (ZeRO-3/FSDP): one flat buffer per module that is gathered as a whole just before it
+           runs — the embedding, each block, the head (zero3); or each block plus a root unit
+           holding everything else (fsdp, like FSDP2's fully_shard per block and on the model).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+
+from labkit.engines.parallel.buckets import plan_buckets
+
+
+def padded(numel: int, n: int) -> int:
+    """numel rounded up to a multiple of n (the padding rule)."""
+    return -(-numel // n) * n
+
+
+def is_matrix(shape) -> bool:
+    """Weight decay applies to tensors of 2 or more dims (engines/optim.py: decays)."""
+    return len(shape) >= 2
+
+
+@dataclass(frozen=True)
+class FlatPlan:
+    """One flat buffer: parameter names in buffer order (matrices first), their sizes, N shards."""
+
+    unit: str
+    """Module path the buffer belongs to ('blocks.0', '' for the root) or 'bucket<k>'."""
+    names: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    n: int
+
+    @classmethod
+    def of(cls, unit: str, named_shapes, n: int) -> "FlatPlan":
+        ordered = [x for x in named_shapes if is_matrix(x[1])] + [x for x in named_shapes if not is_matrix(x[1])]
+        return cls(unit, tuple(a for a, _ in ordered), tuple(tuple(s) for _, s in ordered), n)
+
+    @property
+    def numels(self) -> list[int]:
+        return [prod(s) for s in self.shapes]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.numels)
+
+    @property
+    def padded(self) -> int:
+        return padded(self.numel, self.n)
+
+    @property
+    def shard(self) -> int:
+        return self.padded // self.n
+
+    @property
+    def decay_numel(self) -> int:
+        """The first decay_numel elements are matrices (weight-decayed); the rest are not."""
+        return sum(k for k, s in zip(self.numels, self.shapes) if is_matrix(s))
+
+    def offsets(self) -> list[tuple[str, tuple[int, ...], int, int]]:
+        """(name, shape, start, stop) of each parameter in the buffer."""
+        out, at = [], 0
+        for name, shape, k in zip(self.names, self.shapes, self.numels):
+            out.append((name, shape, at, at + k))
+            at += k
+        return out
+
+    def owned(self, index: int) -> tuple[int, int]:
+        """[start, stop) of the buffer that shard `index` holds (padding included)."""
+        return index * self.shard, (index + 1) * self.shard
+
+    def real(self, index: int) -> int:
+        """How many leading elements of shard `index` are parameters (the rest is padding)."""
+        a, b = self.owned(index)
+        return max(0, min(b, self.numel) - a)
+
+    def runs(self, index: int) -> list[tuple[int, int, bool]]:
+        """The decay mask of shard `index` as runs [start, stop) local to the shard, with their flag."""
+        a, b = self.owned(index)
+        cut = min(max(self.decay_numel - a, 0), b - a)
+        return [(lo, hi, d) for lo, hi, d in ((0, cut, True), (cut, b - a, False)) if hi > lo]
+
+    def pieces(self, index: int) -> list[tuple[str, tuple[int, ...], int, int, int]]:
+        """(name, shape, flat start, flat stop within the parameter, offset within the shard) of every
+        parameter part that shard `index` holds."""
+        a, b = self.owned(index)
+        out = []
+        for name, shape, lo, hi in self.offsets():
+            s, e = max(lo, a), min(hi, b)
+            if s < e:
+                out.append((name, shape, s - lo, e - lo, s - a))
+        return out
+
+
+def bucket_plans(named_shapes, n: int, cap_bytes: int, elem_bytes: int) -> list[FlatPlan]:
+    """ZeRO-1/2: DDP's buckets (reverse registration order, `cap_bytes` of gradients each), in
+    launch order, each one flat buffer."""
+    sizes = [prod(s) * elem_bytes for _, s in named_shapes]
+    return [FlatPlan.of(f"bucket{k}", [named_shapes[i] for i in idx], n)
+            for k, idx in enumerate(plan_buckets(sizes, cap_bytes))]
+
+
+def unit_of(name: str, kind: str) -> str:
+    """The unit (module path) that owns parameter `name`: 'blocks.<i>' for a block's; otherwise
+    the top-level module ('embed', 'head') under zero3, the root ('') under fsdp."""
+    parts = name.split(".")
+    if parts[0] == "blocks":
+        return ".".join(parts[:2])
+    return parts[0] if kind == "zero3" else ""
+
+
+def unit_plans(named_shapes, n: int, kind: str) -> list[FlatPlan]:
+    """ZeRO-3 / FSDP units in forward order: zero3 embed, blocks.0.., head; fsdp the root (''),
+    then blocks.0.. (the root's hooks run around the whole forward)."""
+    units: dict[str, list] = {}
+    for name, shape in named_shapes:
+        units.setdefault(unit_of(name, kind), []).append((name, shape))
+    order = sorted(units, key=lambda u: (u != "", u != "embed", u == "head",
+                                         int(u.split(".")[1]) if u.startswith("blocks.") else -1))
+    return [FlatPlan.of(u, units[u], n) for u in order]

@@ -1,0 +1,132 @@
+"""FSDP: fully sharded data parallelism in per-block units, ours and PyTorch's FSDP2.
+
+FSDP (Zhao et al., "PyTorch FSDP", VLDB 2023) is ZeRO stage 3 organised by modules: each
+transformer block is a unit with its own flat buffer, and a root unit holds what is left (the
+embedding and the head). A unit is all-gathered just before its forward; with
+reshard_after_forward on it is freed after it and gathered again for backward (ZeRO-3's 3Ψ
+traffic, one unit in memory at a time); with it off the gathered parameters stay until the
+unit's backward is done (2Ψ traffic, like ZeRO-2, but the whole model is gathered at the end
+of forward). Gradients are reduce-scattered per unit as its backward finishes.
+
+impl='lab' runs our units (zero.py, `ZeRO3` with the fsdp grouping). impl='torch' runs
+PyTorch's FSDP2: `fully_shard` on each block, then on the model, on a DeviceMesh wrapped around
+the mesh's own dp process group (no new groups), with `MixedPrecisionPolicy` for bf16
+(bf16 parameters for compute, bf16 reduce-scatter, fp32 sharded masters; see precision.py).
+"""
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+import torch.nn as nn
+
+from labkit.config import OptimConfig
+from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.optim import decays
+from labkit.engines.parallel.common import DATA_DIMS, piece
+from labkit.engines.parallel.zero import ZeRO3
+from labkit.engines.precision import Policy
+
+
+def apply_fsdp(model: nn.Module, mesh, cfg, pol: Policy, optim: OptimConfig, meters, loss_shards: int):
+    """sharding='fsdp': this rank's GradSync; `.module` is what runs forward (the model itself)."""
+    if cfg.impl == "torch":
+        return TorchFSDP(model, mesh, cfg.reshard_after_forward, pol, optim, meters)
+    sync = ZeRO3(model, mesh, "fsdp", cfg.reshard_after_forward, pol, optim, meters, loss_shards)
+    sync.module = model
+    return sync
+
+
+class TorchFSDP:
+    """PyTorch's FSDP2 with torch.optim.AdamW and clip_grad_norm_, as a user would write it.
+
+    What the meters need from it: FSDP2 swaps a unit's parameters for unsharded ones (views of
+    its all-gather output) around the unit's forward and backward. A forward pre-hook that runs
+    after FSDP2's (which is prepended) tells the memory meter those storages are parameters, not
+    activations; and the param group's switch to and from unsharded is tracked as 'gathered'
+    (FSDP2's flat all-gather buffer, briefly alive beside it, is not counted)."""
+
+    def __init__(self, model: nn.Module, mesh, reshard: bool, pol: Policy, optim: OptimConfig, meters):
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        device_type = next(model.parameters()).device.type
+        dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)
+        mp = MixedPrecisionPolicy(param_dtype=pol.compute, reduce_dtype=pol.reduce) if pol.mixed else MixedPrecisionPolicy()
+        self.meters = meters
+        for unit in [*model.blocks, model]:
+            fully_shard(unit, mesh=dm, reshard_after_forward=reshard, mp_policy=mp)
+            unit.register_forward_pre_hook(self._exclude_unsharded)
+            self._track_gathered(unit)
+        self.module = model
+        self.names = [n for n, _ in model.named_parameters()]
+        self.params = [p for _, p in model.named_parameters()]
+        self.clip = optim.clip
+        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
+        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+
+    def _exclude_unsharded(self, module, args) -> None:
+        from torch.distributed.tensor import DTensor
+
+        self.meters.memory.exclude(p for p in module.parameters() if not isinstance(p, DTensor))
+
+    def _track_gathered(self, unit: nn.Module) -> None:
+        """Count the unit's unsharded parameters while FSDP2 holds them (its param group's private
+        _to_unsharded / _to_sharded; skipped if a PyTorch version names them differently)."""
+        group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+        if group is None or not hasattr(group, "_to_unsharded") or not hasattr(group, "_to_sharded"):
+            return
+        meter, held = self.meters.memory, [0]
+        to_unsharded, to_sharded = group._to_unsharded, group._to_sharded
+
+        def unsharded():
+            was = group.is_unsharded
+            to_unsharded()
+            if not was:
+                held[0] = unique_bytes(t for fp in group.fsdp_params for t in fp.all_gather_outputs)
+                meter.track("gathered", held[0])
+
+        def sharded():
+            was = group.is_sharded
+            to_sharded()
+            if not was and held[0]:
+                meter.track("gathered", -held[0])
+                held[0] = 0
+
+        group._to_unsharded, group._to_sharded = unsharded, sharded
+
+    def microbatch(self, index: int, count: int):
+        return nullcontext()   # FSDP2 reduce-scatters every microbatch by default, as ours does
+
+    def finish(self) -> None:
+        pass   # FSDP2 waits for its reduce-scatters at the end of backward
+
+    def step(self) -> float:
+        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf"))
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=False)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
+
+    @torch.no_grad()
+    def memory(self) -> dict[str, int]:
+        state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+        return {"params": unique_bytes(p.to_local() for p in self.params),
+                "grads": unique_bytes(p.grad.to_local() for p in self.params if p.grad is not None),
+                "optimizer": unique_bytes(t.to_local() for t in state)}
+
+    @torch.no_grad()
+    def pieces(self) -> list[dict]:
+        """Each parameter is split on dim 0 in chunks of ceil(d0 / N) rows (FSDP2's Shard(0))."""
+        out = []
+        for name, p in zip(self.names, self.params):
+            local = p.to_local()
+            if local.shape[0] == 0:
+                continue
+            n, i = p.device_mesh.size(), p.device_mesh.get_local_rank()
+            start = -(-p.shape[0] // n) * i
+            box = [[start, start + local.shape[0]]] + [[0, d] for d in p.shape[1:]]
+            out.append(piece(name, p.shape, local, box=box))
+        return out

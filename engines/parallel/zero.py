@@ -1,0 +1,339 @@
+"""ZeRO: sharded data parallelism, stages 1, 2 and 3, labkit's own (Rajbhandari et al., "ZeRO:
+Memory Optimizations Toward Training Trillion Parameter Models", SC 2020, section 5).
+
+Every data rank sees different samples, as in DDP, but the model states are split N ways
+instead of replicated. Parameters live in flat buffers (flat.py: padded to a multiple of N,
+rank i owns slice i), and rank i keeps the fp32 master weights and Adam moments of its slices
+only, so its optimizer updates exactly those elements — element for element the update that
+AdamW (engines/optim.py) makes on the full tensors.
+
+  stage 1 (P_os)     optimizer state sharded. Full gradients accumulate in the flat buffers;
+                     each bucket is reduce-scattered (rank i receives the sum of slice i) as soon
+                     as backward has filled it; after the update every rank all-gathers the
+                     updated slices. Wire: reduce-scatter + all-gather = 2Ψ(N-1)/N, DDP's volume.
+  stage 2 (P_os+g)   gradients sharded too: a bucket's full gradient exists only from its first
+                     gradient to the end of its reduce-scatter; each rank keeps its own slice.
+  stage 3 (P_os+g+p) parameters sharded too (`ZeRO3`): a unit's parameters (one flat buffer
+                     per block, and the embedding and the head) are all-gathered just before its
+                     forward and freed after it, gathered again when backward reaches it, and
+                     freed once its gradients are reduce-scattered. Wire: 3Ψ(N-1)/N.
+
+Memory per rank (bytes per element of Ψ, mixed precision): 2+2+12 -> 2+2+12/N -> 2+14/N -> 16/N.
+With microbatches, stage 1 reduces once, after the last (as DDP's no_sync); stages 2 and 3
+reduce-scatter every microbatch and add into their gradient slices, since they keep no full
+gradient to accumulate into. Reduce-scatters run asynchronously, one in flight.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.config import OptimConfig
+from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.parallel.common import DATA_DIMS, norm_plan
+from labkit.engines.parallel.flat import FlatPlan, bucket_plans, unit_plans
+from labkit.engines.parallel.shards import Shards, bind, data_group, flatten
+from labkit.engines.precision import Policy
+
+
+class ZeRO12:
+    """ZeRO stages 1 and 2 (GradSync, engines/parallel/common.py) over DDP's buckets.
+
+    A bucket is reduce-scattered from a buffer in the reduce dtype (precision.py): under fp32,
+    stage 1's persistent full gradient itself; under bf16, an fp32 copy made for the collective;
+    in stage 2, the bucket's transient buffer, which each gradient is copied into as it arrives.
+    The reduced slice lands in this rank's gradient shard (compute dtype)."""
+
+    def __init__(self, model: nn.Module, mesh, stage: int, pol: Policy, bucket_bytes: int,
+                 optim: OptimConfig, meters, loss_shards: int):
+        named = list(model.named_parameters())
+        params = dict(named)
+        self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
+        self.group, self.n, self.index = data_group(mesh, params.values())
+        elem = torch.tensor([], dtype=pol.compute).element_size()
+        self.plans = bucket_plans([(k, tuple(p.shape)) for k, p in named], self.n, bucket_bytes, elem)
+        self.flats, masters, self.grads, self.grad_full = [], [], [], []
+        for k, plan in enumerate(self.plans):
+            full32 = flatten(plan, params)
+            a, b = plan.owned(self.index)
+            flat = full32.to(pol.compute) if pol.mixed else full32
+            masters.append(full32[a:b].clone() if pol.mixed else flat[a:b])
+            bind(plan, params, flat)
+            self.flats.append(flat)
+            if stage == 1:   # full gradients; the parameters' .grad are views of them, as in DDP
+                full = torch.zeros_like(flat)
+                bind(plan, params, full, grads=True)
+                self.grad_full.append(full)
+                self.grads.append(full[a:b])
+            else:
+                self.grads.append(torch.zeros(plan.shard, dtype=pol.compute, device=flat.device))
+        self.bucket_of = {id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans)
+                          for name, _, lo, hi in p.offsets()}
+        group, _ = norm_plan(list(params.values()), mesh, sharded_dims=DATA_DIMS)
+        self.shards = Shards(self.plans, self.index, masters, group, optim)
+        self.pending = [0] * len(self.plans)
+        self.filling: dict[int, torch.Tensor] = {}   # stage 2: bucket -> its buffer, until launched
+        self.in_flight = None                        # (bucket, buffer, work): one reduce-scatter at a time
+        self.next_launch = 0
+        self.sync = True
+        for p in params.values():
+            p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    @contextmanager
+    def microbatch(self, index: int, count: int):
+        self.sync = self.stage == 2 or index == count - 1
+        self.pending = [len(p.names) for p in self.plans]
+        yield
+        if self.sync:   # buckets whose gradients did not all arrive (unused parameters) go too, in order
+            self._launch_ready(all_remaining=True)
+            self.next_launch = 0
+
+    def _grad_ready(self, p: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        k, lo, hi = self.bucket_of[id(p)]
+        if self.stage == 2:   # into the bucket's buffer; the parameter's own gradient is dropped
+            if k not in self.filling:
+                self.filling[k] = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
+                                                          device=self.flats[k].device))
+            self.filling[k][lo:hi].copy_(p.grad.reshape(-1))
+            p.grad = None
+        self.pending[k] -= 1
+        self._launch_ready()
+
+    def _track(self, buf: torch.Tensor, sign: int = 1) -> torch.Tensor:
+        """Count a transient reduce buffer in (sign 1) or out (-1) of the memory meter."""
+        self.meters.memory.track("reduce_buffers", sign * buf.nbytes)
+        return buf
+
+    def _launch_ready(self, all_remaining: bool = False) -> None:
+        """Reduce-scatter buckets in plan order as far as they are complete (or all, at the end)."""
+        while self.next_launch < len(self.plans):
+            k = self.next_launch
+            if self.pending[k] > 0 and not all_remaining:
+                return
+            if self.stage == 2:
+                buf = self.filling.pop(k, None)
+                if buf is None:   # no gradient of this bucket arrived
+                    buf = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
+                                                  device=self.flats[k].device))
+            elif self.pol.reduce != self.pol.compute:
+                buf = self._track(self.grad_full[k].to(self.pol.reduce))
+            else:
+                buf = self.grad_full[k]
+            self._drain()
+            a, b = self.plans[k].owned(self.index)
+            work = (dist.reduce_scatter_single(buf[a:b], buf, group=self.group, async_op=True)
+                    if self.n > 1 else None)   # (padded,) summed over ranks -> its slice a:b, in place
+            self.in_flight = (k, buf, work)
+            self.next_launch += 1
+
+    def _drain(self) -> None:
+        """Finish the reduce-scatter in flight: its slice into the gradient shard, its buffer freed."""
+        if self.in_flight is None:
+            return
+        k, buf, work = self.in_flight
+        self.in_flight = None
+        if work is not None:
+            work.wait()
+        if self.stage == 1 and buf is self.grad_full[k]:
+            return                                   # reduced in place
+        a, b = self.plans[k].owned(self.index)
+        if self.stage == 1:
+            self.grads[k].copy_(buf[a:b])            # fp32 sum rounded once into the bf16 slice
+        else:
+            self.grads[k].add_(buf[a:b])             # accumulates over microbatches
+        self._track(buf, -1)
+
+    def finish(self) -> None:
+        self._drain()
+        if self.loss_shards > 1:
+            for g in self.grads:
+                g.div_(self.loss_shards)
+
+    @torch.no_grad()
+    def step(self) -> float:
+        norm = self.shards.step(self.grads)
+        for plan, flat, m in zip(self.plans, self.flats, self.shards.masters):
+            a, b = plan.owned(self.index)
+            if self.pol.mixed:
+                flat[a:b].copy_(m)     # round the updated masters into this rank's bf16 slice
+            if self.n > 1:             # (shard,) from every rank -> (padded,), in place
+                dist.all_gather_single(flat, flat[a:b], group=self.group)
+        for g in self.grad_full or self.grads:
+            g.zero_()
+        return norm
+
+    def memory(self) -> dict[str, int]:
+        masters = self.shards.masters if self.pol.mixed else []
+        return {"params": unique_bytes(self.flats),
+                "grads": unique_bytes(self.grad_full or self.grads),
+                "optimizer": unique_bytes(masters + self.shards.opt.state_tensors())}
+
+    def pieces(self) -> list[dict]:
+        return self.shards.pieces()
+
+
+class _Unit:
+    """One ZeRO-3 / FSDP unit: a module's flat buffer of parameters, gathered only while needed.
+
+    `full` is the gathered buffer (padded,); the module's parameters are views of it, made once.
+    Freeing it shrinks its storage to 0 bytes (storage.resize_, as PyTorch's FSDP does), which keeps
+    every view, including the ones autograd saved in forward, valid for the next gather."""
+
+    def __init__(self, plan: FlatPlan, module: nn.Module, params: dict[str, nn.Parameter], index: int,
+                 pol: Policy):
+        self.plan, self.module = plan, module
+        self.params = [params[n] for n in plan.names]
+        self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in plan.offsets()}
+        full32 = flatten(plan, params)
+        a, b = plan.owned(index)
+        self.full = full32.to(pol.compute) if pol.mixed else full32
+        self.shard = self.full[a:b].clone()                                # what this rank all-gathers
+        self.master = full32[a:b].clone() if pol.mixed else self.shard     # what its optimizer updates
+        self.grad = torch.zeros_like(self.shard)                          # its reduced gradient slice
+        bind(plan, params, self.full)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+        self.grad_full: torch.Tensor | None = None
+        self.pending = 0
+
+
+class ZeRO3:
+    """ZeRO stage 3 / FSDP (ours; GradSync): parameters, gradients and optimizer state sharded, a
+    unit's parameters gathered just before it runs. `kind` picks the units (flat.py): 'zero3' the
+    embedding, each block and the head; 'fsdp' each block plus the root. With reshard=False
+    (FSDP's reshard_after_forward off) forward's gather is kept for backward: one all-gather per
+    unit instead of two (ZeRO-2's traffic), the whole model gathered at the end of forward."""
+
+    def __init__(self, model: nn.Module, mesh, kind: str, reshard: bool, pol: Policy, optim: OptimConfig,
+                 meters, loss_shards: int):
+        named = list(model.named_parameters())
+        params = dict(named)
+        self.pol, self.reshard, self.meters, self.loss_shards = pol, reshard, meters, loss_shards
+        self.group, self.n, self.index = data_group(mesh, params.values())
+        self.plans = unit_plans([(k, tuple(p.shape)) for k, p in named], self.n, kind)
+        self.units = [_Unit(p, model.get_submodule(p.unit), params, self.index, pol) for p in self.plans]
+        for u in self.units:
+            u.module.register_forward_pre_hook(partial(self._pre_forward, u))
+            u.module.register_forward_hook(partial(self._post_forward, u))
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(partial(self._grad_ready, u))
+        group, _ = norm_plan(list(params.values()), mesh, sharded_dims=DATA_DIMS)
+        self.shards = Shards(self.plans, self.index, [u.master for u in self.units], group, optim)
+        self.in_flight = None   # (unit, buffer, work): one reduce-scatter in flight
+
+    # -- gather / free ----------------------------------------------------------------------
+    def _gather(self, u: _Unit) -> None:
+        if u.gathered:
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        self.meters.memory.track("gathered", u.nbytes)
+        if self.n > 1:   # (shard,) from every rank -> (padded,)
+            dist.all_gather_single(u.full, u.shard, group=self.group)
+        else:
+            u.full.copy_(u.shard)
+        u.gathered = True
+
+    def _free(self, u: _Unit) -> None:
+        if u.gathered:
+            u.full.untyped_storage().resize_(0)
+            self.meters.memory.track("gathered", -u.nbytes)
+            u.gathered = False
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _pre_forward(self, u: _Unit, module, args) -> None:
+        self._gather(u)
+
+    def _post_forward(self, u: _Unit, module, args, out) -> None:
+        if self.reshard:
+            self._free(u)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(partial(self._pre_backward, u))   # fires as backward reaches the unit
+
+    def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> None:
+        """Gather the unit again (if freed) and give its gradients a buffer in the reduce dtype:
+        under fp32 the parameters' .grad are views of it, under bf16 each is copied in on arrival."""
+        self._gather(u)
+        u.grad_full = torch.zeros(u.plan.padded, dtype=self.pol.reduce, device=u.shard.device)
+        self.meters.memory.track("reduce_buffers", u.grad_full.nbytes)
+        if self.pol.reduce == self.pol.compute:
+            bind(u.plan, dict(zip(u.plan.names, u.params)), u.grad_full, grads=True)
+        u.pending = len(u.params)
+
+    def _grad_ready(self, u: _Unit, p: nn.Parameter) -> None:
+        if self.pol.reduce != self.pol.compute:
+            lo, hi = u.slot[id(p)]
+            u.grad_full[lo:hi].copy_(p.grad.reshape(-1))
+            p.grad = None
+        u.pending -= 1
+        if u.pending == 0:
+            self._reduce(u)
+
+    def _reduce(self, u: _Unit) -> None:
+        """The unit's backward is over: free its parameters, reduce-scatter its gradient."""
+        for p in u.params:
+            p.grad = None
+        self._free(u)
+        self._drain()
+        buf, u.grad_full = u.grad_full, None
+        a, b = u.plan.owned(self.index)
+        work = (dist.reduce_scatter_single(buf[a:b], buf, group=self.group, async_op=True)
+                if self.n > 1 else None)   # (padded,) summed over ranks -> its slice a:b, in place
+        self.in_flight = (u, buf, work)
+
+    def _drain(self) -> None:
+        if self.in_flight is None:
+            return
+        u, buf, work = self.in_flight
+        if work is not None:
+            work.wait()
+        a, b = u.plan.owned(self.index)
+        u.grad.add_(buf[a:b])                        # fp32 sum rounded into the bf16 slice under bf16
+        self.meters.memory.track("reduce_buffers", -buf.nbytes)
+        self.in_flight = None
+
+    # -- GradSync -----------------------------------------------------------------------------
+    @contextmanager
+    def microbatch(self, index: int, count: int):
+        yield
+        for u in self.units:   # a unit whose gradients did not all arrive (unused parameters)
+            if u.grad_full is not None:
+                self._reduce(u)
+
+    def finish(self) -> None:
+        self._drain()
+        if self.loss_shards > 1:
+            for u in self.units:
+                u.grad.div_(self.loss_shards)
+
+    @torch.no_grad()
+    def step(self) -> float:
+        norm = self.shards.step([u.grad for u in self.units])
+        for u in self.units:
+            if self.pol.mixed:
+                u.shard.copy_(u.master)   # round the updated masters into the bf16 slice
+            u.grad.zero_()
+        return norm
+
+    def memory(self) -> dict[str, int]:
+        masters = [u.master for u in self.units] if self.pol.mixed else []
+        return {"params": unique_bytes(u.shard for u in self.units),
+                "grads": unique_bytes(u.grad for u in self.units),
+                "optimizer": unique_bytes(masters + self.shards.opt.state_tensors())}
+
+    def pieces(self) -> list[dict]:
+        return self.shards.pieces()
+
+
+def apply_zero(model: nn.Module, mesh, cfg, pol: Policy, optim: OptimConfig, meters, loss_shards: int):
+    """sharding='zero1' | 'zero2' | 'zero3' (impl='lab'): this rank's GradSync."""
+    if cfg.sharding == "zero3":
+        return ZeRO3(model, mesh, "zero3", True, pol, optim, meters, loss_shards)
+    stage = {"zero1": 1, "zero2": 2}[cfg.sharding]
+    return ZeRO12(model, mesh, stage, pol, int(cfg.bucket_mb * 2**20), optim, meters, loss_shards)
