@@ -193,3 +193,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
                 comm.add(rank, label, "reduce_scatter", sizes[u] * REDUCE, n)
         if not torch_fsdp:
             comm.add(rank, label, "all_reduce", 4, n)                  # the global norm
+        else:
+            # clip_grad_norm_ over FSDP2's DTensor gradients: each parameter's norm is a Partial
+            # DTensor; stacking them and taking the norm all-reduces one fp32 per parameter tensor
+            comm.add(rank, label, "all_reduce", 4 * len(param_shapes(model)), n)
