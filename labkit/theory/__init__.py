@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from labkit.config import ConfigError, ModelConfig, ParallelConfig, problems
 from labkit.engines.mesh import MeshLayout
 from labkit.theory import comm as _comm
@@ -26,16 +28,42 @@ class Estimate:
     model: ModelConfig
     world: int
     memory: list[dict]
-    """Per rank: bytes of params, grads, optimizer, activations (peak) and peak."""
-    comm: list[dict] = field(repr=False)
-    """Rows {rank, dim, op, calls, payload_bytes, wire_bytes} for one steady-state step."""
+    """Per rank: bytes of params, grads, optimizer, activations (peak) and peak. Ranks of one
+    class (same pipeline stage and shard) share one dict."""
+    rows_of: dict[int, list[dict]] = field(repr=False)
+    """Comm rows of each class's representative rank (see `rank_rows`)."""
+    representative: list[int] = field(repr=False)
+    """representative[r]: the rank whose rows rank r shares (ranks differ only in symmetric dims)."""
     bubble: float = 0.0
 
+    def rank_rows(self, rank: int) -> list[dict]:
+        """One rank's rows {rank, dim, op, calls, payload_bytes, wire_bytes} for one step."""
+        return [{**row, "rank": rank} for row in self.rows_of[self.representative[rank]]]
+
     def comm_table(self) -> list[dict]:
-        return self.comm
+        """Every rank's rows, in rank order (like RunResult.comm_table()); built on demand —
+        at thousands of ranks prefer rank_rows(r)."""
+        return [row for r in range(len(self.representative)) for row in self.rank_rows(r)]
+
+    @property
+    def comm(self) -> list[dict]:
+        return self.comm_table()
 
     def bubble_fraction(self) -> dict:
-        return {"per_rank": {r: self.bubble for r in range(self.world)}, "overall": self.bubble}
+        return {"per_rank": {r: self.bubble for r in range(len(self.representative))}, "overall": self.bubble}
+
+
+def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Per rank: its pipeline stage, and its index in its data-parallel (dp x ep x cp) group —
+    the only coordinates the predictions depend on (tp, cp and ep ranks are symmetric; the
+    shard index decides which rank holds a flat buffer's padding)."""
+    idx = np.unravel_index(np.arange(layout.world), layout.grid.shape)
+    coord = {d: idx[layout._axis(d)] for d in layout.inner_first}
+    shard, stride = np.zeros(layout.world, dtype=np.int64), 1
+    for d in layout.canonical(("dp", "ep", "cp")):   # sorted group ranks: inner dims vary fastest
+        shard += coord[d] * stride
+        stride *= layout.size(d)
+    return coord["pp"], shard
 
 
 def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int | None = None) -> Estimate:
@@ -43,17 +71,34 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
 
     world: the number of ranks (default: the layout's product); extra ranks are idle. Only the
     layout's arithmetic is checked (not whether the engines implement it yet), so any layout
-    at any scale can be estimated.
+    at any scale can be estimated. Ranks that differ only in dims the theory treats as
+    symmetric share one computation, so 16,384 ranks cost about what one pipeline's do.
     """
     model = model or ModelConfig()
     found = problems(cfg, model, world)
     if found:
         raise ConfigError(found)
     layout = MeshLayout.of(cfg)
-    memory = [rank_memory(cfg, model, layout, r) for r in range(layout.world)]
-    c = _comm.Comm()
+    stage, shard = _classes(cfg, layout)
+    if not (cfg.sharding == "fsdp" and cfg.impl == "torch"):
+        shard = np.zeros_like(shard)   # only FSDP2's uneven dim-0 chunks differ by shard index
+    keys = list(zip(stage.tolist(), shard.tolist()))
+    first: dict[tuple, int] = {}
+    for r, k in enumerate(keys):
+        first.setdefault(k, r)
+    by_key = {k: rank_memory(cfg, model, layout, r) for k, r in first.items()}
+    memory = [by_key[k] for k in keys]
+
+    stage_rep: dict[int, int] = {}
+    for r, s in enumerate(stage.tolist()):
+        stage_rep.setdefault(s, r)
+    representative = [stage_rep[s] for s in stage.tolist()]
+    c = _comm.Comm(only=sorted(stage_rep.values()))
     _comm.comm_rows(c, cfg, model, layout)
-    return Estimate(cfg, model, world or layout.world, memory, c.table(),
+    rows_of: dict[int, list[dict]] = {r: [] for r in stage_rep.values()}
+    for row in c.table():
+        rows_of[row["rank"]].append(row)
+    return Estimate(cfg, model, world or layout.world, memory, rows_of, representative,
                     pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages))
 
 

@@ -36,20 +36,33 @@ def torch_ddp_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]
 
 
 class Comm:
-    """Accumulates predicted ops as rows {rank, dim, op, calls, payload_bytes, wire_bytes}."""
+    """Accumulates predicted ops as rows {rank, dim, op, calls, payload_bytes, wire_bytes}.
 
-    def __init__(self):
+    `only`: the ranks to fill (theory modules loop over `comm.ranks(layout)`); the estimate at
+    scale fills one representative rank per class and copies its rows to the others."""
+
+    def __init__(self, only: list[int] | None = None):
         self.rows: dict[tuple, dict] = {}
+        self.only = only
+
+    def ranks(self, layout) -> list[int] | range:
+        return range(layout.world) if self.only is None else self.only
 
     def add(self, rank: int, dim: str, op: str, payload: int, n: int, calls: int = 1) -> None:
-        if n <= 1:
+        if n <= 1 or calls <= 0:
             return
         row = self.rows.setdefault((rank, dim, op), {"rank": rank, "dim": dim, "op": op, "calls": 0,
                                                      "payload_bytes": 0, "wire_bytes": 0.0})
-        for _ in range(calls):
+        wire = WIRE[op](payload, n)
+        if calls > 64:   # at scale (thousands of calls): one multiplication
+            row["calls"] += calls
+            row["payload_bytes"] += payload * calls
+            row["wire_bytes"] += wire * calls
+            return
+        for _ in range(calls):   # summed call by call, as the meter does, so the floats agree exactly
             row["calls"] += 1
             row["payload_bytes"] += payload
-            row["wire_bytes"] += WIRE[op](payload, n)
+            row["wire_bytes"] += wire
 
     def table(self) -> list[dict]:
         return [self.rows[k] for k in sorted(self.rows)]
@@ -83,7 +96,7 @@ def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: M
 
     elem = 2 if cfg.precision == "bf16" else 4
     cap = int(cfg.bucket_mb * 2**20)
-    for rank in range(layout.world):
+    for rank in comm.ranks(layout):
         for chunk in chunk_params(cfg, model, layout.coords(rank)["pp"]):
             numels = [prod(s) for _, s, _ in chunk]
             sizes = [k * elem for k in numels]
@@ -102,5 +115,5 @@ def grad_norm(comm: Comm, cfg: ParallelConfig, layout: MeshLayout) -> None:
     split = tuple(d for d in ("tp", "pp", "ep") if layout.size(d) > 1)
     if not split:
         return
-    for rank in range(layout.world):
+    for rank in comm.ranks(layout):
         comm.add(rank, layout.label(*split), "all_reduce", 4, layout.size(*split))

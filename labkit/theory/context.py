@@ -38,7 +38,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     passes = model.layers // cfg.pp * cfg.microbatches        # attention layers run per step on a rank
     message = kv_message_bytes(cfg, model, micro)
     label = layout.label("cp")
-    for rank in range(layout.world):
+    for rank in comm.ranks(layout):
         comm.add(rank, label, "send", message, cfg.cp, 3 * (cfg.cp - 1) * passes)
         comm.add(rank, label, "recv", message, cfg.cp, 3 * (cfg.cp - 1) * passes)
         if model.experts:

@@ -62,7 +62,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     passes = model.layers // cfg.pp * cfg.microbatches
     rows = micro * (model.seq // cfg.cp) * model.top_k * model.hidden * 4
     label = layout.label("ep")
-    for rank in range(layout.world):
+    for rank in comm.ranks(layout):
         for _ in range(passes):
             comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep)   # split sizes
             comm.add(rank, label, "all_to_all", rows, cfg.ep, 4)             # dispatch, combine, and back

@@ -4,11 +4,13 @@ Must list exactly what labkit.engines.model.GPT registers, in the same order; a 
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig
 
 
+@lru_cache(maxsize=64)
 def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
     h, f, v, s = m.hidden, m.ffn, m.vocab, m.seq
     out = [("embed.tok.weight", (v, h)), ("embed.pos.weight", (s, h))]
@@ -24,7 +26,7 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         else:
             out += [(b + "mlp.fc1.weight", (f, h)), (b + "mlp.fc2.weight", (h, f))]
     out += [("head.norm.weight", (h,)), ("head.norm.bias", (h,)), ("head.proj.weight", (v, h))]
-    return out
+    return tuple(out)
 
 
 def num_params(m: ModelConfig) -> int:

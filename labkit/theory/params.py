@@ -7,11 +7,13 @@ contributes its rule, in the order engines/parallelize.py applies the strategies
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 
 
+@lru_cache(maxsize=256)
 def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[list[tuple[str, tuple, tuple]]]:
     """Per pipeline chunk of rank `pp_rank`: (name, local shape, dims its gradient is summed over)
     of each parameter, in registration order."""
@@ -29,8 +31,9 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
                 dims = dims + extra
             rows.append((name, tuple(shape), dims))
         out.append(rows)
-    return out
+    return tuple(tuple(rows) for rows in out)
 
 
+@lru_cache(maxsize=256)
 def rank_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
     return sum(prod(s) for chunk in chunk_params(cfg, model, pp_rank) for _, s, _ in chunk)

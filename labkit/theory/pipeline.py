@@ -16,6 +16,8 @@ has v boundaries, so v times the traffic of plain 1F1B.
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
@@ -58,6 +60,7 @@ def _walk(actions, per_chunk: dict[int, int]) -> int:
     return peak
 
 
+@lru_cache(maxsize=256)
 def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[list[tuple[str, tuple]]]:
     """(name, shape) of the parameters of each of this pipeline rank's chunks, in the order the
     engines register them: the embedding on virtual stage 0, the final norm and head on the
@@ -69,10 +72,10 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
     out = []
     for c in range(v):
         s = stage_of(pp_rank, c, p)
-        blocks = {f"blocks.{i}." for i in chunk_layers(model.layers, p, v, pp_rank, c)}
+        blocks = set(chunk_layers(model.layers, p, v, pp_rank, c))
         out.append([(n, sh) for n, sh in shapes
                     if (n.startswith("embed.") and s == 0) or (n.startswith("head.") and s == p * v - 1)
-                    or any(n.startswith(b) for b in blocks)])
+                    or (n.startswith("blocks.") and int(n.split(".", 2)[1]) in blocks)])
     return out
 
 
@@ -110,7 +113,7 @@ def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     p, v, m = cfg.pp, cfg.virtual_stages, cfg.microbatches
     nbytes = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.hidden * ACT_BYTES
     label = layout.label("pp")
-    for rank in range(layout.world):
+    for rank in comm.ranks(layout):
         r = layout.coords(rank)["pp"]
         for c in range(v):
             s = stage_of(r, c, p)

@@ -22,6 +22,7 @@ reduce-scatter its gradients, 3Ψ(N-1)/N (2Ψ with reshard_after_forward off). O
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
@@ -36,6 +37,7 @@ REDUCE = 4
 """Bytes per element of a gradient reduction: fp32 in both precisions (engines/precision.py)."""
 
 
+@lru_cache(maxsize=64)
 def plans(cfg: ParallelConfig, model: ModelConfig, n: int) -> list[FlatPlan]:
     """The flat buffers of our ZeRO / FSDP for this layout (the engines build the same ones)."""
     shapes = param_shapes(model)
@@ -169,7 +171,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     label = layout.label(*DATA_DIMS)
     e, m = ELEM[cfg.precision], cfg.microbatches
     torch_fsdp = cfg.impl == "torch"
-    for rank in range(layout.world):
+    for rank in comm.ranks(layout):
         if cfg.sharding in ("zero1", "zero2"):
             ps = plans(cfg, model, n)
             for _ in range(m if cfg.sharding == "zero2" else 1):

@@ -110,6 +110,6 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     if cfg.tp == 1:
         return
     label = layout.label("tp")
-    for rank in range(layout.world):
+    for rank in comm.ranks(layout):
         for op, payload, calls, _ in collectives(cfg, model):
             comm.add(rank, label, op, payload, cfg.tp, calls)
