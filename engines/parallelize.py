@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from labkit.config import ModelConfig, OptimConfig, ParallelConfig
 from labkit.engines.mesh import Mesh
-from labkit.engines.parallel.common import GradSync
+from labkit.engines.parallel.common import GradSync, on_device
 
 
 @dataclass
@@ -49,7 +49,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     from labkit.engines.parallel.common import DATA_DIMS
     from labkit.engines.schedules import accumulate
 
-    model = model.to(meters.device)
+    model = on_device(model, meters.device)
     inputs = Parallel.inputs
     schedule = accumulate
     info: dict = {}

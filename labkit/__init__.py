@@ -14,9 +14,12 @@ def __getattr__(name):
     if name == "Lab":
         from labkit.lab import Lab
         return Lab
+    if name == "dry_run":
+        from labkit.dryrun import dry_run
+        return dry_run
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 
-__all__ = ["Lab", "ParallelConfig", "ModelConfig", "OptimConfig", "ConfigError", "validate", "reference",
+__all__ = ["Lab", "dry_run", "ParallelConfig", "ModelConfig", "OptimConfig", "ConfigError", "validate", "reference",
            "Reference", "theory", "RunResult", "RankReport", "CommEvent", "Event", "LabError", "RankError",
            "EngineDied", "CollectiveTimeout", "Cancelled"]

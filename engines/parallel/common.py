@@ -80,3 +80,10 @@ def norm_plan(params: list[torch.Tensor], mesh, sharded_dims: tuple[str, ...] = 
     counted = [all(coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split) for p in params]
     group = mesh.group(*split) if split else None
     return group, counted
+
+
+def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """`module` on `device`, moved only if it is elsewhere (a module already there is returned as
+    is: the dry run's fake parameters cannot be re-wrapped by Module.to)."""
+    first = next(module.parameters(), None)
+    return module if first is None or first.device == device else module.to(device)

@@ -18,6 +18,8 @@ would hang is refused with the ranks' stuck actions (ScheduleDeadlock) before an
 from __future__ import annotations
 
 import torch
+
+from labkit.engines.parallel.common import on_device
 import torch.distributed as dist
 import torch.nn as nn
 
@@ -72,7 +74,7 @@ def split_model(model: nn.Module, p: int, v: int, rank: int) -> list[Chunk]:
 def apply_pipeline(model: nn.Module, mesh, cfg, meters):
     """Slot 5 of parallelize: (this rank's chunks, schedule callable, plain info for the report)."""
     p, v, r = mesh.size("pp"), cfg.virtual_stages, mesh.coord("pp")
-    chunks = [c.to(meters.device) for c in split_model(model, p, v, r)]
+    chunks = [on_device(c, meters.device) for c in split_model(model, p, v, r)]
     info = {"schedule": cfg.schedule, "p": p, "v": v, "stage": r,
             "layers": [list(chunk_layers(len(model.blocks), p, v, r, c)) for c in range(v)]}
     if cfg.impl == "torch":
