@@ -31,7 +31,7 @@ def test_a_dry_run_measures_what_the_cluster_measures(lab):
 def test_a_7b_wide_rank_of_128_equals_theory():
     """Llama-7B's width (2 of its 32 layers, to stay quick) on dp16 x tp8 + SP: rank 77 measured
     with nothing allocated — 4096-wide matrices, a 32000-token vocab split over 8 ranks."""
-    model = ModelConfig(layers=2, hidden=4096, heads=32, ffn=16512, vocab=32000, seq=4096)
+    model = ModelConfig(layers=2, hidden=4096, heads=32, ffn=16512, vocab=32000, seq=1024)
     cfg = ParallelConfig(dp=16, tp=8, sequence_parallel=True, global_batch=16)
     d = dry_run(cfg, model, rank=77)
     assert d.report.coords == {"tp": 5, "cp": 0, "ep": 0, "dp": 9, "pp": 0}
