@@ -37,3 +37,15 @@ def test_compute_and_overlap():
     assert t.dominant == "compute" and 0 < t.mfu <= H100.mfu
     # a bubble stretches the compute
     assert step_time([], {}, 7e9, 4e6, 16, bubble=0.5).compute == pytest.approx(2 * step_time([], {}, 7e9, 4e6, 16).compute)
+
+
+def test_estimate_step_time_names_the_dominant_dim():
+    from labkit import ModelConfig, ParallelConfig, theory
+
+    m = ModelConfig(layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=2048)
+    inside = theory.estimate(ParallelConfig(dp=8, tp=8, global_batch=64), m).step_time()
+    across = theory.estimate(ParallelConfig(dp=8, tp=8, global_batch=64, order="dp-tp-cp-ep-pp"), m).step_time()
+    assert across.comm["tp"] > 5 * inside.comm["tp"]          # tp groups spanning nodes: the slow link
+    assert across.dominant == "tp"
+    moe = m.replace(experts=8, top_k=2)
+    assert theory.active_params(moe) < theory.num_params(moe)

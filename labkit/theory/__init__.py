@@ -18,7 +18,7 @@ from labkit.config import ConfigError, ModelConfig, ParallelConfig, problems
 from labkit.engines.mesh import MeshLayout
 from labkit.theory import comm as _comm
 from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes, rank_memory
-from labkit.theory.model import num_params, param_shapes
+from labkit.theory.model import active_params, num_params, param_shapes
 from labkit.theory.pipeline import bubble_fraction as pipeline_bubble
 
 
@@ -51,6 +51,20 @@ class Estimate:
 
     def bubble_fraction(self) -> dict:
         return {"per_rank": {r: self.bubble for r in range(len(self.representative))}, "overall": self.bubble}
+
+    def step_time(self, hw=None, rank: int = 0):
+        """The time model (theory/timing.py) for one step of `rank`: compute at 6·Ψ_active·tokens
+        (8· with checkpointing), each collective priced on the link its group spans, dp traffic
+        hidden behind backward, the bubble stretching compute. Says which dim dominates."""
+        from labkit.theory.model import active_params
+        from labkit.theory.timing import H100, step_time
+
+        layout = MeshLayout.of(self.config)
+        rows = self.rank_rows(rank)
+        groups = {r["dim"]: layout.group_of(rank, *r["dim"].split("-")) for r in rows}
+        tokens = self.config.global_batch * self.model.seq
+        return step_time(rows, groups, active_params(self.model), tokens, layout.world, hw or H100,
+                         self.bubble, self.config.checkpoint_activations)
 
 
 def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -103,4 +117,4 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
 
 
 __all__ = ["estimate", "Estimate", "model_state_bytes", "activation_bytes", "korthikanti_layer_bytes",
-           "num_params", "param_shapes", "pipeline_bubble", "rank_memory"]
+           "num_params", "active_params", "param_shapes", "pipeline_bubble", "rank_memory"]

@@ -32,3 +32,12 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
 def num_params(m: ModelConfig) -> int:
     """Ψ: every parameter of the full model, counted once."""
     return sum(prod(s) for _, s in param_shapes(m))
+
+
+def active_params(m: ModelConfig) -> float:
+    """Parameters a token passes through: every dense weight, and top_k of each layer's E experts
+    (the count that sets the FLOPs of an MoE model, e.g. Mixtral's 13B active of 47B)."""
+    if not m.experts:
+        return num_params(m)
+    expert = sum(prod(s) for n, s in param_shapes(m) if n.endswith(("mlp.w1", "mlp.w2")))
+    return num_params(m) - expert + expert * m.top_k / m.experts
