@@ -10,6 +10,7 @@ gradients accumulate locally and are reduced once, after the last microbatch (`n
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -75,8 +76,12 @@ class DDP:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_launch = 0
         self.sync = True
+        # The hook holds the DDP weakly: a parameter's hooks are owned through its C++ tensor,
+        # so a strong reference back to this object is a cycle Python's gc cannot see, and every
+        # run's model, gradients and process groups would stay alive on the engine (torch 2.13).
+        me = weakref.ref(self)
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+            p.register_post_accumulate_grad_hook(lambda p, me=me: me() is not None and me()._grad_ready(p))
         self.opt = AdamW(self.params, optim, [decays(n, p) for n, p in named_params])
 
     @contextmanager
