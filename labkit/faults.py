@@ -32,7 +32,7 @@ from labkit.errors import CollectiveTimeout, EngineDied, LabError, RankError
 ANSWER_S = 20.0
 """An engine that does not answer a poll within this long is taken for dead (its job runs in a
 thread, so a live engine answers within milliseconds even mid-step)."""
-ERROR_GRACE_S = 1.0
+ERROR_GRACE_S = 0.5
 """After a first rank fails, how long other ranks may still fail on their own (the same bug on
 every rank) before the rest are released; later failures are consequences, not causes."""
 RELEASE_S = 3.0
@@ -112,6 +112,10 @@ class FaultHandling:
         except IndexError:   # the controller has already unregistered this engine
             raise _Died([rank], "its engine is no longer registered with the controller") from None
 
+    def _mark(self, ranks, why: str) -> None:
+        for r in ranks:
+            self._replace.setdefault(r, why)
+
     def _live(self) -> list[int]:
         return [r for r in range(self.world) if r not in self._replace]
 
@@ -140,11 +144,11 @@ class FaultHandling:
             self._each(runtime.cancel, range(self.world))
             self._release(bound=1.0)   # ranks waiting only on each other are freed by the groups' timeout
         except _Died as d:
-            self._replace |= set(d.ranks)
+            self._mark(d.ranks, d.detail)
         raise CollectiveTimeout(timeout, found["text"], found)
 
     def _on_died(self, died: _Died) -> None:
-        self._replace |= set(died.ranks)
+        self._mark(died.ranks, died.detail)
         try:
             self._release()
         except Exception:
@@ -160,7 +164,7 @@ class FaultHandling:
             self._each(runtime.cancel, self._live(), bound=5.0)
             self._stop_after_cancel()
         except _Died as d:
-            self._replace |= set(d.ranks)
+            self._mark(d.ranks, d.detail)
         except BaseException:   # a second Ctrl-C: leave the rest to the repair
             pass
 
@@ -196,10 +200,14 @@ class FaultHandling:
                 got = self._each(runtime.poll, live, 10**9)
                 over = [r for r in live if got[r]["state"] != "running" and r not in released]
                 if over:
-                    self._each(runtime.release, over)
+                    peers = sorted({ep for eps in self._each(runtime.listening, live).values() for ep in eps})
+                    for r, out in self._each(runtime.release, over, peers).items():
+                        if out["held"]:
+                            self._tainted[r] = (f"torch still held its old process groups ({out['held']} "
+                                                "listening sockets): a new engine frees them")
                     released |= set(over)
             except _Died as d:
-                self._replace |= set(d.ranks)
+                self._mark(d.ranks, d.detail)
                 continue
             if all(s["state"] != "running" for s in got.values()) or time.monotonic() > end:
                 return got
@@ -209,15 +217,21 @@ class FaultHandling:
     def _repair_if_needed(self) -> None:
         """Before a call: replace dead or stuck engines and rebuild the process groups, if a
         fault left them so. Falls back to restarting every engine; raises LabError if even that fails."""
-        if not self._rebuild_needed and not self._replace:
+        if not self._rebuild_needed and not self._replace and not self._tainted:
             return
         t0 = time.monotonic()
+        note = {"replaced": {}, "restarted_all": None}
         try:
             self._free_stuck()
+            for r, why in self._tainted.items():
+                self._replace.setdefault(r, why)
+            self._tainted.clear()
             if self._replace:
+                note["replaced"] = dict(sorted(self._replace.items()))
                 self._replace_engines(sorted(self._replace))
             self._setup()
         except Exception as first:
+            note["restarted_all"] = str(first)
             try:
                 self._restart_all()
             except Exception as e:
@@ -225,21 +239,22 @@ class FaultHandling:
                                f"({e}). Close it (lab.close()) and start a new Lab") from e
         self._replace.clear()
         self._rebuild_needed = False
-        self.last_repair_s = time.monotonic() - t0
+        note["seconds"] = time.monotonic() - t0
+        self.repairs.append(note)
 
     def _free_stuck(self) -> None:
         """Ranks still running a job: cancel, release; those still running are to be replaced."""
         try:
             got = self._each(runtime.poll, self._live(), 10**9)
         except _Died as d:
-            self._replace |= set(d.ranks)
+            self._mark(d.ranks, d.detail)
             return self._free_stuck()
         running = [r for r, s in got.items() if s["state"] == "running"]
         if not running:
             return
         self._each(runtime.cancel, running)
         final = self._release(CANCEL_GRACE_S)
-        self._replace |= {r for r, s in final.items() if s["state"] == "running"}
+        self._mark([r for r, s in final.items() if s["state"] == "running"], "its job still ran after cancel and release")
 
     def _replace_engines(self, ranks: list[int]) -> None:
         """Kill the engines of `ranks` and start new ones in their places (local clusters)."""

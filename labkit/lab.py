@@ -124,7 +124,10 @@ class Lab(FaultHandling):
         self._cancel_request = threading.Event()
         self._generation = 0
         self._rebuild_needed = False
-        self._replace: set[int] = set()
+        self._replace: dict[int, str] = {}     # rank -> why its engine must be replaced
+        self._tainted: dict[int, str] = {}     # rank -> why its engine should be replaced (not urgent)
+        self.repairs: list[dict] = []
+        """One entry per repair: engines replaced (rank -> why), whether all were restarted, seconds."""
         self._known_ids: set[int] = set()
         self.jobs = 0
         """How many calls have started work on the engines (tests check that a refusal starts none)."""
