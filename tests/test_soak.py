@@ -148,7 +148,9 @@ def test_fifty_runs_with_faults_leave_the_lab_as_it_was(slab):
           f"listening sockets (start, baseline, end) {start['listening']}, {base['listening']}, {end['listening']}; process groups per rank {end['groups']}; "
           f"processes (live, zombie) {end['lab_processes']}; repairs {slab.repairs}")
     assert end["pids"] == base["pids"]                        # no engine replaced after the baseline
-    assert [sorted(r["replaced"]) for r in slab.repairs] == [[1], [], [0, 1, 2, 3]]
+    killed, raised, hung = (r["replaced"] for r in slab.repairs)
+    assert sorted(killed) == [1] and raised == {}                 # the kill: one new engine; the raise: none
+    assert all("torch still held" in why for why in hung.values())   # ranks whose groups DDP pinned
     assert max(drift) < RSS_DRIFT_LIMIT, drift
     assert end["lab_processes"] == start["lab_processes"]          # nothing leaked, no zombie
     assert end["lab_processes"][1] == 0
