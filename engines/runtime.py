@@ -15,8 +15,8 @@ Releasing a stuck rank. A thread blocked inside a gloo collective cannot be inte
 Python, and aborting the process group from another thread of the same process does not free
 it (checked with torch 2.13). What does free it at once is a peer closing its connections:
 when a rank whose job has ended cuts its connections to the other ranks, every rank waiting
-on it gets "Connection closed by peer" within milliseconds. `release()` does exactly that, and
-the Lab calls it on every rank whose job is over until nobody is left waiting. A cycle of ranks that
+on it gets "Connection closed by peer" within milliseconds. `release()` (engines/release.py)
+does exactly that, and the Lab calls it on every rank whose job is over until nobody is left waiting. A cycle of ranks that
 all wait on each other is freed by the process groups' own timeout (set per job, slightly
 above the Lab's), or by replacing an engine.
 
@@ -87,7 +87,8 @@ def engine_info() -> dict:
     import torch
 
     if _state.engine_listeners is None and _state.runtime is None:
-        _state.engine_listeners = frozenset(_all_listening())
+        from labkit.engines.release import all_listening
+        _state.engine_listeners = frozenset(all_listening())
 
     host = socket.gethostname()
     try:
@@ -351,58 +352,6 @@ def result():
 
 def cancel() -> None:
     _state.job.cancel.set()
-
-
-def listening() -> list[tuple[str, int]]:
-    """(address, port) of every socket torch listens on in this engine (gloo's pairs, the TCPStore
-    on rank 0): all it listens on, less what the engine itself did before torch came (engine_info)."""
-    return sorted(set(_all_listening()) - (_state.engine_listeners or frozenset()))
-
-
-def _all_listening() -> list[tuple[str, int]]:
-    import psutil
-
-    return [(_ip(c.laddr.ip), c.laddr.port) for c in psutil.Process().net_connections("inet")
-            if c.status == psutil.CONN_LISTEN]
-
-
-def release(peers: list | tuple = ()) -> dict:
-    """If this rank's job is over, cut it off from the other ranks: every rank still waiting on
-    it in a collective gets a connection error at once instead of hanging. Returns the job's state.
-
-    Destroying the process groups closes their connections only if nothing else holds them, and
-    PyTorch's DDP does (torch 2.13: once a DistributedDataParallel was built on a gloo group, the
-    group outlives destroy_process_group). So the TCP connections themselves are shut down:
-    those accepted on this engine's own listeners, and those to `peers` (the other engines'
-    listeners, from `listening()`). The controller's connections are neither, and stay up.
-
-    Returns {"state": the job's state, "held": sockets still listening after the groups were
-    destroyed}: nonzero means torch still holds some group (its gloo listeners cannot be shut
-    without aborting the process), so the Lab replaces this engine rather than leak its ports."""
-    import psutil
-
-    job = _state.job
-    if job.thread is not None and job.thread.is_alive():
-        return {"state": job.state, "held": 0}
-    mine = {port for _, port in listening()}
-    shutdown_distributed()
-    targets = {(ip, port) for ip, port in peers}
-    wildcard = {port for ip, port in peers if ip in ("0.0.0.0", "::")}
-    for c in psutil.Process().net_connections("inet"):
-        if c.status != psutil.CONN_ESTABLISHED or not c.raddr or c.fd < 0:
-            continue
-        far = (_ip(c.raddr.ip), c.raddr.port)
-        if c.laddr.port in mine or far in targets or far[1] in wildcard:
-            try:
-                with socket.socket(fileno=os.dup(c.fd)) as s:
-                    s.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-    return {"state": job.state, "held": len(listening())}
-
-
-def _ip(ip: str) -> str:
-    return ip[7:] if ip.startswith("::ffff:") else ip
 
 
 def progress(**fields) -> None:

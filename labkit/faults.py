@@ -11,9 +11,10 @@ and the repair waits for the next call.
   Ctrl-C, progress callback      (re-raised)         cancel, release              rebuild if needed
   Lab.cancel()                   Cancelled           (ranks stop at a boundary)   rebuild if needed
 
-Releasing (engines/runtime.py `release`): a rank whose job is over destroys its process groups,
-which closes its connections, and every rank waiting on it in a collective gets an error at
-once; repeated until no rank waits (a cascade). Ranks that wait only on each other (a cycle)
+Releasing (engines/release.py): a rank whose job is over destroys its process groups and
+shuts its torch connections, and every rank waiting on it in a collective gets an error at
+once; repeated until no rank waits (a cascade). A rank whose groups torch still holds after
+that (PyTorch's DDP pins them) gets a new engine at the next call, so no port leaks. Ranks that wait only on each other (a cycle)
 are freed by the groups' own timeout, set per job just above the Lab's; one still running at
 the next call is replaced (killed and started afresh: a thread inside a gloo collective cannot
 be stopped from Python). Rebuilding: a new TCPStore on a port the OS picks, new groups.
@@ -26,7 +27,7 @@ import signal
 import time
 
 from labkit.diagnose import analyse
-from labkit.engines import runtime
+from labkit.engines import release, runtime
 from labkit.errors import CollectiveTimeout, EngineDied, LabError, RankError
 
 ANSWER_S = 20.0
@@ -190,7 +191,7 @@ class FaultHandling:
 
     def _release(self, bound: float = RELEASE_S) -> dict:
         """Destroy the process groups of every rank whose job is over, until no rank is left
-        waiting or `bound` passes (runtime.release). Returns the ranks' last states."""
+        waiting or `bound` passes (release.release). Returns the ranks' last states."""
         end = time.monotonic() + bound
         released: set[int] = set()
         got: dict = {}
@@ -200,8 +201,8 @@ class FaultHandling:
                 got = self._each(runtime.poll, live, 10**9)
                 over = [r for r in live if got[r]["state"] != "running" and r not in released]
                 if over:
-                    peers = sorted({ep for eps in self._each(runtime.listening, live).values() for ep in eps})
-                    for r, out in self._each(runtime.release, over, peers).items():
+                    peers = sorted({ep for eps in self._each(release.listening, live).values() for ep in eps})
+                    for r, out in self._each(release.release, over, peers).items():
                         if out["held"]:
                             self._tainted[r] = (f"torch still held its old process groups ({out['held']} "
                                                 "listening sockets): a new engine frees them")
