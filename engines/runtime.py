@@ -5,12 +5,28 @@ imports). Work runs in a job thread, not in the engine's request loop, so the en
 answering while a step is under way: the Lab polls it for per-step progress, reads the
 collective log of a rank that is stuck in a collective, and asks it to cancel.
 
+The collective log. Every job runs under one CommMeter (engines/meters/comm.py) from its
+first line to its last, so each collective and point-to-point op the job issues — and each
+process group it creates — is recorded when entered and when left, with its group and a
+sequence number per group. That is what the Lab's hang diagnosis reads (labkit/diagnose.py);
+a training run's report takes the slice of the same log that covers its steps.
+
+Releasing a stuck rank. A thread blocked inside a gloo collective cannot be interrupted from
+Python, and aborting the process group from another thread of the same process does not free
+it (checked with torch 2.13). What does free it at once is a peer closing its connections:
+when a rank whose job has ended cuts its connections to the other ranks, every rank waiting
+on it gets "Connection closed by peer" within milliseconds. `release()` (engines/release.py)
+does exactly that, and the Lab calls it on every rank whose job is over until nobody is left waiting. A cycle of ranks that
+all wait on each other is freed by the process groups' own timeout (set per job, slightly
+above the Lab's), or by replacing an engine.
+
 The module keeps the one piece of per-process state an engine has (`_state`): which rank it
-is, and the current job. Parallel layouts keep none here; they live in the Mesh.
+is, its store and the current job. Parallel layouts keep none here; they live in the Mesh.
 """
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import socket
 import sys
@@ -18,6 +34,10 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+
+PG_MARGIN_S = 2.0
+"""A job's process groups time out this much later than the Lab gives up on the job, so the Lab
+always reads the ranks' logs while they are still inside the hung op, and gloo then frees them."""
 
 
 @dataclass
@@ -45,13 +65,17 @@ class Job:
     progress: list = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     started: float = 0.0
-    comm_meter: object = None    # the active CommMeter, for the collective log
+    timeout_s: float | None = None
+    comm_meter: object = None    # the job's CommMeter: its collective log
 
 
 class _State:
     runtime: Runtime | None = None
     listener: socket.socket | None = None
+    store: object = None
     job: Job = Job()
+    jobs: int = 0
+    engine_listeners: frozenset | None = None   # the engine's own (ipyparallel's), seen before torch's
 
 
 _state = _State()
@@ -61,6 +85,10 @@ _state = _State()
 def engine_info() -> dict:
     """Host, pid, address and GPUs of this engine (before it has a rank)."""
     import torch
+
+    if _state.engine_listeners is None and _state.runtime is None:
+        from labkit.engines.release import all_listening
+        _state.engine_listeners = frozenset(all_listening())
 
     host = socket.gethostname()
     try:
@@ -93,9 +121,11 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: 
     import torch
     import torch.distributed as dist
 
-    from labkit.engines.mesh import Mesh
     from labkit.engines.meters import comm
 
+    job = _state.job
+    if job.thread is not None and job.thread.is_alive():
+        raise RuntimeError("a job is still running on this engine; it must end before the process group is rebuilt")
     shutdown_distributed()
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"   # gloo's own connections stay on 127.0.0.1
@@ -108,12 +138,13 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: 
                               wait_for_workers=False, use_libuv=True)
     else:
         store = dist.TCPStore(addr, port, world_size, False, timeout)
+    _state.store = store
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
                             device_id=torch.device(device) if backend == "nccl" else None)
-    Mesh.forget_groups()
     comm.install()
+    _log_group_creation()
     _state.runtime = Runtime(rank, world_size, backend, device, socket.gethostname(), timeout_s, generation)
     _state.runtime.clock_offset = _clock_offset()
     return _state.runtime.__dict__.copy()
@@ -136,9 +167,11 @@ def _clock_offset() -> float:
 
 
 def shutdown_distributed() -> None:
+    """Destroy every process group of this rank (closing its connections) and forget them."""
     import torch.distributed as dist
 
     from labkit.engines.mesh import Mesh
+    from labkit.engines.meters import comm
 
     if dist.is_initialized():
         try:
@@ -146,7 +179,13 @@ def shutdown_distributed() -> None:
         except Exception:
             pass
     Mesh.forget_groups()
+    comm.forget_groups()      # group names are reused by the next world: drop their cached ranks
+    _state.store = None       # the TCPStore (and on rank 0 its listening socket) goes with it
     _state.runtime = None
+    # A gloo group closes its connections only when its last reference goes, and a finished
+    # run's DDP keeps its groups in reference cycles (gradient hooks): collect them now, or the
+    # peers of a released rank would go on waiting.
+    gc.collect()
 
 
 def current() -> Runtime:
@@ -155,18 +194,105 @@ def current() -> Runtime:
     return _state.runtime
 
 
-# -- jobs -----------------------------------------------------------------------------------
-def start(fn, *args, **kwargs) -> bool:
-    """Run fn(*args, **kwargs) in the job thread. Refuses if a job is still running."""
+def process_groups() -> int:
+    """How many process groups this rank holds (the soak test checks that it stays bounded)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return len(c10d._world.pg_names)
+
+
+# -- the job's process groups: timeouts and creation log ------------------------------------
+def _set_timeouts(seconds: float) -> None:
+    """Every process group of this rank times out after `seconds` (gloo reads it per op)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    td = datetime.timedelta(seconds=seconds)
+    for pg in list(c10d._world.pg_names):
+        try:
+            c10d._set_pg_timeout(td, pg)
+        except Exception:   # a group this rank is not a member of, or a backend without timeouts
+            pass
+
+
+def _log_group_creation() -> None:
+    """Record every dist.new_group in the job's collective log, and give it the job's timeout.
+
+    Creating a group is collective: every rank of the world must create the same groups in the
+    same order, or ranks pair up in the wrong groups and wait forever (torch names groups by
+    a counter). Each creation is logged as a 'new_group' op on the world group, its members
+    beside it, so the diagnosis sees where two ranks' creation orders part. Installed once per
+    process, around torch's `_new_group_with_tag` (what `new_group` calls).
+    """
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    from labkit.engines.meters.comm import CommMeter
+
+    if getattr(c10d._new_group_with_tag, "_labkit", False):
+        return
+    create = c10d._new_group_with_tag
+
+    def new_group_logged(ranks=None, timeout=None, *args, **kwargs):
+        job = _state.job
+        if timeout is None and job.timeout_s is not None and job.state == "running":
+            timeout = datetime.timedelta(seconds=job.timeout_s + PG_MARGIN_S)
+        meter = CommMeter.current
+        local = kwargs.get("use_local_synchronization", len(args) > 3 and args[3])
+        if meter is None or local or not dist.is_initialized():
+            return create(ranks, timeout, *args, **kwargs)
+        members = sorted(ranks) if ranks is not None else list(range(dist.get_world_size()))
+        ev = meter.begin("new_group", dist.group.WORLD, None, 0)
+        ev["members"] = members
+        pg = create(ranks, timeout, *args, **kwargs)
+        meter.end(ev)
+        return pg
+
+    new_group_logged._labkit = True
+    c10d._new_group_with_tag = new_group_logged
+
+
+def job_comm_meter():
+    """The running job's collective log (a CommMeter), or None outside a job / with the log off."""
     job = _state.job
-    if job.thread is not None and job.thread.is_alive():
+    if job.state == "running" and job.comm_meter is not None:
+        return job.comm_meter
+    return None
+
+
+def comm_log_off() -> None:
+    """Run the rest of this job without the collective log, the meter's kernels unregistered
+    (only the overhead benchmark does this: it compares step times with and without)."""
+    from labkit.engines.meters import comm
+
+    job = _state.job
+    if job.comm_meter is not None:
+        job.comm_meter.__exit__(None, None, None)
+        job.comm_meter = None
+    comm.uninstall()
+
+
+# -- jobs -----------------------------------------------------------------------------------
+def start(fn, args: tuple = (), kwargs: dict | None = None, timeout_s: float | None = None) -> int:
+    """Run fn(*args, **kwargs) in the job thread, under a fresh collective log; the process
+    groups time out `PG_MARGIN_S` after `timeout_s`. Refuses if a job is still running.
+    Returns how many jobs this engine has started (the Lab's tests count them)."""
+    from labkit.engines.meters.comm import CommMeter
+
+    old = _state.job
+    if old.thread is not None and old.thread.is_alive():
         raise RuntimeError("a job is still running on this engine; cancel it or wait for it")
-    job = Job(started=time.time())
+    kwargs = kwargs or {}
+    job = Job(started=time.time(), timeout_s=timeout_s)
+    if _state.runtime is not None and timeout_s is not None:
+        _set_timeouts(timeout_s + PG_MARGIN_S)
+    job.comm_meter = CommMeter({})
     _state.job = job
+    _state.jobs += 1
 
     def body():
         try:
-            job.result = fn(*args, **kwargs)
+            with job.comm_meter:
+                job.result = fn(*args, **kwargs)
             job.state = "done"
         except Cancelled:
             job.state = "cancelled"
@@ -177,19 +303,42 @@ def start(fn, *args, **kwargs) -> bool:
     job.state = "running"
     job.thread = threading.Thread(target=body, name="labkit-job", daemon=True)
     job.thread.start()
-    return True
+    return _state.jobs
 
 
 def poll(since: int = 0, log_tail: int = 0) -> dict:
-    """State of the job, the progress records after index `since`, and (if asked) the last
-    `log_tail` collective-log entries with any entered-but-not-left ops."""
+    """State of the job and the progress records after index `since`. With log_tail > 0 also
+    the last `log_tail` collective-log entries, how far each of its groups got (`groups`:
+    pg name -> [ops entered, ranks]), how many ops are open, the process groups this rank
+    holds (`registry`: name -> ranks) and, while it runs, where the job thread is (`stack`)."""
     job = _state.job
     out = {"state": job.state, "progress": job.progress[since:], "error": job.error}
+    if not log_tail:
+        return out
     meter = job.comm_meter
-    if log_tail and meter is not None:
+    out["log"], out["groups"] = [], {}
+    if meter is not None:
+        meter.sweep()
         out["log"] = [dict(e) for e in meter.events[-log_tail:]]
-        out["open"] = [dict(e) for e in meter.open_events()]
+        out["groups"] = meter.group_counts()
+        out["open"] = len(meter.open_events())
+    out["registry"] = _registry()
+    if job.state == "running" and job.thread is not None:
+        frame = sys._current_frames().get(job.thread.ident)
+        if frame is not None:
+            out["stack"] = "".join(traceback.format_stack(frame)[-4:])
     return out
+
+
+def _registry() -> dict[str, list[int]]:
+    """Process groups this rank is a member of: name -> global ranks (torch's own bookkeeping)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    try:
+        return {str(c10d._world.pg_names[pg]): sorted(ranks) for pg, ranks in c10d._world.pg_group_ranks.items()
+                if pg in c10d._world.pg_names}
+    except Exception:
+        return {}
 
 
 def result():
@@ -214,10 +363,6 @@ def check_cancelled() -> None:
     """Called by engine code between steps and microbatches."""
     if _state.job.cancel.is_set():
         raise Cancelled()
-
-
-def attach_comm_meter(meter) -> None:
-    _state.job.comm_meter = meter
 
 
 def call_pickled(blob: bytes, *args, **kwargs):

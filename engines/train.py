@@ -30,6 +30,9 @@ def run_rank(spec: dict) -> dict:
     """spec: {'parallel': dict, 'model': dict, 'optim': dict, 'steps', 'seed', 'return_params',
     'audit'} (plain data from the Lab). Returns this rank's report as plain data."""
     rt = runtime.current()
+    comm_log = spec.get("comm_log", True)
+    if not comm_log:            # the overhead benchmark's switch: no collective log at all
+        runtime.comm_log_off()
     cfg = ParallelConfig.from_dict(spec["parallel"])
     model_cfg = ModelConfig.from_dict(spec["model"])
     optim = OptimConfig.from_dict(spec["optim"])
@@ -41,7 +44,7 @@ def run_rank(spec: dict) -> dict:
         return {**base, "idle": True}
 
     device = torch.device(rt.device)
-    meters = Meters(mesh, device)
+    meters = Meters(mesh, device, comm_log)
     par = parallelize(build_model(model_cfg, seed), mesh, cfg, optim, meters)
     meters.memory.exclude(p for chunk in par.chunks for p in chunk.parameters())
     audit = None
@@ -79,7 +82,7 @@ def run_rank(spec: dict) -> dict:
         "grad_norms": norms,
         "step_times": step_times,
         "memory": meters.memory_report(states),
-        "comm": meters.comm.events,
+        "comm": meters.comm_events(),
         "timeline": meters.timeline.events,
         "info": par.info,
     }

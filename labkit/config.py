@@ -7,6 +7,7 @@ imports nothing but the standard library. Every config round-trips through a pla
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")
@@ -162,9 +163,48 @@ def _try(values: list[int]) -> str:
     return "try " + ", ".join(str(v) for v in values[:-1]) + f" or {values[-1]}"
 
 
+_KINDS = {"int": "a whole number (int)", "float": "a finite number", "bool": "True or False", "str": "a string"}
+
+
+def field_problems(obj) -> list[str]:
+    """Fields whose value is not of the type the dataclass declares (checked first: the rest of
+    the checks do arithmetic on them). A bool is not taken for an int, nor a NaN for a number."""
+    out = []
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        ok = {"int": isinstance(v, int) and not isinstance(v, bool),
+              "float": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
+              "bool": isinstance(v, bool),
+              "str": isinstance(v, str)}.get(f.type, True)
+        if not ok:
+            out.append(f"{type(obj).__name__}.{f.name}={v!r} must be {_KINDS[f.type]}; the default is {f.default!r}")
+    return out
+
+
+def optim_problems(optim: OptimConfig) -> list[str]:
+    """What is wrong with an OptimConfig, each with a fix."""
+    out = field_problems(optim)
+    if out:
+        return out
+    if not optim.lr > 0:
+        out.append(f"lr={optim.lr} must be > 0; try 3e-3")
+    for name in ("beta1", "beta2"):
+        if not 0 <= getattr(optim, name) < 1:
+            out.append(f"{name}={getattr(optim, name)} must be in [0, 1); try {getattr(OptimConfig, name)}")
+    if not optim.eps > 0:
+        out.append(f"eps={optim.eps} must be > 0; try 1e-8")
+    if optim.weight_decay < 0:
+        out.append(f"weight_decay={optim.weight_decay} must be >= 0; try 0.1")
+    if optim.clip < 0:
+        out.append(f"clip={optim.clip} must be >= 0 (0 disables clipping); try 1.0")
+    return out
+
+
 def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None) -> list[str]:
     """Every constraint that (cfg, model) violates on `engines` ranks, each with a fix."""
-    out: list[str] = []
+    out: list[str] = field_problems(cfg) + field_problems(model)
+    if out:
+        return out  # the rest is arithmetic on the fields
     for d in DIMS:
         v = getattr(cfg, d)
         if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -231,6 +271,8 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
                    f"{_try(_divisors(model.experts))} for ep")
     if model.experts > 0 and not 1 <= model.top_k <= model.experts:
         out.append(f"top_k={model.top_k} must be between 1 and experts={model.experts}")
+    if model.aux_loss_coef < 0:
+        out.append(f"aux_loss_coef={model.aux_loss_coef} must be >= 0; try 0.01")
 
     if not isinstance(cfg.microbatches, int) or cfg.microbatches < 1:
         out.append(f"microbatches={cfg.microbatches!r} must be a positive integer; try 1")

@@ -1,80 +1,187 @@
 """Hang diagnosis from the ranks' collective logs (the analysis PyTorch's flight recorder tools do).
 
-Each rank logs every op when it is entered and when it is left, with its group and a sequence
-number per group. When a run stops making progress, the Lab reads the logs of every rank (the
-engines still answer: work runs in a job thread) and this module says:
-  - per rank, the op it entered and never left (op, dim, group, sequence number, shape);
+Each rank logs every op when it is entered and when it is left, with its process group and a
+sequence number per process group (engines/meters/comm.py; group creation is logged too, as a
+'new_group' op on the world group). When a run stops making progress, the Lab reads every
+rank's log (the engines still answer: work runs in a job thread) and this module says:
+  - per rank, the op it entered and never left (op, dim, group ranks, sequence number, shape),
+    or, if it is in none, whether it finished, failed, or where its job thread is computing;
   - which members of that group never reached that op, and where they are instead;
-  - the first point where two ranks' sequences on one group differ (op, size or order).
+  - the first point where two ranks' sequences in one group differ (op, shape or order), a
+    group that ranks know under different process-group names (they created their groups in
+    different orders), and a cycle of ranks each waiting for the next.
+
+Like with like: sequence numbers count per process group, so two ops are compared only when
+they ran on the same process group (same name *and* same ranks): rebuilt worlds reuse names,
+and a name can stand for different ranks on ranks that created groups in different orders.
 Pure Python: it reads plain dicts.
 """
 from __future__ import annotations
 
 
+def _key(e: dict) -> tuple:
+    return (str(e.get("pg", "")), tuple(e["group"]))
+
+
 def _sig(e: dict) -> tuple:
-    return (e["op"], e.get("numel"), e.get("dtype"))
+    return (e["op"], tuple(e.get("shape") or ()), e.get("numel"), e.get("dtype"), tuple(e.get("members") or ()))
 
 
 def _fmt(e: dict) -> str:
-    shape = "x".join(str(s) for s in e.get("shape") or []) or str(e.get("numel"))
+    if e["op"] == "new_group":
+        what = f"new_group({e.get('members')})"
+    else:
+        shape = "x".join(str(s) for s in e.get("shape") or []) or str(e.get("numel"))
+        what = f"{e['op']}({shape} {e.get('dtype', '')})".replace(" )", ")")
     peer = f" peer {e['peer']}" if e.get("peer") is not None else ""
-    return f"{e['op']}({shape} {e.get('dtype', '')}) on {e['dim']} group {e['group']}{peer}, seq {e['seq']}"
+    pg = f" (pg {e['pg']})" if e.get("pg") not in (None, "") else ""
+    return f"{what} on {e['dim']} group {list(e['group'])}{pg}{peer}, seq {e['seq']}"
 
 
-def analyse(logs: dict[int, list[dict]], hosts: dict[int, str] | None = None) -> dict:
-    """logs: rank -> that rank's collective log (oldest first). Returns a dict with 'stuck'
-    (rank -> first open op or None), 'missing' (list of {group, seq, op, ranks}), 'divergence'
-    (first mismatch per group or None) and 'text' (the human summary)."""
+def _as_poll(x) -> dict:
+    return {"log": x} if isinstance(x, list) else x
+
+
+def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) -> dict:
+    """polls: rank -> what runtime.poll(log_tail=N) returned for that rank ('log' oldest first,
+    'groups' {pg: [ops entered, ranks]}, 'state', 'stack', 'error'), or just the log list.
+
+    Returns 'stuck' (rank -> open op or None), 'missing' (one entry per open op some members
+    never reached), 'divergence' (first mismatch of two ranks on one process group, or None),
+    'renamed' (groups whose members use different process-group names), 'cycle' (ranks that
+    wait on each other in a ring, or None) and 'text' (the summary the error message shows)."""
     hosts = hosts or {}
+    polls = {r: _as_poll(p) for r, p in polls.items()}
+    logs = {r: p.get("log") or [] for r, p in polls.items()}
+
     stuck: dict[int, dict | None] = {}
     for r, log in logs.items():
         open_ops = [e for e in log if e.get("end") is None]
         stuck[r] = min(open_ops, key=lambda e: e["start"]) if open_ops else None
 
-    # each rank's ops per group, by sequence number
-    per_group: dict[tuple, dict[int, dict[int, dict]]] = {}
+    by_key: dict[tuple, dict[int, dict[int, dict]]] = {}    # (pg, ranks) -> rank -> seq -> event
     for r, log in logs.items():
         for e in log:
-            per_group.setdefault(tuple(e["group"]), {}).setdefault(r, {})[e["seq"]] = e
+            by_key.setdefault(_key(e), {}).setdefault(r, {})[e["seq"]] = e
 
-    missing = []
-    for r, e in stuck.items():
+    def reached(m: int, key: tuple, seq: int) -> bool:
+        counts = polls[m].get("groups") or {}
+        pg, ranks = key
+        if pg in counts and tuple(counts[pg][1]) == ranks:
+            return counts[pg][0] > seq
+        return seq in by_key.get(key, {}).get(m, {})
+
+    def where(m: int) -> str:
+        e, p = stuck.get(m), polls[m]
+        if e is not None:
+            return f"waits in {e['op']} seq {e['seq']} on group {list(e['group'])}"
+        state = p.get("state")
+        if state == "done":
+            return "finished its job"
+        if state == "error":
+            return "failed (" + ((p.get("error") or "").strip().splitlines() or ["?"])[-1] + ")"
+        if p.get("stack"):
+            return "computes at " + _last_frame(p["stack"])
+        return "is in no collective"
+
+    missing, waits_for = [], {}
+    seen = {}
+    for r, e in sorted(stuck.items()):
         if e is None:
             continue
-        g = tuple(e["group"])
-        absent = [m for m in g if m in logs and e["seq"] not in per_group.get(g, {}).get(m, {})]
-        if absent:
-            missing.append({"group": list(g), "seq": e["seq"], "op": e["op"], "dim": e["dim"], "ranks": absent})
+        key = _key(e)
+        absent = [m for m in key[1] if m != r and m in polls and not reached(m, key, e["seq"])]
+        waits_for[r] = absent
+        if not absent:
+            continue
+        ident = (key, e["seq"])
+        if ident in seen:
+            seen[ident]["waiting"].append(r)
+            continue
+        seen[ident] = {"group": list(key[1]), "pg": key[0], "seq": e["seq"], "op": e["op"], "dim": e["dim"],
+                       "ranks": absent, "waiting": [r], "where": {m: where(m) for m in absent}}
+        missing.append(seen[ident])
+
+    renamed = []
+    names: dict[tuple, dict[int, set]] = {}     # group ranks -> member -> its names for them
+    for r, p in polls.items():
+        for pg, ranks in (p.get("registry") or {}).items():
+            names.setdefault(tuple(ranks), {}).setdefault(r, set()).add(pg)
+    for ranks, per in sorted(names.items()):
+        if len(per) > 1 and len({frozenset(v) for v in per.values()}) > 1:
+            renamed.append({"group": list(ranks), "names": {r: sorted(v) for r, v in sorted(per.items())}})
 
     divergence = None
-    for g, by_rank in sorted(per_group.items()):
-        members = [m for m in g if m in by_rank]
-        if len(members) < 2:
-            continue
-        seqs = sorted(set().union(*[set(by_rank[m]) for m in members]))
-        for s in seqs:
-            have = {m: by_rank[m][s] for m in members if s in by_rank[m]}
-            if len(have) == len(members) and len({_sig(e) for e in have.values()}) > 1:
-                divergence = {"group": list(g), "seq": s, "ops": {m: _fmt(e) for m, e in have.items()}}
+    for key, per_rank in by_key.items():
+        members = [m for m in key[1] if m in per_rank]
+        for s in sorted(set().union(*[set(per_rank[m]) for m in members]) if members else []):
+            have = {m: per_rank[m][s] for m in members if s in per_rank[m]}
+            if len(have) > 1 and len({_sig(e) for e in have.values()}) > 1:
+                start = min(e["start"] for e in have.values())
+                if divergence is None or start < divergence["start"]:
+                    divergence = {"group": list(key[1]), "pg": key[0], "seq": s, "start": start,
+                                  "ops": {m: _fmt(e) for m, e in sorted(have.items())}}
                 break
-        if divergence:
-            break
+
+    cycle = _cycle(waits_for)
 
     lines = []
     for r in sorted(logs):
-        where = f" ({hosts[r]})" if r in hosts else ""
+        at = f" ({hosts[r]})" if r in hosts else ""
         e = stuck[r]
         if e is not None:
-            lines.append(f"rank {r}{where}: waiting in {_fmt(e)}")
+            others = sum(1 for x in logs[r] if x.get("end") is None) - 1
+            more = f" (+{others} later op(s) also open)" if others > 0 else ""
+            lines.append(f"rank {r}{at}: entered and never left {_fmt(e)}{more}")
         else:
-            last = logs[r][-1] if logs[r] else None
-            lines.append(f"rank {r}{where}: in no collective" +
-                         (f"; last completed {_fmt(last)}" if last else "; no collective yet"))
+            done = [x for x in logs[r] if x.get("end") is not None]
+            last = f"; last completed {_fmt(done[-1])}" if done else "; no collective completed"
+            lines.append(f"rank {r}{at}: {where(r)}, in no collective{last}")
     for m in missing:
-        lines.append(f"ranks {m['ranks']} never reached {m['op']} seq {m['seq']} on {m['dim']} group {m['group']}")
+        lines.append(f"ranks {m['ranks']} never reached {m['op']} seq {m['seq']} on {m['dim']} group {m['group']}"
+                     f" (pg {m['pg']}), where ranks {m['waiting']} wait: "
+                     + "; ".join(f"rank {r} {w}" for r, w in m["where"].items()))
+    for g in renamed:
+        lines.append(f"group {g['group']} has different process-group names on its ranks "
+                     + ", ".join(f"rank {r}: {v}" for r, v in g["names"].items())
+                     + ": the ranks created their groups in different orders")
     if divergence:
-        lines.append(f"first divergence on group {divergence['group']} at seq {divergence['seq']}:")
-        lines.extend(f"  rank {r}: {txt}" for r, txt in sorted(divergence["ops"].items()))
+        lines.append(f"first divergence on group {divergence['group']} (pg {divergence['pg']}) "
+                     f"at seq {divergence['seq']}:")
+        lines.extend(f"  rank {r}: {txt}" for r, txt in divergence["ops"].items())
+    if cycle:
+        lines.append("ranks wait on each other in a cycle: " + " -> ".join(str(r) for r in cycle + cycle[:1])
+                     + " (each waits in a collective the next one has not entered: collectives issued "
+                     "in different orders)")
     if not any(stuck.values()):
         lines.append("no rank is inside a collective: the run is slow or stuck in computation, not in communication")
-    return {"stuck": stuck, "missing": missing, "divergence": divergence, "text": "\n".join(lines)}
+    return {"stuck": stuck, "missing": missing, "divergence": divergence, "renamed": renamed, "cycle": cycle,
+            "text": "\n".join(lines)}
+
+
+def _last_frame(stack: str) -> str:
+    """'file.py:12 in fn' of the innermost frame of a formatted stack."""
+    for line in reversed(stack.strip().splitlines()):
+        line = line.strip()
+        if line.startswith('File "'):
+            path, _, rest = line[6:].partition('", line ')
+            num, _, fn = rest.partition(", in ")
+            return f"{path.rsplit('/', 1)[-1]}:{num} in {fn}"
+    return "?"
+
+
+def _cycle(waits_for: dict[int, list[int]]) -> list[int] | None:
+    """A cycle in the wait-for graph (rank -> ranks it waits for), smallest rank first, or None."""
+    for start in sorted(waits_for):
+        path, node = [start], start
+        while True:
+            nxt = [m for m in waits_for.get(node, []) if m in waits_for]
+            if not nxt:
+                break
+            node = nxt[0]
+            if node in path:
+                loop = path[path.index(node):]
+                i = loop.index(min(loop))
+                return loop[i:] + loop[:i]
+            path.append(node)
+    return None

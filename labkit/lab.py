@@ -6,10 +6,16 @@
     lab = Lab.connect(profile="slurm")          # a cluster started elsewhere (ipcluster)
 
 Every call runs in a job thread on the engines (labkit.engines.runtime) and the Lab polls
-them: progress shows per step, a run that stops making progress becomes a CollectiveTimeout
-with the ranks' collective logs analysed, an exception on one rank comes back with its rank
-and traceback, and in every such case the Lab restarts what is stuck and rebuilds the process
-group, so the next run works in the same kernel.
+them, so the notebook never waits on anything without a bound:
+  - a run that does not finish within its timeout becomes a CollectiveTimeout whose message
+    is the diagnosis of the ranks' collective logs (labkit.diagnose);
+  - an exception on a rank comes back as a RankError with its rank and traceback, and the
+    ranks that were waiting for it in a collective are released (runtime.release);
+  - an engine that dies (or stops answering) becomes EngineDied naming its rank and host;
+  - Ctrl-C (KeyboardInterrupt) or Lab.cancel() stops the job on the engines too.
+Each error is raised as soon as it is known. The repair — replacing dead or stuck engines and
+rebuilding the process groups on a fresh port — happens at the start of the next call (faults.py
+has the fault handling; this file the set-up and the polling loop).
 """
 from __future__ import annotations
 
@@ -19,14 +25,18 @@ import threading
 import time
 from collections import Counter
 
-from labkit.config import ModelConfig, OptimConfig, ParallelConfig, validate
-from labkit.diagnose import analyse
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, optim_problems, validate
 from labkit.engines import runtime
-from labkit.errors import Cancelled, CollectiveTimeout, EngineDied, LabError, RankError
+from labkit.errors import Cancelled, LabError
+from labkit.faults import FaultHandling, _Died
 from labkit.results import RunResult
 
-POLL_S = 0.05
+POLL_MIN_S, POLL_MAX_S = 0.02, 0.25
+"""The Lab polls the engines at first every 20 ms (short runs return at once), backing off to 4 per second."""
 START_TIMEOUT_S = 120.0
+"""Bound on starting engines, building the process groups and bringing results back."""
+DEFAULT_TIMEOUT_S = 300.0
+"""A run or apply that takes longer is diagnosed as a hang. Generous for CPU demos; pass your own."""
 
 
 def _print_progress(p: dict) -> None:
@@ -43,6 +53,18 @@ def _by_value(fn) -> bytes:
     if mod is not None and mod.__name__ != "__main__" and not installed and not mod.__name__.startswith("labkit"):
         cloudpickle.register_pickle_by_value(mod)
     return cloudpickle.dumps(fn)
+
+
+def _is_real(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def timeout_problems(timeout, name: str = "timeout") -> list[str]:
+    if timeout is None:
+        return []
+    if not _is_real(timeout) or not 0 < timeout < float("inf"):
+        return [f"{name}={timeout!r} must be a positive number of seconds (or None for the Lab's default); try 60"]
+    return []
 
 
 class _StepProgress:
@@ -68,32 +90,51 @@ class _StepProgress:
                        "seconds": max(r["seconds"] for r in got)})
 
 
-class Lab:
+class Lab(FaultHandling):
     """A local ipyparallel cluster (or a connection to one) ready to run parallel layouts.
 
     engines: how many engines (ranks) to start locally.
     backend: 'auto' (nccl when every engine has its own GPU, else gloo), 'gloo' or 'nccl'.
-    timeout: seconds a run or apply may take before it is diagnosed as a hang (the process
-             groups are created with the same timeout).
+    timeout: seconds a run or apply may take before it is diagnosed as a hang (default for the
+             calls' own `timeout`; each job's process groups time out just after it).
     progress: print one line per step (True), stay quiet (False), or call progress(record).
+
+    Thread-safe: one call runs at a time (others wait, bounded); `cancel()` may come from any
+    thread (a widget's button) and stops the call in progress.
     """
 
-    def __init__(self, engines: int = 4, backend: str = "auto", timeout: float = 300.0,
+    def __init__(self, engines: int = 4, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                  progress=True, *, _client=None, _cluster=None, master_addr: str | None = None):
         import ipyparallel as ipp
 
+        bad = timeout_problems(timeout)
+        if _client is None and (not isinstance(engines, int) or isinstance(engines, bool) or engines < 1):
+            bad.append(f"engines={engines!r}: a Lab needs a positive whole number of engines; try 4")
+        if backend not in ("auto", "gloo", "nccl"):
+            bad.append(f"backend={backend!r} is not one of ['auto', 'gloo', 'nccl']; try 'auto'")
+        if not (progress is None or isinstance(progress, bool) or callable(progress)):
+            bad.append(f"progress={progress!r} must be True, False or a function of one record")
+        if bad:
+            raise ConfigError(bad)
         self.timeout = float(timeout)
         self.backend_choice = backend
         self.progress = progress
         self.master_addr = master_addr
         self._lock = threading.RLock()
+        self._cancel_request = threading.Event()
         self._generation = 0
+        self._rebuild_needed = False
+        self._replace: dict[int, str] = {}     # rank -> why its engine must be replaced
+        self._tainted: dict[int, str] = {}     # rank -> why its engine should be replaced (not urgent)
+        self.repairs: list[dict] = []
+        """One entry per repair: engines replaced (rank -> why), whether all were restarted, seconds."""
+        self._known_ids: set[int] = set()
+        self.jobs = 0
+        """How many calls have started work on the engines (tests check that a refusal starts none)."""
         self.cluster = _cluster
+        self.view = None
         if _client is None:
-            if engines < 1:
-                raise LabError(f"engines={engines}: a Lab needs at least one engine")
-            self.cluster = ipp.Cluster(n=engines, controller_ip="127.0.0.1", engine_timeout=60,
-                                       log_level=40)
+            self.cluster = ipp.Cluster(n=engines, controller_ip="127.0.0.1", engine_timeout=60, log_level=40)
             self.local = True
             try:
                 self.client = self.cluster.start_and_connect_sync(activate=False)
@@ -107,6 +148,8 @@ class Lab:
             self.local = False
             self._n = len(_client.ids)
         try:
+            self.ids = sorted(self.client.ids)[: self._n]
+            self._known_ids = set(self.client.ids)
             self._setup()
         except BaseException:
             self.close()
@@ -114,7 +157,7 @@ class Lab:
 
     @classmethod
     def connect(cls, profile: str | None = None, url_file: str | None = None, cluster_id: str = "",
-                engines: int | None = None, backend: str = "auto", timeout: float = 300.0,
+                engines: int | None = None, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
                 progress=True, master_addr: str | None = None, **client_kwargs) -> "Lab":
         """Attach to a running ipyparallel cluster (`ipcluster start` with any launcher).
 
@@ -141,15 +184,14 @@ class Lab:
 
     # -- set-up -----------------------------------------------------------------------------
     def _setup(self) -> None:
-        """Give each engine a rank and a device and build the torch.distributed world."""
-        retired = getattr(self, "_retired", set())
-        self.ids = sorted(e for e in self.client.ids if e not in retired)
-        if self.local:
-            self.ids = self.ids[: self._n]
+        """Give each engine (self.ids, in rank order) a rank and a device and build the world."""
         self.world = len(self.ids)
         self.view = self.client[self.ids]
-        infos = self.view.apply_sync(runtime.engine_info)
+        got = self._gather({r: self.client[e].apply_async(runtime.engine_info) for r, e in enumerate(self.ids)},
+                           START_TIMEOUT_S, watch=False)   # pids are what this learns
+        infos = [got[r] for r in range(self.world)]
         self.hosts = [i["host"] for i in infos]
+        self.pids = [i["pid"] for i in infos]
         per_host = Counter(self.hosts)
         local_index, seen = [], Counter()
         for h in self.hosts:
@@ -171,162 +213,167 @@ class Lab:
         self._rendezvous(addr, threads, loopback)
 
     def _rendezvous(self, addr: str, threads: list[int], loopback: bool) -> None:
+        """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
         self._generation += 1
-        port = self.client[self.ids[0]].apply_sync(runtime.open_rendezvous, addr)
-        pending = [self.client[eid].apply_async(
+        port = self._gather({0: self.client[self.ids[0]].apply_async(runtime.open_rendezvous, addr)},
+                            START_TIMEOUT_S)[0]
+        got = self._gather({rank: self.client[eid].apply_async(
             runtime.init_distributed, rank, self.world, addr, port, self.backend, self.devices[rank],
-            self.timeout, self._generation, threads[rank], loopback) for rank, eid in enumerate(self.ids)]
-        deadline = time.monotonic() + START_TIMEOUT_S
-        self.runtimes = [p.get(timeout=max(1.0, deadline - time.monotonic())) for p in pending]
+            self.timeout, self._generation, threads[rank], loopback) for rank, eid in enumerate(self.ids)},
+            START_TIMEOUT_S)
+        self.runtimes = [got[r] for r in range(self.world)]
+        self.port = port
 
     # -- running ----------------------------------------------------------------------------
     def apply(self, fn, *args, timeout: float | None = None, **kwargs) -> list:
         """fn(*args, **kwargs) on every rank, with the process group ready; results in rank order.
 
         fn may come from a notebook, a script or a test module the engines cannot import: it
-        is shipped by value (cloudpickle) unless it lives in an installed package."""
+        is shipped by value (cloudpickle) unless it lives in an installed package. Its
+        collectives are in the collective log, so a hang in it is diagnosed like a run's."""
+        bad = timeout_problems(timeout)
+        if not callable(fn):
+            bad.insert(0, f"fn={fn!r} is not callable; pass a function to run on every rank")
+        if bad:
+            raise ConfigError(bad)
         return self._execute(runtime.call_pickled, (_by_value(fn), *args), kwargs, timeout, None)
 
     def run(self, cfg: ParallelConfig | None = None, model: ModelConfig | None = None, steps: int = 3,
             seed: int = 0, optim: OptimConfig | None = None, timeout: float | None = None,
-            progress=None, return_params: bool = False, audit: bool = False) -> RunResult:
+            progress=None, return_params: bool = False, audit: bool = False, *, _comm_log: bool = True) -> RunResult:
         """Train `steps` steps of `model` laid out as `cfg` on the engines; returns a RunResult.
 
-        Raises ConfigError (before any engine work) for a layout that cannot run here.
+        Raises ConfigError (before any engine work) for a layout, model or argument that cannot
+        run here, naming each problem and a fix. timeout: seconds (default: the Lab's).
         return_params brings back the final full parameters (res.params) for checking;
         audit runs a TorchDispatchMode beside the comm meter (slow; tests use it).
+        _comm_log=False runs without the collective log (only the overhead benchmark does).
         """
-        cfg = cfg or ParallelConfig()
-        model = model or ModelConfig()
-        optim = optim or OptimConfig()
-        if not isinstance(steps, int) or steps < 1:
-            from labkit.config import ConfigError
-            raise ConfigError([f"steps={steps!r} must be a positive integer"])
+        cfg = ParallelConfig() if cfg is None else cfg
+        model = ModelConfig() if model is None else model
+        optim = OptimConfig() if optim is None else optim
+        bad = []
+        for name, value, kind in (("cfg", cfg, ParallelConfig), ("model", model, ModelConfig),
+                                  ("optim", optim, OptimConfig)):
+            if not isinstance(value, kind):
+                bad.append(f"{name}={value!r} must be a {kind.__name__} (e.g. {kind.__name__}()), "
+                           f"not {type(value).__name__}")
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
+            bad.append(f"steps={steps!r} must be a positive integer; try steps=3")
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            bad.append(f"seed={seed!r} must be an integer in [0, 2**63); try seed=0")
+        bad += timeout_problems(timeout)
+        if not (progress is None or isinstance(progress, bool) or callable(progress)):
+            bad.append(f"progress={progress!r} must be True, False, None or a function of one record")
+        for name, value in (("return_params", return_params), ("audit", audit)):
+            if not isinstance(value, bool):
+                bad.append(f"{name}={value!r} must be True or False")
+        if bad:
+            raise ConfigError(bad)
         validate(cfg, model, self.world)
+        if optim_problems(optim):
+            raise ConfigError(optim_problems(optim))
         from labkit.engines.train import run_rank
 
         spec = {"parallel": cfg.to_dict(), "model": model.to_dict(), "optim": optim.to_dict(),
-                "steps": steps, "seed": seed, "return_params": return_params, "audit": audit}
+                "steps": steps, "seed": seed, "return_params": return_params, "audit": audit,
+                "comm_log": bool(_comm_log)}
         t0 = time.perf_counter()
         reports = self._execute(run_rank, (spec,), {}, timeout, progress if progress is not None else self.progress)
         return RunResult.from_reports(cfg, model, optim, steps, seed, reports, time.perf_counter() - t0)
 
     def cancel(self) -> None:
-        """Ask the job on every engine to stop at its next step or microbatch boundary."""
-        self.view.apply_sync(runtime.cancel)
+        """Stop the call in progress (from any thread): the engines stop at their next step or
+        microbatch boundary, and that call raises Cancelled. Does nothing when no call runs."""
+        self._cancel_request.set()
+
+    def engine_states(self) -> list[str]:
+        """Each rank's job state now ('idle', 'running', 'done', 'error', 'cancelled', or 'dead')."""
+        out = []
+        with self._lock:
+            for r in range(self.world):
+                try:
+                    out.append(self._each(runtime.poll, [r], 10**9)[r]["state"])
+                except _Died:
+                    out.append("dead")
+        return out
 
     def _execute(self, fn, args: tuple, kwargs: dict, timeout: float | None, progress) -> list:
-        import ipyparallel as ipp
-
         timeout = self.timeout if timeout is None else float(timeout)
         show = _print_progress if progress is True else (progress or None)
         steps = _StepProgress(show) if show else None
-        with self._lock:
-            try:
-                self.view.apply_sync(runtime.start, fn, *args, **kwargs)
-                seen = [0] * self.world
-                deadline = time.monotonic() + timeout
-                while True:
-                    polls = [self.client[eid].apply_async(runtime.poll, seen[r]) for r, eid in enumerate(self.ids)]
-                    states = []
-                    for r, p in enumerate(polls):
-                        out = p.get(timeout=30)
-                        seen[r] += len(out["progress"])
-                        if steps is not None:
-                            for rec in out["progress"]:
-                                steps.add(rec)
-                        states.append(out)
-                    kinds = {s["state"] for s in states}
-                    if kinds == {"done"}:
-                        return self.view.apply_sync(runtime.result)
-                    if "error" in kinds:
-                        self._fail(states)
-                    if "cancelled" in kinds and "running" not in kinds:
-                        raise Cancelled("the run was cancelled on the engines")
-                    if time.monotonic() > deadline:
-                        self._timeout(timeout)
-                    time.sleep(POLL_S)
-            except KeyboardInterrupt:
-                self._recover_after(lambda: self.view.apply_sync(runtime.cancel))
-                raise
-            except ipp.error.EngineError as e:
-                self._engine_died(e)
-
-    # -- faults -----------------------------------------------------------------------------
-    def _fail(self, states: list[dict]) -> None:
-        """An exception on some rank: give the others a moment to fail or finish, then release
-        whoever is stuck waiting for the failed rank, and raise its traceback."""
-        deadline = time.monotonic() + 2.0
-        while any(s["state"] == "running" for s in states) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
-            states = self.view.apply_sync(runtime.poll, 10**9)
-        failures = {r: {"host": self.hosts[r], "traceback": s["error"]}
-                    for r, s in enumerate(states) if s["state"] == "error"}
-        self.restart()
-        raise RankError(failures)
-
-    def _timeout(self, timeout: float) -> None:
-        polls = self.view.apply_sync(runtime.poll, 10**9, 400)
-        logs = {r: p.get("log", []) for r, p in enumerate(polls)}
-        found = analyse(logs, dict(enumerate(self.hosts)))
-        self.restart()
-        raise CollectiveTimeout(timeout, found["text"], found)
-
-    def _engine_died(self, err) -> None:
-        alive = set(self.client.ids)
-        dead = [r for r, eid in enumerate(self.ids) if eid not in alive] or [0]
-        self.restart()
-        raise EngineDied(dead[0], self.hosts[dead[0]], str(err).splitlines()[0] if str(err) else "")
-
-    def _recover_after(self, action) -> None:
+        if not self._lock.acquire(timeout=timeout + 2 * START_TIMEOUT_S):
+            raise LabError("the Lab is busy with another call that did not end in time; lab.cancel() stops it")
         try:
-            action()
-            time.sleep(0.5)
-            states = self.view.apply_sync(runtime.poll, 10**9)
-            if any(s["state"] == "running" for s in states):
-                self.restart()
-        except Exception:
-            self.restart()
+            self._cancel_request.clear()
+            self._repair_if_needed()
+            return self._job(fn, args, kwargs, timeout, steps)
+        finally:
+            self._lock.release()
 
-    def restart(self) -> None:
-        """Restart every engine and rebuild the process group (after a hang or a fault).
-
-        A rank stuck inside a collective cannot be interrupted from Python, so the engines are
-        replaced; on a connected (remote) cluster they are asked to restart through ipcluster.
-        """
-        if self.cluster is not None:
-            self.cluster.stop_engines_sync()
-            self.cluster.start_engines_sync(n=self._n)
-            self._wait_for_new_engines()
-        else:
-            raise LabError("this Lab is connected to a cluster it did not start; restart its engines "
-                           "with ipcluster and call Lab.connect again")
-        self._setup()
-
-    def _wait_for_new_engines(self) -> None:
-        old = set(getattr(self, "ids", []))
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            fresh = [e for e in self.client.ids if e not in old]
-            if len(fresh) >= self._n:
-                self._retired = old
-                return
-            time.sleep(0.1)
-        raise LabError(f"restarted engines did not register within {START_TIMEOUT_S:g} s")
+    def _job(self, fn, args, kwargs, timeout: float, steps) -> list:
+        """Start fn on every rank and poll until every rank is done or something goes wrong."""
+        ranks = range(self.world)
+        try:
+            self._rebuild_needed = True          # until the job ends cleanly
+            self._each(runtime.start, ranks, fn, args, kwargs, timeout)
+            self.jobs += 1
+            deadline = time.monotonic() + timeout
+            seen, pause, cancel_sent = [0] * self.world, POLL_MIN_S, False
+            while True:
+                if self._cancel_request.is_set() and not cancel_sent:
+                    self._each(runtime.cancel, ranks)
+                    cancel_sent = True
+                got = self._gather({r: self._send(r, runtime.poll, seen[r]) for r in ranks}, self._answer_s)
+                states = [got[r] for r in ranks]
+                for r, s in enumerate(states):
+                    seen[r] += len(s["progress"])
+                    if steps is not None:
+                        for rec in s["progress"]:
+                            steps.add(rec)
+                kinds = {s["state"] for s in states}
+                if kinds == {"done"}:
+                    got = self._each(runtime.result, ranks, bound=START_TIMEOUT_S)
+                    self._rebuild_needed = False
+                    return [got[r] for r in ranks]
+                if "error" in kinds:
+                    self._on_error(states, timeout)
+                if "cancelled" in kinds or ("running" not in kinds and cancel_sent):
+                    self._stop_after_cancel()
+                    raise Cancelled("the run was cancelled (Lab.cancel); it stopped on every rank")
+                if time.monotonic() > deadline:
+                    self._on_timeout(timeout)
+                time.sleep(pause)
+                pause = min(POLL_MAX_S, pause * 1.5)
+        except _Died as died:
+            self._on_died(died)
+        except (LabError, ConfigError):
+            raise
+        except BaseException:        # Ctrl-C, a progress callback that raised, a broken client
+            self._abandon()
+            raise
 
     # -- lifetime ---------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop the engines and controller this Lab started (or disconnect from a shared cluster)."""
+        """Stop the engines and controller this Lab started (or disconnect from a shared cluster).
+        A call still running in another thread is cancelled first (waited for a few seconds)."""
+        self._cancel_request.set()
+        got = self._lock.acquire(timeout=10.0)
         try:
-            if getattr(self, "view", None) is not None and not self.local:
-                self.view.apply_sync(runtime.shutdown_distributed)
-        except Exception:
-            pass
-        try:
-            self.client.close()
-        except Exception:
-            pass
-        self._stop_cluster()
+            try:
+                if self.view is not None and not self.local:
+                    self._gather({r: self.client[e].apply_async(runtime.shutdown_distributed)
+                                  for r, e in enumerate(self.ids)}, 10.0)
+            except Exception:
+                pass
+            try:
+                self.client.close()
+            except Exception:
+                pass
+            self._stop_cluster()
+        finally:
+            if got:
+                self._lock.release()
 
     def _stop_cluster(self) -> None:
         if self.local and self.cluster is not None:

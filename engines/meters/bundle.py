@@ -30,21 +30,41 @@ def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
 
 
 class Meters:
-    def __init__(self, mesh: Mesh, device: torch.device):
+    """comm is the job's collective log (engines/runtime.py), which runs from the job's first line
+    to its last; the report keeps the part of it recorded inside `with meters:` (the steps).
+    Outside a Lab job, or with comm_log=False (the overhead benchmark), comm is a meter of its
+    own, entered with the bundle (comm_log=True) or never (False: no collective is recorded)."""
+
+    def __init__(self, mesh: Mesh, device: torch.device, comm_log: bool = True):
         self.mesh = mesh
         self.device = device
-        self.comm = CommMeter(dims_by_ranks(mesh))
+        job_log = runtime.job_comm_meter() if comm_log else None
+        self.comm = job_log or CommMeter({})
+        self.comm.dims_by_ranks.update(dims_by_ranks(mesh))
+        self._own_comm = comm_log and job_log is None
+        self._span = [0, None]   # the report's slice of self.comm.events
         self.memory = MemoryMeter()
         self.timeline = Timeline(device)
         self.cuda = device.type == "cuda"
 
     def __enter__(self):
-        self.comm.__enter__()
-        runtime.attach_comm_meter(self.comm)
+        if self._own_comm:
+            self.comm.__enter__()
+        self._span = [len(self.comm.events), None]
         return self
 
     def __exit__(self, *exc):
-        self.comm.__exit__(*exc)
+        if self._own_comm:
+            self.comm.__exit__(*exc)
+        self.comm.sweep()
+        self._span[1] = len(self.comm.events)
+
+    def comm_events(self) -> list[dict]:
+        """The collectives of the steps, as CommEvent dicts (group creation and the log-only
+        process-group name left out)."""
+        first, last = self._span
+        return [{k: v for k, v in e.items() if k not in ("pg", "members", "error")}
+                for e in self.comm.events[first:last] if e["op"] != "new_group"]
 
     @contextmanager
     def step(self, step: int, model_state_bytes: int):

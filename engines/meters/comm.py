@@ -19,6 +19,12 @@ full tensor), wire bytes this rank sends under the ring model, a sequence number
 start/end on the run's clock, and the phase of the step. An op is 'left' when its Work
 completes (a future callback), or for works without a future (gloo's reduce-scatter), when
 the meter next finds it completed; entered-but-not-left ops are what the hang diagnosis reads.
+An op whose Work fails (a peer died, gloo's timeout) is never 'left': it keeps end None and
+gets an 'error'. Each event also names its process group ('pg'): the sequence numbers count
+per process group, so the diagnosis compares ranks' ops only within one group.
+
+The meter of a Lab job is the job's collective log (engines/runtime.py): on from the job's first
+line to its last. `uninstall()` takes the kernels out again (the overhead benchmark only).
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ WIRE = {
     "send": lambda B, n: B,
     "recv": lambda B, n: 0,
     "barrier": lambda B, n: 0,
+    "new_group": lambda B, n: 0,    # group creation, logged by the runtime (not a transfer)
 }
 
 
@@ -133,6 +140,7 @@ class CommMeter:
             "payload_bytes": int(payload),
             "wire_bytes": float(wire),
             "seq": seq,
+            "pg": name,
             "peer": peer,
             "phase": self.phase,
             "step": self.step,
@@ -153,9 +161,17 @@ class CommMeter:
             self.end(ev)
             return
         try:
-            work.get_future().add_done_callback(lambda _f: self.end(ev))
+            work.get_future().add_done_callback(lambda f: self._done(ev, f))
         except Exception:   # e.g. gloo's reduce-scatter has no future: poll it
             self._pending.append((work, ev))
+
+    def _done(self, ev: dict, fut) -> None:
+        try:
+            fut.value()
+        except Exception as e:   # the op failed: it was never left
+            ev["error"] = (str(e).splitlines() or [""])[0][:300]
+            return
+        self.end(ev)
 
     def sweep(self) -> None:
         """Stamp the polled works that have completed since the last look."""
@@ -164,7 +180,14 @@ class CommMeter:
         still = []
         for work, ev in self._pending:
             if work.is_completed():
-                self.end(ev)
+                try:
+                    ok = work.is_success()
+                except Exception:
+                    ok = True
+                if ok:
+                    self.end(ev)
+                else:
+                    ev["error"] = "failed"
             else:
                 still.append((work, ev))
         self._pending = still
@@ -173,6 +196,11 @@ class CommMeter:
         """Ops entered and not (yet) left: what a hung rank is waiting in."""
         self.sweep()
         return [e for e in self.events if e["end"] is None]
+
+    def group_counts(self) -> dict[str, list]:
+        """pg name -> [ops entered on it so far, its ranks]: how far this rank got in each group."""
+        with self._lock:
+            return {name: [n, list(_ranks_cache.get(name, ()))] for name, n in self._seq.items()}
 
 
 _ranks_cache: dict[str, tuple[int, ...]] = {}
@@ -183,6 +211,11 @@ def _ranks_of(pg) -> tuple[int, ...]:
     if name not in _ranks_cache:
         _ranks_cache[name] = tuple(dist.get_process_group_ranks(pg))
     return _ranks_cache[name]
+
+
+def forget_groups() -> None:
+    """Forget cached group ranks (after the world was rebuilt: names are counters and get reused)."""
+    _ranks_cache.clear()
 
 
 def _bind(op, args, kwargs) -> dict:
@@ -237,6 +270,12 @@ def install() -> None:
         if hasattr(torch.ops.c10d, name):
             c10d.impl(name, _c10d_kernel(name), "BackendSelect", with_keyset=True)
     _LIBS.append(c10d)
+
+
+def uninstall() -> None:
+    """Unregister the metering kernels (the overhead benchmark measures steps without them)."""
+    while _LIBS:
+        _LIBS.pop()._destroy()
 
 
 class CommAudit:

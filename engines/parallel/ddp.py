@@ -20,7 +20,7 @@ from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
 from labkit.engines.parallel.buckets import plan_groups
-from labkit.engines.parallel.common import param_piece, reduce_dims
+from labkit.engines.parallel.common import param_piece, reduce_dims, weak_method
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
 
 
@@ -80,8 +80,8 @@ class DDP:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_launch = 0
         self.sync = True
-        for p in self.params:
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+        for p in self.params:   # held weakly: see common.weak_method
+            p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready"))
         self.opt = AdamW(self.masters, optim, [decays(n, p) for n, p in named_params])
 
     @contextmanager

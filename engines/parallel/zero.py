@@ -34,7 +34,7 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.parallel.common import DATA_DIMS, norm_plan
+from labkit.engines.parallel.common import DATA_DIMS, norm_plan, weak_method
 from labkit.engines.parallel.flat import FlatPlan, bucket_plans, unit_plans
 from labkit.engines.parallel.shards import Shards, bind, data_group, flatten
 from labkit.engines.precision import Policy
@@ -80,8 +80,8 @@ class ZeRO12:
         self.in_flight = None                        # (bucket, buffer, work): one reduce-scatter at a time
         self.next_launch = 0
         self.sync = True
-        for p in params.values():
-            p.register_post_accumulate_grad_hook(self._grad_ready)
+        for p in params.values():   # held weakly: see common.weak_method
+            p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready"))
 
     @contextmanager
     def microbatch(self, index: int, count: int):
@@ -223,7 +223,7 @@ class ZeRO3:
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
             for p in u.params:
-                p.register_post_accumulate_grad_hook(partial(self._grad_ready, u))
+                p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
         group, _ = norm_plan(list(params.values()), mesh, sharded_dims=DATA_DIMS)
         self.shards = Shards(self.plans, self.index, [u.master for u in self.units], group, optim)
         self.in_flight = None   # (unit, buffer, work): one reduce-scatter in flight
