@@ -26,15 +26,10 @@ from conftest import TINY
 EXAMPLES = 30
 TRIED: Counter = Counter()
 
-BATCHES = [2, 4, 6, 8, 16]
+BATCHES = [2, 4, 6, 8, 12, 16]
 CORE = {   # the fields that are built today, values valid and not
     "dp": st.sampled_from([1, 2, 2, 3, 4, 4, 8]),           # repeats weight the draw
     "microbatches": st.sampled_from([1, 1, 2, 2, 3, 4]),
-    # not 12: TINY's batch of 12 has a LayerNorm-bias gradient element that cancels to ~0, and
-    # AdamW turns its rounding noise into a 2.4e-4 relative error of blocks.0.ln1.bias after two
-    # steps even in ONE process that merely splits the batch (dp=1, microbatches=2, no
-    # communication) or runs the reference on 1 thread instead of 2: the oracle cannot judge
-    # that batch at 1e-5 (reported; checks.py's tolerance is not ours to loosen).
     "global_batch": st.sampled_from(BATCHES),
     "impl": st.sampled_from(["lab", "torch"]),
     "bucket_mb": st.sampled_from([1e-4, 0.001, 0.01, 25.0, 25.0, 25.0, 0.0, -1.0, float("inf")]),
