@@ -95,6 +95,9 @@ class Lab(FaultHandling):
 
     engines: how many engines (ranks) to start locally.
     backend: 'auto' (nccl when every engine has its own GPU, else gloo), 'gloo' or 'nccl'.
+    device: 'auto' (a GPU each under nccl, else the CPU), 'cpu', or 'cuda': ranks on the GPUs
+            even when several share one — NCCL refuses two ranks on one GPU, so with more engines
+            than GPUs 'cuda' runs gloo on CUDA tensors (a classroom on one GPU server).
     timeout: seconds a run or apply may take before it is diagnosed as a hang (default for the
              calls' own `timeout`; each job's process groups time out just after it).
     progress: print one line per step (True), stay quiet (False), or call progress(record).
@@ -104,7 +107,8 @@ class Lab(FaultHandling):
     """
 
     def __init__(self, engines: int = 4, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-                 progress=True, *, _client=None, _cluster=None, master_addr: str | None = None):
+                 progress=True, *, device: str = "auto", _client=None, _cluster=None,
+                 master_addr: str | None = None):
         import ipyparallel as ipp
 
         bad = timeout_problems(timeout)
@@ -112,12 +116,17 @@ class Lab(FaultHandling):
             bad.append(f"engines={engines!r}: a Lab needs a positive whole number of engines; try 4")
         if backend not in ("auto", "gloo", "nccl"):
             bad.append(f"backend={backend!r} is not one of ['auto', 'gloo', 'nccl']; try 'auto'")
+        if device not in ("auto", "cpu", "cuda"):
+            bad.append(f"device={device!r} is not one of ['auto', 'cpu', 'cuda']; try 'auto'")
+        if device == "cpu" and backend == "nccl":
+            bad.append("backend='nccl' needs GPUs; use device='auto' or 'cuda', or backend='gloo' on the CPU")
         if not (progress is None or isinstance(progress, bool) or callable(progress)):
             bad.append(f"progress={progress!r} must be True, False or a function of one record")
         if bad:
             raise ConfigError(bad)
         self.timeout = float(timeout)
         self.backend_choice = backend
+        self.device_choice = device
         self.progress = progress
         self.master_addr = master_addr
         self._lock = threading.RLock()
@@ -158,6 +167,7 @@ class Lab(FaultHandling):
     @classmethod
     def connect(cls, profile: str | None = None, url_file: str | None = None, cluster_id: str = "",
                 engines: int | None = None, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
+                device: str = "auto",
                 progress=True, master_addr: str | None = None, **client_kwargs) -> "Lab":
         """Attach to a running ipyparallel cluster (`ipcluster start` with any launcher).
 
@@ -180,7 +190,8 @@ class Lab(FaultHandling):
         if not client.ids:
             client.close()
             raise LabError("the cluster has no engines; start some (ipcluster engines ...) or pass engines=N")
-        return cls(backend=backend, timeout=timeout, progress=progress, _client=client, master_addr=master_addr)
+        return cls(backend=backend, timeout=timeout, progress=progress, device=device, _client=client,
+                   master_addr=master_addr)
 
     # -- set-up -----------------------------------------------------------------------------
     def _setup(self) -> None:
@@ -198,14 +209,18 @@ class Lab(FaultHandling):
             local_index.append(seen[h])
             seen[h] += 1
         own_gpu = all(i["gpus"] >= per_host[h] for i, h in zip(infos, self.hosts))
+        has_gpu = all(i["gpus"] > 0 for i in infos)
+        if self.device_choice == "cuda" and not has_gpu:
+            raise LabError(f"device='cuda' but the engines see {[i['gpus'] for i in infos]} GPUs; use device='cpu'")
         if self.backend_choice == "auto":
-            self.backend = "nccl" if own_gpu and infos[0]["gpus"] > 0 else "gloo"
+            nccl = own_gpu and has_gpu and self.device_choice != "cpu"
+            self.backend = "nccl" if nccl else "gloo"
         else:
             self.backend = self.backend_choice
         if self.backend == "nccl" and not own_gpu:
             raise LabError(f"backend='nccl' needs one GPU per engine; hosts have {[i['gpus'] for i in infos]} GPUs "
-                           f"for {dict(per_host)} engines. Use backend='gloo' to share GPUs or run on CPU")
-        use_gpu = self.backend == "nccl"
+                           f"for {dict(per_host)} engines. Use device='cuda' (gloo on shared GPUs) or the CPU")
+        use_gpu = self.backend == "nccl" or self.device_choice == "cuda"
         self.devices = [f"cuda:{k % max(1, i['gpus'])}" if use_gpu else "cpu" for k, i in zip(local_index, infos)]
         loopback = self.local and len(per_host) == 1
         addr = self.master_addr or ("127.0.0.1" if loopback else infos[0]["addr"])

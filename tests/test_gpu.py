@@ -61,3 +61,14 @@ def test_bf16_on_gpu(gpu_lab):
     res = gpu_lab.run(cfg, model=MODEL, steps=3)
     ref = reference(MODEL, steps=3, global_batch=cfg.global_batch, precision="bf16", shards=reference_shards(cfg))
     assert max(abs(a - b) / b for a, b in zip(res.losses, ref.losses)) < 2e-2
+
+
+def test_ranks_share_one_gpu_through_gloo():
+    """NCCL refuses two ranks on one GPU; device='cuda' with more engines than GPUs runs gloo on
+    CUDA tensors (tensors stay on the GPU, gloo stages them through the host)."""
+    n = torch.cuda.device_count() + 1
+    with Lab(engines=n, device="cuda", progress=False, timeout=300) as lab:
+        assert lab.backend == "gloo" and all(d.startswith("cuda:") for d in lab.devices)
+        cfg = ParallelConfig(dp=n, global_batch=4 * n)
+        res = lab.run(cfg, model=MODEL, steps=3, return_params=True)
+    assert_matches(res, reference(MODEL, steps=3, global_batch=cfg.global_batch))

@@ -69,3 +69,12 @@ def test_timeline_is_on_one_clock(lab):
     # every rank's step 2 overlaps every other's: the all-reduce ties them together
     assert max(s.start for s in steps) < min(s.end for s in steps)
     assert min(e.start for rk in res.ranks for e in rk.timeline) == 0.0
+
+
+def test_device_choice_is_checked_before_starting():
+    from labkit import Lab
+
+    with pytest.raises(ConfigError, match="device='tpu'"):
+        Lab(engines=1, device="tpu")
+    with pytest.raises(ConfigError, match="nccl' needs GPUs"):
+        Lab(engines=1, device="cpu", backend="nccl")
