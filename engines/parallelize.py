@@ -104,7 +104,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     elif cfg.sharding != "none":
         from labkit.engines.parallel.zero import apply_zero
 
-        sync = apply_zero(chunks[0], mesh, cfg, pol, optim, meters, loss_shards)
+        sync = apply_zero(chunks, mesh, cfg, pol, optim, meters, loss_shards)
     elif cfg.impl == "torch" and mesh.size("pp") > 1:
         from labkit.engines.parallel.pipeline_torch import TorchStageGrads   # DDP per stage chunk
 

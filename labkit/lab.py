@@ -17,6 +17,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 
 from labkit.config import ModelConfig, OptimConfig, ParallelConfig, validate
@@ -203,6 +204,9 @@ class Lab:
             from labkit.config import ConfigError
             raise ConfigError([f"steps={steps!r} must be a positive integer"])
         validate(cfg, model, self.world)
+        from labkit.engines.mesh import MeshLayout   # a TP group across hosts: say so (mesh.py AXIS_WARNINGS)
+        for w in MeshLayout.of(cfg).warnings(self.hosts[:cfg.world]):
+            warnings.warn(w, stacklevel=2)
         from labkit.engines.train import run_rank
 
         spec = {"parallel": cfg.to_dict(), "model": model.to_dict(), "optim": optim.to_dict(),

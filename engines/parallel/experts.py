@@ -79,6 +79,7 @@ def apply_ep(model: nn.Module, mesh, cfg) -> dict:
             part._lk_full_shape = tuple(full.shape)
             part._lk_box = [[lo, hi]] + [[0, n] for n in full.shape[1:]]
             part._lk_reduce = ("dp", "cp")
+            part._lk_replicas = tuple(getattr(full, "_lk_replicas", ()))   # e.g. ('tp',): MoE replicated over tp
             setattr(moe, name, part)
             sharded.add(id(part))
         moe.dispatch = dispatch

@@ -31,15 +31,18 @@ def kv_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_by
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
-    """Ring sends/receives per rank for one step, and the MoE balance-loss count all-reduce."""
+    """Ring sends/receives per rank for one step, and the MoE balance-loss count all-reduce.
+    With checkpoint_activations a block's forward runs again in backward: one more K/V round
+    and one more count all-reduce per layer. The message is in the compute dtype."""
     if cfg.cp == 1:
         return
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     passes = model.layers // cfg.pp * cfg.microbatches        # attention layers run per step on a rank
-    message = kv_message_bytes(cfg, model, micro)
+    forwards = 2 if cfg.checkpoint_activations else 1
+    message = kv_message_bytes(cfg, model, micro, 2 if cfg.precision == "bf16" else 4)
     label = layout.label("cp")
     for rank in range(layout.world):
-        comm.add(rank, label, "send", message, cfg.cp, 3 * (cfg.cp - 1) * passes)
-        comm.add(rank, label, "recv", message, cfg.cp, 3 * (cfg.cp - 1) * passes)
+        comm.add(rank, label, "send", message, cfg.cp, (forwards + 2) * (cfg.cp - 1) * passes)
+        comm.add(rank, label, "recv", message, cfg.cp, (forwards + 2) * (cfg.cp - 1) * passes)
         if model.experts:
-            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, passes)
+            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, forwards * passes)

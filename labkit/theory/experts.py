@@ -60,12 +60,13 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         return
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     passes = model.layers // cfg.pp * cfg.microbatches
-    rows = micro * (model.seq // cfg.cp) * model.top_k * model.hidden * 4
+    rows = micro * (model.seq // cfg.cp) * model.top_k * model.hidden * (2 if cfg.precision == "bf16" else 4)
+    forwards = 2 if cfg.checkpoint_activations else 1      # recomputation routes and dispatches again
     label = layout.label("ep")
     for rank in range(layout.world):
         for _ in range(passes):
-            comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep)   # split sizes
-            comm.add(rank, label, "all_to_all", rows, cfg.ep, 4)             # dispatch, combine, and back
+            comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep, forwards)   # split sizes
+            comm.add(rank, label, "all_to_all", rows, cfg.ep, 2 * forwards + 2)     # dispatch, combine, and back
 
 
 def local_params(cfg: ParallelConfig, model: ModelConfig, shapes: list) -> int:

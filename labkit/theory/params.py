@@ -34,3 +34,21 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
 
 def rank_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
     return sum(prod(s) for chunk in chunk_params(cfg, model, pp_rank) for _, s, _ in chunk)
+
+
+def rank_entries(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[tuple[str, tuple, tuple, int]]:
+    """(name, local shape, reduce dims, pipeline chunk) of every parameter a rank holds: what
+    the flat-buffer plans of ZeRO / FSDP take (engines/parallel/flat.py)."""
+    return [(n, s, d, c) for c, chunk in enumerate(chunk_params(cfg, model, pp_rank)) for n, s, d in chunk]
+
+
+def stage_layers(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[int, bool, bool]:
+    """(blocks a rank at pipeline coordinate `pp_rank` holds, whether it holds the embedding
+    (virtual stage 0), whether it holds the head (the last virtual stage))."""
+    from labkit.engines.parallel.schedules import stage_of
+
+    if cfg.pp == 1:
+        return model.layers, True, True
+    p, v = cfg.pp, cfg.virtual_stages
+    stages = [stage_of(pp_rank, c, p) for c in range(v)]
+    return model.layers // p, 0 in stages, p * v - 1 in stages
