@@ -13,6 +13,7 @@ no new groups.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -47,7 +48,7 @@ class MeshLayout:
 
     def size(self, *dims: str) -> int:
         s = dict(self.sizes)
-        return int(np.prod([s[d] for d in dims])) if dims else 1
+        return math.prod(s[d] for d in dims)
 
     @property
     def world(self) -> int:

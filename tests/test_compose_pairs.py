@@ -4,6 +4,8 @@ theory (tests/theory_match.py); then the pieces that make composition work, with
 """
 from __future__ import annotations
 
+from math import prod
+
 import pytest
 
 from labkit import ConfigError, ParallelConfig, reference, validate
@@ -63,10 +65,24 @@ def oracle(lab):
     return get
 
 
+@pytest.fixture(scope="module")
+def run(lab):
+    """Each layout of PAIRS run once (3 steps, final parameters back), shared by the tests below."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cfg, model = PAIRS[name]
+            cache[name] = lab.run(cfg, model=model, steps=3, seed=SEEDS[model], return_params=True)
+        return cache[name]
+
+    return get
+
+
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_pair_trains_like_one_process_and_as_predicted(lab, oracle, name):
+def test_pair_trains_like_one_process_and_as_predicted(run, oracle, name):
     cfg, model = PAIRS[name]
-    res = lab.run(cfg, model=model, steps=3, seed=SEEDS[model], return_params=True)
+    res = run(name)
     ref = oracle(cfg, model)
     assert_matches(res, ref)
     for rk in res.ranks:   # each parameter counted once: replicas over tp (MoE too), ep, sharded slices
@@ -74,10 +90,33 @@ def test_pair_trains_like_one_process_and_as_predicted(lab, oracle, name):
     compare(res, cfg, model, world=4)
 
 
-def test_sequence_parallel_pipeline_passes_its_rows(lab):
+def test_gradients_are_reduced_over_their_groups(run):
+    """tp2 x ep2 with SP and MoE: dense weights are all-reduced over ep, the sequence-parallel
+    LayerNorms (and positions) over tp x ep, the experts over dp x cp — one rank, so not at all.
+    Bytes per group: this rank's slices (TP halves the matrices, the router is replicated)."""
+    from labkit.theory import param_shapes
+
+    cfg, model = PAIRS["tp2sp-ep2-moe-ac"]
+    res = run("tp2sp-ep2-moe-ac")
+    sp = {n for n, _ in param_shapes(model) if ".ln" in n or "norm" in n or "pos" in n}
+    experts = {n for n, _ in param_shapes(model) if n.endswith(("w1", "w2"))}
+    halved = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "tok.weight", "proj.weight")
+    numel = {n: (s[0] * s[1] // cfg.tp if n.endswith(halved) else prod(s))
+             for n, s in param_shapes(model)}
+    want = {"ep": 4 * sum(k for n, k in numel.items() if n not in sp | experts),
+            "tp-ep": 4 * sum(numel[n] for n in sp)}
+    for rk in res.ranks:
+        got = {}
+        for c in rk.comm:
+            if c.step == 2 and c.phase == "backward" and c.op == "all_reduce":
+                got[c.dim] = got.get(c.dim, 0) + c.payload_bytes
+        assert got == want
+
+
+def test_sequence_parallel_pipeline_passes_its_rows(run):
     """Under SP each tp rank sends its s/tp rows of the residual stream to the next stage."""
     cfg, model = PAIRS["tp2sp-pp2"]
-    res = lab.run(cfg, model=model, steps=1, seed=SEEDS[model])
+    res = run("tp2sp-pp2")
     b = cfg.global_batch // cfg.microbatches
     sends = [c for rk in res.ranks for c in rk.comm if c.op == "send"]
     assert sends and {c.payload_bytes for c in sends} == {4 * b * (model.seq // cfg.tp) * model.hidden}

@@ -25,6 +25,9 @@ layers keep their gathered input for backward; Megatron keeps the s/t shard and 
 it again in backward, trading two more all-gathers per layer for 2bsh(1 - 1/t) bytes
 (labkit/theory/tensor.py gives both).
 
+MoE layers are replicated over tp (tensor_plan.py says why): no f or g around them, and under
+SP an all-gather in (`GatherReplicated`) and a slice out (`Split`).
+
 The plan (tensor_plan.py) is data; `apply_tp` walks it.
 """
 from __future__ import annotations

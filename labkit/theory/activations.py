@@ -24,6 +24,7 @@ many microbatches are in flight (the meter counts storages).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines.parallel.schedules import chunk_layers, plan, stage_of
@@ -82,6 +83,7 @@ def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, C
     return out
 
 
+@lru_cache(maxsize=4096)
 def peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> int:
     """Peak bytes saved for backward on a rank at pipeline coordinate `pp_rank` over one step."""
     per = chunks(cfg, model, pp_rank)

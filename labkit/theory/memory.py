@@ -13,6 +13,8 @@ In fp32 (no separate master copy) the lab keeps 4Ψ params, 4Ψ grads and 8Ψ Ad
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from labkit.config import ModelConfig, ParallelConfig
 
 
@@ -102,12 +104,20 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     (theory/sharding.py: DDP, ZeRO, FSDP, precision), and what its microbatches keep for
     backward (theory/activations.py: TP/SP, CP, MoE, checkpointing, the schedule's microbatches
     in flight)."""
-    from labkit.theory import activations, sharding
-
     coords = layout.coords(rank)
     index = coords["dp"] if cfg.impl == "torch" else 0   # FSDP2's uneven rows depend on the dp index
-    out = sharding.state_bytes(cfg, model, None, index, coords["pp"])
-    out["activations"] = activations.peak(cfg, model, coords["pp"])
-    out.update(sharding.transient_peaks(cfg, model, None, coords["pp"]))
+    return dict(_rank_memory(cfg, model, coords["pp"], index))
+
+
+@lru_cache(maxsize=4096)
+def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int) -> tuple:
+    """rank_memory of every rank at pipeline coordinate `pp_rank` (and FSDP2 data index `index`):
+    the rest of a rank's coordinates change nothing, so an estimate at scale computes this once
+    per coordinate."""
+    from labkit.theory import activations, sharding
+
+    out = sharding.state_bytes(cfg, model, None, index, pp_rank)
+    out["activations"] = activations.peak(cfg, model, pp_rank)
+    out.update(sharding.transient_peaks(cfg, model, None, pp_rank))
     out["peak"] = sum(out.values())
-    return out
+    return tuple(out.items())

@@ -7,14 +7,17 @@ contributes its rule, in the order engines/parallelize.py applies the strategies
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 
 
-def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[list[tuple[str, tuple, tuple]]]:
+@lru_cache(maxsize=4096)
+def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[tuple[tuple[str, tuple, tuple], ...], ...]:
     """Per pipeline chunk of rank `pp_rank`: (name, local shape, dims its gradient is summed over)
-    of each parameter, in registration order."""
+    of each parameter, in registration order. Every rank at one pipeline coordinate holds the same
+    shapes (the splits are even), so an estimate at scale computes this once per coordinate."""
     from labkit.engines.parallel.tensor_plan import local_param, tp_plan
     from labkit.theory import experts, pipeline
 
@@ -28,8 +31,8 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
                 shape, _, extra, _ = local_param(plan, name, shape, cfg.tp)
                 dims = dims + extra
             rows.append((name, tuple(shape), dims))
-        out.append(rows)
-    return out
+        out.append(tuple(rows))
+    return tuple(out)
 
 
 def rank_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:

@@ -72,10 +72,10 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
     out = []
     for c in range(v):
         s = stage_of(pp_rank, c, p)
-        blocks = {f"blocks.{i}." for i in chunk_layers(model.layers, p, v, pp_rank, c)}
+        blocks = {str(i) for i in chunk_layers(model.layers, p, v, pp_rank, c)}
         out.append([(n, sh) for n, sh in shapes
                     if (n.startswith("embed.") and s == 0) or (n.startswith("head.") and s == p * v - 1)
-                    or any(n.startswith(b) for b in blocks)])
+                    or (n.startswith("blocks.") and n.split(".", 2)[1] in blocks)])
     return out
 
 

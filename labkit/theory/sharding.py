@@ -29,6 +29,7 @@ reduce-scatter its gradients, 3Ψ(N-1)/N (2Ψ with reshard_after_forward off). O
 """
 from __future__ import annotations
 
+from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
@@ -50,11 +51,16 @@ def plans(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank
     """The flat buffers of our ZeRO / FSDP on a rank at pipeline coordinate `pp_rank` (the
     engines build the same ones). n: one group size for every buffer (data parallelism alone);
     default each buffer's own reduce group."""
+    return list(_plans(cfg, model, n, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _plans(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> tuple[FlatPlan, ...]:
     entries = rank_entries(cfg, model, pp_rank)
     sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
     if cfg.sharding in ("zero1", "zero2"):
-        return bucket_plans(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision])
-    return unit_plans(entries, sizes, "zero3" if cfg.sharding == "zero3" else "fsdp")
+        return tuple(bucket_plans(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
+    return tuple(unit_plans(entries, sizes, "zero3" if cfg.sharding == "zero3" else "fsdp"))
 
 
 def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
@@ -183,43 +189,49 @@ def norm_dims(layout) -> tuple[str, ...]:
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """Every collective of one step of ZeRO / FSDP, per rank, in the order the engines issue them:
-    each buffer's over its own group (FlatPlan.dims), the norm over `norm_dims`."""
-    e, m = ELEM[cfg.precision], cfg.microbatches
-    norm = norm_dims(layout)
+    each buffer's over its own group (FlatPlan.dims), the norm over `norm_dims`. Ranks at one
+    pipeline coordinate issue the same ones, so they are listed once per coordinate."""
+    from labkit.theory.comm import Comm
+
+    per_stage: dict[int, list[dict]] = {}
     for rank in range(layout.world):
         pp_rank = layout.coords(rank)["pp"]
-        if cfg.impl == "torch":
-            torch_fsdp_rows(comm, cfg, model, layout, rank)
-            continue
-        ps = plans(cfg, model, None, pp_rank)
+        if pp_rank not in per_stage:
+            stage = Comm()
+            for dim, op, payload, n, calls in (torch_fsdp_ops if cfg.impl == "torch" else ops)(cfg, model, layout,
+                                                                                               pp_rank):
+                stage.add(0, dim, op, payload, n, calls)
+            per_stage[pp_rank] = stage.table()
+        comm.add_rows(rank, per_stage[pp_rank])
+
+
+def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
+    """(dim, op, payload bytes, group size, calls) of our ZeRO / FSDP on one rank, one step."""
+    e, m = ELEM[cfg.precision], cfg.microbatches
+    norm = norm_dims(layout)
+    the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)     # the global norm
+    out = []
+    for p in plans(cfg, model, None, pp_rank):
+        dim = layout.label(*p.dims)
         if cfg.sharding in ("zero1", "zero2"):
-            for _ in range(m if cfg.sharding == "zero2" else 1):
-                for p in ps:
-                    comm.add(rank, layout.label(*p.dims), "reduce_scatter", p.padded * REDUCE, p.n)
-            comm.add(rank, layout.label(*norm), "all_reduce", 4, layout.size(*norm))   # the global norm
-            for p in ps:
-                comm.add(rank, layout.label(*p.dims), "all_gather", p.padded * e, p.n)
-            continue
-        reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
-        for _ in range(m):
-            for p in ps:
-                calls = 2 if reshard else 1    # before its forward, and again before its backward
-                comm.add(rank, layout.label(*p.dims), "all_gather", p.padded * e, p.n, calls)
-                comm.add(rank, layout.label(*p.dims), "reduce_scatter", p.padded * REDUCE, p.n)
-        comm.add(rank, layout.label(*norm), "all_reduce", 4, layout.size(*norm))       # the global norm
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m if cfg.sharding == "zero2" else 1))
+            out.append((dim, "all_gather", p.padded * e, p.n, 1))
+        else:   # gathered before its forward, and again before its backward unless kept
+            reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
+            out.append((dim, "all_gather", p.padded * e, p.n, (2 if reshard else 1) * m))
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m))
+    return out + [the_norm]
 
 
-def torch_fsdp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> None:
+def torch_fsdp_ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
     """FSDP2 over dp: per unit and microbatch an all-gather before forward, another before
     backward (reshard_after_forward), a reduce-scatter of fp32 gradients; clip_grad_norm_ over
     its DTensor gradients all-reduces one fp32 per parameter tensor (each parameter's norm is a
     Partial DTensor; stacking them and taking the norm reduces them together)."""
-    n = cfg.dp
-    label = layout.label("dp")
-    sizes = unit_sizes(cfg, model, n, layout.coords(rank)["pp"])
-    reshard = cfg.reshard_after_forward
-    for _ in range(cfg.microbatches):
-        for u in sizes:
-            comm.add(rank, label, "all_gather", sizes[u] * ELEM[cfg.precision], n, 2 if reshard else 1)
-            comm.add(rank, label, "reduce_scatter", sizes[u] * REDUCE, n)
-    comm.add(rank, label, "all_reduce", 4 * len(rank_entries(cfg, model, 0)), n)
+    n, dim = cfg.dp, layout.label("dp")
+    calls = (2 if cfg.reshard_after_forward else 1) * cfg.microbatches
+    out = []
+    for size in unit_sizes(cfg, model, n, pp_rank).values():
+        out.append((dim, "all_gather", size * ELEM[cfg.precision], n, calls))
+        out.append((dim, "reduce_scatter", size * REDUCE, n, cfg.microbatches))
+    return out + [(dim, "all_reduce", 4 * len(rank_entries(cfg, model, pp_rank)), n, 1)]
