@@ -5,8 +5,10 @@ bytes) and every model-state byte equals the theory, and activations equal it to
 depend on the router under expert parallelism, so they are checked the way tests/test_experts.py
 checks them: the all-to-alls match in calls, per ep group in bytes, and per rank once the rank's
 routing (R rows received per layer, read off its forward combine all-to-all) replaces the
-balanced R = N; activations likewise. PyTorch's FSDP2 rows (over dp) equal the theory; DTensor's
-own TP collectives and saved tensors are its implementation's, not compared here.
+balanced R = N; activations likewise (within 10% where several microbatches' routings are in
+flight). PyTorch's FSDP2 rows (over dp) and model states equal the theory and its activations
+are within 10% of ours (DTensor saves what our TP saves, to 60 bytes); DTensor's own TP
+collectives are its implementation's, not compared here.
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ def compare(res, cfg, model, world: int) -> list[dict]:
                         for x in r)
         if ours and exact:
             assert rk.memory["activations"] == acts, (rk.rank, rk.memory["activations"], acts)
-        elif ours:
+        else:   # routed microbatches in flight; DTensor's own saved tensors (FSDP2 x TP)
             assert abs(rk.memory["activations"] - acts) <= 0.1 * acts, (rk.rank, rk.memory["activations"], acts)
         table.append({"rank": rk.rank, "coords": rk.coords,
                       **{k: (rk.memory[k], want[k]) for k in STATES},

@@ -41,10 +41,11 @@ class TorchFSDP:
     """PyTorch's FSDP2 with torch.optim.AdamW and clip_grad_norm_, as a user would write it.
 
     What the meters need from it: FSDP2 swaps a unit's parameters for unsharded ones (views of
-    its all-gather output) around the unit's forward and backward. A forward pre-hook that runs
-    after FSDP2's (which is prepended) tells the memory meter those storages are parameters, not
-    activations; and the param group's switch to and from unsharded is tracked as 'gathered'
-    (FSDP2's flat all-gather buffer, briefly alive beside it, is not counted)."""
+    its all-gather output; TP DTensors under 2-D) around the unit's forward and backward. A
+    forward pre-hook that runs after FSDP2's (which is prepended) tells the memory meter those
+    storages are parameters, not activations; and the param group's switch to and from
+    unsharded is tracked as 'gathered' (FSDP2's flat all-gather buffer, briefly alive beside it,
+    is not counted)."""
 
     def __init__(self, model: nn.Module, mesh, reshard: bool, pol: Policy, optim: OptimConfig, meters):
         from torch.distributed.device_mesh import DeviceMesh
@@ -76,9 +77,10 @@ class TorchFSDP:
             lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
 
     def _exclude_unsharded(self, module, args) -> None:
-        from torch.distributed.tensor import DTensor
-
-        self.meters.memory.exclude(p for p in module.parameters() if not isinstance(p, DTensor))
+        """Every parameter the unit now shows is a parameter, not an activation: plain tensors with
+        FSDP2 alone, DTensors on the tp mesh under FSDP x TP (their local storage is what autograd
+        saves; excluding an already excluded sharded one changes nothing)."""
+        self.meters.memory.exclude(module.parameters())
 
     def _track_gathered(self, unit: nn.Module) -> None:
         """Count the unit's unsharded parameters while FSDP2 holds them (its param group's private
