@@ -9,11 +9,11 @@ from math import prod
 import pytest
 
 from labkit import ConfigError, ParallelConfig, reference, validate
-from labkit.checks import assert_matches, reference_shards, rtol_for
+from labkit.checks import FP32_RTOL, assert_matches, loss_errors, param_errors, reference_shards, rtol_for
 from labkit.engines.mesh import MeshLayout
 
 from conftest import TINY
-from theory_match import compare
+from theory_match import compare, same_arithmetic
 
 M4 = TINY.replace(layers=4)
 MOE = TINY.replace(experts=4, top_k=2)
@@ -34,9 +34,11 @@ PAIRS = {
     "tp2sp-dp2-moe": (P(tp=2, dp=2, sequence_parallel=True), MOE),
     "dp2-moe-ac": (P(dp=2, checkpoint_activations=True), MOE),
     "dp2-pp2-bf16": (P(dp=2, pp=2, microbatches=2, precision="bf16"), M4),
-    "dp2-m2-bf16": (P(dp=2, microbatches=2, precision="bf16"), TINY),
+    "dp2-m2-bf16": (P(dp=2, microbatches=2, precision="bf16"), TINY),   # accumulated in fp32 (was 9.7e-2 off)
     "zero1-dp2-pp2-bf16": (P(dp=2, pp=2, microbatches=2, sharding="zero1", precision="bf16"), M4),
     "zero1-tp2-pp2": (P(tp=2, pp=2, microbatches=2, sharding="zero1"), M4),
+    "zero1-cp2-pp2-bf16": (P(cp=2, pp=2, microbatches=2, sharding="zero1", precision="bf16"), M4),
+    "zero1-dp2-ep2-bf16": (P(dp=2, ep=2, sharding="zero1", precision="bf16"), MOE),
     "zero1-dp2-ep2-moe": (P(dp=2, ep=2, sharding="zero1"), MOE),
     "zero1-dp2-cp2": (P(dp=2, cp=2, sharding="zero1"), TINY),
     "zero2-tp2sp-dp2": (P(tp=2, dp=2, sharding="zero2", sequence_parallel=True), TINY),
@@ -80,11 +82,17 @@ def run(lab):
 
 
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_pair_trains_like_one_process_and_as_predicted(run, oracle, name):
+def test_pair_trains_like_one_process_and_as_predicted(lab, run, oracle, name):
     cfg, model = PAIRS[name]
     res = run(name)
     ref = oracle(cfg, model)
-    assert_matches(res, ref)
+    if cfg.precision == "bf16" and cfg.tp * cfg.cp * cfg.ep > 1:   # bit for bit: test_compose.py says why
+        assert max(loss_errors(res.losses, ref.losses)) < rtol_for(cfg.precision)
+        alone = lab.run(same_arithmetic(cfg), model=model, steps=3, seed=SEEDS[model], return_params=True)
+        assert max(param_errors(res.params, alone.params).values()) < FP32_RTOL
+        ref.grad_norms = alone.ranks[0].grad_norms
+    else:
+        assert_matches(res, ref)
     for rk in res.ranks:   # each parameter counted once: replicas over tp (MoE too), ep, sharded slices
         assert rk.grad_norms == pytest.approx(ref.grad_norms, rel=rtol_for(cfg.precision))
     compare(res, cfg, model, world=4)

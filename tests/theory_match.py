@@ -5,16 +5,16 @@ bytes) and every model-state byte equals the theory, and activations equal it to
 depend on the router under expert parallelism, so they are checked the way tests/test_experts.py
 checks them: the all-to-alls match in calls, per ep group in bytes, and per rank once the rank's
 routing (R rows received per layer, read off its forward combine all-to-all) replaces the
-balanced R = N; activations likewise (within 10% where several microbatches' routings are in
-flight). PyTorch's FSDP2 rows (over dp) and model states equal the theory and its activations
-are within 10% of ours (DTensor saves what our TP saves, to 60 bytes); DTensor's own TP
+balanced R = N; activations likewise (the schedule walked again with each microbatch's R,
+theory/activations.py `peak(..., received)`). PyTorch's FSDP2 rows (over dp) and model states
+equal the theory and its activations are within 10% of ours (DTensor saves what our TP saves, to 60 bytes); DTensor's own TP
 collectives are its implementation's, not compared here.
 """
 from __future__ import annotations
 
-from labkit import theory
+from labkit import ParallelConfig, theory
 from labkit.engines.mesh import MeshLayout
-from labkit.theory.experts import layer_activation_bytes
+from labkit.theory import activations
 
 STATES = ("params", "grads", "optimizer")
 
@@ -33,6 +33,22 @@ def routed(cfg, model) -> bool:
     return cfg.ep > 1 and model.experts > 0
 
 
+def routing(rank_report, cfg, model) -> dict:
+    """{(microbatch, chunk): [R of each MoE layer]} of this rank's last step: its forward combines
+    in the order the rank ran its forwards (the schedule's F actions), layer by layer."""
+    from labkit.engines.parallel.schedules import plan
+
+    elem = 2 if cfg.precision == "bf16" else 4
+    layers = model.layers // (cfg.pp * (cfg.virtual_stages if cfg.pp > 1 else 1))
+    if cfg.pp == 1:
+        order = [(mb, 0) for mb in range(cfg.microbatches)]
+    else:
+        order = [(a.mb, a.chunk) for a in plan(cfg.schedule, cfg.pp, cfg.microbatches,
+                                               cfg.virtual_stages).actions[rank_report.coords["pp"]] if a.op == "F"]
+    rows = received_rows(rank_report, len(order) * layers, model.hidden, elem)
+    return {key: rows[i * layers:(i + 1) * layers] for i, key in enumerate(order)}
+
+
 def compare(res, cfg, model, world: int) -> list[dict]:
     """Assert what must hold (module docstring); return one row per rank of measured vs predicted."""
     est = theory.estimate(cfg, model, world=world)
@@ -41,21 +57,17 @@ def compare(res, cfg, model, world: int) -> list[dict]:
     b, s = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches), model.seq // cfg.cp
     n = b * s * model.top_k
     passes = model.layers // cfg.pp * cfg.microbatches
-    # routed: exact with one microbatch in flight and every layer's R kept (no recomputation)
-    exact = not routed(cfg, model) or (cfg.pp == cfg.microbatches == 1 and not cfg.checkpoint_activations)
     table = []
     for rk in res.ranks:
         want = est.memory[rk.rank]
         for k in STATES:
             assert rk.memory[k] == want[k], (rk.rank, k, rk.memory[k], want[k])
         acts = want["activations"]
-        if routed(cfg, model) and exact:
-            r = received_rows(rk, passes, model.hidden, elem)
-            acts += sum(layer_activation_bytes(model, b, s, elem, received=x) - layer_activation_bytes(model, b, s, elem)
-                        for x in r)
-        if ours and exact:
+        if routed(cfg, model):   # the same walk with this rank's R per layer and microbatch
+            acts = activations.peak(cfg, model, rk.coords["pp"], routing(rk, cfg, model))
+        if ours:
             assert rk.memory["activations"] == acts, (rk.rank, rk.memory["activations"], acts)
-        else:   # routed microbatches in flight; DTensor's own saved tensors (FSDP2 x TP)
+        else:   # DTensor's own saved tensors (FSDP2 x TP)
             assert abs(rk.memory["activations"] - acts) <= 0.1 * acts, (rk.rank, rk.memory["activations"], acts)
         table.append({"rank": rk.rank, "coords": rk.coords,
                       **{k: (rk.memory[k], want[k]) for k in STATES},
@@ -101,6 +113,16 @@ def format_table(name: str, res, ref_losses, table: list[dict]) -> str:
         coords = "".join(f"{d}{v}" for d, v in e["coords"].items())
         lines.append(f"  rank {e['rank']} ({coords}): " + "; ".join(cells) + f"; wire {wire}")
     return "\n".join(lines)
+
+
+def same_arithmetic(cfg: ParallelConfig) -> ParallelConfig:
+    """The layout's bf16 arithmetic on fewer ranks (tests/test_compose.py docstring): tp, cp and ep
+    kept, no pipeline and no ZeRO, dp folded into microbatches — unless ep > 1, whose experts see
+    the rows of one dp replica's ep ranks together, a pairing that only dp itself reproduces."""
+    fold = cfg.ep == 1
+    return ParallelConfig(tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, dp=1 if fold else cfg.dp,
+                          sequence_parallel=cfg.sequence_parallel, precision=cfg.precision,
+                          microbatches=cfg.microbatches * (cfg.dp if fold else 1), global_batch=cfg.global_batch)
 
 
 def reference_gap(model, seed: int, steps: int = 3) -> float:

@@ -52,10 +52,14 @@ def _bytes(cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: b
 
 @dataclass(frozen=True)
 class Chunk:
-    """Bytes one microbatch leaves saved after a chunk's forward, and what its backward adds on top."""
+    """Bytes one microbatch leaves saved after a chunk's forward, and what its backward adds on
+    top; `block`, `x` and `head` are the parts the routed variant recomputes."""
 
     forward: int
     backward_extra: int = 0
+    block: int = 0
+    x: int = 0
+    head: int = 0
 
 
 def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> Chunk:
@@ -69,7 +73,24 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
     kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
     extra = max(0, block - x - head_bytes) if layers else 0
-    return Chunk(kept + layers * x + head_bytes, extra)
+    return Chunk(kept + layers * x + head_bytes, extra, block, x, head_bytes)
+
+
+def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int]) -> Chunk:
+    """Chunk `c` for a microbatch whose MoE layers' experts received `received[l]` rows each
+    (routing dependent under ep; `c` assumes the balanced R = N): every layer's R rows kept; or,
+    recomputed, block l rebuilt while the inputs of blocks 0..l are still kept (later ones were
+    freed by their backward): the backward adds max_l(block_l + l·x) - L·x - head."""
+    from labkit.theory.experts import layer_activation_bytes
+
+    b, act = micro_rows(cfg), ELEM[cfg.precision]
+    seq = model.seq // cfg.cp
+    delta = [layer_activation_bytes(model, b, seq, act, received=r) - layer_activation_bytes(model, b, seq, act)
+             for r in received]
+    if not cfg.checkpoint_activations:
+        return Chunk(c.forward + sum(delta))
+    rebuilt = max((c.block + d + l * c.x for l, d in enumerate(delta)), default=0)
+    return Chunk(c.forward, max(0, rebuilt - len(delta) * c.x - c.head) if delta else 0, c.block, c.x, c.head)
 
 
 def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, Chunk]:
@@ -83,28 +104,47 @@ def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, C
     return out
 
 
+def peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0, received: dict | None = None) -> int:
+    """Peak bytes saved for backward on a rank at pipeline coordinate `pp_rank` over one step.
+    received: {(microbatch, chunk): [R of each MoE layer of the chunk]}, rows each layer's experts
+    got (routing dependent under ep; read off a run's combine all-to-alls) for the exact value;
+    default the balanced R = N."""
+    if received is None:
+        return _peak(cfg, model, pp_rank)
+    return _walk(cfg, model, pp_rank, received)
+
+
 @lru_cache(maxsize=4096)
-def peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> int:
-    """Peak bytes saved for backward on a rank at pipeline coordinate `pp_rank` over one step."""
-    per = chunks(cfg, model, pp_rank)
+def _peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
+    return _walk(cfg, model, pp_rank, None)
+
+
+def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict | None) -> int:
+    base = chunks(cfg, model, pp_rank)
+
+    def per(mb: int, c: int) -> Chunk:
+        return base[c] if received is None else routed(cfg, model, base[c], received[mb, c])
+
     if cfg.pp == 1:   # accumulation: each microbatch's graph is freed before the next forward
-        return per[0].forward + per[0].backward_extra
+        return max(per(mb, 0).forward + per(mb, 0).backward_extra for mb in range(cfg.microbatches))
     v = cfg.virtual_stages
     first = [c for c in range(v) if stage_of(pp_rank, c, cfg.pp) == 0]
     shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first else 0    # the zigzag positions (docstring)
-    if shared:
-        per[first[0]] = Chunk(per[first[0]].forward - shared, per[first[0]].backward_extra)
     actions = plan(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
     frees = "W" if any(a.op == "W" for a in actions) else "B"
     alive = top = embedded = 0        # embedded: microbatches whose embedding is in flight
     for a in actions:
+        if a.op not in ("F", "B", frees):
+            continue
+        c = per(a.mb, a.chunk)
+        kept = c.forward - (shared if a.chunk in first else 0)
         if a.op == "F":
-            alive += per[a.chunk].forward
+            alive += kept
             embedded += a.chunk in first
             top = max(top, alive + (shared if embedded else 0))
         elif a.op == "B":
-            top = max(top, alive + (shared if embedded else 0) + per[a.chunk].backward_extra)
+            top = max(top, alive + (shared if embedded else 0) + c.backward_extra)
         if a.op == frees:
-            alive -= per[a.chunk].forward
+            alive -= kept
             embedded -= a.chunk in first
     return top

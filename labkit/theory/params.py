@@ -14,7 +14,7 @@ from labkit.config import ModelConfig, ParallelConfig
 
 
 @lru_cache(maxsize=4096)
-def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[tuple[tuple[str, tuple, tuple], ...], ...]:
+def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[tuple[tuple, ...], ...]:
     """Per pipeline chunk of rank `pp_rank`: (name, local shape, dims its gradient is summed over)
     of each parameter, in registration order. Every rank at one pipeline coordinate holds the same
     shapes (the splits are even), so an estimate at scale computes this once per coordinate."""
