@@ -116,6 +116,35 @@ class MeshLayout:
         s = dict(self.sizes)
         return " x ".join(f"{d}{s[d]}" for d in self.inner_first[::-1] if s[d] > 1) or "1 rank"
 
+    def axes(self, hosts: list[str] | None = None) -> list[dict]:
+        """Per-axis report, one entry per dim in mesh order (innermost first): its size, its
+        groups, and, given the host of each rank (`hosts[rank]`), the groups that span hosts
+        and a warning where that hurts (`AXIS_WARNINGS`). Pure data, for the mesh view and Lab.run."""
+        out = []
+        for d in self.inner_first:
+            groups = self.groups(d)
+            across = self.spans_hosts((d,), hosts) if hosts is not None and self.size(d) > 1 else []
+            warning = None
+            if across and d in AXIS_WARNINGS:
+                warning = (f"{d}={self.size(d)} groups span hosts ({len(across)} of {len(groups)}, e.g. ranks "
+                           f"{across[0]} on {sorted({hosts[r] for r in across[0]})}): {AXIS_WARNINGS[d]}")
+            out.append({"dim": d, "size": self.size(d), "groups": groups, "spans_hosts": across,
+                        "warning": warning})
+        return out
+
+    def warnings(self, hosts: list[str]) -> list[str]:
+        """The warnings of `axes(hosts)`: the layout puts a latency-critical group across hosts."""
+        return [a["warning"] for a in self.axes(hosts) if a["warning"]]
+
+
+AXIS_WARNINGS = {
+    "tp": "tensor parallelism talks after every layer (two all-reduces of the (b, s, h) activations per "
+          "layer forward and two backward, on the critical path) and needs the fast intra-node links "
+          "(NVLink); keep tp within a host (tp <= ranks per host, tp innermost in `order`)",
+}
+"""Why a group of a dim should not span hosts; dims without an entry tolerate it (dp's gradient
+reduction overlaps backward, pp sends one activation per microbatch)."""
+
 
 # Every combination of dims a strategy may ask for (gradient reduction over dp-ep-cp, the norm
 # over whichever of tp-pp-ep-dp split the parameters, ...). Building them all up front keeps

@@ -12,8 +12,13 @@ are reduced come last, because they wrap whatever the earlier ones left.
   6. precision                                      bf16 compute, fp32 masters (a policy)
   7. data parallelism: DDP / ZeRO / FSDP            reduces gradients, owns the update [dp]
 
-Steps 1-5 are added by their own modules as they are built; until then `unsupported` names
-the layouts that cannot run yet, and labkit.config refuses them before any engine work.
+They compose through the parameters' metadata (engines/parallel/common.py), not by knowing
+each other: TP slices and marks replicas and SP's extra reduce dim; EP slices the experts,
+which it reduces over dp-cp, and keeps TP's marks (MoE layers are replicated over tp); the
+pipeline keeps this stage's chunks under their full names; the data-parallel step reduces each
+gradient over its own group, buckets or shards per group and chunk, and counts each parameter
+once in the global norm. labkit.config refuses, with the reason, the few combinations that are
+not built or that frameworks reject (README.md, "Composition").
 """
 from __future__ import annotations
 
@@ -104,7 +109,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     elif cfg.sharding != "none":
         from labkit.engines.parallel.zero import apply_zero
 
-        sync = apply_zero(chunks[0], mesh, cfg, pol, optim, meters, loss_shards)
+        sync = apply_zero(chunks, mesh, cfg, pol, optim, meters, loss_shards)
     elif cfg.impl == "torch" and mesh.size("pp") > 1:
         from labkit.engines.parallel.pipeline_torch import TorchStageGrads   # DDP per stage chunk
 

@@ -337,20 +337,28 @@ def _sharding_problems(cfg: ParallelConfig) -> list[str]:
     if not cfg.reshard_after_forward and cfg.sharding != "fsdp":
         out.append(f"reshard_after_forward=False only applies to sharding='fsdp' (got {cfg.sharding!r}); "
                    "set sharding='fsdp' or reshard_after_forward=True")
+    if cfg.sharding in ("zero2", "zero3", "fsdp") and cfg.pp > 1:
+        out.append(f"sharding={cfg.sharding!r} with pp={cfg.pp}: a pipeline runs m microbatch backwards per "
+                   "step, so sharded gradients would be reduce-scattered after every one (m times ZeRO-1's "
+                   "traffic) and ZeRO-3 would gather each stage's parameters again for every microbatch's "
+                   "forward and backward; DeepSpeed's pipeline engine refuses ZeRO-2/3 for this reason. "
+                   "Use sharding='zero1' (optimizer states sharded, gradients reduced once) with pp")
+    if cfg.impl == "torch" and cfg.tp > 1 and cfg.dp > 1 and cfg.sharding != "fsdp":
+        out.append(f"impl='torch' with tp={cfg.tp} and dp={cfg.dp}: PyTorch composes DTensor tensor parallelism "
+                   "with FSDP2 over dp (torchtitan's 2-D), not with DistributedDataParallel (its DDP + TP path is "
+                   "a private transform); use sharding='fsdp', or impl='lab'")
     return out
 
 
 def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """Layouts whose strategy is not implemented yet (each line goes when its strategy lands)."""
     out = []
-    if cfg.sharding != "none" and (cfg.tp > 1 or cfg.pp > 1 or cfg.cp > 1 or cfg.ep > 1 or model.experts):
-        out.append(f"sharding={cfg.sharding!r} with tp, pp, cp, ep or experts is not built yet (ZeRO/FSDP "
-                   "shard whole dense parameters over dp); use sharding='none' (DDP) for those layouts")
-    if cfg.tp > 1 and cfg.impl == "torch" and cfg.dp * cfg.cp * cfg.ep * cfg.pp > 1:
-        out.append("impl='torch' with tp > 1 and dp, cp, ep or pp > 1 is not built yet (PyTorch composes "
-                   "DTensor TP with FSDP2, not DDP); use impl='lab' or dp=cp=ep=pp=1")
-    if cfg.tp > 1 and model.experts:
-        out.append("tensor parallelism of MoE layers is not built yet; use tp=1 or experts=0")
+    if cfg.tp > 1 and cfg.impl == "torch" and cfg.pp > 1:
+        out.append("impl='torch' with tp > 1 and pp > 1 (DTensor TP inside torch.distributed.pipelining stages) "
+                   "is not built yet; use impl='lab'")
+    if cfg.tp > 1 and cfg.impl == "torch" and model.experts:
+        out.append("impl='torch' with tp > 1 and an MoE model (DTensor plans for the experts) is not built yet; "
+                   "use impl='lab' (MoE layers replicated over tp) or experts=0")
     return out
 
 

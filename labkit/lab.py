@@ -23,6 +23,7 @@ import os
 import sys
 import threading
 import time
+import warnings
 from collections import Counter
 
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, optim_problems, validate
@@ -288,6 +289,9 @@ class Lab(FaultHandling):
         validate(cfg, model, self.world)
         if optim_problems(optim):
             raise ConfigError(optim_problems(optim))
+        from labkit.engines.mesh import MeshLayout   # a TP group across hosts: say so (mesh.py AXIS_WARNINGS)
+        for w in MeshLayout.of(cfg).warnings(self.hosts[:cfg.world]):
+            warnings.warn(w, stacklevel=2)
         from labkit.engines.train import run_rank
 
         spec = {"parallel": cfg.to_dict(), "model": model.to_dict(), "optim": optim.to_dict(),

@@ -233,12 +233,18 @@ class RunResult:
 
 
 def assemble(pieces: list[dict]) -> dict[str, np.ndarray]:
-    """Full parameters from every rank's pieces ({name, shape, box | flat | whole, values});
+    """Full parameters from every rank's pieces ({name, shape, box | flat | both | whole, values});
     raises if any element of a parameter was never covered."""
     out: dict[str, np.ndarray] = {}
     for pc in pieces:
         full = out.setdefault(pc["name"], np.full(pc["shape"], np.nan, dtype=np.float32))
-        if pc["flat"] is not None:
+        if pc["flat"] is not None and pc["box"] is not None:   # a flat range of a sliced tensor (ZeRO x TP)
+            box = tuple(slice(a, b) for a, b in pc["box"])
+            local = full[box].copy()
+            a, b = pc["flat"]
+            local.reshape(-1)[a:b] = pc["values"].reshape(-1)
+            full[box] = local
+        elif pc["flat"] is not None:
             a, b = pc["flat"]
             full.reshape(-1)[a:b] = pc["values"].reshape(-1)
         elif pc["box"] is not None:

@@ -23,8 +23,6 @@ def _layouts():
                 for order in ("tp-cp-ep-dp-pp", "dp-pp-tp-cp-ep"):
                     cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sharding=sharding, order=order,
                                          microbatches=2, global_batch=16)
-                    if tp > 1 and model.experts:   # TP of MoE layers: its plan lands with the composition work
-                        continue
                     if not problems(cfg, model):
                         yield cfg, model
 

@@ -6,7 +6,8 @@ runs without building a graph and saves only its input x (b, s, h); when backwar
 block, its forward runs again with grad on and is backpropagated at once. A block then holds
 s·b·h elements until backward instead of the sbh(34 + 5as/h) bytes of the Korthikanti table
 (in the lab model: 8bsh + 2bsf + ...; labkit/theory/memory.py), at the price of one more
-forward per block. The model has no dropout, so the recomputation needs no saved RNG state.
+forward per block — and of its forward collectives again (TP's, the ring's, the all-to-alls).
+The model has no dropout, so the recomputation needs no saved RNG state.
 
 `Recompute` is a reentrant autograd.Function (Megatron's CheckpointFunction, in a few lines),
 chosen over torch.utils.checkpoint's non-reentrant mode because its one saved tensor and its
@@ -14,6 +15,12 @@ recomputed activations pass through the memory meter's saved-tensor hooks, so th
 measured, not assumed. The block's `forward` is replaced on the instance, so module hooks
 (ZeRO-3's gather, FSDP2's unshard) still run around the whole checkpointed block and the
 recomputation calls the original forward without firing them a second time.
+
+A block with an MoE layer has a second output: the router's load-balancing loss, which the
+layer records on itself (engines/moe.py) and engines/model.py `aux_loss` collects after the
+forward. Computed inside a graph-less forward it would carry no gradient, so the function
+returns it as an output of its own (its gradient recomputes the block like the block's) and
+puts it back on the layer for `aux_loss` to collect.
 """
 from __future__ import annotations
 
@@ -24,8 +31,8 @@ import torch.nn as nn
 
 
 class Recompute(torch.autograd.Function):
-    """forward: y = block(x) without a graph, saving x; backward: y = block(x) again with grad, then
-    backpropagate dy through it (its saved tensors are counted by `meter` while they live)."""
+    """forward: (y, aux) = run(x) without a graph, saving x; backward: run(x) again with grad,
+    then backpropagate (dy, daux) through it (its saved tensors are counted by `meter`)."""
 
     @staticmethod
     def forward(ctx, run, meter, x):
@@ -34,21 +41,37 @@ class Recompute(torch.autograd.Function):
         return run(x)                        # grad mode is off inside a Function's forward
 
     @staticmethod
-    def backward(ctx, dy):
+    def backward(ctx, dy, daux):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_()
         with torch.enable_grad(), ctx.meter.saved_tensors():
-            y = ctx.run(x)                   # (b, s, h) -> (b, s, h), the block's graph rebuilt
-        torch.autograd.backward(y, dy)       # parameter grads accumulate as usual (hooks fire)
+            y, aux = ctx.run(x)              # (b, s, h) -> (b, s, h), the block's graph rebuilt
+        outs, grads = ([y, aux], [dy, daux]) if aux.requires_grad else ([y], [dy])
+        torch.autograd.backward(outs, grads)   # parameter grads accumulate as usual (hooks fire)
         return None, None, x.grad
 
 
-def _checkpointed(run, meter, x: torch.Tensor) -> torch.Tensor:
-    return Recompute.apply(run, meter, x)
+def _with_aux(block: nn.Module, forward, x: torch.Tensor):
+    """The block's output and the sum of its MoE layers' balance losses (0 without any), taken
+    off the layers so that only the returned one is collected."""
+    y = forward(x)
+    moes = [m for m in block.modules() if getattr(m, "aux_loss", None) is not None]
+    aux = sum(m.aux_loss for m in moes) if moes else torch.zeros((), device=x.device)
+    for m in moes:
+        m.aux_loss = None
+    return y, aux
+
+
+def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor) -> torch.Tensor:
+    y, aux = Recompute.apply(run, meter, x)
+    if hasattr(block.mlp, "aux_loss"):       # an MoE block: its loss, now with a gradient path
+        block.mlp.aux_loss = aux
+    return y
 
 
 def apply_ac(model: nn.Module, meters) -> nn.Module:
     """Checkpoint every transformer block of `model` (slot 4 of parallelize)."""
     for block in model.blocks:
-        block.forward = partial(_checkpointed, block.forward, meters.memory)   # block.forward: the bound original
+        run = partial(_with_aux, block, block.forward)   # block.forward: the bound original
+        block.forward = partial(_checkpointed, block, run, meters.memory)
     return model

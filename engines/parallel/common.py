@@ -55,8 +55,9 @@ def reduce_dims(p: torch.Tensor) -> tuple[str, ...]:
 
 
 def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> dict:
-    """A part of a full parameter: `box` is [start, stop) per tensor dim, or `flat` a [start, stop)
-    range of the flattened tensor; neither means the whole tensor."""
+    """A part of a full parameter: `box` is [start, stop) per tensor dim, `flat` a [start, stop)
+    range of the flattened tensor, both a flat range of the box (a ZeRO shard of a TP slice);
+    neither means the whole tensor."""
     return {"name": name, "shape": list(full_shape), "box": box, "flat": flat,
             "values": values.detach().float().cpu().numpy().copy()}
 
@@ -68,18 +69,25 @@ def param_piece(name: str, p: torch.Tensor, values: torch.Tensor | None = None) 
     return piece(full_name(p, name), shape, p if values is None else values, box=getattr(p, "_lk_box", None))
 
 
-def norm_plan(params: list[torch.Tensor], mesh, sharded_dims: tuple[str, ...] = ()):
+def norm_plan(params: list[torch.Tensor], mesh, sharded: bool = False):
     """How to assemble the global gradient norm with each parameter counted once.
 
     Returns (group, counted): `group` spans the dims over which parameters are split (tp, pp,
-    ep, plus any `sharded_dims` such as dp under ZeRO) or is None when nothing is split;
-    `counted[i]` is False where parameter i is a replica that another rank in `group` counts.
+    ep; with `sharded` — ZeRO / FSDP, whose buffers are sharded over each parameter's reduce
+    dims — dp and cp too) or is None when nothing is split; `counted[i]` is False where
+    parameter i is a replica that another rank in `group` counts: a replica dim (`_lk_replicas`)
+    counts only at coordinate 0, unless the parameter is sharded over it (then every rank
+    holds a different slice: a dense weight under ZeRO x EP, a sequence-parallel LayerNorm).
     """
-    split = tuple(d for d in ("tp", "pp", "ep", *sharded_dims) if mesh.size(d) > 1)
+    split = tuple(d for d in ("tp", "pp", "ep", *(("dp", "cp") if sharded else ())) if mesh.size(d) > 1)
     coords = mesh.coords
-    counted = [all(coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split) for p in params]
+
+    def counts(p) -> bool:
+        over = reduce_dims(p) if sharded else ()
+        return all(coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split and d not in over)
+
     group = mesh.group(*split) if split else None
-    return group, counted
+    return group, [counts(p) for p in params]
 
 
 def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -31,12 +31,15 @@ class _Bucket:
         numel = sum(p.numel() for p in params)
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         offset = 0
+        self.slots = {}
         for p in params:   # each grad is a view into the flat buffer: no copy before the all-reduce
             p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+            self.slots[id(p)] = (offset, offset + p.numel())
             offset += p.numel()
         self.pending = len(params)
         self.work = None
         self.reduced = None   # what the all-reduce runs on: the buffer, or its fp32 copy under bf16
+        self.acc = None       # bf16 with microbatches: the fp32 sum of their gradients
 
 
 def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
@@ -60,7 +63,10 @@ class DDP:
     gradient norm is assembled when tp / pp / ep split the parameters. Under bf16 (precision.py)
     the parameters and the bucketed gradients are bf16, each bucket is all-reduced in an fp32 copy
     (the reduce dtype) and rounded back; the optimizer updates fp32 masters and rounds them into
-    the parameters.
+    the parameters. With several microbatches under bf16 the bucket's microbatch gradients are
+    summed in that fp32 buffer as each arrives (the bf16 view is zeroed for the next), so
+    accumulation rounds nothing either: a reduction over microbatches is a reduction, and
+    precision.py says why those are fp32 (Megatron-LM accumulates into fp32 main_grad likewise).
     """
 
     def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh, loss_shards: int,
@@ -80,6 +86,7 @@ class DDP:
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_launch = 0
         self.sync = True
+        self.accumulate = False
         for p in self.params:   # held weakly: see common.weak_method
             p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready"))
         self.opt = AdamW(self.masters, optim, [decays(n, p) for n, p in named_params])
@@ -87,14 +94,22 @@ class DDP:
     @contextmanager
     def microbatch(self, index: int, count: int):
         self.sync = index == count - 1
+        self.accumulate = count > 1 and self.reduce != self.params[0].dtype
         for b in self.buckets:
             b.pending = len(b.params)
         yield
 
     def _grad_ready(self, p: nn.Parameter) -> None:
+        bucket = self.bucket_of[id(p)]
+        if self.accumulate:   # bf16 microbatches: into the bucket's fp32 sum, the bf16 view back to 0
+            if bucket.acc is None:
+                bucket.acc = self._track(torch.zeros(bucket.buffer.numel(), dtype=self.reduce,
+                                                     device=bucket.buffer.device))
+            lo, hi = bucket.slots[id(p)]
+            bucket.acc[lo:hi].add_(p.grad.reshape(-1))
+            p.grad.zero_()
         if not self.sync:
             return
-        bucket = self.bucket_of[id(p)]
         bucket.pending -= 1
         self._launch_ready()
 
@@ -104,9 +119,13 @@ class DDP:
             b = self.buckets[self.next_launch]
             if b.pending > 0 and not all_remaining:
                 return
+            if b.acc is not None:
+                b.reduced, b.acc = b.acc, None
+            elif dist.get_world_size(b.group) > 1 and b.buffer.dtype != self.reduce:
+                b.reduced = self._track(b.buffer.to(self.reduce))
             if dist.get_world_size(b.group) > 1:
-                b.reduced = b.buffer if b.buffer.dtype == self.reduce else self._track(b.buffer.to(self.reduce))
-                b.work = dist.all_reduce(b.reduced, group=b.group, async_op=True)   # (numel,) summed
+                b.work = dist.all_reduce(b.buffer if b.reduced is None else b.reduced, group=b.group,
+                                         async_op=True)   # (numel,) summed
             self.next_launch += 1
 
     def _track(self, buf: torch.Tensor, sign: int = 1) -> torch.Tensor:

@@ -10,7 +10,9 @@ per-expert counts (a small all-to-all) and then call all_to_all_single with thos
 Gradients: the router, attention and every dense weight are replicas over ep (each ep rank
 saw different tokens), reduced over dp x ep x cp as usual; an expert's weights live on one ep
 rank and their gradient already holds every ep rank's tokens (the backward all-to-all brought
-them), so it is reduced over dp x cp only (`_lk_reduce`).
+them), so it is reduced over dp x cp only (`_lk_reduce`). Under tensor parallelism the MoE
+layer is replicated over tp (tensor_plan.py): each tp rank runs this all-to-all with the ep
+ranks of its own tp coordinate, and the experts keep TP's replica mark for the norm.
 """
 from __future__ import annotations
 
@@ -79,6 +81,7 @@ def apply_ep(model: nn.Module, mesh, cfg) -> dict:
             part._lk_full_shape = tuple(full.shape)
             part._lk_box = [[lo, hi]] + [[0, n] for n in full.shape[1:]]
             part._lk_reduce = ("dp", "cp")
+            part._lk_replicas = tuple(getattr(full, "_lk_replicas", ()))   # e.g. ('tp',): MoE replicated over tp
             setattr(moe, name, part)
             sharded.add(id(part))
         moe.dispatch = dispatch

@@ -20,13 +20,25 @@ Two ways to group parameters:
   units    (ZeRO-3/FSDP): one flat buffer per module that is gathered as a whole just before it
            runs — the embedding, each block, the head (zero3); or each block plus a root unit
            holding everything else (fsdp, like FSDP2's fully_shard per block and on the model).
+
+Composed with other strategies, a buffer holds this rank's parameters as they left them (TP
+slices, E/ep experts, a pipeline stage's chunks), and one buffer only ever holds parameters
+whose gradients are reduced over the same mesh dims (`_lk_reduce`: dense dp-ep-cp, experts
+dp-cp, sequence-parallel LayerNorms dp-ep-cp-tp), because those are the ranks that hold the
+same values: a buffer is sharded over exactly its reduction group (`FlatPlan.dims`), so its
+reduce-scatter is the gradient reduction itself, as Megatron-LM's distributed optimizer shards
+over dp x cp and its expert-data-parallel group. Buckets are also split by pipeline chunk,
+as DDP's are. Entries are (name, shape) — whole-model data parallelism, dims dp-ep-cp — or
+(name, shape, dims) or (name, shape, dims, chunk); `n` is one group size or {dims: size}.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from math import prod
 
-from labkit.engines.parallel.buckets import plan_buckets
+from labkit.engines.parallel.buckets import plan_groups
+
+DATA_DIMS = ("dp", "ep", "cp")
 
 
 def padded(numel: int, n: int) -> int:
@@ -48,11 +60,13 @@ class FlatPlan:
     names: tuple[str, ...]
     shapes: tuple[tuple[int, ...], ...]
     n: int
+    dims: tuple[str, ...] = DATA_DIMS
+    """Mesh dims of the n ranks that share the buffer, shard it and reduce its gradients."""
 
     @classmethod
-    def of(cls, unit: str, named_shapes, n: int) -> "FlatPlan":
+    def of(cls, unit: str, named_shapes, n: int, dims: tuple[str, ...] = DATA_DIMS) -> "FlatPlan":
         ordered = [x for x in named_shapes if is_matrix(x[1])] + [x for x in named_shapes if not is_matrix(x[1])]
-        return cls(unit, tuple(a for a, _ in ordered), tuple(tuple(s) for _, s in ordered), n)
+        return cls(unit, tuple(a for a, _ in ordered), tuple(tuple(s) for _, s in ordered), n, tuple(dims))
 
     @property
     def numels(self) -> list[int]:
@@ -110,12 +124,24 @@ class FlatPlan:
         return out
 
 
-def bucket_plans(named_shapes, n: int, cap_bytes: int, elem_bytes: int) -> list[FlatPlan]:
-    """ZeRO-1/2: DDP's buckets (reverse registration order, `cap_bytes` of gradients each), in
-    launch order, each one flat buffer."""
-    sizes = [prod(s) * elem_bytes for _, s in named_shapes]
-    return [FlatPlan.of(f"bucket{k}", [named_shapes[i] for i in idx], n)
-            for k, idx in enumerate(plan_buckets(sizes, cap_bytes))]
+def _entries(named) -> list[tuple[str, tuple[int, ...], tuple[str, ...], int]]:
+    """(name, shape, reduce dims, pipeline chunk) of each entry (module docstring)."""
+    return [(e[0], tuple(e[1]), tuple(e[2]) if len(e) > 2 else DATA_DIMS, e[3] if len(e) > 3 else 0)
+            for e in named]
+
+
+def _size(n, dims) -> int:
+    return n if isinstance(n, int) else n[dims]
+
+
+def bucket_plans(named, n, cap_bytes: int, elem_bytes: int) -> list[FlatPlan]:
+    """ZeRO-1/2: DDP's buckets (per reduce group and chunk, reverse registration order,
+    `cap_bytes` of gradients each; buckets.plan_groups), in launch order, each one flat buffer."""
+    entries = _entries(named)
+    sizes = [prod(s) * elem_bytes for _, s, _, _ in entries]
+    keys = [(dims, chunk) for _, _, dims, chunk in entries]
+    return [FlatPlan.of(f"bucket{k}", [entries[i][:2] for i in idx], _size(n, key[0]), key[0])
+            for k, (key, idx) in enumerate(plan_groups(sizes, keys, cap_bytes))]
 
 
 def unit_of(name: str, kind: str) -> str:
@@ -127,12 +153,15 @@ def unit_of(name: str, kind: str) -> str:
     return parts[0] if kind == "zero3" else ""
 
 
-def unit_plans(named_shapes, n: int, kind: str) -> list[FlatPlan]:
+def unit_plans(named, n, kind: str) -> list[FlatPlan]:
     """ZeRO-3 / FSDP units in forward order: zero3 embed, blocks.0.., head; fsdp the root (''),
-    then blocks.0.. (the root's hooks run around the whole forward)."""
-    units: dict[str, list] = {}
-    for name, shape in named_shapes:
-        units.setdefault(unit_of(name, kind), []).append((name, shape))
-    order = sorted(units, key=lambda u: (u != "", u != "embed", u == "head",
-                                         int(u.split(".")[1]) if u.startswith("blocks.") else -1))
-    return [FlatPlan.of(u, units[u], n) for u in order]
+    then blocks.0.. (the root's hooks run around the whole forward). A module whose parameters
+    are reduced over different dims gets one buffer per group, in registration order."""
+    units: dict[tuple, list] = {}
+    for name, shape, dims, _ in _entries(named):
+        units.setdefault((unit_of(name, kind), dims), []).append((name, shape))
+    first = {key: i for i, key in enumerate(units)}
+    order = sorted(units, key=lambda k: (k[0] != "", k[0] != "embed", k[0] == "head",
+                                         int(k[0].split(".")[1]) if k[0].startswith("blocks.") else -1,
+                                         first[k]))
+    return [FlatPlan.of(u, units[u, dims], _size(n, dims), dims) for u, dims in order]

@@ -41,19 +41,27 @@ class TorchFSDP:
     """PyTorch's FSDP2 with torch.optim.AdamW and clip_grad_norm_, as a user would write it.
 
     What the meters need from it: FSDP2 swaps a unit's parameters for unsharded ones (views of
-    its all-gather output) around the unit's forward and backward. A forward pre-hook that runs
-    after FSDP2's (which is prepended) tells the memory meter those storages are parameters, not
-    activations; and the param group's switch to and from unsharded is tracked as 'gathered'
-    (FSDP2's flat all-gather buffer, briefly alive beside it, is not counted)."""
+    its all-gather output; TP DTensors under 2-D) around the unit's forward and backward. A
+    forward pre-hook that runs after FSDP2's (which is prepended) tells the memory meter those
+    storages are parameters, not activations; and the param group's switch to and from
+    unsharded is tracked as 'gathered' (FSDP2's flat all-gather buffer, briefly alive beside it,
+    is not counted)."""
 
     def __init__(self, model: nn.Module, mesh, reshard: bool, pol: Policy, optim: OptimConfig, meters):
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device_type = next(model.parameters()).device.type
-        dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)
+        if mesh.size("tp") > 1:   # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
+            from labkit.engines.parallel.tensor_torch import device_mesh_2d
+
+            dm = device_mesh_2d(mesh, device_type)["dp"]
+        else:
+            dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)
         mp = MixedPrecisionPolicy(param_dtype=pol.compute, reduce_dtype=pol.reduce) if pol.mixed else MixedPrecisionPolicy()
         self.meters = meters
+        self.dp, self.dp_rank = dm.size(), dm.get_local_rank()
+        self.tp_box = {n: _tp_box(p, mesh) for n, p in model.named_parameters()}   # before FSDP2 wraps them
         for unit in [*model.blocks, model]:
             fully_shard(unit, mesh=dm, reshard_after_forward=reshard, mp_policy=mp)
             unit.register_forward_pre_hook(self._exclude_unsharded)
@@ -69,9 +77,10 @@ class TorchFSDP:
             lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
 
     def _exclude_unsharded(self, module, args) -> None:
-        from torch.distributed.tensor import DTensor
-
-        self.meters.memory.exclude(p for p in module.parameters() if not isinstance(p, DTensor))
+        """Every parameter the unit now shows is a parameter, not an activation: plain tensors with
+        FSDP2 alone, DTensors on the tp mesh under FSDP x TP (their local storage is what autograd
+        saves; excluding an already excluded sharded one changes nothing)."""
+        self.meters.memory.exclude(module.parameters())
 
     def _track_gathered(self, unit: nn.Module) -> None:
         """Count the unit's unsharded parameters while FSDP2 holds them (its param group's private
@@ -119,14 +128,26 @@ class TorchFSDP:
 
     @torch.no_grad()
     def pieces(self) -> list[dict]:
-        """Each parameter is split on dim 0 in chunks of ceil(d0 / N) rows (FSDP2's Shard(0))."""
+        """Each parameter (its TP slice under 2-D) is split on dim 0 in chunks of ceil(d0 / N) rows
+        (FSDP2's Shard(0) over dp)."""
         out = []
         for name, p in zip(self.names, self.params):
             local = p.to_local()
             if local.shape[0] == 0:
                 continue
-            n, i = p.device_mesh.size(), p.device_mesh.get_local_rank()
-            start = -(-p.shape[0] // n) * i
-            box = [[start, start + local.shape[0]]] + [[0, d] for d in p.shape[1:]]
+            box = [list(b) for b in self.tp_box[name]]
+            start = box[0][0] + -(-(box[0][1] - box[0][0]) // self.dp) * self.dp_rank
+            box[0] = [start, start + local.shape[0]]
             out.append(piece(name, p.shape, local, box=box))
         return out
+
+
+def _tp_box(p: torch.Tensor, mesh) -> list[list[int]]:
+    """[start, stop) per dim of the slice this tp rank holds of a DTensor TP parameter (the whole
+    tensor for a plain one or a Replicate one)."""
+    from labkit.engines.parallel.tensor_plan import shard_box
+
+    shards = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
+    if not shards:
+        return [[0, d] for d in p.shape]
+    return shard_box(tuple(p.shape), shards[0], mesh.size("tp"), mesh.coord("tp"))

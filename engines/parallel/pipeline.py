@@ -81,9 +81,12 @@ def apply_pipeline(model: nn.Module, mesh, cfg, meters):
         from labkit.engines.parallel.pipeline_torch import TorchSchedule
 
         return chunks, TorchSchedule(cfg, mesh), info
+    from labkit.engines.precision import policy
+
     pl = plan(cfg.schedule, p, cfg.microbatches, v)
     info["actions"] = [str(a) for a in pl.actions[r]]
-    return chunks, PipelineExecutor(pl, mesh, model.cfg.hidden), info
+    rows = mesh.size("tp") if cfg.sequence_parallel else 1   # SP: the residual stream holds s/tp rows
+    return chunks, PipelineExecutor(pl, mesh, model.cfg.hidden, policy(cfg.precision).compute, rows), info
 
 
 class PipelineExecutor:
@@ -91,7 +94,7 @@ class PipelineExecutor:
     actions of a Plan. The share: the last stage's mean loss over the microbatches, 0 elsewhere
     (plus the MoE load-balancing loss of the layers a stage holds)."""
 
-    def __init__(self, pl: Plan, mesh, hidden: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, pl: Plan, mesh, hidden: int, dtype: torch.dtype = torch.float32, seq_split: int = 1):
         found = check(pl)
         if found:
             raise ScheduleDeadlock(found)
@@ -101,7 +104,8 @@ class PipelineExecutor:
         self.group = mesh.group("pp")
         self.peers = mesh.ranks("pp")          # pipeline rank -> global rank (sorted = by pp coordinate)
         self.hidden = hidden
-        self.dtype = dtype                     # what stages pass: fp32 activations and gradients
+        self.dtype = dtype                     # what stages pass: activations and gradients in the compute dtype
+        self.seq_split = seq_split             # sequence parallelism: each tp rank passes its s/tp rows
 
     def _tag(self, a) -> int:
         """One tag per message, the same on both sides: (microbatch, receiving stage, kind)."""
@@ -128,7 +132,8 @@ class PipelineExecutor:
         if m != self.plan.m:
             raise ValueError(f"the plan is for {self.plan.m} microbatches, the step has {m}")
         mbs = [par.inputs(tokens, targets) for tokens, targets in microbatches]
-        shape = (*mbs[0][0].shape, self.hidden)                # (b/m, s, h) crosses each boundary
+        b, s = mbs[0][0].shape
+        shape = (b, s // self.seq_split, self.hidden)          # (b/m, s, h) crosses each boundary (s/tp under SP)
         inputs, outputs, grads, sends = {}, {}, {}, []
         backwards_done = [0] * self.plan.v
         share = torch.zeros((), device=meters.device)

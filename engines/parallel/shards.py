@@ -7,7 +7,7 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
-from labkit.engines.parallel.common import DATA_DIMS, piece, reduce_dims
+from labkit.engines.parallel.common import full_name, norm_plan, piece, reduce_dims
 from labkit.engines.parallel.flat import FlatPlan
 
 
@@ -29,40 +29,57 @@ def bind(plan: FlatPlan, params: dict[str, nn.Parameter], flat: torch.Tensor, gr
             params[name].data = flat[lo:hi].view(shape)
 
 
+def entries(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, tuple, tuple, int]]:
+    """(full name, local shape, reduce dims, pipeline chunk) of each parameter, as flat.py plans take them."""
+    return [(full_name(p, n), tuple(p.shape), reduce_dims(p), getattr(p, "_lk_chunk", 0)) for n, p in named]
+
+
+def group_sizes(mesh, named) -> dict[tuple, int]:
+    """{reduce dims: size of that group} for every reduce group among `named`'s parameters."""
+    return {reduce_dims(p): mesh.size(*reduce_dims(p)) for _, p in named}
+
+
+def plan_group(mesh, plan: FlatPlan):
+    """(group, N, this rank's shard index) of a flat buffer: the ranks of its reduction dims."""
+    return mesh.group(*plan.dims), mesh.size(*plan.dims), mesh.ranks(*plan.dims).index(mesh.rank)
+
+
 class Shards:
     """This rank's slice of every flat buffer on the optimizer side: the master weights (fp32),
-    AdamW over them with the decay mask as runs (flat.py), the global norm and the pieces."""
+    AdamW over them with the decay mask as runs (flat.py), the global norm and the pieces.
 
-    def __init__(self, plans: list[FlatPlan], index: int, masters: list[torch.Tensor], norm_group,
-                 optim: OptimConfig):
-        self.plans, self.index, self.masters = plans, index, masters
-        self.norm_group = norm_group
+    `params` (full name -> parameter) gives what the norm and the pieces need to know of each
+    parameter: whether this rank counts it in the norm (norm_plan), and where its local tensor
+    sits in the full one (a TP or EP slice: `_lk_box`)."""
+
+    def __init__(self, plans: list[FlatPlan], indices: list[int], masters: list[torch.Tensor], mesh,
+                 params: dict[str, nn.Parameter], optim: OptimConfig):
+        self.plans, self.indices, self.masters = plans, indices, masters
+        names = list(params)
+        self.norm_group, counted = norm_plan([params[n] for n in names], mesh, sharded=True)
+        self.counted = dict(zip(names, counted))
+        self.where = {n: (getattr(p, "_lk_full_shape", tuple(p.shape)), getattr(p, "_lk_box", None))
+                      for n, p in params.items()}
         self.clip = optim.clip
-        runs = [(m[lo:hi], d) for p, m in zip(plans, masters) for lo, hi, d in p.runs(index)]
+        runs = [(m[lo:hi], d) for p, i, m in zip(plans, indices, masters) for lo, hi, d in p.runs(i)]
         self.opt = AdamW([r for r, _ in runs], optim, [d for _, d in runs])
 
     def step(self, grads: list[torch.Tensor]) -> float:
-        """Clip by the global norm and update the masters. The slices are disjoint, so the norm is
-        the sum of every rank's squares (one scalar all-reduce); padding is left out."""
-        real = [g[:p.real(self.index)] for p, g in zip(self.plans, grads)]
-        norm = grad_norm(real, None, self.norm_group)
-        runs = [g[lo:hi] for p, g in zip(self.plans, grads) for lo, hi, _ in p.runs(self.index)]
+        """Clip by the global norm and update the masters. Within a buffer's group the slices are
+        disjoint, so the norm is the sum of every rank's squares (one scalar all-reduce) over the
+        parameters this rank counts (not a TP replica another rank counts); padding is left out."""
+        mine = [g[at:at + hi - lo] for p, i, g in zip(self.plans, self.indices, grads)
+                for name, _, lo, hi, at in p.pieces(i) if self.counted[name]]
+        norm = grad_norm(mine, None, self.norm_group)
+        runs = [g[lo:hi] for p, i, g in zip(self.plans, self.indices, grads) for lo, hi, _ in p.runs(i)]
         self.opt.step(runs, clip_coefficient(norm, self.clip))
         return float(norm)
 
     def pieces(self) -> list[dict]:
-        return [piece(name, shape, m[at:at + hi - lo], flat=[lo, hi])
-                for p, m in zip(self.plans, self.masters) for name, shape, lo, hi, at in p.pieces(self.index)]
-
-
-def data_group(mesh, params):
-    """(group, N, this rank's shard index): the ranks that shard and reduce the gradients, dp x ep
-    x cp, every dense parameter's reduce dims. Sliced parameters (tensor / expert parallelism)
-    are not sharded yet (labkit.config refuses those layouts)."""
-    params = list(params)
-    odd = {reduce_dims(p) for p in params} - {DATA_DIMS}
-    if odd or any(hasattr(p, "_lk_box") for p in params):
-        raise NotImplementedError(f"ZeRO/FSDP shard whole parameters over {DATA_DIMS}; parameters reduced "
-                                  f"over {odd or 'other dims'} or sliced by tp/ep are not supported yet")
-    group = mesh.group(*DATA_DIMS)
-    return group, mesh.size(*DATA_DIMS), mesh.ranks(*DATA_DIMS).index(mesh.rank)
+        """A flat range of each (possibly TP / EP sliced) local tensor; `box` places it in the full one."""
+        out = []
+        for p, i, m in zip(self.plans, self.indices, self.masters):
+            for name, shape, lo, hi, at in p.pieces(i):
+                full, box = self.where[name]
+                out.append(piece(name, full, m[at:at + hi - lo], box=box, flat=[lo, hi]))
+        return out

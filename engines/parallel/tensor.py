@@ -25,6 +25,9 @@ layers keep their gathered input for backward; Megatron keeps the s/t shard and 
 it again in backward, trading two more all-gathers per layer for 2bsh(1 - 1/t) bytes
 (labkit/theory/tensor.py gives both).
 
+MoE layers are replicated over tp (tensor_plan.py says why): no f or g around them, and under
+SP an all-gather in (`GatherReplicated`) and a slice out (`Split`).
+
 The plan (tensor_plan.py) is data; `apply_tp` walks it.
 """
 from __future__ import annotations
@@ -109,6 +112,36 @@ class Scatter(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         return reduce_scatter_seq(x, group)                        # (b, s, h) partial -> (b, s/t, h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None               # (b, s/t, h) -> (b, s, h)
+
+
+class GatherReplicated(torch.autograd.Function):
+    """Into a region every tp rank computes whole and alike (an MoE layer under SP): all-gather
+    along the sequence forward; backward keeps this rank's rows of the (replicated) gradient
+    (Megatron's gather_from_sequence_parallel_region with tensor_parallel_output_grad=False)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank, ctx.t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
+        return all_gather_seq(x, group)                            # (b, s/t, h) -> (b, s, h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.t, dim=1)[ctx.rank].contiguous(), None   # (b, s, h) -> (b, s/t, h)
+
+
+class Split(torch.autograd.Function):
+    """Out of such a region: keep this rank's rows forward (no communication), all-gather the
+    gradient's rows backward (Megatron's scatter_to_sequence_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        rank, t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
+        return x.chunk(t, dim=1)[rank].contiguous()                # (b, s, h) -> (b, s/t, h)
 
     @staticmethod
     def backward(ctx, grad):
@@ -209,7 +242,9 @@ def apply_tp(model: nn.Module, mesh, cfg: ParallelConfig) -> tuple[nn.Module, di
     group, t, r = mesh.group("tp"), mesh.size("tp"), mesh.coord("tp")
     plan = tp_plan(model.cfg, cfg.sequence_parallel)
     ops = {"copy": lambda x: Copy.apply(x, group), "all-gather": lambda x: Gather.apply(x, group),
-           "all-reduce": lambda x: Reduce.apply(x, group), "reduce-scatter": lambda x: Scatter.apply(x, group)}
+           "all-reduce": lambda x: Reduce.apply(x, group), "reduce-scatter": lambda x: Scatter.apply(x, group),
+           "all-gather-replicated": lambda x: GatherReplicated.apply(x, group),
+           "split": lambda x: Split.apply(x, group)}
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
 
     for name, style in plan.items():
@@ -236,6 +271,10 @@ def apply_tp(model: nn.Module, mesh, cfg: ParallelConfig) -> tuple[nn.Module, di
         elif kind == "input":
             enter = ops[style["input"]]
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
+        elif kind == "replicate" and "input" in style:   # an MoE layer under SP (tensor_plan.py)
+            enter, leave = ops[style["input"]], ops[style["output"]]
+            module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
+            module.register_forward_hook(lambda _m, _args, out, leave=leave: leave(out))
 
     for name, p in model.named_parameters():
         _, box, extra, replicas = local_param(plan, name, full[name], t, r)

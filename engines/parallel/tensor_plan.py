@@ -15,6 +15,18 @@ Styles (Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2 f
 (SP: the sum lands sequence-sharded). The LM head's output is the vocab-parallel
 cross-entropy, whose two small all-reduces (max, then sum-exp with the target logit) replace
 gathering (b, s, V) logits.
+
+MoE layers (experts > 0) are replicated over tp: the router and every expert whole on each tp
+rank, which routes all the tokens of its sequence and computes the same output as its peers
+(the experts are split by expert parallelism instead, as DeepSeek-V3 and Megatron-Core's
+default expert_tensor_parallel_size=1 do). The block then needs neither f nor g: its input
+and its input's gradient are replicated already, so the parameters' gradients are whole and
+equal on every tp rank (`_lk_replicas=('tp',)`, no tp reduction). Under SP its input is
+all-gathered along the sequence with the *split* backward ('all-gather-replicated': the
+gradient of a replicated computation is the same on every rank, so each keeps its rows;
+Megatron's gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)) and its
+output is cut to this rank's rows ('split': no communication forward, an all-gather backward;
+Megatron's scatter_to_sequence_parallel_region).
 """
 from __future__ import annotations
 
@@ -38,6 +50,11 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, di
             plan[b + f"attn.{w}"] = {"style": "colwise", "shard_dim": 0}   # whole heads per rank
         plan[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
         plan[b + "ln2"] = dict(norm)
+        if model.experts:   # replicated over tp (module docstring)
+            plan[b + "mlp"] = ({"style": "replicate", "input": "all-gather-replicated", "output": "split"}
+                               if sequence_parallel else {"style": "replicate"})
+            plan[b + "mlp.router"] = {"style": "replicate"}
+            continue
         plan[b + "mlp"] = dict(enter)
         plan[b + "mlp.fc1"] = {"style": "colwise", "shard_dim": 0}
         plan[b + "mlp.fc2"] = {"style": "rowwise", "shard_dim": 1, "output": leave}

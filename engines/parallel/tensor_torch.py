@@ -16,8 +16,11 @@ Choices, all of which run on gloo (torch 2.13):
 - Parameters outside the plan (LayerNorms without SP, the position embedding) become
   Replicate DTensors with `distribute_module`, so clip_grad_norm_ sees DTensors only (it
   refuses a mix of DTensors and plain tensors).
-- DDP over dp is not composed with DTensor TP here (PyTorch composes TP with FSDP2);
-  labkit.config refuses impl='torch' with tp > 1 and dp, cp or ep > 1.
+- 2-D with FSDP2 (sharding='fsdp'), torchtitan's parallelize_llama order: TP first, on the tp
+  slice of one (dp, tp) DeviceMesh built from the Mesh's own groups (`device_mesh_2d`), then
+  fully_shard on its dp slice (engines/parallel/fsdp.py); FSDP2 insists that both slices share
+  one parent mesh. DDP over dp is not composed with DTensor TP (PyTorch composes TP with FSDP2;
+  its DDP + TP path is a private transform): labkit.config refuses that, and TP with pp, cp, ep.
 """
 from __future__ import annotations
 
@@ -79,6 +82,21 @@ def _replicate_rest(model: nn.Module, tp_mesh) -> None:
             distribute_module(mod, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
+def device_mesh_2d(mesh, device_type: str):
+    """One (dp, tp) DeviceMesh over this layout, from the Mesh's own dp and tp groups (no new
+    process group), built once per Mesh: DTensor TP takes its ["tp"] slice, FSDP2 its ["dp"]."""
+    import torch
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if getattr(mesh, "_lk_device_mesh", None) is None:
+        lay, here = mesh.layout, mesh.coords
+        ranks = [[lay.rank(**{**here, "dp": d, "tp": t}) for t in range(lay.size("tp"))]
+                 for d in range(lay.size("dp"))]                                  # (dp, tp) global ranks
+        mesh._lk_device_mesh = DeviceMesh.from_group([mesh.group("dp"), mesh.group("tp")], device_type,
+                                                     torch.tensor(ranks), mesh_dim_names=("dp", "tp"))
+    return mesh._lk_device_mesh
+
+
 def apply_tp_torch(model: nn.Module, mesh, cfg: ParallelConfig, schedule):
     """parallelize_module on the tp group; returns (model, plan as data, schedule in loss_parallel)."""
     from torch.distributed.device_mesh import DeviceMesh
@@ -86,7 +104,10 @@ def apply_tp_torch(model: nn.Module, mesh, cfg: ParallelConfig, schedule):
     from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
 
     device = next(model.parameters()).device.type
-    tp_mesh = DeviceMesh.from_group(mesh.group("tp"), device)
+    if cfg.sharding == "fsdp" and mesh.size("dp") > 1:
+        tp_mesh = device_mesh_2d(mesh, device)["tp"]
+    else:
+        tp_mesh = DeviceMesh.from_group(mesh.group("tp"), device)
     plan = tp_plan(model.cfg, cfg.sequence_parallel)
     parallelize_module(model, tp_mesh, torch_plan(plan, cfg.sequence_parallel))
     _replicate_rest(model, tp_mesh)

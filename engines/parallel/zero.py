@@ -34,9 +34,9 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.parallel.common import DATA_DIMS, norm_plan, weak_method
+from labkit.engines.parallel.common import full_name, weak_method
 from labkit.engines.parallel.flat import FlatPlan, bucket_plans, unit_plans
-from labkit.engines.parallel.shards import Shards, bind, data_group, flatten
+from labkit.engines.parallel.shards import Shards, bind, entries, flatten, group_sizes, plan_group
 from labkit.engines.precision import Policy
 
 
@@ -46,20 +46,25 @@ class ZeRO12:
     A bucket is reduce-scattered from a buffer in the reduce dtype (precision.py): under fp32,
     stage 1's persistent full gradient itself; under bf16, an fp32 copy made for the collective;
     in stage 2, the bucket's transient buffer, which each gradient is copied into as it arrives.
-    The reduced slice lands in this rank's gradient shard (compute dtype)."""
+    The reduced slice lands in this rank's gradient shard (compute dtype).
 
-    def __init__(self, model: nn.Module, mesh, stage: int, pol: Policy, bucket_bytes: int,
+    Composed with tp / pp / ep / cp, each bucket holds parameters of one reduce group and one
+    pipeline chunk (flat.py) and is sharded over that group; stage 1 reduces a chunk's buckets
+    as soon as its last backward is over, as DDP does. Stage 1 under bf16 with several
+    microbatches sums their gradients in the bucket's fp32 buffer as they arrive, as DDP does
+    (ddp.py says why)."""
+
+    def __init__(self, named: list[tuple[str, nn.Parameter]], mesh, stage: int, pol: Policy, bucket_bytes: int,
                  optim: OptimConfig, meters, loss_shards: int):
-        named = list(model.named_parameters())
-        params = dict(named)
+        params = {full_name(p, n): p for n, p in named}
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
-        self.group, self.n, self.index = data_group(mesh, params.values())
         elem = torch.tensor([], dtype=pol.compute).element_size()
-        self.plans = bucket_plans([(k, tuple(p.shape)) for k, p in named], self.n, bucket_bytes, elem)
+        self.plans = bucket_plans(entries(named), group_sizes(mesh, named), bucket_bytes, elem)
+        self.groups = [plan_group(mesh, plan) for plan in self.plans]   # (group, N, shard index) per bucket
         self.flats, masters, self.grads, self.grad_full = [], [], [], []
         for k, plan in enumerate(self.plans):
             full32 = flatten(plan, params)
-            a, b = plan.owned(self.index)
+            a, b = plan.owned(self.groups[k][2])
             flat = full32.to(pol.compute) if pol.mixed else full32
             masters.append(full32[a:b].clone() if pol.mixed else flat[a:b])
             bind(plan, params, flat)
@@ -73,10 +78,11 @@ class ZeRO12:
                 self.grads.append(torch.zeros(plan.shard, dtype=pol.compute, device=flat.device))
         self.bucket_of = {id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans)
                           for name, _, lo, hi in p.offsets()}
-        group, _ = norm_plan(list(params.values()), mesh, sharded_dims=DATA_DIMS)
-        self.shards = Shards(self.plans, self.index, masters, group, optim)
+        self.shards = Shards(self.plans, [g[2] for g in self.groups], masters, mesh, params, optim)
         self.pending = [0] * len(self.plans)
         self.filling: dict[int, torch.Tensor] = {}   # stage 2: bucket -> its buffer, until launched
+        self.acc: dict[int, torch.Tensor] = {}       # stage 1, bf16, microbatches: bucket -> fp32 sum
+        self.accumulate = False
         self.in_flight = None                        # (bucket, buffer, work): one reduce-scatter at a time
         self.next_launch = 0
         self.sync = True
@@ -86,16 +92,23 @@ class ZeRO12:
     @contextmanager
     def microbatch(self, index: int, count: int):
         self.sync = self.stage == 2 or index == count - 1
+        self.accumulate = self.stage == 1 and count > 1 and self.pol.reduce != self.pol.compute
         self.pending = [len(p.names) for p in self.plans]
         yield
-        if self.sync:   # buckets whose gradients did not all arrive (unused parameters) go too, in order
+        if self.stage == 2:   # buckets whose gradients did not all arrive (unused parameters) go too, in order
             self._launch_ready(all_remaining=True)
             self.next_launch = 0
 
     def _grad_ready(self, p: nn.Parameter) -> None:
+        k, lo, hi = self.bucket_of[id(p)]
+        if self.accumulate:   # bf16 microbatches: into the bucket's fp32 sum, the bf16 view back to 0
+            if k not in self.acc:
+                self.acc[k] = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
+                                                      device=self.flats[k].device))
+            self.acc[k][lo:hi].add_(p.grad.reshape(-1))
+            p.grad.zero_()
         if not self.sync:
             return
-        k, lo, hi = self.bucket_of[id(p)]
         if self.stage == 2:   # into the bucket's buffer; the parameter's own gradient is dropped
             if k not in self.filling:
                 self.filling[k] = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
@@ -121,14 +134,17 @@ class ZeRO12:
                 if buf is None:   # no gradient of this bucket arrived
                     buf = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
                                                   device=self.flats[k].device))
+            elif k in self.acc:
+                buf = self.acc.pop(k)
             elif self.pol.reduce != self.pol.compute:
                 buf = self._track(self.grad_full[k].to(self.pol.reduce))
             else:
                 buf = self.grad_full[k]
             self._drain()
-            a, b = self.plans[k].owned(self.index)
-            work = (dist.reduce_scatter_single(buf[a:b], buf, group=self.group, async_op=True)
-                    if self.n > 1 else None)   # (padded,) summed over ranks -> its slice a:b, in place
+            group, n, index = self.groups[k]
+            a, b = self.plans[k].owned(index)
+            work = (dist.reduce_scatter_single(buf[a:b], buf, group=group, async_op=True)
+                    if n > 1 else None)        # (padded,) summed over ranks -> its slice a:b, in place
             self.in_flight = (k, buf, work)
             self.next_launch += 1
 
@@ -142,7 +158,7 @@ class ZeRO12:
             work.wait()
         if self.stage == 1 and buf is self.grad_full[k]:
             return                                   # reduced in place
-        a, b = self.plans[k].owned(self.index)
+        a, b = self.plans[k].owned(self.groups[k][2])
         if self.stage == 1:
             self.grads[k].copy_(buf[a:b])            # fp32 sum rounded once into the bf16 slice
         else:
@@ -150,6 +166,9 @@ class ZeRO12:
         self._track(buf, -1)
 
     def finish(self) -> None:
+        if self.stage == 1:   # buckets whose gradients did not all arrive (unused parameters) go too, in order
+            self._launch_ready(all_remaining=True)
+            self.next_launch = 0
         self._drain()
         if self.loss_shards > 1:
             for g in self.grads:
@@ -158,12 +177,12 @@ class ZeRO12:
     @torch.no_grad()
     def step(self) -> float:
         norm = self.shards.step(self.grads)
-        for plan, flat, m in zip(self.plans, self.flats, self.shards.masters):
-            a, b = plan.owned(self.index)
+        for plan, (group, n, index), flat, m in zip(self.plans, self.groups, self.flats, self.shards.masters):
+            a, b = plan.owned(index)
             if self.pol.mixed:
                 flat[a:b].copy_(m)     # round the updated masters into this rank's bf16 slice
-            if self.n > 1:             # (shard,) from every rank -> (padded,), in place
-                dist.all_gather_single(flat, flat[a:b], group=self.group)
+            if n > 1:                  # (shard,) from every rank -> (padded,), in place
+                dist.all_gather_single(flat, flat[a:b], group=group)
         for g in self.grad_full or self.grads:
             g.zero_()
         return norm
@@ -185,13 +204,14 @@ class _Unit:
     Freeing it shrinks its storage to 0 bytes (storage.resize_, as PyTorch's FSDP does), which keeps
     every view, including the ones autograd saved in forward, valid for the next gather."""
 
-    def __init__(self, plan: FlatPlan, module: nn.Module, params: dict[str, nn.Parameter], index: int,
+    def __init__(self, plan: FlatPlan, module: nn.Module, params: dict[str, nn.Parameter], mesh,
                  pol: Policy):
         self.plan, self.module = plan, module
+        self.group, self.n, self.index = plan_group(mesh, plan)   # the ranks that shard this buffer
         self.params = [params[n] for n in plan.names]
         self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in plan.offsets()}
         full32 = flatten(plan, params)
-        a, b = plan.owned(index)
+        a, b = plan.owned(self.index)
         self.full = full32.to(pol.compute) if pol.mixed else full32
         self.shard = self.full[a:b].clone()                                # what this rank all-gathers
         self.master = full32[a:b].clone() if pol.mixed else self.shard     # what its optimizer updates
@@ -209,23 +229,26 @@ class ZeRO3:
     unit's parameters gathered just before it runs. `kind` picks the units (flat.py): 'zero3' the
     embedding, each block and the head; 'fsdp' each block plus the root. With reshard=False
     (FSDP's reshard_after_forward off) forward's gather is kept for backward: one all-gather per
-    unit instead of two (ZeRO-2's traffic), the whole model gathered at the end of forward."""
+    unit instead of two (ZeRO-2's traffic), the whole model gathered at the end of forward.
+
+    Composed with tp / ep / cp, a unit holds this rank's slices, and a module whose parameters
+    are reduced over different groups (experts over dp-cp, SP LayerNorms over dp-ep-cp-tp) has
+    one unit per group, each sharded over its own group (flat.py)."""
 
     def __init__(self, model: nn.Module, mesh, kind: str, reshard: bool, pol: Policy, optim: OptimConfig,
                  meters, loss_shards: int):
         named = list(model.named_parameters())
-        params = dict(named)
+        params = {full_name(p, n): p for n, p in named}
         self.pol, self.reshard, self.meters, self.loss_shards = pol, reshard, meters, loss_shards
-        self.group, self.n, self.index = data_group(mesh, params.values())
-        self.plans = unit_plans([(k, tuple(p.shape)) for k, p in named], self.n, kind)
-        self.units = [_Unit(p, model.get_submodule(p.unit), params, self.index, pol) for p in self.plans]
+        self.plans = unit_plans(entries(named), group_sizes(mesh, named), kind)
+        self.units = [_Unit(p, model.get_submodule(p.unit), params, mesh, pol) for p in self.plans]
         for u in self.units:
             u.module.register_forward_pre_hook(partial(self._pre_forward, u))
             u.module.register_forward_hook(partial(self._post_forward, u))
             for p in u.params:
                 p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
-        group, _ = norm_plan(list(params.values()), mesh, sharded_dims=DATA_DIMS)
-        self.shards = Shards(self.plans, self.index, [u.master for u in self.units], group, optim)
+        self.shards = Shards(self.plans, [u.index for u in self.units], [u.master for u in self.units], mesh,
+                             params, optim)
         self.in_flight = None   # (unit, buffer, work): one reduce-scatter in flight
 
     # -- gather / free ----------------------------------------------------------------------
@@ -234,8 +257,8 @@ class ZeRO3:
             return
         u.full.untyped_storage().resize_(u.nbytes)
         self.meters.memory.track("gathered", u.nbytes)
-        if self.n > 1:   # (shard,) from every rank -> (padded,)
-            dist.all_gather_single(u.full, u.shard, group=self.group)
+        if u.n > 1:   # (shard,) from every rank -> (padded,)
+            dist.all_gather_single(u.full, u.shard, group=u.group)
         else:
             u.full.copy_(u.shard)
         u.gathered = True
@@ -282,9 +305,9 @@ class ZeRO3:
         self._free(u)
         self._drain()
         buf, u.grad_full = u.grad_full, None
-        a, b = u.plan.owned(self.index)
-        work = (dist.reduce_scatter_single(buf[a:b], buf, group=self.group, async_op=True)
-                if self.n > 1 else None)   # (padded,) summed over ranks -> its slice a:b, in place
+        a, b = u.plan.owned(u.index)
+        work = (dist.reduce_scatter_single(buf[a:b], buf, group=u.group, async_op=True)
+                if u.n > 1 else None)      # (padded,) summed over ranks -> its slice a:b, in place
         self.in_flight = (u, buf, work)
 
     def _drain(self) -> None:
@@ -293,7 +316,7 @@ class ZeRO3:
         u, buf, work = self.in_flight
         if work is not None:
             work.wait()
-        a, b = u.plan.owned(self.index)
+        a, b = u.plan.owned(u.index)
         u.grad.add_(buf[a:b])                        # fp32 sum rounded into the bf16 slice under bf16
         self.meters.memory.track("reduce_buffers", -buf.nbytes)
         self.in_flight = None
@@ -331,9 +354,11 @@ class ZeRO3:
         return self.shards.pieces()
 
 
-def apply_zero(model: nn.Module, mesh, cfg, pol: Policy, optim: OptimConfig, meters, loss_shards: int):
-    """sharding='zero1' | 'zero2' | 'zero3' (impl='lab'): this rank's GradSync."""
+def apply_zero(chunks: list[nn.Module], mesh, cfg, pol: Policy, optim: OptimConfig, meters, loss_shards: int):
+    """sharding='zero1' | 'zero2' | 'zero3' (impl='lab'): this rank's GradSync. ZeRO-1 takes every
+    pipeline chunk's parameters; ZeRO-2/3 run without a pipeline (labkit.config says why)."""
     if cfg.sharding == "zero3":
-        return ZeRO3(model, mesh, "zero3", True, pol, optim, meters, loss_shards)
+        return ZeRO3(chunks[0], mesh, "zero3", True, pol, optim, meters, loss_shards)
     stage = {"zero1": 1, "zero2": 2}[cfg.sharding]
-    return ZeRO12(model, mesh, stage, pol, int(cfg.bucket_mb * 2**20), optim, meters, loss_shards)
+    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
+    return ZeRO12(named, mesh, stage, pol, int(cfg.bucket_mb * 2**20), optim, meters, loss_shards)

@@ -64,6 +64,15 @@ class Comm:
             row["payload_bytes"] += payload
             row["wire_bytes"] += wire
 
+    def add_rows(self, rank: int, rows: list[dict]) -> None:
+        """Add rows summed elsewhere (the same for every rank at one pipeline coordinate) to `rank`."""
+        for r in rows:
+            row = self.rows.setdefault((rank, r["dim"], r["op"]), {"rank": rank, "dim": r["dim"], "op": r["op"],
+                                                                   "calls": 0, "payload_bytes": 0, "wire_bytes": 0.0})
+            row["calls"] += r["calls"]
+            row["payload_bytes"] += r["payload_bytes"]
+            row["wire_bytes"] += r["wire_bytes"]
+
     def table(self) -> list[dict]:
         return [self.rows[k] for k in sorted(self.rows)]
 
@@ -96,17 +105,22 @@ def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: M
 
     elem = 2 if cfg.precision == "bf16" else 4
     cap = int(cfg.bucket_mb * 2**20)
+    per_stage: dict[int, list[dict]] = {}   # pp coordinate -> its ranks' rows
     for rank in comm.ranks(layout):
-        for chunk in chunk_params(cfg, model, layout.coords(rank)["pp"]):
-            numels = [prod(s) for _, s, _ in chunk]
-            sizes = [k * elem for k in numels]
-            if cfg.impl == "torch":   # PyTorch's DDP: one process group
-                buckets = [(("dp", "ep", "cp"), b) for b in torch_ddp_buckets(sizes, cap)]
-            else:
-                buckets = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
-            for dims, b in buckets:
-                comm.add(rank, layout.label(*dims), "all_reduce", 4 * sum(numels[i] for i in b),
-                         layout.size(*dims))
+        pp_rank = layout.coords(rank)["pp"]
+        if pp_rank not in per_stage:
+            stage = Comm()
+            for chunk in chunk_params(cfg, model, pp_rank):
+                numels = [prod(s) for _, s, _ in chunk]
+                sizes = [k * elem for k in numels]
+                if cfg.impl == "torch":   # PyTorch's DDP: one process group
+                    buckets = [(("dp", "ep", "cp"), b) for b in torch_ddp_buckets(sizes, cap)]
+                else:
+                    buckets = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
+                for dims, b in buckets:
+                    stage.add(0, layout.label(*dims), "all_reduce", 4 * sum(numels[i] for i in b), layout.size(*dims))
+            per_stage[pp_rank] = stage.table()
+        comm.add_rows(rank, per_stage[pp_rank])
 
 
 def grad_norm(comm: Comm, cfg: ParallelConfig, layout: MeshLayout) -> None:

@@ -6,7 +6,9 @@ tokens, 2·b·(s/cp)·(h/tp) elements:
   forward   cp-1 hops of K/V
   backward  cp-1 hops of K/V again, and cp-1 hops of the dK/dV accumulators (each block's
             accumulator starts at the first rank after its owner and arrives home at the last hop)
-so 3(cp-1) sends of 2·b·s·h/cp elements: 6(cp-1)/cp · bsh per layer. (Gathering K/V instead,
+so 3(cp-1) sends of 2·b·s·h/cp elements: 6(cp-1)/cp · bsh per layer. K and V travel in the
+compute dtype, the dK/dV accumulators in fp32 (the ring's accumulation dtype, whatever the
+compute dtype: engines/parallel/context.py). (Gathering K/V instead,
 as Llama 3's context parallelism does, sends the same 2(cp-1)/cp · bsh forward and reduce-
 scatters 2(cp-1)/cp · bsh of dK/dV backward, but holds the whole sequence's K/V on every rank;
 the ring sends K/V a second time in backward so that no rank ever holds more than two blocks.)
@@ -31,15 +33,20 @@ def kv_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_by
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
-    """Ring sends/receives per rank for one step, and the MoE balance-loss count all-reduce."""
+    """Ring sends/receives per rank for one step, and the MoE balance-loss count all-reduce.
+    With checkpoint_activations a block's forward runs again in backward: one more K/V round
+    and one more count all-reduce per layer. The message is in the compute dtype."""
     if cfg.cp == 1:
         return
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     passes = model.layers // cfg.pp * cfg.microbatches        # attention layers run per step on a rank
-    message = kv_message_bytes(cfg, model, micro)
+    forwards = 2 if cfg.checkpoint_activations else 1
+    kv = kv_message_bytes(cfg, model, micro, 2 if cfg.precision == "bf16" else 4)
+    dkv = kv_message_bytes(cfg, model, micro, 4)
     label = layout.label("cp")
     for rank in comm.ranks(layout):
-        comm.add(rank, label, "send", message, cfg.cp, 3 * (cfg.cp - 1) * passes)
-        comm.add(rank, label, "recv", message, cfg.cp, 3 * (cfg.cp - 1) * passes)
+        for op in ("send", "recv"):   # K/V in each forward and again in backward, then dK/dV
+            comm.add(rank, label, op, kv, cfg.cp, (forwards + 1) * (cfg.cp - 1) * passes)
+            comm.add(rank, label, op, dkv, cfg.cp, (cfg.cp - 1) * passes)
         if model.experts:
-            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, passes)
+            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, forwards * passes)

@@ -14,9 +14,9 @@ step; over an ep group the R's sum to the N's exactly, so the group's total is d
 and per rank the formula below uses the balanced R = N. Ring model: all-to-all (ep-1)/ep · B.
 
 Activations per MoE layer (what each op keeps for backward, like memory.activation_bytes):
-  router probabilities 4·T·E (fp32 softmax output), the top-k expert ids and gates (8·N int64,
-  4·N fp32), the gathers' indices into and out of expert order (2 · 8·N int64), the balance
-  loss's per-sequence fractions 4·b·E, and in the experts a·(R·h + 2·R·f) (input, GELU input
+  router probabilities 4·T·E (fp32 softmax output), the top-k expert ids (8·N int64) and gates
+  (a·N: cast to the activation dtype for the weighted sum), the gathers' indices into and out of
+  expert order (2 · 8·N int64), the balance loss's per-sequence fractions 4·b·E, and in the experts a·(R·h + 2·R·f) (input, GELU input
   and output) plus the returned rows a·N·h (kept by the gate multiply).
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ def layer_activation_bytes(model: ModelConfig, batch: int, seq: int, act_bytes: 
     n = t * model.top_k
     r = n if received is None else received
     e, h, f = model.experts, model.hidden, model.ffn
-    return 4 * t * e + 3 * 8 * n + 4 * n + 4 * batch * e + act_bytes * (n * h + r * h + 2 * r * f)
+    return 4 * t * e + 3 * 8 * n + 4 * batch * e + act_bytes * (n + n * h + r * h + 2 * r * f)
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
@@ -60,12 +60,13 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         return
     micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     passes = model.layers // cfg.pp * cfg.microbatches
-    rows = micro * (model.seq // cfg.cp) * model.top_k * model.hidden * 4
+    rows = micro * (model.seq // cfg.cp) * model.top_k * model.hidden * (2 if cfg.precision == "bf16" else 4)
+    forwards = 2 if cfg.checkpoint_activations else 1      # recomputation routes and dispatches again
     label = layout.label("ep")
     for rank in comm.ranks(layout):
         for _ in range(passes):
-            comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep)   # split sizes
-            comm.add(rank, label, "all_to_all", rows, cfg.ep, 4)             # dispatch, combine, and back
+            comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep, forwards)   # split sizes
+            comm.add(rank, label, "all_to_all", rows, cfg.ep, 2 * forwards + 2)     # dispatch, combine, and back
 
 
 def local_params(cfg: ParallelConfig, model: ModelConfig, shapes: list) -> int:

@@ -13,6 +13,8 @@ In fp32 (no separate master copy) the lab keeps 4Ψ params, 4Ψ grads and 8Ψ Ad
 """
 from __future__ import annotations
 
+from functools import lru_cache
+
 from labkit.config import ModelConfig, ParallelConfig
 
 
@@ -93,37 +95,29 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
 
 def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> dict[str, int]:
     """Predicted bytes on one rank: params, grads, optimizer (persistent, after a step),
-    activations (peak saved for backward) and peak (their sum on the CPU; transients a
-    strategy adds — ZeRO-3's gathered parameters — appear as their own categories).
+    activations (peak saved for backward), the transients a strategy tracks beside them
+    (ZeRO-3's 'gathered' parameters, 'reduce_buffers') and peak (their sum on the CPU, as if
+    the transients peaked together: an upper bound).
 
-    Each strategy refines this as it lands: which parameters the rank holds (tensor, pipeline,
-    expert parallelism), how their states are sharded (ZeRO / FSDP, precision), and what its
-    microbatches keep for backward (TP/SP, CP, checkpointing, microbatches in flight)."""
-    from labkit.theory import context, pipeline, sharding, tensor
-    from labkit.theory.params import rank_param_count
+    Every strategy contributes its rule: which parameters the rank holds (theory/params.py:
+    pipeline chunks, E/ep experts, TP slices), how their states are sharded and in what dtype
+    (theory/sharding.py: DDP, ZeRO, FSDP, precision), and what its microbatches keep for
+    backward (theory/activations.py: TP/SP, CP, MoE, checkpointing, the schedule's microbatches
+    in flight)."""
+    coords = layout.coords(rank)
+    index = coords["dp"] if cfg.impl == "torch" else 0   # FSDP2's uneven rows depend on the dp index
+    return dict(_rank_memory(cfg, model, coords["pp"], index))
 
-    micro = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
-    if cfg.tp == cfg.pp == cfg.cp == cfg.ep == 1 and not model.experts:
-        # data parallelism alone: DDP / ZeRO / FSDP, any precision, checkpointing
-        n = layout.size(*sharding.DATA_DIMS)
-        index = layout.group_of(rank, *sharding.DATA_DIMS).index(rank)   # its shard
-        out = sharding.state_bytes(cfg, model, n, index)
-        out["activations"] = sharding.activation_peak(cfg, model, micro)
-        out.update(sharding.transient_peaks(cfg, model, n))
-        out["peak"] = sum(out.values())   # transients summed as if they peaked together: an upper bound
-        return out
-    act = 2 if cfg.precision == "bf16" else 4
-    pp_rank = layout.coords(rank)["pp"]
-    psi = rank_param_count(cfg, model, pp_rank)   # this rank's chunks, ep's experts, tp's slices
-    states = model_state_bytes(psi, cfg.dp, cfg.precision)["none"]
-    local = context.local_model(cfg, model)   # s/cp tokens per sequence
-    if cfg.pp > 1:
-        acts = pipeline.activation_peak(cfg, local, pp_rank)
-    elif cfg.tp > 1:
-        acts = tensor.activation_bytes(model, micro, cfg.tp, cfg.sequence_parallel, model.seq // cfg.cp, act)
-    else:
-        acts = activation_bytes(local, micro, act_bytes=act)
-    out = {"params": int(states["params"]), "grads": int(states["grads"]),
-           "optimizer": int(states["optimizer"]), "activations": acts}
+
+@lru_cache(maxsize=4096)
+def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int) -> tuple:
+    """rank_memory of every rank at pipeline coordinate `pp_rank` (and FSDP2 data index `index`):
+    the rest of a rank's coordinates change nothing, so an estimate at scale computes this once
+    per coordinate."""
+    from labkit.theory import activations, sharding
+
+    out = sharding.state_bytes(cfg, model, None, index, pp_rank)
+    out["activations"] = activations.peak(cfg, model, pp_rank)
+    out.update(sharding.transient_peaks(cfg, model, None, pp_rank))
     out["peak"] = sum(out.values())
-    return out
+    return tuple(out.items())

@@ -13,10 +13,11 @@ from math import prod
 from labkit.config import ModelConfig, ParallelConfig
 
 
-@lru_cache(maxsize=256)
-def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[list[tuple[str, tuple, tuple]]]:
+@lru_cache(maxsize=4096)
+def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[tuple[tuple, ...], ...]:
     """Per pipeline chunk of rank `pp_rank`: (name, local shape, dims its gradient is summed over)
-    of each parameter, in registration order."""
+    of each parameter, in registration order. Every rank at one pipeline coordinate holds the same
+    shapes (the splits are even), so an estimate at scale computes this once per coordinate."""
     from labkit.engines.parallel.tensor_plan import local_param, tp_plan
     from labkit.theory import experts, pipeline
 
@@ -30,10 +31,28 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
                 shape, _, extra, _ = local_param(plan, name, shape, cfg.tp)
                 dims = dims + extra
             rows.append((name, tuple(shape), dims))
-        out.append(rows)
-    return tuple(tuple(rows) for rows in out)
+        out.append(tuple(rows))
+    return tuple(out)
 
 
 @lru_cache(maxsize=256)
 def rank_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
     return sum(prod(s) for chunk in chunk_params(cfg, model, pp_rank) for _, s, _ in chunk)
+
+
+def rank_entries(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[tuple[str, tuple, tuple, int]]:
+    """(name, local shape, reduce dims, pipeline chunk) of every parameter a rank holds: what
+    the flat-buffer plans of ZeRO / FSDP take (engines/parallel/flat.py)."""
+    return [(n, s, d, c) for c, chunk in enumerate(chunk_params(cfg, model, pp_rank)) for n, s, d in chunk]
+
+
+def stage_layers(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[int, bool, bool]:
+    """(blocks a rank at pipeline coordinate `pp_rank` holds, whether it holds the embedding
+    (virtual stage 0), whether it holds the head (the last virtual stage))."""
+    from labkit.engines.parallel.schedules import stage_of
+
+    if cfg.pp == 1:
+        return model.layers, True, True
+    p, v = cfg.pp, cfg.virtual_stages
+    stages = [stage_of(pp_rank, c, p) for c in range(v)]
+    return model.layers // p, 0 in stages, p * v - 1 in stages

@@ -12,7 +12,10 @@ frees them).
 
 Point-to-point traffic: each microbatch crosses every stage boundary twice (its activation
 forward, the activation's gradient backward), b·s·h elements each way; with v chunks a rank
-has v boundaries, so v times the traffic of plain 1F1B.
+has v boundaries, so v times the traffic of plain 1F1B. The tensor is the residual stream as
+the rank holds it: s/cp positions under context parallelism, s/(cp·tp) under sequence
+parallelism (each tp rank passes its rows to the same tp rank of the next stage), in the
+compute dtype.
 """
 from __future__ import annotations
 
@@ -24,8 +27,8 @@ from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines.parallel.schedules import chunk_layers, plan, stage_of
 from labkit.theory.model import param_shapes
 
-ACT_BYTES = 4
-"""The executor passes fp32 activations and gradients between stages."""
+ELEM = {"fp32": 4, "bf16": 2}
+"""The executor passes activations and gradients in the compute dtype."""
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
@@ -72,10 +75,10 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
     out = []
     for c in range(v):
         s = stage_of(pp_rank, c, p)
-        blocks = set(chunk_layers(model.layers, p, v, pp_rank, c))
+        blocks = {str(i) for i in chunk_layers(model.layers, p, v, pp_rank, c)}
         out.append([(n, sh) for n, sh in shapes
                     if (n.startswith("embed.") and s == 0) or (n.startswith("head.") and s == p * v - 1)
-                    or (n.startswith("blocks.") and int(n.split(".", 2)[1]) in blocks)])
+                    or (n.startswith("blocks.") and n.split(".", 2)[1] in blocks)])
     return out
 
 
@@ -91,27 +94,23 @@ def microbatch_rows(cfg: ParallelConfig) -> int:
 
 def activation_peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
     """Peak bytes saved for backward on one pipeline rank: each chunk's per-microbatch
-    activations (memory.activation_bytes for its blocks, plus the embedding on the first
-    stage and the head on the last), times the microbatches in flight the schedule allows."""
-    from labkit.theory.memory import activation_bytes
+    activations times the microbatches in flight the schedule allows (theory/activations.py
+    walks the schedule)."""
+    from labkit.theory.activations import peak
 
-    p, v, b = cfg.pp, cfg.virtual_stages, microbatch_rows(cfg)
-    per_chunk = {}
-    for c in range(v):
-        s = stage_of(pp_rank, c, p)
-        layers = len(chunk_layers(model.layers, p, v, pp_rank, c))
-        per_chunk[c] = activation_bytes(model, b, layers=layers, head=s == p * v - 1, embed=s == 0)
-    return _walk(plan(cfg.schedule, p, cfg.microbatches, v).actions[pp_rank], per_chunk)
+    return peak(cfg, model, pp_rank)
 
 
 def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """Sends and receives of one step, per rank: for each microbatch and each of the rank's
     chunks, its output activation forward (unless it is the last stage) and its input's
-    gradient backward (unless it is the first), each (b, s/cp, h) in fp32."""
+    gradient backward (unless it is the first), each (b, s/cp, h) — s/(cp·tp) under SP — in the
+    compute dtype."""
     if cfg.pp == 1:
         return
     p, v, m = cfg.pp, cfg.virtual_stages, cfg.microbatches
-    nbytes = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.hidden * ACT_BYTES
+    rows = model.seq // cfg.cp // (cfg.tp if cfg.sequence_parallel else 1)
+    nbytes = microbatch_rows(cfg) * rows * model.hidden * ELEM[cfg.precision]
     label = layout.label("pp")
     for rank in comm.ranks(layout):
         r = layout.coords(rank)["pp"]

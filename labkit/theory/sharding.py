@@ -13,6 +13,13 @@ PyTorch's FSDP2 pads each parameter on dim 0 instead (rows split in chunks of ce
 keeps fp32 sharded parameters and gradients whatever the compute dtype (4 + 4 + 8 per element;
 parameters and gradients in padded storage, Adam's moments only for the rows a rank holds).
 
+Composed layouts (engines/parallel/flat.py): a rank's buffers hold its own parameters (TP
+slices, E/ep experts, its pipeline chunks), one buffer per reduce group (and chunk), each
+sharded over that group: N is the buffer's group size (dp·ep·cp for dense weights, dp·cp for
+experts under ep, dp·ep·cp·tp for sequence-parallel LayerNorms), so P and S above are sums
+over buffers of their own padded sizes and shards. FSDP2 (impl='torch') shards the TP-local
+tensors' dim 0 over dp.
+
 Communication per step (section 7 of the paper, in elements of Ψ per rank, ring model;
 gradients are reduced in fp32 and parameters gathered in the compute dtype, precision.py):
 DDP all-reduces 2Ψ(N-1)/N; ZeRO-1/2 reduce-scatter the gradients and all-gather the updated
@@ -27,8 +34,7 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines.parallel.flat import FlatPlan, bucket_plans, unit_of, unit_plans
-from labkit.theory.memory import activation_bytes
-from labkit.theory.model import num_params, param_shapes
+from labkit.theory.params import rank_entries
 
 DATA_DIMS = ("dp", "ep", "cp")
 ELEM = {"fp32": 4, "bf16": 2}
@@ -37,13 +43,24 @@ REDUCE = 4
 """Bytes per element of a gradient reduction: fp32 in both precisions (engines/precision.py)."""
 
 
-@lru_cache(maxsize=64)
-def plans(cfg: ParallelConfig, model: ModelConfig, n: int) -> list[FlatPlan]:
-    """The flat buffers of our ZeRO / FSDP for this layout (the engines build the same ones)."""
-    shapes = param_shapes(model)
+def group_size(cfg: ParallelConfig, dims) -> int:
+    return prod(getattr(cfg, d) for d in dims)
+
+
+def plans(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> list[FlatPlan]:
+    """The flat buffers of our ZeRO / FSDP on a rank at pipeline coordinate `pp_rank` (the
+    engines build the same ones). n: one group size for every buffer (data parallelism alone);
+    default each buffer's own reduce group."""
+    return list(_plans(cfg, model, n, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _plans(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> tuple[FlatPlan, ...]:
+    entries = rank_entries(cfg, model, pp_rank)
+    sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
     if cfg.sharding in ("zero1", "zero2"):
-        return bucket_plans(shapes, n, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision])
-    return unit_plans(shapes, n, "zero3" if cfg.sharding == "zero3" else "fsdp")
+        return tuple(bucket_plans(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
+    return tuple(unit_plans(entries, sizes, "zero3" if cfg.sharding == "zero3" else "fsdp"))
 
 
 def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
@@ -52,54 +69,45 @@ def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
     return chunk, max(0, min(chunk, d0 - index * chunk))
 
 
-def state_bytes(cfg: ParallelConfig, model: ModelConfig, n: int, index: int = 0) -> dict[str, int]:
-    """Bytes of params / grads / optimizer on data rank `index` of N = n after a step."""
+def state_bytes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0,
+                pp_rank: int = 0) -> dict[str, int]:
+    """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
+    `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `plans`."""
     e, k = ELEM[cfg.precision], 8 + (4 if cfg.precision == "bf16" else 0)
+    entries = rank_entries(cfg, model, pp_rank)
     if cfg.sharding == "none":
-        psi = num_params(model)
+        psi = sum(prod(s) for _, s, _, _ in entries)
         return {"params": e * psi, "grads": e * psi, "optimizer": k * psi}
     if cfg.sharding == "fsdp" and cfg.impl == "torch":
+        n_dp = n if n is not None else cfg.dp
         padded_local = held = 0
-        for _, shape in param_shapes(model):
-            chunk, rows = fsdp2_rows(shape[0], n, index)
+        for _, shape, _, _ in entries:   # TP-local tensors, dim 0 over dp
+            chunk, rows = fsdp2_rows(shape[0], n_dp, index)
             rest = prod(shape[1:])
             padded_local += chunk * rest
             held += rows * rest
         # parameters and gradients are views of padded flat storage; Adam's moments are not
         return {"params": 4 * padded_local, "grads": 4 * padded_local, "optimizer": 8 * held}
-    ps = plans(cfg, model, n)
+    ps = plans(cfg, model, n, pp_rank)
     P, S = sum(p.padded for p in ps), sum(p.shard for p in ps)
     return {"params": e * (P if cfg.sharding in ("zero1", "zero2") else S),
             "grads": e * (P if cfg.sharding == "zero1" else S),
             "optimizer": k * S}
 
 
-def activation_peak(cfg: ParallelConfig, model: ModelConfig, micro: int) -> int:
-    """Peak bytes saved for backward on one rank (microbatch of `micro` sequences).
-
-    Without checkpointing: memory.activation_bytes. With it (engines/parallel/checkpoint.py)
-    each block keeps only its input x (b, s, h) until backward, and backward recomputes one
-    block at a time after the head's saved tensors are gone:
-        embedding + L·|x| + max(head, block - |x|)
-    (the recomputed block's own input is the |x| already counted)."""
-    e = ELEM[cfg.precision]
-    if not cfg.checkpoint_activations:
-        return activation_bytes(model, micro, act_bytes=e)
-    block = activation_bytes(model, micro, layers=1, head=False, embed=False, act_bytes=e)
-    head = activation_bytes(model, micro, layers=0, head=True, embed=False, act_bytes=e)
-    embed = activation_bytes(model, micro, layers=0, head=False, embed=True, act_bytes=e)
-    x = e * micro * model.seq * model.hidden
-    return embed + model.layers * x + max(head, block - x)
-
-
-def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int) -> dict[str, int]:
-    """Elements of each unit's gathered (padded) buffer, in forward order."""
+def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, int]:
+    """Elements of each unit's gathered (padded) buffers, in forward order (a module with
+    buffers for several reduce groups counts them together: they are gathered together)."""
     if cfg.impl != "torch":
-        return {p.unit: p.padded for p in plans(cfg, model, n)}
+        out: dict[str, int] = {}
+        for p in plans(cfg, model, n, pp_rank):
+            out[p.unit] = out.get(p.unit, 0) + p.padded
+        return out
+    n_dp = n if n is not None else cfg.dp
     sizes: dict[str, int] = {}
-    for name, shape in param_shapes(model):   # FSDP2: each parameter padded on dim 0
+    for name, shape, _, _ in rank_entries(cfg, model, pp_rank):   # FSDP2: each parameter padded on dim 0
         unit = unit_of(name, "fsdp")
-        sizes[unit] = sizes.get(unit, 0) + fsdp2_rows(shape[0], n, 0)[0] * n * prod(shape[1:])
+        sizes[unit] = sizes.get(unit, 0) + fsdp2_rows(shape[0], n_dp, 0)[0] * n_dp * prod(shape[1:])
     return {u: sizes[u] for u in sorted(sizes, key=lambda u: (u != "", len(u), u))}
 
 
@@ -141,61 +149,89 @@ def unit_peaks(size: dict[str, int], reshard: bool) -> dict[str, int]:
     return {"gathered": peak, "reduce_buffers": gpeak}
 
 
-def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int) -> dict[str, int]:
+def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, int]:
     """Peak bytes of the transients the engines track beside activations: 'gathered' parameters
     (ZeRO-3 / FSDP) and 'reduce_buffers', the full gradient buffers that exist for a reduction
     (ZeRO-2's buckets, ZeRO-3 / FSDP's units, and under bf16 the fp32 copies that DDP and ZeRO-1
-    reduce). FSDP2 (impl='torch') has only its gathered parameters tracked."""
+    reduce). FSDP2 (impl='torch') has only its gathered parameters tracked. A ZeRO-3 / FSDP module
+    with buffers for several reduce groups is replayed as one unit (an upper bound on its
+    reduce buffers: the engines reduce each buffer as soon as its own gradients are in)."""
     e = ELEM[cfg.precision]
     if cfg.sharding == "none":
         if cfg.precision == "fp32" or cfg.impl == "torch":
             return {}
-        return {"reduce_buffers": REDUCE * num_params(model)}   # every bucket's copy until finish()
+        # every bucket's fp32 copy (its microbatches' sum, with several) lives until finish();
+        # with one microbatch, buckets whose group has one rank need none
+        reduced = sum(prod(s) for _, s, d, _ in rank_entries(cfg, model, pp_rank)
+                      if cfg.microbatches > 1 or (n if n is not None else group_size(cfg, d)) > 1)
+        return {"reduce_buffers": REDUCE * reduced} if reduced else {}
     if cfg.sharding in ("zero1", "zero2"):
         if cfg.sharding == "zero1" and cfg.precision == "fp32":
             return {}                                          # reduced in place
+        if cfg.sharding == "zero1" and cfg.microbatches > 1:   # every bucket's fp32 sum from the first microbatch
+            return {"reduce_buffers": REDUCE * sum(p.padded for p in plans(cfg, model, n, pp_rank))}
         # a buffer lives from its first gradient (zero2) or its launch (zero1) to the end of its
         # reduce-scatter, one in flight: two neighbours at most, as backward fills them in order
-        sizes = [p.padded * REDUCE for p in plans(cfg, model, n)]
+        sizes = [p.padded * REDUCE for p in plans(cfg, model, n, pp_rank)]
         return {"reduce_buffers": max([a + b for a, b in zip(sizes, sizes[1:])] or sizes)}
     reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
-    peaks = unit_peaks(unit_sizes(cfg, model, n), reshard)
+    peaks = unit_peaks(unit_sizes(cfg, model, n, pp_rank), reshard)
     if cfg.impl == "torch":
         return {"gathered": peaks["gathered"] * e}
     return {"gathered": peaks["gathered"] * e, "reduce_buffers": peaks["reduce_buffers"] * REDUCE}
 
 
+def norm_dims(layout) -> tuple[str, ...]:
+    """The dims of the global norm's all-reduce under sharding: every dim that splits parameters
+    or shards their buffers (engines/parallel/common.py norm_plan, sharded)."""
+    return tuple(d for d in ("tp", "pp", "ep", "dp", "cp") if layout.size(d) > 1)
+
+
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
-    """Every collective of one step of ZeRO / FSDP, per rank, in the order the engines issue them."""
-    n = layout.size(*DATA_DIMS)
-    label = layout.label(*DATA_DIMS)
-    e, m = ELEM[cfg.precision], cfg.microbatches
-    torch_fsdp = cfg.impl == "torch"
+    """Every collective of one step of ZeRO / FSDP, per rank, in the order the engines issue them:
+    each buffer's over its own group (FlatPlan.dims), the norm over `norm_dims`. Ranks at one
+    pipeline coordinate issue the same ones, so they are listed once per coordinate."""
+    from labkit.theory.comm import Comm
+
+    per_stage: dict[int, list[dict]] = {}
     for rank in comm.ranks(layout):
+        pp_rank = layout.coords(rank)["pp"]
+        if pp_rank not in per_stage:
+            stage = Comm()
+            for dim, op, payload, n, calls in (torch_fsdp_ops if cfg.impl == "torch" else ops)(cfg, model, layout,
+                                                                                               pp_rank):
+                stage.add(0, dim, op, payload, n, calls)
+            per_stage[pp_rank] = stage.table()
+        comm.add_rows(rank, per_stage[pp_rank])
+
+
+def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
+    """(dim, op, payload bytes, group size, calls) of our ZeRO / FSDP on one rank, one step."""
+    e, m = ELEM[cfg.precision], cfg.microbatches
+    norm = norm_dims(layout)
+    the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)     # the global norm
+    out = []
+    for p in plans(cfg, model, None, pp_rank):
+        dim = layout.label(*p.dims)
         if cfg.sharding in ("zero1", "zero2"):
-            ps = plans(cfg, model, n)
-            for _ in range(m if cfg.sharding == "zero2" else 1):
-                for p in ps:
-                    comm.add(rank, label, "reduce_scatter", p.padded * REDUCE, n)
-            comm.add(rank, label, "all_reduce", 4, n)                  # the global norm
-            for p in ps:
-                comm.add(rank, label, "all_gather", p.padded * e, n)
-            continue
-        sizes = unit_sizes(cfg, model, n)
-        reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
-        order = list(sizes)
-        back = [u for u in order if u == ""] + [u for u in order if u != ""][::-1]
-        for _ in range(m):
-            for u in order:
-                comm.add(rank, label, "all_gather", sizes[u] * e, n)
-            for u in back:
-                if reshard:
-                    comm.add(rank, label, "all_gather", sizes[u] * e, n)
-            for u in [u for u in back if u != ""] + [u for u in back if u == ""]:   # the root's last
-                comm.add(rank, label, "reduce_scatter", sizes[u] * REDUCE, n)
-        if not torch_fsdp:
-            comm.add(rank, label, "all_reduce", 4, n)                  # the global norm
-        else:
-            # clip_grad_norm_ over FSDP2's DTensor gradients: each parameter's norm is a Partial
-            # DTensor; stacking them and taking the norm all-reduces one fp32 per parameter tensor
-            comm.add(rank, label, "all_reduce", 4 * len(param_shapes(model)), n)
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m if cfg.sharding == "zero2" else 1))
+            out.append((dim, "all_gather", p.padded * e, p.n, 1))
+        else:   # gathered before its forward, and again before its backward unless kept
+            reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
+            out.append((dim, "all_gather", p.padded * e, p.n, (2 if reshard else 1) * m))
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m))
+    return out + [the_norm]
+
+
+def torch_fsdp_ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
+    """FSDP2 over dp: per unit and microbatch an all-gather before forward, another before
+    backward (reshard_after_forward), a reduce-scatter of fp32 gradients; clip_grad_norm_ over
+    its DTensor gradients all-reduces one fp32 per parameter tensor (each parameter's norm is a
+    Partial DTensor; stacking them and taking the norm reduces them together)."""
+    n, dim = cfg.dp, layout.label("dp")
+    calls = (2 if cfg.reshard_after_forward else 1) * cfg.microbatches
+    out = []
+    for size in unit_sizes(cfg, model, n, pp_rank).values():
+        out.append((dim, "all_gather", size * ELEM[cfg.precision], n, calls))
+        out.append((dim, "reduce_scatter", size * REDUCE, n, cfg.microbatches))
+    return out + [(dim, "all_reduce", 4 * len(rank_entries(cfg, model, pp_rank)), n, 1)]
