@@ -45,8 +45,8 @@ def offered(field: str, cfg: ParallelConfig, model: ModelConfig, engines: int) -
 
 def _slider(field: str, value, options) -> W.SelectionSlider:
     return W.SelectionSlider(options=options, value=value, description=field, continuous_update=False,
-                             tooltip=HELP.get(field, ""), style={"description_width": "110px"},
-                             layout=W.Layout(width="300px"))
+                             tooltip=HELP.get(field, ""), style={"description_width": "90px"},
+                             layout=W.Layout(width="310px"))
 
 
 def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: int = 3) -> dict[str, W.Widget]:
@@ -56,15 +56,15 @@ def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: 
         c[f] = _slider(f, getattr(cfg, f), offered(f, cfg, model, engines))
     for f, opts in CHOICES.items():
         c[f] = W.ToggleButtons(options=list(opts), value=getattr(cfg, f), description=f,
-                               style={"description_width": "110px", "button_width": "64px"})
+                               style={"description_width": "90px", "button_width": f"{8 * max(map(len, opts)) + 16}px"})
     for f in FLAGS:
         c[f] = W.Checkbox(value=getattr(cfg, f), description=f, indent=False)
     c["bucket_mb"] = _slider("bucket_mb", cfg.bucket_mb, sorted(set(BUCKETS_MB) | {cfg.bucket_mb}))
     c["order"] = W.Combobox(value=cfg.order, options=list(ORDERS), description="order", ensure_option=False,
-                            continuous_update=False, style={"description_width": "110px"},
-                            layout=W.Layout(width="300px"))
+                            continuous_update=False, style={"description_width": "90px"},
+                            layout=W.Layout(width="310px"))
     c["steps"] = W.IntSlider(value=steps, min=1, max=20, description="steps", continuous_update=False,
-                             style={"description_width": "110px"}, layout=W.Layout(width="300px"))
+                             style={"description_width": "90px"}, layout=W.Layout(width="310px"))
     for f, w in c.items():
         w.add_class(f"labkit-{f.replace('_', '-')}")   # stable handles for the browser test and CSS
     return c

@@ -28,12 +28,13 @@ from labkit.engines.mesh import COMBINED, MeshLayout
 from labkit.errors import Cancelled
 from labkit.widgets import figures
 from labkit.widgets.controls import DEGREES, config_of, make_controls, sync_options
-from labkit.widgets.live import figure_widget, refresh
+from labkit.widgets.live import UI, figure_widget, refresh
 
 NAMES = ("memory", "comm", "traffic", "timeline", "mesh", "loss")
 TITLES = {"memory": "Memory per rank", "comm": "Communication per rank", "traffic": "Traffic rank → rank",
           "timeline": "Timeline", "mesh": "Mesh", "loss": "Loss per step"}
-HEIGHT = 360
+SIZE = dict(height=360, width=540)
+"""Fixed figure size: plotly's autosize measures its cell before the notebook has laid it out."""
 
 
 def describe(cfg: ParallelConfig) -> str:
@@ -80,7 +81,8 @@ class Dashboard:
         dims = list(DIMS) + ["-".join(c) for c in COMBINED if len(c) < len(DIMS)]
         self.mesh_dim = W.Dropdown(options=dims, value="dp", description="colour by",
                                    layout=W.Layout(width="220px"))
-        self.figures = {n: figure_widget(figures.empty_figure(TITLES[n]), height=HEIGHT) for n in NAMES}
+        self.ui = UI()
+        self.figures = {n: self.ui.watch(figure_widget(figures.empty_figure(TITLES[n]), **SIZE)) for n in NAMES}
         self.status = W.HTML(layout=W.Layout(width="640px")).add_class("labkit-status")
         self.progress = W.IntProgress(value=0, min=0, max=steps, description="step",
                                       layout=W.Layout(width="260px"))
@@ -110,8 +112,8 @@ class Dashboard:
     # -- what the notebook shows ------------------------------------------------------------
     def _assemble(self) -> W.Widget:
         c = self.controls
-        col = lambda *ws: W.VBox(list(ws), layout=W.Layout(margin="0 16px 0 0"))  # noqa: E731
-        knobs = W.HBox([
+        col = lambda *ws: W.VBox(list(ws), layout=W.Layout(margin="0 12px 0 0", flex="0 0 auto"))  # noqa: E731
+        knobs = W.HBox(layout=W.Layout(flex_flow="row wrap"), children=[
             col(*(c[d] for d in DEGREES)),
             col(c["microbatches"], c["virtual_stages"], c["global_batch"], c["bucket_mb"], c["steps"]),
             col(c["schedule"], c["sharding"], c["impl"], c["precision"], c["order"]),
@@ -121,7 +123,7 @@ class Dashboard:
         head = W.HTML(f"<b>labkit</b> · {self.engines} engines on {', '.join(map(html.escape, hosts))} "
                       f"· {html.escape(str(self.lab.devices[0]))} · model Ψ = {theory.num_params(self.model):,}")
         f = self.figures
-        cell = lambda *ws: W.VBox(list(ws), layout=W.Layout(width="50%"))  # noqa: E731
+        cell = lambda *ws: W.VBox(list(ws))  # noqa: E731
         grid = W.VBox([W.HBox([cell(f["memory"]), cell(f["comm"])]),
                        W.HBox([cell(f["timeline"]), cell(f["traffic"])]),
                        W.HBox([cell(self.mesh_dim, f["mesh"]), cell(f["loss"])])])
@@ -131,12 +133,16 @@ class Dashboard:
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
 
+    def _set(self, widget: W.Widget, **values) -> None:
+        """Set widget traits from any thread (on the kernel's thread, see live.UI)."""
+        self.ui.call(lambda: [setattr(widget, k, v) for k, v in values.items()])
+
     def _say(self, text: str) -> None:
-        self.status.value = f"<span>{html.escape(text)}</span>"
+        self._set(self.status, value=f"<span>{html.escape(text)}</span>")
 
     def _show_error(self, text: str) -> None:
-        self.error_box.value = (f"<pre style='color:#B00020;white-space:pre-wrap;margin:4px 0'>"
-                                f"{html.escape(text)}</pre>") if text else ""
+        self._set(self.error_box, value=(f"<pre style='color:#B00020;white-space:pre-wrap;margin:4px 0'>"
+                                         f"{html.escape(text)}</pre>") if text else "")
 
     # -- controls -> validated layout -> pending run ----------------------------------------
     @contextlib.contextmanager
@@ -179,7 +185,7 @@ class Dashboard:
         hosts, devices = self.lab.hosts[: layout.world], self.lab.devices[: layout.world]
         if layout.world > self.engines:
             hosts = devices = None
-        refresh(self.figures["mesh"], figures.mesh_figure(layout, self.mesh_dim.value, hosts, devices), height=HEIGHT)
+        refresh(self.figures["mesh"], figures.mesh_figure(layout, self.mesh_dim.value, hosts, devices), **SIZE)
 
     # -- the one thread that calls the Lab --------------------------------------------------
     def _worker(self) -> None:
@@ -204,8 +210,8 @@ class Dashboard:
     def _run(self, cfg: ParallelConfig, steps: int, asked: float) -> None:
         from labkit.errors import LabError
 
-        self.progress.max, self.progress.value = steps, 0
-        self.cancel_button.disabled = False
+        self._set(self.progress, max=steps, value=0)
+        self._set(self.cancel_button, disabled=False)
         self._say(f"{describe(cfg)}: running")
         t0 = time.perf_counter()
         if self.capacity_bytes is None and self.runs == 0:
@@ -222,7 +228,7 @@ class Dashboard:
             self._say(f"{describe(cfg)}: failed (see below)")
             return
         finally:
-            self.cancel_button.disabled = True
+            self._set(self.cancel_button, disabled=True)
         t1 = time.perf_counter()
         self.error = None
         self.reference = self._reference(cfg, steps)
@@ -237,7 +243,7 @@ class Dashboard:
                   f"(figures {t3 - t2:.2f} s)")
 
     def _step(self, cfg: ParallelConfig, p: dict) -> None:
-        self.progress.value = p["step"] + 1
+        self._set(self.progress, value=p["step"] + 1)
         self._say(f"{describe(cfg)}: step {p['step'] + 1}/{p['steps']}, loss {p['loss']:.4f}, {p['seconds']:.2f} s")
 
     def _reference(self, cfg: ParallelConfig, steps: int):
@@ -257,9 +263,12 @@ class Dashboard:
         new = {"memory": figures.memory_figure(res, est, self.capacity_bytes),
                "comm": figures.comm_figure(res, est), "traffic": figures.traffic_figure(res),
                "timeline": figures.timeline_figure(res), "loss": figures.loss_figure(res, self.reference)}
+        self.ui.call(self._show, new, res.config)
+
+    def _show(self, new: dict, cfg: ParallelConfig) -> None:
         for name, fig in new.items():
-            refresh(self.figures[name], fig, height=HEIGHT)
-        self._draw_mesh(res.config)
+            refresh(self.figures[name], fig, **SIZE)
+        self._draw_mesh(cfg)
 
     # -- scripts and tests ------------------------------------------------------------------
     @property
@@ -271,13 +280,16 @@ class Dashboard:
         """Block until no run is pending or in flight and its figures are drawn; the last result.
         Raises TimeoutError after `timeout` seconds."""
         deadline = None if timeout is None else time.monotonic() + timeout
-        with self._cv:
-            while self._pending is not None or self._busy:
+        while True:
+            if self.ui.here:
+                self.ui.flush()   # the kernel's thread is blocked here: run the updates it owes
+            with self._cv:
+                if self._pending is None and not self._busy and not self.ui.pending:
+                    return self.result
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise TimeoutError(f"the dashboard was still busy after {timeout} s")
-                self._cv.wait(left)
-        return self.result
+                self._cv.wait(0.02 if left is None else min(0.02, left))
 
     def set(self, **values) -> None:
         """Set several controls at once (one run): e.g. dash.set(dp=1, pp=4, microbatches=8)."""

@@ -21,6 +21,8 @@ OP_COLORS = {"all_reduce": "#4C78A8", "all_gather": "#72B7B2", "reduce_scatter":
 MICROBATCH_COLORS = ["#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#EECA3B", "#B279A2",
                      "#FF9DA6", "#9D755D", "#BAB0AC"]
 KIND_PATTERNS = {"F": "", "B": "/", "W": "x"}
+KIND_COLORS = {"sync": "#BAB0AC", "opt": "#9D755D", "send": "#54A24B", "recv": "#9D9D9D"}
+"""Spans outside any microbatch: waiting for the gradient reduction, the optimizer step, ..."""
 """Forward solid, backward hatched, weight-gradient cross-hatched: F/B/W told apart in one colour."""
 KIB = 1024
 
@@ -33,7 +35,7 @@ STYLE = dict(template="none", paper_bgcolor="white", plot_bgcolor="white", font=
 figure, which costs more than drawing the figure (the dashboard redraws six per change)."""
 
 
-BASE = dict(STYLE, margin=dict(l=60, r=20, t=60, b=50), legend=dict(orientation="h", y=-0.2))
+BASE = dict(STYLE, margin=dict(l=60, r=20, t=60, b=50), legend=dict(orientation="h", y=-0.25))
 
 
 def _figure(data=None) -> go.Figure:
@@ -208,7 +210,7 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
             if e.step != wanted or e.kind == "step":
                 continue
             mb = e.microbatch if e.microbatch is not None else -1
-            color = MICROBATCH_COLORS[mb % len(MICROBATCH_COLORS)] if mb >= 0 else "#BAB0AC"
+            color = MICROBATCH_COLORS[mb % len(MICROBATCH_COLORS)] if mb >= 0 else KIND_COLORS.get(e.kind, "#BAB0AC")
             bar(f"mb {mb}" if mb >= 0 else e.kind, color, y, e.start, e.end, f"{e.kind}{'' if mb < 0 else mb}",
                 f"{e.kind} mb={e.microbatch} chunk={e.chunk}<br>{(e.start - t0) * 1e3:.2f}–"
                 f"{(e.end - t0) * 1e3:.2f} ms<br>{y}", KIND_PATTERNS.get(e.kind, ""))
@@ -238,6 +240,7 @@ def loss_figure(result, ref=None) -> go.Figure:
     if ref is not None:
         fig.add_scatter(x=steps, y=ref.losses, name="reference (1 process)", mode="lines+markers",
                         line=dict(dash="dot", color="black"), marker_symbol="x")
+    fig.update_xaxes(dtick=1)
     return _layout(fig, "Loss per step", xaxis_title="step", yaxis_title="loss")
 
 
@@ -306,7 +309,7 @@ def mesh_figure(layout, dim: str = "tp", hosts: list[str] | None = None,
                       f"<br>host {hosts[r]}, {devices[r]}<br>{label} group {gid[r]}: {groups[gid[r]][:16]}"
                       f"{' …' if len(groups[gid[r]]) > 16 else ''}"
                       f"{'<br><b>this group spans hosts</b>' if gid[r] in spanning else ''}" for r in range(world)])
-    size = max(4, min(44, 420 // max(cols, rows)))
+    size = max(4, min(64, 420 // max(cols, rows)))
     crossing = np.isin(gid, list(spanning))
     # numeric colours on a shared scale, and one trace per outline: plotly validates a list of
     # colour strings element by element, which a 16k-rank mesh cannot afford
@@ -316,7 +319,7 @@ def mesh_figure(layout, dim: str = "tp", hosts: list[str] | None = None,
             continue
         fig.add_scatter(
             x=xs[part], y=ys[part], mode="markers+text" if text is not None else "markers",
-            text=None if text is None else text[part], textfont=dict(size=9), hovertext=hover[part],
+            text=None if text is None else text[part], textfont=dict(size=10, color="white"), hovertext=hover[part],
             hovertemplate="%{hovertext}<extra></extra>", name=name, showlegend=name != "ranks",
             customdata=ranks[part],
             marker=dict(symbol="square", size=size, color=gid[part], colorscale=scale, cmin=cmin, cmax=cmax,

@@ -32,7 +32,7 @@ from labkit.engines.mesh import MeshLayout
 from labkit.theory import comm as theory_comm
 from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF
-from labkit.widgets.live import figure_widget, refresh
+from labkit.widgets.live import UI, figure_widget, refresh
 
 STAGES_SHOWN = 16
 """At most this many pipeline stages get a bar (first and last always among them)."""
@@ -172,7 +172,9 @@ class ScaleExplorer:
             "capacity": W.Dropdown(options=list(CAPACITIES), value=list(CAPACITIES)[0], description="GPU", **box),
         }
         self._degree_options(tp=tp, pp=pp)
-        self.figures = {n: figure_widget(go.Figure(), height=340) for n in ("memory", "zero", "comm", "bubble")}
+        self.ui = UI()
+        self.figures = {n: self.ui.watch(figure_widget(go.Figure(), height=340))
+                        for n in ("memory", "zero", "comm", "bubble")}
         self.status = W.HTML().add_class("labkit-scale-status")
         self.error_box = W.HTML()
         self.view: AtScale | None = None
@@ -270,7 +272,7 @@ class ScaleExplorer:
             if comm is None or self.view is not view:
                 return   # the controls moved on; their own update draws
             view.comm, view.comm_pending = comm, False
-        refresh(self.figures["comm"], TF.stage_comm_figure(view), height=340)
+        self.ui.call(refresh, self.figures["comm"], TF.stage_comm_figure(view), height=340)
 
     def _draw(self, view: AtScale) -> None:
         cap = CAPACITIES[self.controls["capacity"].value]
@@ -290,5 +292,7 @@ class ScaleExplorer:
         t = self._comm_thread
         if t is not None:
             t.join(timeout)
+        if self.ui.here:
+            self.ui.flush()
         return self.view
 
