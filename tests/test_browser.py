@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import sysconfig
 import time
 import urllib.request
 from pathlib import Path
@@ -29,7 +30,6 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]   # DESIGN.md section 8
 SLOW = 240   # seconds for the notebook's cluster to start and run under a loaded CI machine
 
-pytestmark = pytest.mark.browser
 
 
 def chromium_path() -> str | None:
@@ -44,6 +44,12 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+pytestmark = [pytest.mark.browser,
+              pytest.mark.skipif(chromium_path() is None, reason="no chromium on PATH: apt-get install -y "
+                                 "chromium (Playwright's own browser download is not used)")]
+playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 
 
 @pytest.fixture
@@ -62,7 +68,9 @@ def jupyter(tmp_path):
     labconfig.mkdir(parents=True)
     (labconfig / "page_config.json").write_text(json.dumps(   # no "get notified about news?" toast
         {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    env = dict(os.environ, JUPYTER_PATH=str(data), JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+    scripts = os.pathsep.join(dict.fromkeys([sysconfig.get_path("scripts"), os.path.join(sys.base_prefix, "bin")]))
+    env = dict(os.environ, PATH=scripts + os.pathsep + os.environ.get("PATH", ""),   # where jupyter-lab lives
+               JUPYTER_PATH=str(data), JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
                JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), IPYTHONDIR=str(tmp_path / "ipython"))
     port, token = free_port(), secrets.token_hex(16)
     log = open(tmp_path / "jupyter.log", "w")
@@ -118,10 +126,7 @@ def until(page, js: str, what: str, seconds: float, arg=None) -> None:
 
 
 def test_dashboard_renders_and_redraws_in_chromium(jupyter):
-    playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
     chromium = chromium_path()
-    if chromium is None:
-        pytest.skip("no chromium on PATH: apt-get install -y chromium (Playwright's download is not used)")
     base, token = jupyter
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     shots = [ARTIFACTS / "dashboard-dp2.png", ARTIFACTS / "dashboard-dp1.png"]

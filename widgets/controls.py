@@ -56,7 +56,7 @@ def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: 
         c[f] = _slider(f, getattr(cfg, f), offered(f, cfg, model, engines))
     for f, opts in CHOICES.items():
         c[f] = W.ToggleButtons(options=list(opts), value=getattr(cfg, f), description=f,
-                               style={"description_width": "90px", "button_width": f"{8 * max(map(len, opts)) + 16}px"})
+                               style={"description_width": "90px", "button_width": f"{9 * max(map(len, opts)) + 30}px"})
     for f in FLAGS:
         c[f] = W.Checkbox(value=getattr(cfg, f), description=f, indent=False)
     c["bucket_mb"] = _slider("bucket_mb", cfg.bucket_mb, sorted(set(BUCKETS_MB) | {cfg.bucket_mb}))

@@ -176,7 +176,7 @@ def traffic_figure(result, step: int = -1) -> go.Figure:
     ranks, m = traffic_matrix(result, step)
     labels = [f"r{r}" for r in ranks]
     fig = _figure(go.Heatmap(
-        z=m / KIB, x=labels, y=labels, colorscale="Blues", zmin=0, colorbar=dict(title="KiB"),
+        z=m / KIB, x=labels, y=labels, colorscale="Blues", zmin=0, zmax=max(float(m.max()) / KIB, 1.0), colorbar=dict(title="KiB"),
         texttemplate="%{z:,.0f}" if len(ranks) <= 16 else None,
         hovertemplate="%{y} → %{x}: %{z:,.1f} KiB<extra></extra>"))
     fig.update_yaxes(autorange="reversed", title="sender")
