@@ -25,10 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-import torch
 import torch.nn as nn
 
-from labkit.config import ModelConfig, OptimConfig, ParallelConfig
+from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.common import GradSync, on_device
 

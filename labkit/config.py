@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 DIMS = ("tp", "cp", "ep", "dp", "pp")
 """The mesh dimensions, in the default order (innermost first, Megatron's convention)."""

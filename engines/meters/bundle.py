@@ -1,7 +1,7 @@
 """One object that carries a rank's three meters through a step, and their report."""
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 

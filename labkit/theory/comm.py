@@ -6,7 +6,7 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines.mesh import MeshLayout
-from labkit.engines.parallel.buckets import plan_buckets, plan_groups
+from labkit.engines.parallel.buckets import plan_groups
 
 # ring model, B = bytes of the full tensor, n = group size (same table as the engines' meter)
 WIRE = {

@@ -1,0 +1,298 @@
+"""ScaleExplorer: the theory at scale, no cluster — a published model on up to 16k GPUs.
+
+    ScaleExplorer()                       # Llama-70B on 1,024 GPUs; change anything
+
+Memory per GPU (one rank of each pipeline stage) against an 80 GB line, model states for each
+ZeRO stage, bytes each GPU sends per step by dim, and the pipeline bubble. Everything comes
+from labkit.theory's per-rank functions (`rank_memory`, `comm_rows`, `model_state_bytes`,
+`pipeline_bubble`), so the explorer shows whatever the theory models and grows with it.
+
+Why not `theory.estimate`: it fills every rank, and at 16k ranks that is seconds. Here memory
+is asked for one rank per pipeline stage (ranks that differ only in dp/tp/cp/ep coordinates
+are alike in every strategy's theory), and communication is recorded for those ranks only,
+with the gradient buckets merged into one (the ring model is linear in the bytes, so the
+per-step total is the same; only the call count changes). Theory's comm functions still
+walk every rank, so a layout whose walk is long runs in a background thread and the comm
+figure follows when it is done (the rest updates at once).
+"""
+from __future__ import annotations
+
+import html
+import threading
+import time
+from dataclasses import dataclass, field
+
+import ipywidgets as W
+import numpy as np
+import plotly.graph_objects as go
+
+from labkit import theory
+from labkit.config import ModelConfig, ParallelConfig, problems
+from labkit.engines.mesh import MeshLayout
+from labkit.theory import comm as theory_comm
+from labkit.theory.presets import PRESETS
+from labkit.widgets import theory_figures as TF
+from labkit.widgets.live import UI, figure_widget, refresh
+
+STAGES_SHOWN = 16
+"""At most this many pipeline stages get a bar (first and last always among them)."""
+SYNC_WORK = 400_000
+"""Ranks x parameter tensors below which the comm rows are computed at once (~50 ms)."""
+CAPACITIES = {"80 GB (A100, H100)": 80e9, "141 GB (H200)": 141e9, "192 GB (B200, MI300X)": 192e9}
+
+
+class _Stale(Exception):
+    """The controls moved on while comm rows were being computed."""
+
+
+class _Only(theory_comm.Comm):
+    """Keeps the rows of some ranks only; stops the walk once `stale` is set."""
+
+    def __init__(self, ranks, stale: threading.Event | None = None):
+        super().__init__()
+        self.keep = set(ranks)
+        self.stale = stale or threading.Event()
+
+    def add(self, rank, *args, **kwargs):
+        if self.stale.is_set():
+            raise _Stale()
+        if rank in self.keep:
+            super().add(rank, *args, **kwargs)
+
+
+@dataclass
+class AtScale:
+    """The theory's prediction for one layout, on one rank per (shown) pipeline stage."""
+
+    config: ParallelConfig
+    model: ModelConfig
+    psi: int
+    stages: list[int] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)
+    memory: list[dict] = field(default_factory=list)
+    comm: list[list[dict]] = field(default_factory=list)
+    comm_pending: bool = False
+    bubble: float = 0.0
+    states: dict = field(default_factory=dict)
+
+    @property
+    def peak(self) -> float:
+        return max((m.get("peak", 0) for m in self.memory), default=0)
+
+
+def shown_stages(pp: int) -> list[int]:
+    if pp <= STAGES_SHOWN:
+        return list(range(pp))
+    return sorted({int(round(x)) for x in np.linspace(0, pp - 1, STAGES_SHOWN)})
+
+
+def at_scale(cfg: ParallelConfig, model: ModelConfig, comm: bool = True) -> AtScale:
+    """Memory, states and bubble of `cfg` (comm rows too unless comm=False); no per-rank loop
+    of ours over the world. Call `comm_at_scale` for the comm rows on their own."""
+    layout = MeshLayout.of(cfg)
+    stages = shown_stages(cfg.pp)
+    ranks = [layout.rank(pp=s) for s in stages]
+    psi = theory.num_params(model)
+    view = AtScale(cfg, model, psi, stages, ranks,
+                   memory=[theory.rank_memory(cfg, model, layout, r) for r in ranks],
+                   bubble=theory.pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
+                   states=theory.model_state_bytes(psi, cfg.dp, cfg.precision))
+    if comm:
+        view.comm = comm_at_scale(cfg, model)
+    else:
+        view.comm, view.comm_pending = [[] for _ in ranks], True
+    return view
+
+
+_COMM: dict[tuple, list[list[dict]]] = {}
+COMM_CACHED = 128
+
+
+def comm_at_scale(cfg: ParallelConfig, model: ModelConfig,
+                  stale: threading.Event | None = None) -> list[list[dict]] | None:
+    """Rows {dim, op, wire_bytes, ...} of one step for one rank per shown stage (buckets merged),
+    remembered for the last COMM_CACHED layouts; None if `stale` was set meanwhile."""
+    if (cfg, model) in _COMM:
+        return _COMM[cfg, model]
+    layout = MeshLayout.of(cfg)
+    ranks = [layout.rank(pp=s) for s in shown_stages(cfg.pp)]
+    one_bucket = cfg.replace(bucket_mb=theory.num_params(model) * 4 / 2**20 + 1.0)
+    c = _Only(ranks, stale)
+    try:
+        theory_comm.comm_rows(c, one_bucket, model, layout)
+    except _Stale:
+        return None
+    rows = c.table()
+    out = [[r for r in rows if r["rank"] == rank] for rank in ranks]
+    if len(_COMM) >= COMM_CACHED:
+        _COMM.pop(next(iter(_COMM)))
+    _COMM[cfg, model] = out
+    return out
+
+
+def comm_work(cfg: ParallelConfig, model: ModelConfig) -> int:
+    return cfg.world * len(theory.param_shapes(model))
+
+
+def _powers(limit: int, divides: int | None = None) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        if divides is None or divides % v == 0:
+            out.append(v)
+        v *= 2
+    return out
+
+
+class ScaleExplorer:
+    """Controls for a model preset, a GPU count and the parallel degrees; four live figures.
+    `.controls` (name -> widget), `.figures` (name -> FigureWidget), `.view` (the AtScale shown),
+    `.timings` (seconds of the last update), `.wait()` (for a comm computation in the background)."""
+
+    def __init__(self, model: str = "llama-70b", gpus: int = 1024, tp: int = 8, pp: int = 1,
+                 microbatches: int = 1, precision: str = "bf16", sharding: str = "none"):
+        box = dict(style={"description_width": "120px"}, layout=W.Layout(width="330px"))
+        sel = lambda name, opts, v: W.SelectionSlider(options=opts, value=v, description=name,  # noqa: E731
+                                                      continuous_update=False, **box)
+        self.controls: dict[str, W.Widget] = {
+            "model": W.Dropdown(options=list(PRESETS), value=model, description="model", **box),
+            "gpus": sel("GPUs", _powers(16384), gpus),
+            "tp": sel("tp", [1], 1), "pp": sel("pp", [1], 1), "cp": sel("cp", [1], 1), "ep": sel("ep", [1], 1),
+            "microbatches": sel("microbatches", _powers(128), microbatches),
+            "micro_batch": W.IntSlider(value=1, min=1, max=16, description="seqs / microbatch",
+                                       continuous_update=False, **box),
+            "virtual_stages": sel("virtual stages", [1, 2, 4, 8], 1),
+            "schedule": W.ToggleButtons(options=["gpipe", "1f1b", "interleaved"], value="1f1b",
+                                        description="schedule", style={"button_width": "70px"}),
+            "sharding": W.ToggleButtons(options=["none", "zero1", "zero2", "zero3", "fsdp"], value=sharding,
+                                        description="sharding", style={"button_width": "56px"}),
+            "precision": W.ToggleButtons(options=["fp32", "bf16"], value=precision, description="precision",
+                                         style={"button_width": "56px"}),
+            "sequence_parallel": W.Checkbox(value=False, description="sequence_parallel", indent=False),
+            "checkpoint_activations": W.Checkbox(value=False, description="checkpoint_activations", indent=False),
+            "capacity": W.Dropdown(options=list(CAPACITIES), value=list(CAPACITIES)[0], description="GPU", **box),
+        }
+        self._degree_options(tp=tp, pp=pp)
+        self.ui = UI()
+        self.figures = {n: self.ui.watch(figure_widget(go.Figure(), height=340))
+                        for n in ("memory", "zero", "comm", "bubble")}
+        self.status = W.HTML().add_class("labkit-scale-status")
+        self.error_box = W.HTML()
+        self.view: AtScale | None = None
+        self.timings: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._comm_thread: threading.Thread | None = None
+        self._stale = threading.Event()
+        self._holding = False
+        for name, w in self.controls.items():
+            w.observe(self._model_changed if name == "model" else self._changed, names="value")
+        c, f = self.controls, self.figures
+        col = lambda *ws: W.VBox(list(ws))  # noqa: E731
+        self.widget = W.VBox([
+            W.HBox([col(c["model"], c["gpus"], c["capacity"], c["micro_batch"]),
+                    col(c["tp"], c["pp"], c["cp"], c["ep"]),
+                    col(c["microbatches"], c["virtual_stages"], c["sequence_parallel"], c["checkpoint_activations"])]),
+            col(c["schedule"], c["sharding"], c["precision"]),
+            self.status, self.error_box,
+            W.HBox([W.VBox([f["memory"]], layout=W.Layout(width="50%")),
+                    W.VBox([f["zero"]], layout=W.Layout(width="50%"))]),
+            W.HBox([W.VBox([f["comm"]], layout=W.Layout(width="50%")),
+                    W.VBox([f["bubble"]], layout=W.Layout(width="50%"))]),
+        ]).add_class("labkit-scale")
+        self.update()
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.widget._repr_mimebundle_(**kwargs)
+
+    @property
+    def model(self) -> ModelConfig:
+        return PRESETS[self.controls["model"].value]
+
+    def _degree_options(self, **values) -> None:
+        """Offer the degrees the model allows: tp | heads, pp | layers, 2cp | seq, ep | experts."""
+        m, c = self.model, self.controls
+        opts = {"tp": _powers(128, m.heads), "pp": [p for p in range(1, min(m.layers, 128) + 1) if m.layers % p == 0],
+                "cp": [x for x in _powers(64) if m.seq % (2 * x) == 0],
+                "ep": [x for x in range(1, max(m.experts, 1) + 1) if max(m.experts, 1) % x == 0]}
+        for d, o in opts.items():
+            want = values.get(d, c[d].value)
+            c[d].options = o
+            c[d].value = want if want in o else 1
+
+    def _changed(self, _) -> None:
+        if not self._holding:
+            self.update()
+
+    def _model_changed(self, _) -> None:
+        self._holding = True
+        try:
+            self._degree_options()
+        finally:
+            self._holding = False
+        self.update()
+
+    def config(self) -> tuple[ParallelConfig | None, list[str]]:
+        """The layout the controls describe (dp = GPUs / (tp·pp·cp·ep)), or the reasons there is none."""
+        c = {k: w.value for k, w in self.controls.items()}
+        rest = c["tp"] * c["pp"] * c["cp"] * c["ep"]
+        if c["gpus"] % rest:
+            return None, [f"GPUs ({c['gpus']}) are not divisible by tp·pp·cp·ep = {rest}: dp would not be whole"]
+        dp = c["gpus"] // rest
+        cfg = ParallelConfig(dp=dp, tp=c["tp"], pp=c["pp"], cp=c["cp"], ep=c["ep"], sharding=c["sharding"],
+                             microbatches=c["microbatches"], schedule=c["schedule"],
+                             virtual_stages=c["virtual_stages"], precision=c["precision"],
+                             sequence_parallel=c["sequence_parallel"],
+                             checkpoint_activations=c["checkpoint_activations"],
+                             global_batch=dp * c["ep"] * c["microbatches"] * c["micro_batch"])
+        return cfg, problems(cfg, self.model)
+
+    def update(self) -> None:
+        t0, c0 = time.perf_counter(), time.thread_time()
+        cfg, found = self.config()
+        if found:
+            self.error_box.value = ("<pre style='color:#B00020;white-space:pre-wrap'>"
+                                    + html.escape("\n".join(found)) + "</pre>")
+            return
+        self.error_box.value = ""
+        model = self.model
+        self._stale.set()   # a comm walk still running for an older layout stops
+        self._stale = threading.Event()
+        now = comm_work(cfg, model) <= SYNC_WORK or (cfg, model) in _COMM
+        view = at_scale(cfg, model, comm=now)
+        with self._lock:
+            self.view = view
+        self._draw(view)
+        self.timings = {"update": time.perf_counter() - t0, "update_cpu": time.thread_time() - c0}
+        if not now:
+            self._comm_thread = threading.Thread(target=self._comm_later, args=(view, self._stale), daemon=True)
+            self._comm_thread.start()
+
+    def _comm_later(self, view: AtScale, stale: threading.Event) -> None:
+        comm = comm_at_scale(view.config, view.model, stale)
+        with self._lock:
+            if comm is None or self.view is not view:
+                return   # the controls moved on; their own update draws
+            view.comm, view.comm_pending = comm, False
+        self.ui.call(refresh, self.figures["comm"], TF.stage_comm_figure(view), height=340)
+
+    def _draw(self, view: AtScale) -> None:
+        cap = CAPACITIES[self.controls["capacity"].value]
+        cfg = view.config
+        tokens = cfg.global_batch * view.model.seq
+        self.status.value = (
+            f"Ψ = {view.psi / 1e9:,.2f} B parameters · {cfg.world:,} GPUs = dp {cfg.dp} × tp {cfg.tp} × pp {cfg.pp}"
+            f" × cp {cfg.cp} × ep {cfg.ep} · global batch {cfg.global_batch:,} sequences ({tokens / 1e6:,.1f} M tokens)"
+            f" · max {view.peak / 1e9:,.1f} GB per GPU · bubble {view.bubble:.1%}")
+        figs = {"memory": TF.stage_memory_figure(view, cap), "zero": TF.zero_figure(view, cap),
+                "comm": TF.stage_comm_figure(view), "bubble": TF.bubble_figure(view)}
+        for name, fig in figs.items():
+            refresh(self.figures[name], fig, height=340)
+
+    def wait(self, timeout: float | None = None) -> AtScale:
+        """Block until a comm computation in the background (if any) has drawn."""
+        t = self._comm_thread
+        if t is not None:
+            t.join(timeout)
+        if self.ui.here:
+            self.ui.flush()
+        return self.view
+
