@@ -3,6 +3,7 @@
     labkit run                                  # the default demo: 4 CPU engines, dp=4
     labkit run --engines 4 --dp 2 --tp 2 --steps 3 --report report.html
     labkit estimate --dp 64 --tp 8 --pp 4       # the theory table, no cluster
+    labkit estimate --model llama-70b --dp 32 --tp 8 --pp 4 --microbatches 16 --global-batch 512
 
 This is the top rung of the import ladder: the only module that imports both the Lab and the
 figures.
@@ -94,21 +95,36 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 
 def cmd_estimate(ns: argparse.Namespace) -> int:
+    """The theory for a layout: memory of the fullest rank, its wire bytes per dim and op, the
+    bubble, and the time model's step on the chosen hardware (which dim dominates)."""
     from labkit import theory
+    from labkit.engines.mesh import MeshLayout
+    from labkit.theory.presets import PRESETS
+    from labkit.theory.timing import HARDWARE
 
+    if ns.model is not None and ns.model not in PRESETS:
+        raise ConfigError([f"--model {ns.model!r} is not a preset: choose one of {', '.join(PRESETS)}"])
+    base = PRESETS[ns.model] if ns.model else ModelConfig()
     cfg = ParallelConfig(**_pick(ns, ParallelConfig))
-    model = ModelConfig(**_pick(ns, ModelConfig, "model_"))
+    model = base.replace(**_pick(ns, ModelConfig, "model_"))
     est = theory.estimate(cfg, model, world=ns.world)
-    print(f"{cfg.world} ranks, Ψ = {theory.num_params(model):,} parameters")
-    m = est.memory[0]
-    print("memory per rank (rank 0): " + ", ".join(f"{k} {_human(v)}" for k, v in m.items()))
-    totals: dict[tuple, float] = {}
-    for row in est.comm_table():
-        if row["rank"] == 0:
-            totals[(row["dim"], row["op"])] = row["wire_bytes"]
-    for (dim, op), b in sorted(totals.items()):
-        print(f"comm per step (rank 0) {dim:>6} {op:<15} {_human(b)}")
+    hw = HARDWARE[ns.gpu]
+    print(f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters; {est.world:,} ranks "
+          f"({MeshLayout.of(cfg).describe()}, {cfg.order})")
+    fullest = max(range(len(est.memory)), key=lambda r: est.memory[r]["peak"])
+    m = est.memory[fullest]
+    print(f"memory per rank (rank {fullest}, the fullest): "
+          + ", ".join(f"{k} {_human(v)}" for k, v in m.items())
+          + f"  [{hw.name}: {_human(hw.memory)}]")
+    rows = est.rank_rows(fullest)
+    for row in sorted(rows, key=lambda r: (r["dim"], r["op"])):
+        print(f"comm per step (rank {fullest}) {row['dim']:>8} {row['op']:<15} {row['calls']:>7,} calls "
+              f"{_human(row['wire_bytes'])}")
     print(f"bubble {est.bubble:.3f}")
+    t = est.step_time(hw, fullest)
+    print(f"step time on {hw.name}: {t.total * 1e3:,.1f} ms (compute {t.compute * 1e3:,.1f} ms; "
+          + ", ".join(f"{d} {x * 1e3:,.1f} ms exposed" for d, x in sorted(t.exposed.items()))
+          + f"); dominated by {t.dominant}; MFU {t.mfu:.0%}")
     return 0
 
 
@@ -128,6 +144,9 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=cmd_run)
     est = sub.add_parser("estimate", help="print the theory's prediction for a layout (no cluster)")
     est.add_argument("--world", type=int, default=None)
+    est.add_argument("--model", default=None, help="a preset (labkit/theory/presets.py): gpt2-124m, llama-7b, "
+                     "llama-13b, llama-70b, llama-405b, mixtral-8x7b; --model-* flags override its fields")
+    est.add_argument("--gpu", default="h100", choices=["h100", "a100"], help="hardware of the time model")
     _add_fields(est, ParallelConfig)
     _add_fields(est, ModelConfig, "model_")
     est.set_defaults(fn=cmd_estimate)

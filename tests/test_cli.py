@@ -29,3 +29,19 @@ def test_default_run_writes_a_report(tmp_path):
     assert len(re.findall(r'class="plotly-graph-div"', html)) == 4
     for name in ("memory", "comm", "timeline", "loss"):
         assert f'<section id="{name}">' in html
+
+
+def test_estimate_of_a_preset_says_what_dominates(capsys):
+    from labkit.theory.presets import LLAMA_70B
+    from labkit.theory import num_params
+
+    assert main(["estimate", "--model", "llama-70b", "--dp", "32", "--tp", "8", "--pp", "4",
+                 "--microbatches", "16", "--global-batch", "512"]) == 0
+    out = capsys.readouterr().out
+    assert f"Ψ = {num_params(LLAMA_70B):,} parameters; 1,024 ranks" in out
+    assert "tp all_reduce" in out and "dominated by" in out
+
+
+def test_estimate_refuses_an_unknown_preset(capsys):
+    assert main(["estimate", "--model", "llama-71b"]) == 2
+    assert "llama-70b" in capsys.readouterr().err
