@@ -114,15 +114,21 @@ DRAWN = """() => [...document.querySelectorAll('.js-plotly-plot')]
 """Each plotly div's title and trace count, as drawn in the page."""
 
 
+CONSOLE: list[str] = []
+"""The page's console errors and warnings, shown when a wait fails."""
+
+
 def until(page, js: str, what: str, seconds: float, arg=None) -> None:
-    """Wait for a JS predicate; on timeout fail with what the page shows (and a screenshot)."""
+    """Wait for a JS predicate; on timeout fail with what the page shows, its console errors
+    and a screenshot."""
     try:
         page.wait_for_function(js, arg=arg, timeout=seconds * 1000)
     except Exception as e:   # playwright's TimeoutError
         shot = ARTIFACTS / "failure.png"
         page.screenshot(path=str(shot), full_page=True)
         raise AssertionError(f"{what}: not within {seconds} s ({type(e).__name__}); status "
-                             f"{page.evaluate(STATUS)!r}, figures {page.evaluate(DRAWN)}; see {shot}") from None
+                             f"{page.evaluate(STATUS)!r}, figures {page.evaluate(DRAWN)}; see {shot}; console: "
+                             f"{CONSOLE[-12:]}") from None
 
 
 def test_dashboard_renders_and_redraws_in_chromium(jupyter):
@@ -134,6 +140,8 @@ def test_dashboard_renders_and_redraws_in_chromium(jupyter):
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 2200})
+            page.on("console", lambda m: CONSOLE.append(f"{m.type}: {m.text}"[:400]) if m.type in ("error", "warning") else None)
+            page.on("pageerror", lambda e: CONSOLE.append(f"pageerror: {e}"[:400]))
             page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
             page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
                                    "&& window.jupyterapp.shell.currentWidget.sessionContext", timeout=SLOW * 1000)
