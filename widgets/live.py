@@ -137,7 +137,7 @@ class UI:
     HEAL_AFTER = (1.5, 6.0, 20.0, 45.0, 90.0)
     """Seconds after a new view of a figure appears at which it is sent the whole figure again
     (the late ones for a browser on a loaded machine: seen blank after 60 s with two cores
-    shared by three clusters and chromium, drawn once resent)."""
+    shared by three clusters and chromium; the heals cost a redraw of an unchanged figure)."""
 
     def watch(self, fw: go.FigureWidget) -> go.FigureWidget:
         """Heal new browser views of `fw`.
