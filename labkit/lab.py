@@ -144,7 +144,12 @@ class Lab(FaultHandling):
         self.cluster = _cluster
         self.view = None
         if _client is None:
-            self.cluster = ipp.Cluster(n=engines, controller_ip="127.0.0.1", engine_timeout=60, log_level=40)
+            from traitlets.config import Config
+
+            quick = Config()   # an engine that outlives SIGTERM by 1 s is killed (ipyparallel waits 5 s)
+            quick.LocalProcessLauncher.stop_seconds_until_kill = 1
+            self.cluster = ipp.Cluster(n=engines, controller_ip="127.0.0.1", engine_timeout=60, log_level=40,
+                                       config=quick)
             self.local = True
             try:
                 self.client = self.cluster.start_and_connect_sync(activate=False)
