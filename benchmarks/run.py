@@ -178,11 +178,11 @@ def fmt_table(rows: list[Row]) -> str:
 
 def main(argv=None) -> list[Row]:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--repeats", type=int, default=None, help="A/B repeats per figure (default 5; --quick 2)")
+    ap.add_argument("--repeats", type=int, default=None, help="A/B repeats per figure (default 7; --quick 2)")
     ap.add_argument("--quick", action="store_true", help="a ~2 minute smoke run: fewer repeats and changes")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"), help="where the Markdown goes ('' for none)")
     args = ap.parse_args(argv)
-    repeats = args.repeats or (2 if args.quick else 5)
+    repeats = args.repeats or (2 if args.quick else 7)
     steps = 4 if args.quick else 6
     t_all = time.perf_counter()
     before = machine()
