@@ -25,24 +25,32 @@ CHANGES = [("dp", 2), ("dp", 4)] * 3 + [("microbatches", 2), ("microbatches", 1)
                                          ("bucket_mb", 25.0)]
 
 
-def main() -> None:
-    model = ModelConfig()
-    with Lab(engines=4, progress=False) as lab:
-        dash = Dashboard(lab, model=model)
+def latency(lab, model, changes=CHANGES) -> tuple[list[float], list[dict]]:
+    """Seconds from each control change to all figures redrawn, and the dashboard's own parts."""
+    dash = Dashboard(lab, model=model)
+    try:
         dash.wait(300)                       # the first run warms the engines up
         dash.controls["dp"].value = 2        # and one more, so every layout below is warm
         dash.wait(120)
         dash.controls["dp"].value = 4
         dash.wait(120)
         total, parts = [], []
-        for field, value in CHANGES:
+        for field, value in changes:
             t0 = time.perf_counter()
             dash.controls[field].value = value
             dash.wait(120)
             total.append(time.perf_counter() - t0)
-            parts.append(dash.timings)
-            assert dash.result.config.__getattribute__(field) == value and dash.error is None
+            parts.append(dict(dash.timings))
+            assert getattr(dash.result.config, field) == value and dash.error is None
+    finally:
         dash.close()
+    return total, parts
+
+
+def main() -> None:
+    model = ModelConfig()
+    with Lab(engines=4, progress=False) as lab:
+        total, parts = latency(lab, model)
     med = lambda k: statistics.median(p[k] for p in parts)  # noqa: E731
     print(f"machine: {machine()}")
     print(table([

@@ -39,6 +39,13 @@ PG_MARGIN_S = 2.0
 """A job's process groups time out this much later than the Lab gives up on the job, so the Lab
 always reads the ranks' logs while they are still inside the hung op, and gloo then frees them."""
 
+GIL_SWITCH_S = 1e-4
+"""The engine's GIL switch interval (Python's default is 5 ms). A job thread that drops the GIL
+(in every collective: the comm meter's kernel takes it back on the dispatch path, its done-callback
+on gloo's thread) and wants it again waits until the thread that took it meanwhile (one of
+ipyparallel's) yields it, up to the interval. With 4 ranks on 2 cores that cost ~0.9 ms per
+collective at 5 ms and ~0.1 ms at 0.1 ms (benchmarks/RESULTS.md, 'profile')."""
+
 
 @dataclass
 class Runtime:
@@ -130,6 +137,7 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: 
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"   # gloo's own connections stay on 127.0.0.1
     torch.set_num_threads(max(1, threads))
+    sys.setswitchinterval(GIL_SWITCH_S)
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         fd = _state.listener.detach()

@@ -121,6 +121,8 @@ class CommMeter:
 
     # -- recording ----------------------------------------------------------------------------
     def begin(self, op: str, pg, tensor, payload: int, peer: int | None = None, root: bool = True) -> dict:
+        # Runs once per collective on the rank's critical path: kept to plain lookups (no
+        # world-size query unless the group is not a mesh group, dtype names cached).
         ranks = _ranks_of(pg)
         n = len(ranks)
         name = pg.group_name
@@ -130,12 +132,15 @@ class CommMeter:
         wire = WIRE[op](payload, n)
         if op == "scatter" and not root or op == "gather" and root:
             wire = 0.0
+        dim = self.dims_by_ranks.get(ranks)
+        if dim is None:
+            dim = "world" if n == dist.get_world_size() else "other"
         ev = {
             "op": op,
-            "dim": self.dims_by_ranks.get(ranks, "world" if n == dist.get_world_size() else "other"),
+            "dim": dim,
             "group": list(ranks),
-            "numel": int(tensor.numel()) if tensor is not None else 0,
-            "dtype": str(tensor.dtype).replace("torch.", "") if tensor is not None else "",
+            "numel": tensor.numel() if tensor is not None else 0,
+            "dtype": _dtype_name(tensor.dtype) if tensor is not None else "",
             "shape": list(tensor.shape) if tensor is not None else [],
             "payload_bytes": int(payload),
             "wire_bytes": float(wire),
@@ -147,7 +152,8 @@ class CommMeter:
             "start": self.clock(),
             "end": None,
         }
-        self.sweep()
+        if self._pending:
+            self.sweep()
         self.events.append(ev)
         return ev
 
@@ -218,40 +224,55 @@ def forget_groups() -> None:
     _ranks_cache.clear()
 
 
-def _bind(op, args, kwargs) -> dict:
-    names = [a.name for a in op._schema.arguments]
-    bound = dict(zip(names, args))
-    bound.update(kwargs)
-    return bound
+_dtype_names: dict = {}
+
+
+def _dtype_name(dtype) -> str:
+    name = _dtype_names.get(dtype)
+    if name is None:
+        name = _dtype_names[dtype] = str(dtype).replace("torch.", "")
+    return name
+
+
+def _reader(op, name: str | None):
+    """A function (args, kwargs) -> the argument `name` of `op`, by its position in the schema
+    (found once, not per call: the kernel below runs on every collective)."""
+    if name is None:
+        return lambda args, kwargs: None
+    i = [a.name for a in op._schema.arguments].index(name)
+    return lambda args, kwargs: args[i] if i < len(args) else kwargs[name]
 
 
 def _c10d_kernel(name: str):
     op = getattr(torch.ops.c10d, name).default
     our, tensor_arg, rule, peer_arg = _C10D[name]
+    read_pg, read_tensors, read_peer = _reader(op, "process_group"), _reader(op, tensor_arg), _reader(op, peer_arg)
+    redispatch = op._handle.redispatch_boxed
+    backend_select = torch._C.DispatchKey.BackendSelect
+    unbox_pg, unbox_work = dist.ProcessGroup.unbox, torch._C._distributed_c10d.Work.unbox
+    p2p = our in ("send", "recv")
 
     def kernel(keyset, *args, **kwargs):
-        below = keyset.remove(torch._C.DispatchKey.BackendSelect)
+        below = keyset.remove(backend_select)
         meter = CommMeter.current
         if meter is None:
-            return op.redispatch(below, *args, **kwargs)
-        a = _bind(op, args, kwargs)
-        pg = dist.ProcessGroup.unbox(a["process_group"])
-        n = pg.size()
+            return redispatch(below, *args, **kwargs)
+        pg = unbox_pg(read_pg(args, kwargs))
         if tensor_arg is None:
             tensor, payload = None, 0
         else:
-            ts = a[tensor_arg]
+            ts = read_tensors(args, kwargs)
             tensor = _first(ts)
-            payload = _total(ts) * (n if rule == "n*" else 1)   # n*: one chunk of the full tensor
+            payload = _total(ts) * (pg.size() if rule == "n*" else 1)   # n*: one chunk of the full tensor
         peer, root = None, True
         if peer_arg is not None:
-            local = a[peer_arg]
+            local = read_peer(args, kwargs)
             peer = _ranks_of(pg)[local]
             root = pg.rank() == local
-        ev = meter.begin(our, pg, tensor, payload, peer if our in ("send", "recv") else None, root)
-        out = op.redispatch(below, *args, **kwargs)
+        ev = meter.begin(our, pg, tensor, payload, peer if p2p else None, root)
+        out = redispatch(below, *args, **kwargs)
         work = out[-1] if isinstance(out, tuple) else out
-        meter.watch(torch._C._distributed_c10d.Work.unbox(work) if work is not None else None, ev)
+        meter.watch(unbox_work(work) if work is not None else None, ev)
         return out
 
     return kernel

@@ -1,0 +1,39 @@
+"""The same training step a warm Lab re-runs, launched afresh the way one would without a Lab.
+
+    torchrun --nproc-per-node 4 benchmarks/torchrun_step.py '<spec json>'
+
+spec is what Lab.run sends each engine ({'parallel', 'model', 'optim', 'steps', 'seed', ...}).
+Each process joins the gloo group from torchrun's environment and runs labkit's own
+`engines.train.run_rank` — the same mesh, model, strategy and meters — so the only difference
+from a warm Lab is what a fresh launch costs: starting Python, importing torch and labkit,
+the rendezvous, building the process groups. benchmarks/run.py times the whole subprocess.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+
+import torch
+import torch.distributed as dist
+
+
+def main(spec: dict) -> None:
+    from labkit.engines import runtime
+    from labkit.engines.meters import comm
+    from labkit.engines.train import run_rank
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo")
+    comm.install()
+    runtime._state.runtime = runtime.Runtime(rank, world, "gloo", "cpu", socket.gethostname(), 60.0, 0)
+    report = run_rank({**spec, "return_params": False, "audit": False})
+    dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps({"losses": report["losses"], "step_times": report["step_times"]}))
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    main(json.loads(sys.argv[1]))
