@@ -332,12 +332,14 @@ class Lab(FaultHandling):
         built, `mesh.group("dp")`), `device`, `torch` and `dist` (the process group the Lab built).
 
             lab.activate()
-            %%px -e                                   # -e: outputs grouped per engine (= rank here)
+            %%px -e                                   # -e: each engine's (= rank's) outputs together
             t = torch.tensor([float(rank)]); dist.all_reduce(t); print(rank, t)
 
-        The mesh's groups are created collectively through `apply` (bounded and logged like a run);
-        the cell itself runs on the engines' own thread, outside the Lab's job machinery: a hang
-        there is not diagnosed (interrupt the kernel; the next Lab call repairs the engines).
+        The mesh's groups are created collectively through `apply` (bounded and logged like a run).
+        Outputs show when the cell ends, grouped per engine in rank order (engine i is rank i in a
+        fresh Lab; streaming is turned off, `%pxconfig --stream` turns it back on). The cell runs on
+        the engines' own thread, outside the Lab's job machinery: a hang there is not diagnosed
+        (interrupt the kernel; the next Lab call repairs the engines).
         After a repair the engines may be new: call activate again. Returns the DirectView.
         """
         from labkit.engines.mesh import MeshLayout
@@ -356,6 +358,10 @@ class Lab(FaultHandling):
             view.block = True
             view.execute(_PX_SETUP, block=False).get(timeout=START_TIMEOUT_S)
             view.activate(suffix)             # warns (and registers nothing) outside IPython
+            from IPython import get_ipython
+
+            if get_ipython() is not None:     # whole outputs after the cell, in rank order
+                get_ipython().run_line_magic("pxconfig" + suffix, "--no-stream")
         return view
 
     def cancel(self) -> None:
