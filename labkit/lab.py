@@ -56,6 +56,27 @@ def _by_value(fn) -> bytes:
     return cloudpickle.dumps(fn)
 
 
+def _build_mesh(layout) -> None:
+    """On every rank (through Lab.apply): create the layout's groups, cached for Mesh.build."""
+    from labkit.engines import runtime
+    from labkit.engines.mesh import Mesh
+
+    Mesh.build(layout, runtime.current().rank)
+
+
+_PX_SETUP = """\
+import torch
+import torch.distributed as dist
+from labkit.engines import runtime as _lk_runtime
+from labkit.engines.mesh import Mesh as _lk_Mesh
+assert _lk_runtime.current().rank == rank and dist.is_initialized()
+mesh = _lk_Mesh.build(_lk_layout, rank)   # cached by the apply before: no collective here
+device = torch.device(_lk_runtime.current().device)
+del _lk_layout, _lk_runtime, _lk_Mesh
+"""
+"""What %%px cells find on every engine (rank and world_size are pushed per engine first)."""
+
+
 def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -139,6 +160,8 @@ class Lab(FaultHandling):
         self.repairs: list[dict] = []
         """One entry per repair: engines replaced (rank -> why), whether all were restarted, seconds."""
         self._known_ids: set[int] = set()
+        self.last_config: ParallelConfig | None = None
+        """The layout of the last run (what `activate` builds its mesh from)."""
         self.jobs = 0
         """How many calls have started work on the engines (tests check that a refusal starts none)."""
         self.cluster = _cluster
@@ -303,8 +326,48 @@ class Lab(FaultHandling):
                 "steps": steps, "seed": seed, "return_params": return_params, "audit": audit,
                 "comm_log": bool(_comm_log)}
         t0 = time.perf_counter()
+        self.last_config = cfg
         reports = self._execute(run_rank, (spec,), {}, timeout, progress if progress is not None else self.progress)
         return RunResult.from_reports(cfg, model, optim, steps, seed, reports, time.perf_counter() - t0)
+
+    def activate(self, cfg: ParallelConfig | None = None, suffix: str = ""):
+        """Register ipyparallel's %px / %%px / %autopx magics on this Lab's engines, in rank order,
+        each engine's namespace ready for distributed code: `rank`, `world_size`, `mesh` (the
+        labkit Mesh of `cfg`, else of the last run's layout, else dp over every engine: its groups
+        built, `mesh.group("dp")`), `device`, `torch` and `dist` (the process group the Lab built).
+
+            lab.activate()
+            %%px -e                                   # -e: each engine's (= rank's) outputs together
+            t = torch.tensor([float(rank)]); dist.all_reduce(t); print(rank, t)
+
+        The mesh's groups are created collectively through `apply` (bounded and logged like a run).
+        Outputs show when the cell ends, grouped per engine in rank order (engine i is rank i in a
+        fresh Lab; streaming is turned off, `%pxconfig --stream` turns it back on). The cell runs on
+        the engines' own thread, outside the Lab's job machinery: a hang there is not diagnosed
+        (interrupt the kernel; the next Lab call repairs the engines).
+        After a repair the engines may be new: call activate again. Returns the DirectView.
+        """
+        from labkit.engines.mesh import MeshLayout
+
+        cfg = cfg or self.last_config or ParallelConfig(dp=self.world)
+        if not isinstance(cfg, ParallelConfig) or cfg.world > self.world:
+            raise ConfigError([f"cfg={cfg!r} must be a ParallelConfig of at most {self.world} ranks"])
+        layout = MeshLayout.of(cfg)
+        self.apply(_build_mesh, layout)                       # every rank creates the groups, in order
+        with self._lock:
+            pushed = [self.client[eid].push({"rank": rank, "world_size": self.world, "_lk_layout": layout},
+                                            block=False) for rank, eid in enumerate(self.ids)]
+            for ar in pushed:
+                ar.get(timeout=START_TIMEOUT_S)
+            view = self.client[self.ids]          # its own view: blocking, as a cell expects
+            view.block = True
+            view.execute(_PX_SETUP, block=False).get(timeout=START_TIMEOUT_S)
+            view.activate(suffix)             # warns (and registers nothing) outside IPython
+            from IPython import get_ipython
+
+            if get_ipython() is not None:     # whole outputs after the cell, in rank order
+                get_ipython().run_line_magic("pxconfig" + suffix, "--no-stream")
+        return view
 
     def cancel(self) -> None:
         """Stop the call in progress (from any thread): the engines stop at their next step or

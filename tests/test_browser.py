@@ -1,8 +1,9 @@
 """The dashboard in a real browser: JupyterLab on 127.0.0.1 with a token, Debian's chromium
-driven by Playwright, tests/notebooks/dashboard.ipynb executed in the page.
+driven by Playwright, notebooks/00_tour.ipynb executed in the page as a new user would run it
+(all cells but its teardown, so the cluster stays up for the slider).
 
-Checks that the plotly figures render (.js-plotly-plot), that moving the dp slider with the
-keyboard re-runs the layout and redraws the timeline, and keeps a screenshot under
+Checks that the plotly figures render (.js-plotly-plot), that the tour's layout change (dp2 x tp2)
+ran, that moving the dp slider with the keyboard re-runs the layout and redraws the timeline, and keeps a screenshot under
 artifacts/browser/ (git-ignored; its path is printed). Playwright's own browser download is
 not available here, so chromium comes from apt (`apt-get install chromium`), as in .ci/run.
 """
@@ -24,7 +25,9 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-NOTEBOOK = ROOT / "tests" / "notebooks" / "dashboard.ipynb"
+NOTEBOOK = ROOT / "notebooks" / "00_tour.ipynb"
+TEARDOWN = "teardown"
+"""Tag of the cells that close the Lab; the test leaves them out and closes it itself."""
 ARTIFACTS = ROOT / "artifacts" / "browser"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
                  "--disable-sync", "--no-first-run"]   # DESIGN.md section 8
@@ -57,7 +60,9 @@ def jupyter(tmp_path):
     """JupyterLab serving a copy of the notebook, with a kernel that runs this interpreter."""
     root = tmp_path / "root"
     root.mkdir()
-    shutil.copy(NOTEBOOK, root / NOTEBOOK.name)
+    nb = json.loads(NOTEBOOK.read_text())
+    nb["cells"] = [c for c in nb["cells"] if TEARDOWN not in c.get("metadata", {}).get("tags", [])]
+    (root / NOTEBOOK.name).write_text(json.dumps(nb))
     data = tmp_path / "data"
     spec = data / "kernels" / "python3"
     spec.mkdir(parents=True)
@@ -151,7 +156,8 @@ def test_dashboard_renders_and_redraws_in_chromium(jupyter):
 
             # the six figures render, and the first run finishes
             until(page, "() => document.querySelectorAll('.js-plotly-plot').length >= 6", "six plotly figures", SLOW)
-            until(page, f"() => ({STATUS})().includes('done')", "the first run", SLOW)
+            until(page, f"() => ({STATUS})().startsWith('dp2 x tp2') && ({STATUS})().includes('done')",
+                  "the tour's runs (dp4, then dp2 x tp2)", SLOW)
             # every figure drawn with its title and data (not a blank plot)
             until(page, f"() => ({DRAWN})().filter(t => !t.startsWith(' ') && !t.endsWith('[0]')).length >= 6",
                   "every figure drawn with data", 60)
@@ -161,21 +167,21 @@ def test_dashboard_renders_and_redraws_in_chromium(jupyter):
             raw = page.evaluate(TIMELINE)
             before = json.loads(raw)
             assert before["title"].startswith("Timeline") and before["data"]
-            assert page.evaluate(STATUS).startswith("dp2")
+            assert page.evaluate(STATUS).startswith("dp2 x tp2")
             page.locator(".labkit-dashboard").scroll_into_view_if_needed()
             page.screenshot(path=str(shots[0]), full_page=True)
 
-            # move the dp slider one notch with the keyboard: dp 2 -> 1, a re-run, a new timeline
+            # move the dp slider one notch with the keyboard: dp 2 -> 1 (tp2 on ranks 0, 1), a re-run, a new timeline
             handle = page.locator(".labkit-dp .noUi-handle")
             handle.focus()
             page.keyboard.press("ArrowLeft")
-            until(page, f"() => ({STATUS})().startsWith('1 rank') && ({STATUS})().includes('done')",
+            until(page, f"() => ({STATUS})().startsWith('tp2') && ({STATUS})().includes('done')",
                   "the run after the slider moved", SLOW)
             until(page, f"(old) => ({TIMELINE})() !== old", "the timeline redrawn", 60, arg=raw)
             after = json.loads(page.evaluate(TIMELINE))
             assert after != before
             rows = {y for _, ys, _ in after["data"] for y in ys}
-            assert not any(y.startswith("rank 1") for y in rows)          # one rank left on the timeline
+            assert rows and not any(y.startswith(("rank 2", "rank 3")) for y in rows)   # two ranks left
             assert page.locator(".js-plotly-plot").count() >= 6
 
             page.screenshot(path=str(shots[1]), full_page=True)
