@@ -50,10 +50,22 @@ def test_notebook_executes(path, kernel):
     client = NotebookClient(nb, kernel_name=kernel, timeout=TIMEOUT_S, startup_timeout=120,
                             resources={"metadata": {"path": str(NOTEBOOKS)}})
     t0 = time.perf_counter()
-    client.execute()      # raises CellExecutionError (with the cell and traceback) if any cell fails
+    with client.setup_kernel():
+        try:   # raises CellExecutionError (with the cell and traceback) if a cell fails
+            for i, cell in enumerate(nb.cells):
+                client.execute_cell(cell, i)
+        except BaseException:   # a failed notebook still stops its engines (its teardown cell)
+            for i, cell in enumerate(nb.cells):
+                if "teardown" in cell.metadata.get("tags", []):
+                    try:
+                        client.execute_cell(cell, i)
+                    except Exception:
+                        pass
+            raise
     print(f"\n{path.name}: {time.perf_counter() - t0:.1f} s")
     checks = [c for c in nb.cells if "check" in c.metadata.get("tags", [])]
     assert checks and all("assert" in c.source for c in checks), f"{path.name} needs a check cell that asserts"
+    assert any("teardown" in c.metadata.get("tags", []) for c in nb.cells), f"{path.name} needs a teardown cell"
 
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
