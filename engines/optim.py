@@ -21,6 +21,15 @@ def decays(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
+def torch_adamw(names: list[str], params: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
+    """PyTorch's own AdamW with labkit's decay rule (two parameter groups): the optimizer of the
+    impl="torch" strategies, whose parameters PyTorch owns (DDP, FSDP2, DTensor, pipelining)."""
+    decay = [p for n, p in zip(names, params) if decays(n, p)]
+    rest = [p for n, p in zip(names, params) if not decays(n, p)]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
 class AdamW:
     """AdamW over a list of fp32 tensors (parameters or flat shards) with fp32 moments."""
 

@@ -56,27 +56,6 @@ def _by_value(fn) -> bytes:
     return cloudpickle.dumps(fn)
 
 
-def _build_mesh(layout) -> None:
-    """On every rank (through Lab.apply): create the layout's groups, cached for Mesh.build."""
-    from labkit.engines import runtime
-    from labkit.engines.mesh import Mesh
-
-    Mesh.build(layout, runtime.current().rank)
-
-
-_PX_SETUP = """\
-import torch
-import torch.distributed as dist
-from labkit.engines import runtime as _lk_runtime
-from labkit.engines.mesh import Mesh as _lk_Mesh
-assert _lk_runtime.current().rank == rank and dist.is_initialized()
-mesh = _lk_Mesh.build(_lk_layout, rank)   # cached by the apply before: no collective here
-device = torch.device(_lk_runtime.current().device)
-del _lk_layout, _lk_runtime, _lk_Mesh
-"""
-"""What %%px cells find on every engine (rank and world_size are pushed per engine first)."""
-
-
 def _is_real(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
@@ -347,27 +326,9 @@ class Lab(FaultHandling):
         (interrupt the kernel; the next Lab call repairs the engines).
         After a repair the engines may be new: call activate again. Returns the DirectView.
         """
-        from labkit.engines.mesh import MeshLayout
+        from labkit.px import activate
 
-        cfg = cfg or self.last_config or ParallelConfig(dp=self.world)
-        if not isinstance(cfg, ParallelConfig) or cfg.world > self.world:
-            raise ConfigError([f"cfg={cfg!r} must be a ParallelConfig of at most {self.world} ranks"])
-        layout = MeshLayout.of(cfg)
-        self.apply(_build_mesh, layout)                       # every rank creates the groups, in order
-        with self._lock:
-            pushed = [self.client[eid].push({"rank": rank, "world_size": self.world, "_lk_layout": layout},
-                                            block=False) for rank, eid in enumerate(self.ids)]
-            for ar in pushed:
-                ar.get(timeout=START_TIMEOUT_S)
-            view = self.client[self.ids]          # its own view: blocking, as a cell expects
-            view.block = True
-            view.execute(_PX_SETUP, block=False).get(timeout=START_TIMEOUT_S)
-            view.activate(suffix)             # warns (and registers nothing) outside IPython
-            from IPython import get_ipython
-
-            if get_ipython() is not None:     # whole outputs after the cell, in rank order
-                get_ipython().run_line_magic("pxconfig" + suffix, "--no-stream")
-        return view
+        return activate(self, cfg, suffix)
 
     def cancel(self) -> None:
         """Stop the call in progress (from any thread): the engines stop at their next step or

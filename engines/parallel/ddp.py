@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
+from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, torch_adamw
 from labkit.engines.parallel.buckets import plan_groups
 from labkit.engines.parallel.common import param_piece, reduce_dims, weak_method
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
@@ -182,11 +182,7 @@ class TorchDDP:
         self.module = DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_mb,
                                               gradient_as_bucket_view=True, broadcast_buffers=False)
         self.clip = optim.clip
-        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
-        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        self.opt = torch_adamw(self.names, self.params, optim)
 
     def microbatch(self, index: int, count: int):
         return nullcontext() if index == count - 1 else self.module.no_sync()

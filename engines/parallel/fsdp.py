@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.optim import decays
+from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import DATA_DIMS, piece
 from labkit.engines.parallel.zero import ZeRO3
 from labkit.engines.precision import Policy
@@ -70,11 +70,7 @@ class TorchFSDP:
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
         self.clip = optim.clip
-        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
-        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        self.opt = torch_adamw(self.names, self.params, optim)
 
     def _exclude_unsharded(self, module, args) -> None:
         """Every parameter the unit now shows is a parameter, not an activation: plain tensors with

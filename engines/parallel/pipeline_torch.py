@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.optim import decays
+from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import DATA_DIMS, param_piece
 from labkit.engines.parallel.schedules import stage_of
 
@@ -113,11 +113,7 @@ class TorchStageGrads:
                             for c in chunks]
         self.pp_group = mesh.group("pp")
         self.clip = optim.clip
-        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
-        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        self.opt = torch_adamw(self.names, self.params, optim)
 
     def microbatch(self, index: int, count: int):
         return nullcontext()   # the pipelining schedule drives DDP's no_sync itself

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.meters.memory import local, unique_bytes
-from labkit.engines.optim import decays
+from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import piece
 from labkit.engines.parallel.tensor_plan import shard_box, tp_plan
 
@@ -131,11 +131,7 @@ class TorchTP:
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
         self.clip = optim.clip
-        decay = [p for n, p in zip(self.names, self.params) if decays(n, p)]
-        rest = [p for n, p in zip(self.names, self.params) if not decays(n, p)]
-        self.opt = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": optim.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-            lr=optim.lr, betas=(optim.beta1, optim.beta2), eps=optim.eps)
+        self.opt = torch_adamw(self.names, self.params, optim)
 
     def microbatch(self, index: int, count: int):
         return nullcontext()   # no data parallelism: gradients simply accumulate
