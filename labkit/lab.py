@@ -26,10 +26,12 @@ import time
 import warnings
 from collections import Counter
 
+from labkit.arguments import run_problems, timeout_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, optim_problems, validate
 from labkit.engines import runtime
 from labkit.errors import Cancelled, LabError
 from labkit.faults import FaultHandling, _Died
+from labkit.progress import StepProgress, print_progress
 from labkit.results import RunResult
 
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.25
@@ -38,10 +40,6 @@ START_TIMEOUT_S = 120.0
 """Bound on starting engines, building the process groups and bringing results back."""
 DEFAULT_TIMEOUT_S = 300.0
 """A run or apply that takes longer is diagnosed as a hang. Generous for CPU demos; pass your own."""
-
-
-def _print_progress(p: dict) -> None:
-    print(f"step {p['step'] + 1}/{p['steps']}  loss {p['loss']:.4f}  ({p['seconds']:.2f} s)", flush=True)
 
 
 def _by_value(fn) -> bytes:
@@ -54,41 +52,6 @@ def _by_value(fn) -> bytes:
     if mod is not None and mod.__name__ != "__main__" and not installed and not mod.__name__.startswith("labkit"):
         cloudpickle.register_pickle_by_value(mod)
     return cloudpickle.dumps(fn)
-
-
-def _is_real(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def timeout_problems(timeout, name: str = "timeout") -> list[str]:
-    if timeout is None:
-        return []
-    if not _is_real(timeout) or not 0 < timeout < float("inf"):
-        return [f"{name}={timeout!r} must be a positive number of seconds (or None for the Lab's default); try 60"]
-    return []
-
-
-class _StepProgress:
-    """Combines the ranks' per-step records into one: {step, steps, loss (global), seconds}.
-
-    Records that are not training steps (a user's apply may report anything) pass through."""
-
-    def __init__(self, show):
-        self.show = show
-        self.pending: dict[int, list[dict]] = {}
-
-    def add(self, rec: dict) -> None:
-        if "loss_share" not in rec:
-            if rec.get("rank", 0) == 0:
-                self.show(rec)
-            return
-        got = self.pending.setdefault(rec["step"], [])
-        got.append(rec)
-        if len(got) == rec["ranks"]:
-            del self.pending[rec["step"]]
-            self.show({"step": rec["step"], "steps": rec["steps"],
-                       "loss": sum(r["loss_share"] for r in got) / rec["shards"],
-                       "seconds": max(r["seconds"] for r in got)})
 
 
 class Lab(FaultHandling):
@@ -275,22 +238,7 @@ class Lab(FaultHandling):
         cfg = ParallelConfig() if cfg is None else cfg
         model = ModelConfig() if model is None else model
         optim = OptimConfig() if optim is None else optim
-        bad = []
-        for name, value, kind in (("cfg", cfg, ParallelConfig), ("model", model, ModelConfig),
-                                  ("optim", optim, OptimConfig)):
-            if not isinstance(value, kind):
-                bad.append(f"{name}={value!r} must be a {kind.__name__} (e.g. {kind.__name__}()), "
-                           f"not {type(value).__name__}")
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-            bad.append(f"steps={steps!r} must be a positive integer; try steps=3")
-        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
-            bad.append(f"seed={seed!r} must be an integer in [0, 2**63); try seed=0")
-        bad += timeout_problems(timeout)
-        if not (progress is None or isinstance(progress, bool) or callable(progress)):
-            bad.append(f"progress={progress!r} must be True, False, None or a function of one record")
-        for name, value in (("return_params", return_params), ("audit", audit)):
-            if not isinstance(value, bool):
-                bad.append(f"{name}={value!r} must be True or False")
+        bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit)
         if bad:
             raise ConfigError(bad)
         validate(cfg, model, self.world)
@@ -348,8 +296,8 @@ class Lab(FaultHandling):
 
     def _execute(self, fn, args: tuple, kwargs: dict, timeout: float | None, progress) -> list:
         timeout = self.timeout if timeout is None else float(timeout)
-        show = _print_progress if progress is True else (progress or None)
-        steps = _StepProgress(show) if show else None
+        show = print_progress if progress is True else (progress or None)
+        steps = StepProgress(show) if show else None
         if not self._lock.acquire(timeout=timeout + 2 * START_TIMEOUT_S):
             raise LabError("the Lab is busy with another call that did not end in time; lab.cancel() stops it")
         try:
