@@ -11,9 +11,10 @@ Why not `theory.estimate`: it fills every rank, and at 16k ranks that is seconds
 is asked for one rank per pipeline stage (ranks that differ only in dp/tp/cp/ep coordinates
 are alike in every strategy's theory), and communication is recorded for those ranks only,
 with the gradient buckets merged into one (the ring model is linear in the bytes, so the
-per-step total is the same; only the call count changes). Theory's comm functions still
-walk every rank, so a layout whose walk is long runs in a background thread and the comm
-figure follows when it is done (the rest updates at once).
+per-step total is the same; only the call count changes). The theory's comm modules loop over
+those ranks only (`Comm(only=...)`); a layout with many parameter tensors and ranks still
+computes its comm rows in a background thread, and the comm figure follows when it is done
+(the rest updates at once).
 """
 from __future__ import annotations
 
@@ -46,18 +47,22 @@ class _Stale(Exception):
 
 
 class _Only(theory_comm.Comm):
-    """Keeps the rows of some ranks only; stops the walk once `stale` is set."""
+    """Fills the rows of some ranks only (the theory's modules loop over `only`); stops the walk
+    once `stale` is set."""
 
     def __init__(self, ranks, stale: threading.Event | None = None):
-        super().__init__()
-        self.keep = set(ranks)
+        super().__init__(only=sorted(set(ranks)))
         self.stale = stale or threading.Event()
 
     def add(self, rank, *args, **kwargs):
         if self.stale.is_set():
             raise _Stale()
-        if rank in self.keep:
-            super().add(rank, *args, **kwargs)
+        super().add(rank, *args, **kwargs)
+
+    def add_rows(self, rank, rows):
+        if self.stale.is_set():
+            raise _Stale()
+        super().add_rows(rank, rows)
 
 
 @dataclass
