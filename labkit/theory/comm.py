@@ -64,6 +64,20 @@ class Comm:
             row["payload_bytes"] += payload
             row["wire_bytes"] += wire
 
+    def per_stage(self, layout, ops_of) -> None:
+        """Rows that depend only on a rank's pipeline coordinate: `ops_of(pp_rank)` gives
+        (dim, op, payload bytes, group size, calls) tuples, summed once per coordinate and added
+        to each of its ranks (the splits are even, so those ranks issue the same collectives)."""
+        done: dict[int, list[dict]] = {}
+        for rank in self.ranks(layout):
+            pp_rank = layout.coords(rank)["pp"]
+            if pp_rank not in done:
+                stage = Comm()
+                for dim, op, payload, n, calls in ops_of(pp_rank):
+                    stage.add(0, dim, op, payload, n, calls)
+                done[pp_rank] = stage.table()
+            self.add_rows(rank, done[pp_rank])
+
     def add_rows(self, rank: int, rows: list[dict]) -> None:
         """Add rows summed elsewhere (the same for every rank at one pipeline coordinate) to `rank`."""
         for r in rows:
@@ -105,22 +119,19 @@ def data_parallel(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout: M
 
     elem = 2 if cfg.precision == "bf16" else 4
     cap = int(cfg.bucket_mb * 2**20)
-    per_stage: dict[int, list[dict]] = {}   # pp coordinate -> its ranks' rows
-    for rank in comm.ranks(layout):
-        pp_rank = layout.coords(rank)["pp"]
-        if pp_rank not in per_stage:
-            stage = Comm()
-            for chunk in chunk_params(cfg, model, pp_rank):
-                numels = [prod(s) for _, s, _ in chunk]
-                sizes = [k * elem for k in numels]
-                if cfg.impl == "torch":   # PyTorch's DDP: one process group
-                    buckets = [(("dp", "ep", "cp"), b) for b in torch_ddp_buckets(sizes, cap)]
-                else:
-                    buckets = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
-                for dims, b in buckets:
-                    stage.add(0, layout.label(*dims), "all_reduce", 4 * sum(numels[i] for i in b), layout.size(*dims))
-            per_stage[pp_rank] = stage.table()
-        comm.add_rows(rank, per_stage[pp_rank])
+
+    def buckets(pp_rank: int):
+        for chunk in chunk_params(cfg, model, pp_rank):
+            numels = [prod(s) for _, s, _ in chunk]
+            sizes = [k * elem for k in numels]
+            if cfg.impl == "torch":   # PyTorch's DDP: one process group
+                groups = [(("dp", "ep", "cp"), b) for b in torch_ddp_buckets(sizes, cap)]
+            else:
+                groups = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
+            for dims, b in groups:
+                yield layout.label(*dims), "all_reduce", 4 * sum(numels[i] for i in b), layout.size(*dims), 1
+
+    comm.per_stage(layout, buckets)
 
 
 def grad_norm(comm: Comm, cfg: ParallelConfig, layout: MeshLayout) -> None:

@@ -191,18 +191,8 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """Every collective of one step of ZeRO / FSDP, per rank, in the order the engines issue them:
     each buffer's over its own group (FlatPlan.dims), the norm over `norm_dims`. Ranks at one
     pipeline coordinate issue the same ones, so they are listed once per coordinate."""
-    from labkit.theory.comm import Comm
-
-    per_stage: dict[int, list[dict]] = {}
-    for rank in comm.ranks(layout):
-        pp_rank = layout.coords(rank)["pp"]
-        if pp_rank not in per_stage:
-            stage = Comm()
-            for dim, op, payload, n, calls in (torch_fsdp_ops if cfg.impl == "torch" else ops)(cfg, model, layout,
-                                                                                               pp_rank):
-                stage.add(0, dim, op, payload, n, calls)
-            per_stage[pp_rank] = stage.table()
-        comm.add_rows(rank, per_stage[pp_rank])
+    of_stage = torch_fsdp_ops if cfg.impl == "torch" else ops
+    comm.per_stage(layout, lambda pp_rank: of_stage(cfg, model, layout, pp_rank))
 
 
 def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
