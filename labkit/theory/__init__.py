@@ -56,7 +56,6 @@ class Estimate:
         """The time model (theory/timing.py) for one step of `rank`: compute at 6·Ψ_active·tokens
         (8· with checkpointing), each collective priced on the link its group spans, dp traffic
         hidden behind backward, the bubble stretching compute. Says which dim dominates."""
-        from labkit.theory.model import active_params
         from labkit.theory.timing import H100, step_time
 
         layout = MeshLayout.of(self.config)
