@@ -201,8 +201,7 @@ class Lab(FaultHandling):
     def _rendezvous(self, addr: str, threads: list[int], loopback: bool) -> None:
         """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
         self._generation += 1
-        port = self._gather({0: self.client[self.ids[0]].apply_async(runtime.open_rendezvous, addr)},
-                            START_TIMEOUT_S)[0]
+        port = self._each(runtime.open_rendezvous, [0], addr, bound=START_TIMEOUT_S)[0]
         got = self._gather({rank: self.client[eid].apply_async(
             runtime.init_distributed, rank, self.world, addr, port, self.backend, self.devices[rank],
             self.timeout, self._generation, threads[rank], loopback) for rank, eid in enumerate(self.ids)},
@@ -358,8 +357,7 @@ class Lab(FaultHandling):
         try:
             try:
                 if self.view is not None and not self.local:
-                    self._gather({r: self.client[e].apply_async(runtime.shutdown_distributed)
-                                  for r, e in enumerate(self.ids)}, 10.0)
+                    self._each(runtime.shutdown_distributed, range(self.world), bound=10.0)
             except Exception:
                 pass
             try:
