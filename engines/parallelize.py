@@ -30,6 +30,7 @@ import torch.nn as nn
 from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.common import GradSync, on_device
+from labkit.plans.mesh import DATA_DIMS
 
 
 @dataclass
@@ -50,7 +51,6 @@ class Parallel:
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimConfig, meters) -> Parallel:
     """Apply every strategy of `cfg` to the full, seeded `model`; return this rank's share."""
-    from labkit.engines.parallel.common import DATA_DIMS
     from labkit.engines.schedules import accumulate
 
     model = on_device(model, meters.device)

@@ -14,10 +14,11 @@ import torch
 from labkit.config import ModelConfig, OptimConfig, ParallelConfig
 from labkit.engines import data, runtime
 from labkit.config import DIMS
-from labkit.engines.mesh import Mesh, MeshLayout
+from labkit.engines.mesh import Mesh
 from labkit.engines.meters.bundle import Meters
 from labkit.engines.model import build_model
 from labkit.engines.parallelize import parallelize
+from labkit.plans.mesh import MeshLayout
 
 
 def data_index(mesh: Mesh) -> tuple[int, int]:

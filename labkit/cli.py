@@ -16,6 +16,7 @@ import sys
 import typing
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.plans.mesh import MeshLayout
 
 DEMO = {"dp": 4}
 
@@ -98,7 +99,6 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     """The theory for a layout: memory of the fullest rank, its wire bytes per dim and op, the
     bubble, and the time model's step on the chosen hardware (which dim dominates)."""
     from labkit import theory
-    from labkit.engines.mesh import MeshLayout
     from labkit.theory.presets import PRESETS
     from labkit.theory.timing import HARDWARE
 

@@ -31,6 +31,7 @@ from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig,
 from labkit.engines import runtime
 from labkit.errors import Cancelled, LabError
 from labkit.faults import FaultHandling, _Died
+from labkit.plans.mesh import MeshLayout
 from labkit.progress import StepProgress, print_progress
 from labkit.results import RunResult
 
@@ -243,8 +244,7 @@ class Lab(FaultHandling):
         validate(cfg, model, self.world)
         if optim_problems(optim):
             raise ConfigError(optim_problems(optim))
-        from labkit.engines.mesh import MeshLayout   # a TP group across hosts: say so (mesh.py AXIS_WARNINGS)
-        for w in MeshLayout.of(cfg).warnings(self.hosts[:cfg.world]):
+        for w in MeshLayout.of(cfg).warnings(self.hosts[:cfg.world]):   # a TP group across hosts: say so
             warnings.warn(w, stacklevel=2)
         from labkit.engines.train import run_rank
 

@@ -6,6 +6,7 @@ engines' namespaces and registers ipyparallel's magics.
 from __future__ import annotations
 
 from labkit.config import ConfigError, ParallelConfig
+from labkit.plans.mesh import MeshLayout
 
 
 def _build_mesh(layout) -> None:
@@ -33,7 +34,6 @@ def activate(lab, cfg: ParallelConfig | None = None, suffix: str = ""):
     """Lab.activate (its docstring says what the engines get): build the mesh on every rank,
     push rank / world_size, run the set-up, register the magics. Returns the DirectView."""
     from labkit.lab import START_TIMEOUT_S
-    from labkit.engines.mesh import MeshLayout
 
     cfg = cfg or lab.last_config or ParallelConfig(dp=lab.world)
     if not isinstance(cfg, ParallelConfig) or cfg.world > lab.world:

@@ -10,7 +10,7 @@ import pytest
 
 from labkit import ConfigError, ParallelConfig, reference, validate
 from labkit.checks import FP32_RTOL, assert_matches, loss_errors, param_errors, reference_shards, rtol_for
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
 
 from conftest import TINY
 from theory_match import compare, same_arithmetic

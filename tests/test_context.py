@@ -6,7 +6,7 @@ import pytest
 
 from labkit import ConfigError, ParallelConfig, theory, validate
 from labkit.checks import assert_matches, loss_errors
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
 from labkit.engines.parallel.context import ring_plan, zigzag_chunks, zigzag_index
 
 from conftest import TINY
@@ -23,8 +23,9 @@ def _ring_against_dense(cases):
     import torch.nn.functional as F
 
     from labkit.engines import runtime
-    from labkit.engines.mesh import Mesh, MeshLayout
+    from labkit.engines.mesh import Mesh
     from labkit.engines.parallel.context import Ring, zigzag_index
+    from labkit.plans.mesh import MeshLayout
 
     rank = runtime.current().rank
     errors = []

@@ -9,7 +9,7 @@ import torch
 from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
 from labkit.checks import assert_matches, loss_errors
 from labkit.engines import data
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.model import build_model
 from labkit.theory.experts import layer_activation_bytes

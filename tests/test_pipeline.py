@@ -6,7 +6,7 @@ import pytest
 
 from labkit import ParallelConfig, theory
 from labkit.checks import assert_matches
-from labkit.engines.parallel.schedules import plan
+from labkit.plans.schedules import plan
 
 from conftest import TINY
 

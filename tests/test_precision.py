@@ -6,7 +6,7 @@ import pytest
 
 from labkit import ConfigError, ParallelConfig, theory, validate
 from labkit.checks import assert_matches
-from labkit.engines.parallel.flat import padded, unit_plans
+from labkit.plans.flat import padded, unit_plans
 from labkit.theory import sharding
 
 from conftest import TINY

@@ -8,9 +8,8 @@ from fractions import Fraction
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.engines.parallel.schedules import (Action, Plan, ScheduleDeadlock, check, local_problems, plan,
-                                               with_comm)
-from labkit.engines.parallel.simulator import Costs, simulate
+from labkit.plans.schedules import Action, Plan, local_problems, plan, with_comm
+from labkit.plans.simulator import Costs, ScheduleDeadlock, check, simulate
 from labkit.theory import pipeline as tp
 
 PS = (2, 3, 4, 5, 8, 16, 64)
@@ -24,7 +23,7 @@ def exact_bubbles(sim) -> set[Fraction]:
 
 
 def test_schedule_module_does_not_import_torch():
-    code = ("import sys, labkit.engines.parallel.schedules, labkit.engines.parallel.simulator, labkit.theory;"
+    code = ("import sys, labkit.plans.schedules, labkit.plans.simulator, labkit.theory;"
             "assert 'torch' not in sys.modules, 'torch was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
 

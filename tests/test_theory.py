@@ -4,8 +4,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.theory.comm import torch_ddp_buckets
-from labkit.engines.parallel.buckets import plan_buckets
+from labkit.plans.buckets import plan_buckets, torch_ddp_buckets
 
 GB = 1e9
 

@@ -8,7 +8,7 @@ import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.config import problems
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
 from labkit.theory import comm as tcomm
 from labkit.theory.memory import rank_memory
 

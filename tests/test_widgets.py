@@ -14,7 +14,7 @@ import pytest
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, theory, validate
 from labkit.config import problems
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
 from labkit.theory.presets import PRESETS, PUBLISHED_PARAMS
 from labkit.widgets import Dashboard, MeshView, ScaleExplorer, figures
 from labkit.widgets.controls import DEGREES

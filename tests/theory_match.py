@@ -13,7 +13,8 @@ collectives are its implementation's, not compared here.
 from __future__ import annotations
 
 from labkit import ParallelConfig, theory
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
+from labkit.plans.schedules import plan
 from labkit.theory import activations
 
 STATES = ("params", "grads", "optimizer")
@@ -36,8 +37,6 @@ def routed(cfg, model) -> bool:
 def routing(rank_report, cfg, model) -> dict:
     """{(microbatch, chunk): [R of each MoE layer]} of this rank's last step: its forward combines
     in the order the rank ran its forwards (the schedule's F actions), layer by layer."""
-    from labkit.engines.parallel.schedules import plan
-
     elem = 2 if cfg.precision == "bf16" else 4
     layers = model.layers // (cfg.pp * (cfg.virtual_stages if cfg.pp > 1 else 1))
     if cfg.pp == 1:

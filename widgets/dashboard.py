@@ -24,8 +24,8 @@ import ipywidgets as W
 
 from labkit import theory
 from labkit.config import DIMS, ConfigError, ModelConfig, ParallelConfig, problems, validate
-from labkit.engines.mesh import COMBINED, MeshLayout
 from labkit.errors import Cancelled
+from labkit.plans.mesh import COMBINED, MeshLayout
 from labkit.widgets import figures
 from labkit.widgets.controls import DEGREES, config_of, make_controls, sync_options
 from labkit.widgets.live import UI, figure_widget, refresh

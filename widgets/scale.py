@@ -30,7 +30,7 @@ import plotly.graph_objects as go
 
 from labkit import theory
 from labkit.config import ModelConfig, ParallelConfig, problems
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
 from labkit.theory import comm as theory_comm
 from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF

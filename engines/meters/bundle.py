@@ -5,11 +5,13 @@ from contextlib import contextmanager
 
 import torch
 
+from labkit.config import DIMS
 from labkit.engines import runtime
-from labkit.engines.mesh import DIMS, Mesh
+from labkit.engines.mesh import Mesh
 from labkit.engines.meters.comm import CommMeter
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.meters.timeline import Timeline
+from labkit.plans.mesh import COMBINED
 
 
 def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
@@ -19,8 +21,6 @@ def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
     the dp groups, and are called 'dp'). Groups created by PyTorch itself (DTensor's or FSDP2's
     DeviceMesh) map by their ranks too.
     """
-    from labkit.engines.mesh import COMBINED
-
     out: dict[tuple[int, ...], str] = {}
     for dims in [(d,) for d in DIMS] + [mesh.layout.canonical(c) for c in COMBINED]:
         for g in mesh.layout.groups(*dims):

@@ -14,13 +14,13 @@ through Python: 35-130% slower steps on the lab's models, measured. It is kept a
 `CommAudit`, which the tests run beside this meter to prove it missed nothing.)
 
 What it records, per op (a plain dict, see labkit.results.CommEvent): op, dim (the mesh
-dimension whose group it ran on), group ranks, numel, dtype, payload bytes (B: the logical
-full tensor), wire bytes this rank sends under the ring model, a sequence number per group,
-start/end on the run's clock, and the phase of the step. An op is 'left' when its Work
-completes (a future callback), or for works without a future (gloo's reduce-scatter), when
-the meter next finds it completed; entered-but-not-left ops are what the hang diagnosis reads.
-An op whose Work fails (a peer died, gloo's timeout) is never 'left': it keeps end None and
-gets an 'error'. Each event also names its process group ('pg'): the sequence numbers count
+dimension whose group it ran on), group ranks, numel, dtype, payload bytes (B: the logical full
+tensor), wire bytes this rank sends under the ring model (labkit/plans/wire.py), a sequence
+number per group, start/end on the run's clock, and the phase of the step. An op is 'left' when
+its Work completes (a future callback), or for works without a future (gloo's reduce-scatter),
+when the meter next finds it completed; entered-but-not-left ops are what the hang diagnosis
+reads. An op whose Work fails (a peer died, gloo's timeout) is never 'left': it keeps end None
+and gets an 'error'. Each event also names its process group ('pg'): the sequence numbers count
 per process group, so the diagnosis compares ranks' ops only within one group.
 
 The meter of a Lab job is the job's collective log (engines/runtime.py): on from the job's first
@@ -33,24 +33,9 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
 
-# Ring-model bytes one rank sends, B = bytes of the full (logical) tensor, n = group size.
-# DESIGN.md section 4. Gloo runs some of these differently on the wire (reduce-scatter as an
-# all-reduce); we count the algorithm, not gloo's traffic.
-WIRE = {
-    "all_reduce": lambda B, n: 2 * (n - 1) / n * B,
-    "all_gather": lambda B, n: (n - 1) / n * B,
-    "reduce_scatter": lambda B, n: (n - 1) / n * B,
-    "all_to_all": lambda B, n: (n - 1) / n * B,
-    "broadcast": lambda B, n: (n - 1) / n * B,
-    "reduce": lambda B, n: (n - 1) / n * B,
-    "scatter": lambda B, n: (n - 1) / n * B,    # at the root; the others send nothing
-    "gather": lambda B, n: B / n,               # from each non-root; the root sends nothing
-    "send": lambda B, n: B,
-    "recv": lambda B, n: 0,
-    "barrier": lambda B, n: 0,
-    "new_group": lambda B, n: 0,    # group creation, logged by the runtime (not a transfer)
-}
+from labkit.plans.wire import WIRE
 
 
 def _nb(t) -> int:
@@ -306,8 +291,7 @@ class CommAudit:
     desugars them first and the mode sees the collectives they turn into."""
 
     def __init__(self):
-        from torch.distributed.tensor import DTensor
-        from torch.utils._python_dispatch import TorchDispatchMode
+        from torch.distributed.tensor import DTensor   # deferred: the DTensor package is heavy, tests only
 
         counts: dict[str, int] = {}
 

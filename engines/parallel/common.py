@@ -19,8 +19,7 @@ from typing import Protocol
 
 import torch
 
-DATA_DIMS = ("dp", "ep", "cp")
-"""Dims whose ranks see different tokens: dense gradients are summed over them."""
+from labkit.plans.mesh import DATA_DIMS
 
 
 class GradSync(Protocol):

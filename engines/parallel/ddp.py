@@ -19,9 +19,9 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, torch_adamw
-from labkit.engines.parallel.buckets import plan_groups
 from labkit.engines.parallel.common import param_piece, reduce_dims, weak_method
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
+from labkit.plans.buckets import plan_groups
 
 
 class _Bucket:
@@ -46,7 +46,7 @@ def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
     """Buckets (parameter indices) in launch order: parameters are grouped by the dims their
     gradient is reduced over (`_lk_reduce`) and by pipeline chunk (`_lk_chunk`: a chunk's
     buckets can go as soon as its last backward is over), each group bucketed in reverse order
-    (buckets.py), and the buckets of all groups launched by their last parameter, latest
+    (plans/buckets.py), and the buckets of all groups launched by their last parameter, latest
     first — the order backward produces them. The same on every rank that holds the same
     parameters."""
     sizes = [p.numel() * p.element_size() for p in params]

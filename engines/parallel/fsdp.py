@@ -23,9 +23,11 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import DATA_DIMS, piece
+from labkit.engines.parallel.common import piece
 from labkit.engines.parallel.zero import ZeRO3
 from labkit.engines.precision import Policy
+from labkit.plans.mesh import DATA_DIMS
+from labkit.plans.tensor import shard_box
 
 
 def apply_fsdp(model: nn.Module, mesh, cfg, pol: Policy, optim: OptimConfig, meters, loss_shards: int):
@@ -141,8 +143,6 @@ class TorchFSDP:
 def _tp_box(p: torch.Tensor, mesh) -> list[list[int]]:
     """[start, stop) per dim of the slice this tp rank holds of a DTensor TP parameter (the whole
     tensor for a plain one or a Replicate one)."""
-    from labkit.engines.parallel.tensor_plan import shard_box
-
     shards = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
     if not shards:
         return [[0, d] for d in p.shape]

@@ -1,30 +1,31 @@
 """Pipeline parallelism (labkit's own): the layers split into stages that pass activations.
 
-The model's blocks are split evenly over pp·v virtual stages (schedules.chunk_layers); the
-embedding lives on the first, the final norm, LM head and loss on the last. Each rank keeps
+The model's blocks are split evenly over pp·v virtual stages (plans.schedules.chunk_layers);
+the embedding lives on the first, the final norm, LM head and loss on the last. Each rank keeps
 its v chunks (`Chunk`), whose parameters keep their names in the full model (`_lk_name`), so
 DDP, clipping and the reference check work unchanged; `_lk_chunk` tells DDP which chunk a
 parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
 that chunk's last backward is over.
 
-The schedule is data (schedules.plan): this rank's ordered list of F / B / send / recv actions.
-`PipelineExecutor` runs any such list. Deadlock freedom comes from two rules: (1) every send
-is posted asynchronously (isend) the moment its tensor exists and only waited for at the end
-of the step, so a send never blocks; (2) a receive blocks right before the compute that needs
-it. Then the only waits are receives, and a set of lists completes iff the simulator (which
-models exactly these rules) completes it — so the plan is simulated first, and a plan that
-would hang is refused with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
+The schedule is data (plans.schedules.plan): this rank's ordered list of F / B / send / recv
+actions. `PipelineExecutor` runs any such list. Deadlock freedom comes from two rules: (1) every
+send is posted asynchronously (isend) the moment its tensor exists and only waited for at the
+end of the step, so a send never blocks; (2) a receive blocks right before the compute that
+needs it. Then the only waits are receives, and a set of lists completes iff the simulator
+(which models exactly these rules) completes it — so the plan is simulated first, and a plan
+that would hang is refused with the ranks' stuck actions (ScheduleDeadlock) before anything
+runs.
 """
 from __future__ import annotations
 
 import torch
-
-from labkit.engines.parallel.common import on_device
 import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.engines.model import aux_loss
-from labkit.engines.parallel.schedules import Plan, ScheduleDeadlock, chunk_layers, check, plan, stage_of
+from labkit.engines.parallel.common import on_device
+from labkit.plans.schedules import Plan, chunk_layers, plan, stage_of
+from labkit.plans.simulator import ScheduleDeadlock, check
 
 
 class Chunk(nn.Module):

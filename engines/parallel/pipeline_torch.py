@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import DATA_DIMS, param_piece
-from labkit.engines.parallel.schedules import stage_of
+from labkit.engines.parallel.common import param_piece
+from labkit.plans.mesh import DATA_DIMS
+from labkit.plans.schedules import stage_of
 
 
 def _schedule_class(name: str):

@@ -1,5 +1,5 @@
 """The optimizer side of sharded data parallelism (ZeRO, FSDP): flat buffers as tensors, and the
-master slice, AdamW, global norm and pieces of the slice a rank owns (layout: flat.py)."""
+master slice, AdamW, global norm and pieces of the slice a rank owns (layout: plans/flat.py)."""
 from __future__ import annotations
 
 import torch
@@ -8,7 +8,7 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
 from labkit.engines.parallel.common import full_name, norm_plan, piece, reduce_dims
-from labkit.engines.parallel.flat import FlatPlan
+from labkit.plans.flat import FlatPlan
 
 
 def flatten(plan: FlatPlan, params: dict[str, nn.Parameter], dtype=torch.float32) -> torch.Tensor:
@@ -30,7 +30,7 @@ def bind(plan: FlatPlan, params: dict[str, nn.Parameter], flat: torch.Tensor, gr
 
 
 def entries(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, tuple, tuple, int]]:
-    """(full name, local shape, reduce dims, pipeline chunk) of each parameter, as flat.py plans take them."""
+    """(full name, local shape, reduce dims, pipeline chunk) of each parameter, as plans/flat.py takes them."""
     return [(full_name(p, n), tuple(p.shape), reduce_dims(p), getattr(p, "_lk_chunk", 0)) for n, p in named]
 
 
@@ -46,7 +46,7 @@ def plan_group(mesh, plan: FlatPlan):
 
 class Shards:
     """This rank's slice of every flat buffer on the optimizer side: the master weights (fp32),
-    AdamW over them with the decay mask as runs (flat.py), the global norm and the pieces.
+    AdamW over them with the decay mask as runs (plans/flat.py), the global norm and the pieces.
 
     `params` (full name -> parameter) gives what the norm and the pieces need to know of each
     parameter: whether this rank counts it in the norm (norm_plan), and where its local tensor

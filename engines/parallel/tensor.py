@@ -25,10 +25,10 @@ layers keep their gathered input for backward; Megatron keeps the s/t shard and 
 it again in backward, trading two more all-gathers per layer for 2bsh(1 - 1/t) bytes
 (labkit/theory/tensor.py gives both).
 
-MoE layers are replicated over tp (tensor_plan.py says why): no f or g around them, and under
+MoE layers are replicated over tp (ARCHITECTURE.md says why): no f or g around them, and under
 SP an all-gather in (`GatherReplicated`) and a slice out (`Split`).
 
-The plan (tensor_plan.py) is data; `apply_tp` walks it.
+The plan (plans/tensor.py) is data; `apply_tp` walks it.
 """
 from __future__ import annotations
 
@@ -38,8 +38,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config import ParallelConfig
-from labkit.engines.parallel.common import DATA_DIMS
-from labkit.engines.parallel.tensor_plan import local_param, tp_plan
+from labkit.plans.mesh import DATA_DIMS
+from labkit.plans.tensor import local_param, tp_plan
 
 
 # -- collectives along the sequence (dim 1 of (b, s, h)) ------------------------------------
@@ -271,7 +271,7 @@ def apply_tp(model: nn.Module, mesh, cfg: ParallelConfig) -> tuple[nn.Module, di
         elif kind == "input":
             enter = ops[style["input"]]
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
-        elif kind == "replicate" and "input" in style:   # an MoE layer under SP (tensor_plan.py)
+        elif kind == "replicate" and "input" in style:   # an MoE layer under SP (plans/tensor.py)
             enter, leave = ops[style["input"]], ops[style["output"]]
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
             module.register_forward_hook(lambda _m, _args, out, leave=leave: leave(out))

@@ -2,7 +2,7 @@
 Memory Optimizations Toward Training Trillion Parameter Models", SC 2020, section 5).
 
 Every data rank sees different samples, as in DDP, but the model states are split N ways
-instead of replicated. Parameters live in flat buffers (flat.py: padded to a multiple of N,
+instead of replicated. Parameters live in flat buffers (plans/flat.py: padded to a multiple of N,
 rank i owns slice i), and rank i keeps the fp32 master weights and Adam moments of its slices
 only, so its optimizer updates exactly those elements — element for element the update that
 AdamW (engines/optim.py) makes on the full tensors.
@@ -35,9 +35,9 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.parallel.common import full_name, weak_method
-from labkit.engines.parallel.flat import FlatPlan, bucket_plans, unit_plans
 from labkit.engines.parallel.shards import Shards, bind, entries, flatten, group_sizes, plan_group
 from labkit.engines.precision import Policy
+from labkit.plans.flat import FlatPlan, bucket_plans, unit_plans
 
 
 class ZeRO12:
@@ -49,7 +49,7 @@ class ZeRO12:
     The reduced slice lands in this rank's gradient shard (compute dtype).
 
     Composed with tp / pp / ep / cp, each bucket holds parameters of one reduce group and one
-    pipeline chunk (flat.py) and is sharded over that group; stage 1 reduces a chunk's buckets
+    pipeline chunk (plans/flat.py) and is sharded over that group; stage 1 reduces a chunk's buckets
     as soon as its last backward is over, as DDP does. Stage 1 under bf16 with several
     microbatches sums their gradients in the bucket's fp32 buffer as they arrive, as DDP does
     (ddp.py says why)."""
@@ -226,14 +226,14 @@ class _Unit:
 
 class ZeRO3:
     """ZeRO stage 3 / FSDP (ours; GradSync): parameters, gradients and optimizer state sharded, a
-    unit's parameters gathered just before it runs. `kind` picks the units (flat.py): 'zero3' the
+    unit's parameters gathered just before it runs. `kind` picks the units (plans/flat.py): 'zero3' the
     embedding, each block and the head; 'fsdp' each block plus the root. With reshard=False
     (FSDP's reshard_after_forward off) forward's gather is kept for backward: one all-gather per
     unit instead of two (ZeRO-2's traffic), the whole model gathered at the end of forward.
 
     Composed with tp / ep / cp, a unit holds this rank's slices, and a module whose parameters
     are reduced over different groups (experts over dp-cp, SP LayerNorms over dp-ep-cp-tp) has
-    one unit per group, each sharded over its own group (flat.py)."""
+    one unit per group, each sharded over its own group (plans/flat.py)."""
 
     def __init__(self, model: nn.Module, mesh, kind: str, reshard: bool, pol: Policy, optim: OptimConfig,
                  meters, loss_shards: int):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig, problems
-from labkit.engines.mesh import MeshLayout
+from labkit.plans.mesh import MeshLayout
 from labkit.theory import comm as _comm
 from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes, rank_memory
 from labkit.theory.model import active_params, num_params, param_shapes

@@ -6,7 +6,7 @@ layer), with the sequence a rank holds s/cp (context.py). This module puts them 
 pipeline chunk and walks the schedule:
 
   chunk      its blocks, plus the embedding on virtual stage 0 and the head on the last;
-             under TP an MoE layer is replicated over tp (tensor_plan.py), so it keeps what
+             under TP an MoE layer is replicated over tp (plans/tensor.py), so it keeps what
              it keeps without TP, for all s/cp tokens of its sequence
   precision  activations in the compute dtype (LayerNorm statistics too, on the CPU); the
              attention log-sum-exp, the router probabilities and the loss's softmax in fp32
@@ -27,9 +27,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.engines.parallel.schedules import chunk_layers, plan, stage_of
-
-ELEM = {"fp32": 4, "bf16": 2}
+from labkit.plans.precision import ELEM
+from labkit.plans.schedules import chunk_layers, plan, stage_of
 
 
 def micro_rows(cfg: ParallelConfig) -> int:

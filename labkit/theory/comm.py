@@ -1,39 +1,13 @@
 """Communication per rank: every collective a layout issues in one (steady-state) step, with the
-same op names, dims and ring-model wire bytes the comm meter records (DESIGN.md section 4)."""
+same op names, dims and ring-model wire bytes the comm meter records (labkit/plans/wire.py)."""
 from __future__ import annotations
 
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.engines.mesh import MeshLayout
-from labkit.engines.parallel.buckets import plan_groups
-
-# ring model, B = bytes of the full tensor, n = group size (same table as the engines' meter)
-WIRE = {
-    "all_reduce": lambda B, n: 2 * (n - 1) / n * B,
-    "all_gather": lambda B, n: (n - 1) / n * B,
-    "reduce_scatter": lambda B, n: (n - 1) / n * B,
-    "all_to_all": lambda B, n: (n - 1) / n * B,
-    "broadcast": lambda B, n: (n - 1) / n * B,
-    "send": lambda B, n: B,
-    "recv": lambda B, n: 0,
-}
-
-
-def torch_ddp_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
-    """PyTorch DDP's rebuilt buckets (from iteration 2 on, with an explicit bucket_cap_mb):
-    gradients in ready order (~ reverse registration), a bucket closes once it reaches the cap."""
-    buckets, current, filled = [], [], 0
-    for i in reversed(range(len(sizes_bytes))):
-        current.append(i)
-        filled += sizes_bytes[i]
-        if filled >= cap_bytes:
-            buckets.append(current)
-            current, filled = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
-
+from labkit.plans.buckets import plan_groups, torch_ddp_buckets
+from labkit.plans.mesh import MeshLayout
+from labkit.plans.wire import WIRE
 
 class Comm:
     """Accumulates predicted ops as rows {rank, dim, op, calls, payload_bytes, wire_bytes}.

@@ -3,7 +3,7 @@ contributes its rule, in the order engines/parallelize.py applies the strategies
 
     pipeline (pp)   which chunks and layers the rank keeps     theory/pipeline.py chunk_params
     experts (ep)    E/ep experts of every MoE layer            theory/experts.py local_shapes
-    tensor (tp)     the plan's slice of each matrix            engines/parallel/tensor_plan.py
+    tensor (tp)     the plan's slice of each matrix            labkit/plans/tensor.py
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple
     """Per pipeline chunk of rank `pp_rank`: (name, local shape, dims its gradient is summed over)
     of each parameter, in registration order. Every rank at one pipeline coordinate holds the same
     shapes (the splits are even), so an estimate at scale computes this once per coordinate."""
-    from labkit.engines.parallel.tensor_plan import local_param, tp_plan
+    from labkit.plans.tensor import local_param, tp_plan
     from labkit.theory import experts, pipeline
 
     plan = tp_plan(model, cfg.sequence_parallel) if cfg.tp > 1 else None
@@ -42,14 +42,14 @@ def rank_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> i
 
 def rank_entries(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[tuple[str, tuple, tuple, int]]:
     """(name, local shape, reduce dims, pipeline chunk) of every parameter a rank holds: what
-    the flat-buffer plans of ZeRO / FSDP take (engines/parallel/flat.py)."""
+    the flat-buffer plans of ZeRO / FSDP take (labkit/plans/flat.py)."""
     return [(n, s, d, c) for c, chunk in enumerate(chunk_params(cfg, model, pp_rank)) for n, s, d in chunk]
 
 
 def stage_layers(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[int, bool, bool]:
     """(blocks a rank at pipeline coordinate `pp_rank` holds, whether it holds the embedding
     (virtual stage 0), whether it holds the head (the last virtual stage))."""
-    from labkit.engines.parallel.schedules import stage_of
+    from labkit.plans.schedules import stage_of
 
     if cfg.pp == 1:
         return model.layers, True, True

@@ -2,7 +2,7 @@
 
 Bubble: GPipe (Huang et al., NeurIPS 2019) and 1F1B (Narayanan et al., SC 2021, section 2.1)
 idle (p-1)/(m+p-1) of the step; interleaved 1F1B with v chunks per rank (ibid., section 2.2)
-(p-1)/(v·m+p-1). The schedules themselves (engines/parallel/schedules.py, pure) and their
+(p-1)/(v·m+p-1). The schedules themselves (labkit/plans/schedules.py) and their
 simulator give the same numbers from the action lists, and also for measured costs.
 
 Activations in flight on pipeline rank r (ibid., section 2.1): GPipe keeps all m microbatches
@@ -24,11 +24,9 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.engines.parallel.schedules import chunk_layers, plan, stage_of
+from labkit.plans.precision import ELEM
+from labkit.plans.schedules import chunk_layers, plan, stage_of
 from labkit.theory.model import param_shapes
-
-ELEM = {"fp32": 4, "bf16": 2}
-"""The executor passes activations and gradients in the compute dtype."""
 
 
 def bubble_fraction(p: int, m: int, v: int = 1) -> float:
@@ -143,9 +141,9 @@ def costs_from_result(result, step: int = -1) -> dict:
 
 
 def simulated(cfg: ParallelConfig, costs: dict | None = None, schedule: str | None = None):
-    """The simulator's ideal timeline of `cfg`'s schedule (engines/parallel/simulator.py): unit
+    """The simulator's ideal timeline of `cfg`'s schedule (labkit/plans/simulator.py): unit
     costs by default, or measured ones (`costs_from_result(result)`). Pure; a Simulation."""
-    from labkit.engines.parallel.simulator import Costs, simulate
+    from labkit.plans.simulator import Costs, simulate
 
     pl = plan(schedule or cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     return simulate(pl, Costs(**costs) if costs else Costs())

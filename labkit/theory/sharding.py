@@ -2,7 +2,7 @@
 
 Model states follow the ZeRO paper's accounting (Rajbhandari et al., SC 2020, section 5 and
 figure 1; memory.model_state_bytes gives the paper's formulas), here exactly as the lab lays
-them out: every flat buffer is padded to a multiple of N (engines/parallel/flat.py), so with
+them out: every flat buffer is padded to a multiple of N (labkit/plans/flat.py), so with
 P = Σ padded buffer sizes and S = P / N elements per rank, e bytes per compute element and
 K = 8 (fp32: Adam's two moments) or 12 (bf16: fp32 master + moments),
 
@@ -13,7 +13,7 @@ PyTorch's FSDP2 pads each parameter on dim 0 instead (rows split in chunks of ce
 keeps fp32 sharded parameters and gradients whatever the compute dtype (4 + 4 + 8 per element;
 parameters and gradients in padded storage, Adam's moments only for the rows a rank holds).
 
-Composed layouts (engines/parallel/flat.py): a rank's buffers hold its own parameters (TP
+Composed layouts (labkit/plans/flat.py): a rank's buffers hold its own parameters (TP
 slices, E/ep experts, its pipeline chunks), one buffer per reduce group (and chunk), each
 sharded over that group: N is the buffer's group size (dp·ep·cp for dense weights, dp·cp for
 experts under ep, dp·ep·cp·tp for sequence-parallel LayerNorms), so P and S above are sums
@@ -33,14 +33,9 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.engines.parallel.flat import FlatPlan, bucket_plans, unit_of, unit_plans
+from labkit.plans.flat import FlatPlan, bucket_plans, unit_of, unit_plans
+from labkit.plans.precision import ELEM, REDUCE
 from labkit.theory.params import rank_entries
-
-DATA_DIMS = ("dp", "ep", "cp")
-ELEM = {"fp32": 4, "bf16": 2}
-"""Bytes per compute element (parameters, gradients, activations, gathered parameters)."""
-REDUCE = 4
-"""Bytes per element of a gradient reduction: fp32 in both precisions (engines/precision.py)."""
 
 
 def group_size(cfg: ParallelConfig, dims) -> int:

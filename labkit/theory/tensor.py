@@ -1,7 +1,7 @@
 """Tensor and sequence parallelism, predicted: parameters per rank, activations saved for
 backward, and wire bytes per collective (labkit's implementation, engines/parallel/tensor.py).
 
-Parameters: the plan (engines/parallel/tensor_plan.py, the same table the engines execute)
+Parameters: the plan (labkit/plans/tensor.py, the same table the engines execute)
 splits every weight matrix, the token table and the LM head over tp; LayerNorms and the
 position embedding stay whole on every rank.
 
@@ -18,7 +18,7 @@ residual stream a rank holds), per block, act bytes per element:
 head: bs'h + bsh (norm input, gathered output) + 2bs' (stats) + 4bsV/t (fp32 softmax of the
 vocab-parallel loss) + 8bs (local target ids) + bs (bool: target on another rank)
 embedding: 8bs (local token ids) + bs (bool mask) + 8s (positions).
-An MoE layer is replicated over tp (tensor_plan.py): in place of the 2bsf/t it keeps what
+An MoE layer is replicated over tp (plans/tensor.py): in place of the 2bsf/t it keeps what
 experts.layer_activation_bytes lists for all s tokens (its input is the LayerNorm output
 above, gathered under SP).
 Korthikanti et al. (2022), table 2 count a different block (dropout, stored softmax): sbh(10 +
@@ -48,10 +48,9 @@ from __future__ import annotations
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.engines.parallel.tensor_plan import local_param, tp_plan
+from labkit.plans.mesh import DATA_DIMS
+from labkit.plans.tensor import local_param, tp_plan
 from labkit.theory.model import param_shapes
-
-DATA_DIMS = ("dp", "ep", "cp")
 
 
 def rank_params(cfg: ParallelConfig, model: ModelConfig) -> list[tuple[str, tuple[int, ...], tuple[str, ...]]]:

@@ -1,8 +1,8 @@
 """Pipeline schedules as data: for each pipeline rank, the ordered list of actions it performs.
 
-Pure Python (no torch): the executor (pipeline.py), the simulator (simulator.py), the theory
-(labkit/theory/pipeline.py) and the widgets all read the same lists. (engines/schedules.py is
-something else: the pp == 1 gradient-accumulation loop.)
+Pure Python (no torch): the executor (engines/parallel/pipeline.py), the simulator
+(simulator.py), the theory (labkit/theory/pipeline.py) and the widgets all read the same lists.
+(engines/schedules.py is something else: the pp == 1 gradient-accumulation loop.)
 
 An action is a forward `F`, a backward `B` (or, split as in zero-bubble schedules, an
 input-gradient `B` and a weight-gradient `W`) of microbatch `mb` on local chunk `chunk`, or a
@@ -196,7 +196,8 @@ def plan(schedule: str, p: int, m: int, v: int = 1) -> Plan:
 def local_problems(pl: Plan) -> list[str]:
     """What each rank's own list gets wrong: every (mb, chunk) has one F then one B (then one W
     if backward is split); a receive before the compute that needs it, a send after the one that
-    produced it, to and from the right peers. (Cross-rank ordering is the simulator's job.)"""
+    produced it, to and from the right peers. (Cross-rank ordering is the simulator's job:
+    simulator.check runs both.)"""
     out = []
     last = pl.p * pl.v - 1
     for r, acts in enumerate(pl.actions):
@@ -232,24 +233,3 @@ def local_problems(pl: Plan) -> list[str]:
                 if not want <= have:
                     out.append(f"rank {r}: microbatch {i} chunk {c} lacks {sorted(want - have)}")
     return out
-
-
-def check(pl: Plan) -> list[str]:
-    """Every problem of a plan: local ordering, unmatched messages and deadlock (by simulation
-    with zero costs). Empty when the plan is safe to run."""
-    from labkit.engines.parallel.simulator import simulate
-
-    found = local_problems(pl)
-    if found:
-        return found
-    sim = simulate(pl)
-    return sim.problems
-
-
-class ScheduleDeadlock(RuntimeError):
-    """A plan that would hang (or is malformed); raised before any rank runs it."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("pipeline schedule refused, it would not complete:\n" +
-                         "\n".join(f"  - {p}" for p in problems[:20]))

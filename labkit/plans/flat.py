@@ -1,34 +1,15 @@
-"""Flat buffers for sharded data parallelism: which parameters share one, in what order, and how
-it is cut into shards. Pure Python (the theory reads the same plans the engines run).
-
-ZeRO (Rajbhandari et al., SC 2020, section 5) and FSDP (Zhao et al., VLDB 2023, section 3.2)
-both lay a group of parameters end to end in one flat buffer and give rank i of the N data
-ranks the i-th of N equal slices. To make the slices equal the buffer is padded with zeros at
-its end, up to the next multiple of N: the padding rule for every flat buffer here is
+"""Flat buffers for sharded data parallelism (ZeRO, Rajbhandari et al., SC 2020, section 5;
+FSDP, Zhao et al., VLDB 2023, section 3.2): which parameters share one, in what order, and how
+it is cut into N equal shards, rank i holding the i-th. Pure Python: the engines' ZeRO / FSDP
+(engines/parallel/zero.py, shards.py) build these plans and the theory counts their bytes.
 
     padded = ceil(numel / N) * N,    shard = padded / N   (elements per rank, padding included)
 
-Padding is never a parameter: its gradient is zero, the norm skips it, the update leaves it 0.
-
-Within a buffer the matrices (the tensors that weight decay applies to, engines/optim.py:
-`decays`) come first and the vectors (LayerNorm) after them, so a rank's slice is at most two
-runs — decayed, then not — and AdamW runs on the flat slices with a decay flag per run: the
-decay mask, as two ranges, costs no memory.
-
-Two ways to group parameters:
-  buckets  (ZeRO-1/2): DDP's bucket plan (buckets.py, by gradient bytes), one flat buffer each;
-  units    (ZeRO-3/FSDP): one flat buffer per module that is gathered as a whole just before it
-           runs — the embedding, each block, the head (zero3); or each block plus a root unit
-           holding everything else (fsdp, like FSDP2's fully_shard per block and on the model).
-
-Composed with other strategies, a buffer holds this rank's parameters as they left them (TP
-slices, E/ep experts, a pipeline stage's chunks), and one buffer only ever holds parameters
-whose gradients are reduced over the same mesh dims (`_lk_reduce`: dense dp-ep-cp, experts
-dp-cp, sequence-parallel LayerNorms dp-ep-cp-tp), because those are the ranks that hold the
-same values: a buffer is sharded over exactly its reduction group (`FlatPlan.dims`), so its
-reduce-scatter is the gradient reduction itself, as Megatron-LM's distributed optimizer shards
-over dp x cp and its expert-data-parallel group. Buckets are also split by pipeline chunk,
-as DDP's are. Entries are (name, shape) — whole-model data parallelism, dims dp-ep-cp — or
+Matrices come first in a buffer, vectors after, so a shard's weight-decay mask is two runs.
+Two groupings: `bucket_plans` (ZeRO-1/2, DDP's buckets) and `unit_plans` (ZeRO-3 / FSDP, one
+buffer per module gathered as a whole). A buffer only holds parameters reduced over the same
+dims and is sharded over exactly that group (`FlatPlan.dims`); ARCHITECTURE.md says why.
+Entries are (name, shape) — whole-model data parallelism, dims dp-ep-cp — or
 (name, shape, dims) or (name, shape, dims, chunk); `n` is one group size or {dims: size}.
 """
 from __future__ import annotations
@@ -36,9 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from labkit.engines.parallel.buckets import plan_groups
-
-DATA_DIMS = ("dp", "ep", "cp")
+from labkit.plans.buckets import plan_groups
+from labkit.plans.mesh import DATA_DIMS
 
 
 def padded(numel: int, n: int) -> int:

@@ -1,32 +1,8 @@
-"""The tensor-parallel plan as data: module name -> style. Pure Python (no torch), so the
-executor (tensor.py), the theory (labkit/theory/tensor.py) and a widget read the same table.
-
-Styles (Shoeybi et al. 2019, section 3; Korthikanti et al. 2022, section 4.2.2 for SP):
-  colwise    weight rows (output features) split over tp: Y_i = X A_i, no communication
-  rowwise    weight columns (input features) split: partial Y = X_i B_i, then `output`
-  vocab      an embedding table / LM head split along the vocabulary
-  input      what the module's input goes through first, once for all its colwise layers
-             (attention: wq, wk, wv share one): 'copy' (the paper's f: identity forward,
-             all-reduce backward) or, with sequence parallelism, 'all-gather' along the sequence
-  replicate  every tp rank holds the whole parameter and computes the same values
-  sequence   replicated parameters applied to this rank's s/tp positions (LayerNorm, position
-             embedding under SP): the gradient is partial per tp rank and summed over tp
-`output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
-(SP: the sum lands sequence-sharded). The LM head's output is the vocab-parallel
-cross-entropy, whose two small all-reduces (max, then sum-exp with the target logit) replace
-gathering (b, s, V) logits.
-
-MoE layers (experts > 0) are replicated over tp: the router and every expert whole on each tp
-rank, which routes all the tokens of its sequence and computes the same output as its peers
-(the experts are split by expert parallelism instead, as DeepSeek-V3 and Megatron-Core's
-default expert_tensor_parallel_size=1 do). The block then needs neither f nor g: its input
-and its input's gradient are replicated already, so the parameters' gradients are whole and
-equal on every tp rank (`_lk_replicas=('tp',)`, no tp reduction). Under SP its input is
-all-gathered along the sequence with the *split* backward ('all-gather-replicated': the
-gradient of a replicated computation is the same on every rank, so each keeps its rows;
-Megatron's gather_from_sequence_parallel_region(tensor_parallel_output_grad=False)) and its
-output is cut to this rank's rows ('split': no communication forward, an all-gather backward;
-Megatron's scatter_to_sequence_parallel_region).
+"""The tensor-parallel plan as data: module name -> style (Shoeybi et al. 2019, section 3;
+Korthikanti et al. 2022, section 4.2.2 for SP). The executor (engines/parallel/tensor.py,
+tensor_torch.py), the theory (labkit/theory/params.py, tensor.py) and the notebooks read this
+one table. The styles are listed at `tp_plan`; why an MoE layer is replicated over tp, and what
+its 'all-gather-replicated' input and 'split' output are, is in ARCHITECTURE.md.
 """
 from __future__ import annotations
 
@@ -34,7 +10,19 @@ from labkit.config import ModelConfig
 
 
 def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, dict]:
-    """Module name -> style dict for the lab GPT (engines/model.py)."""
+    """Module name -> style dict for the lab GPT (engines/model.py). Styles:
+      colwise    weight rows (output features) split over tp: Y_i = X A_i, no communication
+      rowwise    weight columns (input features) split: partial Y = X_i B_i, then `output`
+      vocab      an embedding table / LM head split along the vocabulary
+      input      what the module's input goes through first, once for all its colwise layers
+                 (attention: wq, wk, wv share one): 'copy' (the paper's f: identity forward,
+                 all-reduce backward) or, with sequence parallelism, 'all-gather' along the sequence
+      replicate  every tp rank holds the whole parameter and computes the same values
+      sequence   replicated parameters applied to this rank's s/tp positions (LayerNorm, position
+                 embedding under SP): the gradient is partial per tp rank and summed over tp
+    `output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
+    (SP: the sum lands sequence-sharded); the LM head's is the vocab-parallel cross-entropy, whose
+    two small all-reduces (max, then sum-exp with the target logit) replace gathering (b, s, V)."""
     enter = {"style": "input", "input": "all-gather" if sequence_parallel else "copy"}
     leave = "reduce-scatter" if sequence_parallel else "all-reduce"
     norm = {"style": "sequence" if sequence_parallel else "replicate"}
@@ -50,7 +38,7 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, di
             plan[b + f"attn.{w}"] = {"style": "colwise", "shard_dim": 0}   # whole heads per rank
         plan[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
         plan[b + "ln2"] = dict(norm)
-        if model.experts:   # replicated over tp (module docstring)
+        if model.experts:   # replicated over tp, split by ep instead (ARCHITECTURE.md)
             plan[b + "mlp"] = ({"style": "replicate", "input": "all-gather-replicated", "output": "split"}
                                if sequence_parallel else {"style": "replicate"})
             plan[b + "mlp.router"] = {"style": "replicate"}

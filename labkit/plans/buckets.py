@@ -1,8 +1,10 @@
-"""Gradient buckets: which parameters are reduced together. Pure Python (the theory uses it).
+"""Gradient buckets: which parameters are reduced together, for labkit's DDP and ZeRO-1/2
+(`plan_buckets`, `plan_groups`) and for PyTorch's DDP (`torch_ddp_buckets`, which the theory
+predicts). Pure Python: the engines bucket by these rules and the theory reads the same ones.
 
-Parameters are taken in reverse registration order — roughly the order backward produces
-their gradients — and packed greedily into buckets of at most `cap_bytes` (a parameter larger
-than the cap gets a bucket of its own). This is PyTorch DDP's rule (Li et al., "PyTorch
+labkit's rule: parameters in reverse registration order — roughly the order backward produces
+their gradients — packed greedily into buckets of at most `cap_bytes` (a parameter larger than
+the cap gets a bucket of its own). This is PyTorch DDP's rule (Li et al., "PyTorch
 Distributed", VLDB 2020, section 3.2.3) without its smaller first bucket.
 """
 from __future__ import annotations
@@ -36,3 +38,19 @@ def plan_groups(sizes_bytes: list[int], keys: list, cap_bytes: int) -> list[tupl
     for k, idx in groups.items():
         out += [(k, [idx[j] for j in b]) for b in plan_buckets([sizes_bytes[i] for i in idx], cap_bytes)]
     return sorted(out, key=lambda kb: -kb[1][0])
+
+
+def torch_ddp_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+    """PyTorch DDP's rebuilt buckets (from iteration 2 on, with an explicit bucket_cap_mb):
+    gradients in ready order (~ reverse registration), a bucket closes once it reaches the cap
+    (PyTorch closes a bucket after the parameter that fills it; labkit's rule before it)."""
+    buckets, current, filled = [], [], 0
+    for i in reversed(range(len(sizes_bytes))):
+        current.append(i)
+        filled += sizes_bytes[i]
+        if filled >= cap_bytes:
+            buckets.append(current)
+            current, filled = [], 0
+    if current:
+        buckets.append(current)
+    return buckets

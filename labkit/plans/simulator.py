@@ -9,14 +9,15 @@ answer whatever order the ranks are stepped in. With `blocking_sends=True` a sen
 until the peer reaches the matching receive (a rendezvous, as a blocking gloo/NCCL send of a
 large tensor): the naive 1F1B list then deadlocks, which is why the executor posts its sends
 asynchronously. When no rank can move and some have actions left, the plan would hang: the
-result lists what each stuck rank waits for, and nothing is run.
+result lists what each stuck rank waits for, and nothing is run. `check` is what the executor
+asks before it runs a plan: the plan's local mistakes (schedules.local_problems), then this.
 """
 from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
 
-from labkit.engines.parallel.schedules import COMPUTE, Plan, stage_of
+from labkit.plans.schedules import COMPUTE, Plan, local_problems, stage_of
 
 
 @dataclass(frozen=True)
@@ -164,3 +165,21 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
         sim.per_rank = {r: (1.0 - busy[r] / (t1 - t0)) if t1 > t0 else 0.0 for r in range(p)}
         sim.in_flight = dict(enumerate(peak))
     return sim
+
+
+def check(pl: Plan) -> list[str]:
+    """Every problem of a plan: local ordering, unmatched messages and deadlock (by simulation).
+    Empty when the plan is safe to run."""
+    found = local_problems(pl)
+    if found:
+        return found
+    return simulate(pl).problems
+
+
+class ScheduleDeadlock(RuntimeError):
+    """A plan that would hang (or is malformed); raised before any rank runs it."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("pipeline schedule refused, it would not complete:\n" +
+                         "\n".join(f"  - {p}" for p in problems[:20]))
