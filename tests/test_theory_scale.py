@@ -10,7 +10,7 @@ from labkit import ModelConfig, ParallelConfig, theory
 from labkit.config import problems
 from labkit.plans.mesh import MeshLayout
 from labkit.theory import comm as tcomm
-from labkit.theory.memory import rank_memory
+from labkit.theory.per_rank import comm_rows, rank_memory
 
 MODEL = ModelConfig(layers=4, hidden=32, heads=4, ffn=128, vocab=128, seq=32, experts=0)
 MOE = MODEL.replace(experts=4, top_k=2)
@@ -39,7 +39,7 @@ def test_representatives_equal_every_rank(cfg, model):
     est = theory.estimate(cfg, model)
     layout = MeshLayout.of(cfg)
     full = tcomm.Comm()
-    tcomm.comm_rows(full, cfg, model, layout)
+    comm_rows(full, cfg, model, layout)
     assert est.comm_table() == full.table()
     assert est.memory == [rank_memory(cfg, model, layout, r) for r in range(layout.world)]
 

@@ -32,6 +32,7 @@ from labkit import theory
 from labkit.config import ModelConfig, ParallelConfig, problems
 from labkit.plans.mesh import MeshLayout
 from labkit.theory import comm as theory_comm
+from labkit.theory.per_rank import comm_rows
 from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF
 from labkit.widgets.live import UI, figure_widget, refresh
@@ -125,7 +126,7 @@ def comm_at_scale(cfg: ParallelConfig, model: ModelConfig,
     one_bucket = cfg.replace(bucket_mb=theory.num_params(model) * 4 / 2**20 + 1.0)
     c = _Only(ranks, stale)
     try:
-        theory_comm.comm_rows(c, one_bucket, model, layout)
+        comm_rows(c, one_bucket, model, layout)
     except _Stale:
         return None
     rows = c.table()

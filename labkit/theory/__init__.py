@@ -15,11 +15,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig, problems
-from labkit.plans.mesh import MeshLayout
-from labkit.theory import comm as _comm
-from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes, rank_memory
+from labkit.plans.mesh import DATA_DIMS, MeshLayout
+from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes
 from labkit.theory.model import active_params, num_params, param_shapes
+from labkit.theory.per_rank import rank_comm, rank_memory
 from labkit.theory.pipeline import bubble_fraction as pipeline_bubble
+from labkit.theory.timing import H100, step_time
 
 
 @dataclass
@@ -56,8 +57,6 @@ class Estimate:
         """The time model (theory/timing.py) for one step of `rank`: compute at 6·Ψ_active·tokens
         (8· with checkpointing), each collective priced on the link its group spans, dp traffic
         hidden behind backward, the bubble stretching compute. Says which dim dominates."""
-        from labkit.theory.timing import H100, step_time
-
         layout = MeshLayout.of(self.config)
         rows = self.rank_rows(rank)
         groups = {r["dim"]: layout.group_of(rank, *r["dim"].split("-")) for r in rows}
@@ -73,7 +72,7 @@ def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.nd
     idx = np.unravel_index(np.arange(layout.world), layout.grid.shape)
     coord = {d: idx[layout._axis(d)] for d in layout.inner_first}
     shard, stride = np.zeros(layout.world, dtype=np.int64), 1
-    for d in layout.canonical(("dp", "ep", "cp")):   # sorted group ranks: inner dims vary fastest
+    for d in layout.canonical(DATA_DIMS):   # sorted group ranks: inner dims vary fastest
         shard += coord[d] * stride
         stride *= layout.size(d)
     return coord["pp"], shard
@@ -106,14 +105,10 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     for r, s in enumerate(stage.tolist()):
         stage_rep.setdefault(s, r)
     representative = [stage_rep[s] for s in stage.tolist()]
-    c = _comm.Comm(only=sorted(stage_rep.values()))
-    _comm.comm_rows(c, cfg, model, layout)
-    rows_of: dict[int, list[dict]] = {r: [] for r in stage_rep.values()}
-    for row in c.table():
-        rows_of[row["rank"]].append(row)
+    rows_of = rank_comm(cfg, model, layout, stage_rep.values())
     return Estimate(cfg, model, world or layout.world, memory, rows_of, representative,
                     pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages))
 
 
 __all__ = ["estimate", "Estimate", "model_state_bytes", "activation_bytes", "korthikanti_layer_bytes",
-           "num_params", "active_params", "param_shapes", "pipeline_bubble", "rank_memory"]
+           "num_params", "active_params", "param_shapes", "pipeline_bubble", "rank_memory", "rank_comm"]

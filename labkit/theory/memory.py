@@ -1,25 +1,18 @@
-"""Memory per rank: model states (ZeRO paper accounting) and activations saved for backward.
-
-Model states, after Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion
-Parameter Models" (SC 2020), section 3.1 and figure 1: mixed-precision Adam keeps 2Ψ bytes of
-fp16/bf16 parameters, 2Ψ of gradients and KΨ = 12Ψ of optimizer state (fp32 master weights,
-momentum, variance). Sharding over N_d data-parallel ranks gives
-    baseline (DDP)      (2 + 2 + K) Ψ
-    P_os   (ZeRO-1)     (2 + 2) Ψ + K Ψ / N_d
-    P_os+g (ZeRO-2)      2 Ψ + (2 + K) Ψ / N_d
-    P_os+g+p (ZeRO-3)   (2 + 2 + K) Ψ / N_d
-Their worked example: Ψ = 7.5B, N_d = 64, K = 12 -> 120 GB, 31.4 GB, 16.6 GB, 1.9 GB.
-In fp32 (no separate master copy) the lab keeps 4Ψ params, 4Ψ grads and 8Ψ Adam moments.
+"""Memory formulas of the papers and of the lab's model: model states per ZeRO stage
+(Rajbhandari et al., SC 2020, section 3.1 and figure 1), activations the plain lab model saves
+for backward, and Korthikanti et al.'s published per-layer activation table. What one rank of
+a composed layout holds is theory/per_rank.py's roll-up of every strategy's rules.
 """
 from __future__ import annotations
 
-from functools import lru_cache
-
-from labkit.config import ModelConfig, ParallelConfig
+from labkit.config import ModelConfig
+from labkit.theory.experts import layer_activation_bytes
 
 
 def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str, dict[str, float]]:
-    """Bytes per rank of params / grads / optimizer for each ZeRO stage (ZeRO paper, figure 1).
+    """Bytes per rank of params / grads / optimizer for each ZeRO stage (ZeRO paper, figure 1):
+    with K bytes of optimizer state per parameter and N_d = dp ranks,
+        none (2 + 2 + K)Ψ,  zero1 (2 + 2)Ψ + KΨ/N_d,  zero2 2Ψ + (2 + K)Ψ/N_d,  zero3 (2 + 2 + K)Ψ/N_d.
 
     precision 'bf16' (or 'fp16'): 2 + 2 + 12 bytes per parameter; 'fp32': 4 + 4 + 8.
     Returns {'none' | 'zero1' | 'zero2' | 'zero3': {'params', 'grads', 'optimizer', 'total'}}.
@@ -58,8 +51,6 @@ def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head
     (Korthikanti et al.'s sbh(34 + 5as/h) counts a different block: dropout masks, stored
     softmax scores; `korthikanti_layer_bytes` gives that published formula.)
     """
-    from labkit.theory.experts import layer_activation_bytes
-
     b, s, h, f, a, v = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab
     layers = m.layers if layers is None else layers
     mlp = layer_activation_bytes(m, b, s, act_bytes) if m.experts else act_bytes * 2 * b * s * f
@@ -91,33 +82,3 @@ def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool
     if sp:
         return base * (34 / t + attn)
     return base * (10 + 24 / t + attn)
-
-
-def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> dict[str, int]:
-    """Predicted bytes on one rank: params, grads, optimizer (persistent, after a step),
-    activations (peak saved for backward), the transients a strategy tracks beside them
-    (ZeRO-3's 'gathered' parameters, 'reduce_buffers') and peak (their sum on the CPU, as if
-    the transients peaked together: an upper bound).
-
-    Every strategy contributes its rule: which parameters the rank holds (theory/params.py:
-    pipeline chunks, E/ep experts, TP slices), how their states are sharded and in what dtype
-    (theory/sharding.py: DDP, ZeRO, FSDP, precision), and what its microbatches keep for
-    backward (theory/activations.py: TP/SP, CP, MoE, checkpointing, the schedule's microbatches
-    in flight)."""
-    coords = layout.coords(rank)
-    index = coords["dp"] if cfg.impl == "torch" else 0   # FSDP2's uneven rows depend on the dp index
-    return dict(_rank_memory(cfg, model, coords["pp"], index))
-
-
-@lru_cache(maxsize=4096)
-def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int) -> tuple:
-    """rank_memory of every rank at pipeline coordinate `pp_rank` (and FSDP2 data index `index`):
-    the rest of a rank's coordinates change nothing, so an estimate at scale computes this once
-    per coordinate."""
-    from labkit.theory import activations, sharding
-
-    out = sharding.state_bytes(cfg, model, None, index, pp_rank)
-    out["activations"] = activations.peak(cfg, model, pp_rank)
-    out.update(sharding.transient_peaks(cfg, model, None, pp_rank))
-    out["peak"] = sum(out.values())
-    return tuple(out.items())

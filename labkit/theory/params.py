@@ -1,9 +1,9 @@
-"""The parameters one rank holds, as the engines lay them out: each strategy's theory module
-contributes its rule, in the order engines/parallelize.py applies the strategies.
+"""The parameters one rank holds, as the engines lay them out: each strategy contributes its
+rule, in the order engines/parallelize.py applies the strategies.
 
-    pipeline (pp)   which chunks and layers the rank keeps     theory/pipeline.py chunk_params
+    pipeline (pp)   which chunks and layers the rank keeps     theory/pipeline.py chunk_full_shapes
     experts (ep)    E/ep experts of every MoE layer            theory/experts.py local_shapes
-    tensor (tp)     the plan's slice of each matrix            labkit/plans/tensor.py
+    tensor (tp)     the plan's slice of each matrix            labkit/plans/tensor.py local_param
 """
 from __future__ import annotations
 
@@ -11,19 +11,20 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
+from labkit.plans.tensor import local_param, tp_plan
+from labkit.theory import experts
+from labkit.theory.pipeline import chunk_full_shapes
 
 
 @lru_cache(maxsize=4096)
-def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[tuple[tuple, ...], ...]:
+def chunk_local_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[tuple[tuple, ...], ...]:
     """Per pipeline chunk of rank `pp_rank`: (name, local shape, dims its gradient is summed over)
-    of each parameter, in registration order. Every rank at one pipeline coordinate holds the same
-    shapes (the splits are even), so an estimate at scale computes this once per coordinate."""
-    from labkit.plans.tensor import local_param, tp_plan
-    from labkit.theory import experts, pipeline
-
+    of each parameter, in registration order — the chunk's full shapes after the ep and tp
+    splits. Every rank at one pipeline coordinate holds the same shapes (the splits are even),
+    so an estimate at scale computes this once per coordinate."""
     plan = tp_plan(model, cfg.sequence_parallel) if cfg.tp > 1 else None
     out = []
-    for chunk in pipeline.chunk_params(cfg, model, pp_rank):
+    for chunk in chunk_full_shapes(cfg, model, pp_rank):
         rows = []
         for name, shape in experts.local_shapes(cfg, model, chunk):
             dims = experts.reduce_dims(name, cfg)
@@ -37,22 +38,11 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple
 
 @lru_cache(maxsize=256)
 def rank_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
-    return sum(prod(s) for chunk in chunk_params(cfg, model, pp_rank) for _, s, _ in chunk)
+    """Parameters one rank at pipeline coordinate `pp_rank` holds, after every split."""
+    return sum(prod(s) for chunk in chunk_local_params(cfg, model, pp_rank) for _, s, _ in chunk)
 
 
 def rank_entries(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[tuple[str, tuple, tuple, int]]:
     """(name, local shape, reduce dims, pipeline chunk) of every parameter a rank holds: what
     the flat-buffer plans of ZeRO / FSDP take (labkit/plans/flat.py)."""
-    return [(n, s, d, c) for c, chunk in enumerate(chunk_params(cfg, model, pp_rank)) for n, s, d in chunk]
-
-
-def stage_layers(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[int, bool, bool]:
-    """(blocks a rank at pipeline coordinate `pp_rank` holds, whether it holds the embedding
-    (virtual stage 0), whether it holds the head (the last virtual stage))."""
-    from labkit.plans.schedules import stage_of
-
-    if cfg.pp == 1:
-        return model.layers, True, True
-    p, v = cfg.pp, cfg.virtual_stages
-    stages = [stage_of(pp_rank, c, p) for c in range(v)]
-    return model.layers // p, 0 in stages, p * v - 1 in stages
+    return [(n, s, d, c) for c, chunk in enumerate(chunk_local_params(cfg, model, pp_rank)) for n, s, d in chunk]

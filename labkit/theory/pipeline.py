@@ -1,31 +1,20 @@
-"""Pipeline parallelism, predicted: bubble, activations in flight, parameters and p2p bytes per stage.
-
-Bubble: GPipe (Huang et al., NeurIPS 2019) and 1F1B (Narayanan et al., SC 2021, section 2.1)
-idle (p-1)/(m+p-1) of the step; interleaved 1F1B with v chunks per rank (ibid., section 2.2)
-(p-1)/(v·m+p-1). The schedules themselves (labkit/plans/schedules.py) and their
-simulator give the same numbers from the action lists, and also for measured costs.
-
-Activations in flight on pipeline rank r (ibid., section 2.1): GPipe keeps all m microbatches
-until their backward, 1F1B at most p - r; interleaved and the rest are read off the schedule
-by walking its actions (each F adds the chunk's bytes, each B — or W when backward is split —
-frees them).
-
-Point-to-point traffic: each microbatch crosses every stage boundary twice (its activation
-forward, the activation's gradient backward), b·s·h elements each way; with v chunks a rank
-has v boundaries, so v times the traffic of plain 1F1B. The tensor is the residual stream as
-the rank holds it: s/cp positions under context parallelism, s/(cp·tp) under sequence
-parallelism (each tp rank passes its rows to the same tp rank of the next stage), in the
-compute dtype.
+"""Pipeline parallelism, predicted: the bubble, microbatches in flight, which parameters each
+pipeline rank holds, and the point-to-point bytes per step. The schedules and their simulator
+are plans (labkit/plans/schedules.py, simulator.py); this module reads them. The bubble is
+GPipe's and 1F1B's (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al., SC 2021, section 2.1),
+interleaved 1F1B's (p-1)/(v·m+p-1) (ibid., section 2.2). The derivations: ARCHITECTURE.md.
 """
 from __future__ import annotations
 
 from functools import lru_cache
-
 from math import prod
+from typing import Callable
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.precision import ELEM
 from labkit.plans.schedules import chunk_layers, plan, stage_of
+from labkit.plans.simulator import Costs, Simulation, simulate
+from labkit.theory.batch import microbatch_rows, stream_rows
 from labkit.theory.model import param_shapes
 
 
@@ -37,6 +26,28 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def peak_in_flight(actions, kept: Callable[[int, int], int], extra: Callable[[int, int], int] | None = None,
+                   shared: int = 0, first: tuple[int, ...] = ()) -> int:
+    """Peak of what a rank's microbatches keep alive while it runs `actions` in order: each F of
+    (microbatch, chunk) adds kept(mb, chunk), the action that ends its backward (W if backward
+    is split, else B) frees it, and a B adds extra(mb, chunk) on top for as long as it runs.
+    `shared` bytes are one tensor for every microbatch of the chunks in `first`: counted once
+    while any of them is in flight (theory/activations.py: the zigzag positions)."""
+    frees = "W" if any(a.op == "W" for a in actions) else "B"
+    alive = top = holding = 0            # holding: microbatches of a `first` chunk in flight
+    for a in actions:
+        if a.op == "F":
+            alive += kept(a.mb, a.chunk)
+            holding += a.chunk in first
+            top = max(top, alive + (shared if holding else 0))
+        elif a.op == "B" and extra is not None:
+            top = max(top, alive + (shared if holding else 0) + extra(a.mb, a.chunk))
+        if a.op == frees:
+            alive -= kept(a.mb, a.chunk)
+            holding -= a.chunk in first
+    return top
+
+
 def in_flight(schedule: str, p: int, m: int, rank: int, v: int = 1) -> int:
     """Most microbatches (of one chunk, counted per chunk for interleaved) whose activations
     rank r holds at once: GPipe m, 1F1B min(m, p - r); others by walking the schedule."""
@@ -44,28 +55,15 @@ def in_flight(schedule: str, p: int, m: int, rank: int, v: int = 1) -> int:
         return m
     if schedule == "1f1b":
         return min(m, p - rank)
-    return _walk(plan(schedule, p, m, v).actions[rank], {c: 1 for c in range(v)})
-
-
-def _walk(actions, per_chunk: dict[int, int]) -> int:
-    """Peak of the bytes alive when each F adds its chunk's bytes and the action that ends the
-    microbatch's backward (W if backward is split, else B) frees them."""
-    frees = "W" if any(a.op == "W" for a in actions) else "B"
-    alive = peak = 0
-    for a in actions:
-        if a.op == "F":
-            alive += per_chunk[a.chunk]
-            peak = max(peak, alive)
-        elif a.op == frees:
-            alive -= per_chunk[a.chunk]
-    return peak
+    return peak_in_flight(plan(schedule, p, m, v).actions[rank], lambda mb, chunk: 1)
 
 
 @lru_cache(maxsize=256)
-def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[list[tuple[str, tuple]]]:
-    """(name, shape) of the parameters of each of this pipeline rank's chunks, in the order the
-    engines register them: the embedding on virtual stage 0, the final norm and head on the
-    last, the blocks evenly in between. One list of every parameter when pp == 1."""
+def chunk_full_shapes(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[list[tuple[str, tuple]]]:
+    """(name, full shape) of the model's parameters in each of this pipeline rank's chunks, in
+    the order the engines register them: the embedding on virtual stage 0, the final norm and
+    head on the last, the blocks evenly in between. One list of every parameter when pp == 1.
+    (theory/params.py `chunk_local_params` slices them as the rank holds them.)"""
     shapes = param_shapes(model)
     if cfg.pp == 1:
         return [shapes]
@@ -81,34 +79,29 @@ def chunk_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[
 
 
 def rank_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
-    """Parameters held by one pipeline rank (all of its chunks)."""
-    return sum(prod(s) for chunk in chunk_params(cfg, model, pp_rank) for _, s in chunk)
+    """Parameters held by one pipeline rank (all of its chunks), before any other split."""
+    return sum(prod(s) for chunk in chunk_full_shapes(cfg, model, pp_rank) for _, s in chunk)
 
 
-def microbatch_rows(cfg: ParallelConfig) -> int:
-    """Sequences per microbatch on one rank: global_batch / (dp · ep · microbatches)."""
-    return cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
-
-
-def activation_peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
-    """Peak bytes saved for backward on one pipeline rank: each chunk's per-microbatch
-    activations times the microbatches in flight the schedule allows (theory/activations.py
-    walks the schedule)."""
-    from labkit.theory.activations import peak
-
-    return peak(cfg, model, pp_rank)
+def stage_layers(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple[int, bool, bool]:
+    """(blocks a rank at pipeline coordinate `pp_rank` holds, whether it holds the embedding
+    (virtual stage 0), whether it holds the head (the last virtual stage))."""
+    if cfg.pp == 1:
+        return model.layers, True, True
+    p, v = cfg.pp, cfg.virtual_stages
+    stages = [stage_of(pp_rank, c, p) for c in range(v)]
+    return model.layers // p, 0 in stages, p * v - 1 in stages
 
 
 def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """Sends and receives of one step, per rank: for each microbatch and each of the rank's
     chunks, its output activation forward (unless it is the last stage) and its input's
     gradient backward (unless it is the first), each (b, s/cp, h) — s/(cp·tp) under SP — in the
-    compute dtype."""
+    compute dtype (each tp rank passes its rows to the same tp rank of the next stage)."""
     if cfg.pp == 1:
         return
     p, v, m = cfg.pp, cfg.virtual_stages, cfg.microbatches
-    rows = model.seq // cfg.cp // (cfg.tp if cfg.sequence_parallel else 1)
-    nbytes = microbatch_rows(cfg) * rows * model.hidden * ELEM[cfg.precision]
+    nbytes = microbatch_rows(cfg) * stream_rows(cfg, model) * model.hidden * ELEM[cfg.precision]
     label = layout.label("pp")
     for rank in comm.ranks(layout):
         r = layout.coords(rank)["pp"]
@@ -140,10 +133,8 @@ def costs_from_result(result, step: int = -1) -> dict:
     return out
 
 
-def simulated(cfg: ParallelConfig, costs: dict | None = None, schedule: str | None = None):
+def simulated(cfg: ParallelConfig, costs: dict | None = None, schedule: str | None = None) -> Simulation:
     """The simulator's ideal timeline of `cfg`'s schedule (labkit/plans/simulator.py): unit
-    costs by default, or measured ones (`costs_from_result(result)`). Pure; a Simulation."""
-    from labkit.plans.simulator import Costs, simulate
-
+    costs by default, or measured ones (`costs_from_result(result)`)."""
     pl = plan(schedule or cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     return simulate(pl, Costs(**costs) if costs else Costs())

@@ -1,31 +1,10 @@
-"""Sharded data parallelism, mixed precision and activation checkpointing, predicted per rank.
-
-Model states follow the ZeRO paper's accounting (Rajbhandari et al., SC 2020, section 5 and
-figure 1; memory.model_state_bytes gives the paper's formulas), here exactly as the lab lays
-them out: every flat buffer is padded to a multiple of N (labkit/plans/flat.py), so with
-P = Σ padded buffer sizes and S = P / N elements per rank, e bytes per compute element and
-K = 8 (fp32: Adam's two moments) or 12 (bf16: fp32 master + moments),
-
-    none (DDP)  e·Ψ + e·Ψ + K·Ψ        zero2       e·P + e·S + K·S
-    zero1       e·P + e·P + K·S        zero3/fsdp  e·S + e·S + K·S
-
-PyTorch's FSDP2 pads each parameter on dim 0 instead (rows split in chunks of ceil(d0/N)) and
-keeps fp32 sharded parameters and gradients whatever the compute dtype (4 + 4 + 8 per element;
-parameters and gradients in padded storage, Adam's moments only for the rows a rank holds).
-
-Composed layouts (labkit/plans/flat.py): a rank's buffers hold its own parameters (TP
-slices, E/ep experts, its pipeline chunks), one buffer per reduce group (and chunk), each
-sharded over that group: N is the buffer's group size (dp·ep·cp for dense weights, dp·cp for
-experts under ep, dp·ep·cp·tp for sequence-parallel LayerNorms), so P and S above are sums
-over buffers of their own padded sizes and shards. FSDP2 (impl='torch') shards the TP-local
-tensors' dim 0 over dp.
-
-Communication per step (section 7 of the paper, in elements of Ψ per rank, ring model;
-gradients are reduced in fp32 and parameters gathered in the compute dtype, precision.py):
-DDP all-reduces 2Ψ(N-1)/N; ZeRO-1/2 reduce-scatter the gradients and all-gather the updated
-parameters, 2Ψ(N-1)/N; ZeRO-3 / FSDP gather every unit in forward and again in backward and
-reduce-scatter its gradients, 3Ψ(N-1)/N (2Ψ with reshard_after_forward off). Ours add one
-4-byte all-reduce for the global gradient norm, whose shards are disjoint.
+"""Data parallelism, predicted per rank: DDP, ZeRO-1/2/3 and FSDP under either precision —
+model-state bytes after a step, the transients they track (gathered parameters, reduce
+buffers), and their collectives per step. The accounting is the ZeRO paper's (Rajbhandari et
+al., SC 2020, section 5 and figure 1; section 7 for the traffic: DDP and ZeRO-1/2 2Ψ(N-1)/N,
+ZeRO-3 / FSDP 3Ψ(N-1)/N), here exactly as the lab lays its flat buffers out
+(labkit/plans/flat.py); PyTorch's FSDP2 pads each parameter on dim 0 instead. ARCHITECTURE.md
+derives every case.
 """
 from __future__ import annotations
 
@@ -33,9 +12,11 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
+from labkit.plans.buckets import plan_groups, torch_ddp_buckets
 from labkit.plans.flat import FlatPlan, bucket_plans, unit_of, unit_plans
+from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import ELEM, REDUCE
-from labkit.theory.params import rank_entries
+from labkit.theory.params import chunk_local_params, rank_entries
 
 
 def group_size(cfg: ParallelConfig, dims) -> int:
@@ -183,11 +164,49 @@ def norm_dims(layout) -> tuple[str, ...]:
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
-    """Every collective of one step of ZeRO / FSDP, per rank, in the order the engines issue them:
-    each buffer's over its own group (FlatPlan.dims), the norm over `norm_dims`. Ranks at one
-    pipeline coordinate issue the same ones, so they are listed once per coordinate."""
+    """Every data-parallel collective of one step, per rank, in the order the engines issue them:
+    DDP's buckets and then the global norm (sharding='none'); or ZeRO / FSDP's buffers, each over
+    its own group (FlatPlan.dims), and the norm over `norm_dims`. Ranks at one pipeline
+    coordinate issue the same ones, so they are listed once per coordinate."""
+    if cfg.sharding == "none":
+        ddp_rows(comm, cfg, model, layout)
+        grad_norm(comm, cfg, layout)
+        return
     of_stage = torch_fsdp_ops if cfg.impl == "torch" else ops
     comm.per_stage(layout, lambda pp_rank: of_stage(cfg, model, layout, pp_rank))
+
+
+def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+    """DDP (sharding='none'): each bucket of gradients all-reduced once per step over the dims its
+    parameters are reduced over (dp x ep x cp; experts under ep: dp x cp; SP's LayerNorms add tp),
+    bucketed per group and per pipeline chunk (the whole model when pp == 1), as
+    engines/parallel/ddp.py `plan` does. Buckets are cut by gradient bytes in the compute dtype
+    and reduced in fp32 (bf16 gradients go through an fp32 copy: engines/precision.py)."""
+    elem = ELEM[cfg.precision]
+    cap = int(cfg.bucket_mb * 2**20)
+
+    def buckets(pp_rank: int):
+        for chunk in chunk_local_params(cfg, model, pp_rank):
+            numels = [prod(s) for _, s, _ in chunk]
+            sizes = [k * elem for k in numels]
+            if cfg.impl == "torch":   # PyTorch's DDP: one process group
+                groups = [(DATA_DIMS, b) for b in torch_ddp_buckets(sizes, cap)]
+            else:
+                groups = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
+            for dims, b in groups:
+                yield layout.label(*dims), "all_reduce", REDUCE * sum(numels[i] for i in b), layout.size(*dims), 1
+
+    comm.per_stage(layout, buckets)
+
+
+def grad_norm(comm, cfg: ParallelConfig, layout) -> None:
+    """DDP's global gradient norm (engines/parallel/common.py norm_plan): one fp32 scalar
+    all-reduced over the dims that split the parameters (tp, pp, ep), in the optimizer phase."""
+    split = tuple(d for d in ("tp", "pp", "ep") if layout.size(d) > 1)
+    if not split:
+        return
+    for rank in comm.ranks(layout):
+        comm.add(rank, layout.label(*split), "all_reduce", 4, layout.size(*split))
 
 
 def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
