@@ -4,18 +4,18 @@
 
 Memory per GPU (one rank of each pipeline stage) against an 80 GB line, model states for each
 ZeRO stage, bytes each GPU sends per step by dim, and the pipeline bubble. Everything comes
-from labkit.theory's per-rank functions (`rank_memory`, `comm_rows`, `model_state_bytes`,
+from labkit.theory's per-rank functions (`rank_memory`, `rank_comm`, `model_state_bytes`,
 `pipeline_bubble`), so the explorer shows whatever the theory models and grows with it.
 
 Why not `theory.estimate`: it fills every class of rank (20-70 ms for Llama-70B on 16k GPUs,
 but 2.1 s under FSDP2, whose shards differ by index), and the explorer shows one rank per
-stage and redraws within 100 ms. Here memory is asked for one rank per pipeline stage (ranks that differ only in dp/tp/cp/ep coordinates
-are alike in every strategy's theory), and communication is recorded for those ranks only,
-with the gradient buckets merged into one (the ring model is linear in the bytes, so the
-per-step total is the same; only the call count changes). The theory's comm modules loop over
-those ranks only (`Comm(only=...)`); a layout with many parameter tensors and ranks still
-computes its comm rows in a background thread, and the comm figure follows when it is done
-(the rest updates at once).
+stage and redraws within 100 ms. Here memory is asked for one rank per pipeline stage (ranks
+that differ only in dp/tp/cp/ep coordinates are alike in every strategy's theory), and
+communication for those ranks only (`theory.rank_comm`), with the gradient buckets merged
+into one (the ring model is linear in the bytes, so the per-step total is the same; only the
+call count changes). A layout with many parameter tensors and ranks still computes its comm
+rows in a background thread, stopped when the controls move on, and the comm figure follows
+when it is done (the rest updates at once).
 """
 from __future__ import annotations
 
@@ -31,8 +31,6 @@ import plotly.graph_objects as go
 from labkit import theory
 from labkit.config import ModelConfig, ParallelConfig, problems
 from labkit.plans.mesh import MeshLayout
-from labkit.theory import comm as theory_comm
-from labkit.theory.per_rank import comm_rows
 from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF
 from labkit.widgets.live import UI, figure_widget, refresh
@@ -42,29 +40,6 @@ STAGES_SHOWN = 16
 SYNC_WORK = 400_000
 """Ranks x parameter tensors below which the comm rows are computed at once (~50 ms)."""
 CAPACITIES = {"80 GB (A100, H100)": 80e9, "141 GB (H200)": 141e9, "192 GB (B200, MI300X)": 192e9}
-
-
-class _Stale(Exception):
-    """The controls moved on while comm rows were being computed."""
-
-
-class _Only(theory_comm.Comm):
-    """Fills the rows of some ranks only (the theory's modules loop over `only`); stops the walk
-    once `stale` is set."""
-
-    def __init__(self, ranks, stale: threading.Event | None = None):
-        super().__init__(only=sorted(set(ranks)))
-        self.stale = stale or threading.Event()
-
-    def add(self, rank, *args, **kwargs):
-        if self.stale.is_set():
-            raise _Stale()
-        super().add(rank, *args, **kwargs)
-
-    def add_rows(self, rank, rows):
-        if self.stale.is_set():
-            raise _Stale()
-        super().add_rows(rank, rows)
 
 
 @dataclass
@@ -124,13 +99,11 @@ def comm_at_scale(cfg: ParallelConfig, model: ModelConfig,
     layout = MeshLayout.of(cfg)
     ranks = [layout.rank(pp=s) for s in shown_stages(cfg.pp)]
     one_bucket = cfg.replace(bucket_mb=theory.num_params(model) * 4 / 2**20 + 1.0)
-    c = _Only(ranks, stale)
-    try:
-        comm_rows(c, one_bucket, model, layout)
-    except _Stale:
+    try:   # the walk stops as soon as the controls move on (`stale` set)
+        rows_of = theory.rank_comm(one_bucket, model, layout, ranks, stop=stale.is_set if stale else None)
+    except theory.Stopped:
         return None
-    rows = c.table()
-    out = [[r for r in rows if r["rank"] == rank] for rank in ranks]
+    out = [rows_of[rank] for rank in ranks]
     if len(_COMM) >= COMM_CACHED:
         _COMM.pop(next(iter(_COMM)))
     _COMM[cfg, model] = out

@@ -16,6 +16,7 @@ import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig, problems
 from labkit.plans.mesh import DATA_DIMS, MeshLayout
+from labkit.theory.comm import Stopped
 from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes
 from labkit.theory.model import active_params, num_params, param_shapes
 from labkit.theory.per_rank import rank_comm, rank_memory
@@ -111,4 +112,5 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
 
 
 __all__ = ["estimate", "Estimate", "model_state_bytes", "activation_bytes", "korthikanti_layer_bytes",
-           "num_params", "active_params", "param_shapes", "pipeline_bubble", "rank_memory", "rank_comm"]
+           "num_params", "active_params", "param_shapes", "pipeline_bubble", "rank_memory", "rank_comm",
+           "Stopped"]

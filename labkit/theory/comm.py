@@ -3,18 +3,27 @@ payload_bytes, wire_bytes}, wire bytes by the ring model (labkit/plans/wire.py).
 theory adds its ops to a `Comm`; theory/per_rank.py gathers them for one step."""
 from __future__ import annotations
 
+from typing import Callable
+
 from labkit.plans.wire import WIRE
+
+
+class Stopped(Exception):
+    """The caller's `stop()` turned true while rows were being added (the walk was abandoned)."""
 
 
 class Comm:
     """Accumulates predicted ops as rows {rank, dim, op, calls, payload_bytes, wire_bytes}.
 
     `only`: the ranks to fill (theory modules loop over `comm.ranks(layout)`); the estimate at
-    scale fills one representative rank per class and copies its rows to the others."""
+    scale fills one representative rank per class and copies its rows to the others.
+    `stop`: checked before each addition; once it returns True, adding raises `Stopped` (a
+    widget abandons a long walk for a layout it no longer shows)."""
 
-    def __init__(self, only: list[int] | None = None):
+    def __init__(self, only: list[int] | None = None, stop: Callable[[], bool] | None = None):
         self.rows: dict[tuple, dict] = {}
         self.only = only
+        self.stop = stop
 
     def ranks(self, layout) -> list[int] | range:
         return range(layout.world) if self.only is None else self.only
@@ -24,6 +33,8 @@ class Comm:
                                                       "payload_bytes": 0, "wire_bytes": 0.0})
 
     def add(self, rank: int, dim: str, op: str, payload: int, n: int, calls: int = 1) -> None:
+        if self.stop is not None and self.stop():
+            raise Stopped()
         if n <= 1 or calls <= 0:
             return
         row = self._row(rank, dim, op)
@@ -54,6 +65,8 @@ class Comm:
 
     def add_rows(self, rank: int, rows: list[dict]) -> None:
         """Add rows summed elsewhere (the same for every rank at one pipeline coordinate) to `rank`."""
+        if self.stop is not None and self.stop():
+            raise Stopped()
         for r in rows:
             row = self._row(rank, r["dim"], r["op"])
             row["calls"] += r["calls"]

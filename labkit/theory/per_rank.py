@@ -5,6 +5,7 @@ strategy; `theory.estimate` and the ScaleExplorer read these.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Callable
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.theory import activations, context, experts, pipeline, sharding, tensor
@@ -51,10 +52,12 @@ def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout) -> No
     sharding.comm_rows(comm, cfg, model, layout)
 
 
-def rank_comm(cfg: ParallelConfig, model: ModelConfig, layout, ranks) -> dict[int, list[dict]]:
+def rank_comm(cfg: ParallelConfig, model: ModelConfig, layout, ranks,
+              stop: Callable[[], bool] | None = None) -> dict[int, list[dict]]:
     """The comm rows {rank, dim, op, calls, payload_bytes, wire_bytes} of one step of each rank in
-    `ranks`, and of those ranks only (the theory's loops skip the others)."""
-    comm = Comm(only=sorted(set(ranks)))
+    `ranks`, and of those ranks only (the theory's loops skip the others). `stop`: see Comm; the
+    walk raises theory.Stopped once it returns True."""
+    comm = Comm(only=sorted(set(ranks)), stop=stop)
     comm_rows(comm, cfg, model, layout)
     out: dict[int, list[dict]] = {r: [] for r in comm.only}
     for row in comm.table():
