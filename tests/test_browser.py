@@ -30,7 +30,7 @@ TEARDOWN = "teardown"
 """Tag of the cells that close the Lab; the test leaves them out and closes it itself."""
 ARTIFACTS = ROOT / "artifacts" / "browser"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]   # DESIGN.md section 8
+                 "--disable-sync", "--no-first-run"]   # ARCHITECTURE.md
 SLOW = 240   # seconds for the notebook's cluster to start and run under a loaded CI machine
 
 

@@ -1,1 +1,1 @@
-"""Measurement on one rank: communication, memory and the timeline (DESIGN.md section 4)."""
+"""Measurement on one rank: communication, memory and the timeline (ARCHITECTURE.md)."""
