@@ -89,16 +89,20 @@ class EngineSet:
     def __init__(self, client, cluster=None, n: int | None = None, *, local: bool, backend: str = "auto",
                  device: str = "auto", timeout: float, master_addr: str | None = None):
         self.client, self.cluster, self.local = client, cluster, local
-        self.n = len(client.ids) if n is None else n
+        self._n = len(client.ids) if n is None else n   # how many engines a restart starts
         self.backend_choice, self.device_choice = backend, device
-        self.timeout = timeout          # the Lab's: each job's process groups time out just after it
+        self.timeout = timeout          # the world's default group timeout (each job sets its own)
         self.master_addr = master_addr
         self.lock = threading.RLock()
-        self.ids = sorted(client.ids)[: self.n]
+        self.ids = sorted(client.ids)[: self._n]
         self.world = len(self.ids)
-        self.hosts: list[str] = []
+        self.hosts: list[str] = []      # the rest is learnt by setup()
         self.pids: list[int] = []
-        self.generation = 0
+        self.devices: list[str] = []
+        self.backend = ""
+        self.port = 0
+        self.runtimes: list[dict] = []    # each rank's runtime.Runtime, as a dict
+        self.generation = 0               # how many times the world has been built
         self._known_ids = set(client.ids)
         self._condemned: dict[int, str] = {}   # rank -> why its engine must be replaced (no longer used)
         self._tainted: dict[int, str] = {}     # rank -> why its engine should be replaced (still usable)
@@ -261,8 +265,8 @@ class EngineSet:
             except ProcessLookupError:
                 pass
         self.cluster.stop_engines_sync()
-        self.cluster.start_engines_sync(n=self.n)
-        self.ids = self._new_engines(self.n)
+        self.cluster.start_engines_sync(n=self._n)
+        self.ids = self._new_engines(self._n)
         self._condemned.clear()
         self._tainted.clear()
         self.setup()
