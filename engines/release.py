@@ -1,28 +1,17 @@
 """Releasing a rank: cut its torch connections so that every rank waiting on it is freed at once.
 
 The Lab calls `release(peers)` on each rank whose job is over (labkit/faults.py), with `peers`
-the other engines' listening sockets (`listening()`); see engines/runtime.py for why destroying
-the process groups alone is not enough.
+the other engines' listening sockets (engines/sockets.py `listening()`); see engines/runtime.py
+for why destroying the process groups alone is not enough.
 """
 from __future__ import annotations
 
 import os
 import socket
 
-from labkit.engines import runtime
+import psutil
 
-
-def listening() -> list[tuple[str, int]]:
-    """(address, port) of every socket torch listens on in this engine (gloo's pairs, the TCPStore
-    on rank 0): all it listens on, less what the engine itself did before torch came (engine_info)."""
-    return sorted(set(all_listening()) - (runtime._state.engine_listeners or frozenset()))
-
-
-def all_listening() -> list[tuple[str, int]]:
-    import psutil
-
-    return [(_ip(c.laddr.ip), c.laddr.port) for c in psutil.Process().net_connections("inet")
-            if c.status == psutil.CONN_LISTEN]
+from labkit.engines import runtime, sockets
 
 
 def release(peers: list | tuple = ()) -> dict:
@@ -33,32 +22,26 @@ def release(peers: list | tuple = ()) -> dict:
     PyTorch's DDP does (torch 2.13: once a DistributedDataParallel was built on a gloo group, the
     group outlives destroy_process_group). So the TCP connections themselves are shut down:
     those accepted on this engine's own listeners, and those to `peers` (the other engines'
-    listeners, from `listening()`). The controller's connections are neither, and stay up.
+    listeners, from `sockets.listening()`). The controller's connections are neither, and stay up.
 
     Returns {"state": the job's state, "held": sockets still listening after the groups were
     destroyed}: nonzero means torch still holds some group (its gloo listeners cannot be shut
     without aborting the process), so the Lab replaces this engine rather than leak its ports."""
-    import psutil
-
-    job = runtime._state.job
-    if job.thread is not None and job.thread.is_alive():
+    job = runtime.current_job()
+    if job.alive:
         return {"state": job.state, "held": 0}
-    mine = {port for _, port in listening()}
+    mine = {port for _, port in sockets.listening()}
     runtime.shutdown_distributed()
     targets = {(ip, port) for ip, port in peers}
     wildcard = {port for ip, port in peers if ip in ("0.0.0.0", "::")}
     for c in psutil.Process().net_connections("inet"):
         if c.status != psutil.CONN_ESTABLISHED or not c.raddr or c.fd < 0:
             continue
-        far = (_ip(c.raddr.ip), c.raddr.port)
+        far = (sockets.plain_ip(c.raddr.ip), c.raddr.port)
         if c.laddr.port in mine or far in targets or far[1] in wildcard:
             try:
                 with socket.socket(fileno=os.dup(c.fd)) as s:
                     s.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-    return {"state": job.state, "held": len(listening())}
-
-
-def _ip(ip: str) -> str:
-    return ip[7:] if ip.startswith("::ffff:") else ip
+    return {"state": job.state, "held": len(sockets.listening())}

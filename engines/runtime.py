@@ -16,12 +16,14 @@ Python, and aborting the process group from another thread of the same process d
 it (checked with torch 2.13). What does free it at once is a peer closing its connections:
 when a rank whose job has ended cuts its connections to the other ranks, every rank waiting
 on it gets "Connection closed by peer" within milliseconds. `release()` (engines/release.py)
-does exactly that, and the Lab calls it on every rank whose job is over until nobody is left waiting. A cycle of ranks that
-all wait on each other is freed by the process groups' own timeout (set per job, slightly
-above the Lab's), or by replacing an engine.
+does exactly that, and the Lab calls it on every rank whose job is over until nobody is left
+waiting. A cycle of ranks that all wait on each other is freed by the process groups' own
+timeout (set per job, slightly above the Lab's), or by replacing an engine.
 
 The module keeps the one piece of per-process state an engine has (`_state`): which rank it
 is, its store and the current job. Parallel layouts keep none here; they live in the Mesh.
+torch (and the comm meter, which imports it) is imported inside the functions: the notebook
+imports this module only to name the functions the Lab sends, and never loads torch.
 """
 from __future__ import annotations
 
@@ -34,6 +36,9 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass, field
+
+from labkit.engines import sockets
+from labkit.engines.mesh import Mesh
 
 PG_MARGIN_S = 2.0
 """A job's process groups time out this much later than the Lab gives up on the job, so the Lab
@@ -75,6 +80,11 @@ class Job:
     timeout_s: float | None = None
     comm_meter: object = None    # the job's CommMeter: its collective log
 
+    @property
+    def alive(self) -> bool:
+        """Whether the job's thread still runs (its state says 'done' a moment before it ends)."""
+        return self.thread is not None and self.thread.is_alive()
+
 
 class _State:
     runtime: Runtime | None = None
@@ -82,7 +92,6 @@ class _State:
     store: object = None
     job: Job = Job()
     jobs: int = 0
-    engine_listeners: frozenset | None = None   # the engine's own (ipyparallel's), seen before torch's
 
 
 _state = _State()
@@ -91,12 +100,10 @@ _state = _State()
 # -- identity and rendezvous ----------------------------------------------------------------
 def engine_info() -> dict:
     """Host, pid, address and GPUs of this engine (before it has a rank)."""
-    import torch
+    import torch   # engines only (see the module docstring)
 
-    if _state.engine_listeners is None and _state.runtime is None:
-        from labkit.engines.release import all_listening
-        _state.engine_listeners = frozenset(all_listening())
-
+    if _state.runtime is None:      # before torch listens on anything: the engine's own sockets
+        sockets.remember_engine_listeners()
     host = socket.gethostname()
     try:
         addr = socket.gethostbyname(host)
@@ -125,13 +132,12 @@ def open_rendezvous(bind: str) -> int:
 def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: str, device: str,
                      timeout_s: float, generation: int, threads: int, loopback: bool) -> dict:
     """Join the process group (tearing down an old one first). Returns this rank's Runtime."""
-    import torch
+    import torch   # engines only, like the comm meter that imports it
     import torch.distributed as dist
 
     from labkit.engines.meters import comm
 
-    job = _state.job
-    if job.thread is not None and job.thread.is_alive():
+    if _state.job.alive:
         raise RuntimeError("a job is still running on this engine; it must end before the process group is rebuilt")
     shutdown_distributed()
     if loopback:
@@ -160,7 +166,7 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: 
 
 def _clock_offset() -> float:
     """Offset of this host's perf_counter from rank 0's, from a barrier handshake (0 on one host)."""
-    import torch
+    import torch   # engines only
     import torch.distributed as dist
 
     rt = _state.runtime
@@ -176,9 +182,8 @@ def _clock_offset() -> float:
 
 def shutdown_distributed() -> None:
     """Destroy every process group of this rank (closing its connections) and forget them."""
-    import torch.distributed as dist
+    import torch.distributed as dist   # engines only, like the comm meter that imports torch
 
-    from labkit.engines.mesh import Mesh
     from labkit.engines.meters import comm
 
     if dist.is_initialized():
@@ -196,6 +201,11 @@ def shutdown_distributed() -> None:
     gc.collect()
 
 
+def current_job() -> Job:
+    """The job this engine is running, or ran last."""
+    return _state.job
+
+
 def current() -> Runtime:
     if _state.runtime is None:
         raise RuntimeError("this engine has no process group yet: the Lab sets it up (Lab.__init__)")
@@ -204,7 +214,7 @@ def current() -> Runtime:
 
 def process_groups() -> int:
     """How many process groups this rank holds (the soak test checks that it stays bounded)."""
-    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d   # engines only
 
     return len(c10d._world.pg_names)
 
@@ -212,7 +222,7 @@ def process_groups() -> int:
 # -- the job's process groups: timeouts and creation log ------------------------------------
 def _set_timeouts(seconds: float) -> None:
     """Every process group of this rank times out after `seconds` (gloo reads it per op)."""
-    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d   # engines only
 
     td = datetime.timedelta(seconds=seconds)
     for pg in list(c10d._world.pg_names):
@@ -231,7 +241,7 @@ def _log_group_creation() -> None:
     beside it, so the diagnosis sees where two ranks' creation orders part. Installed once per
     process, around torch's `_new_group_with_tag` (what `new_group` calls).
     """
-    import torch.distributed as dist
+    import torch.distributed as dist   # engines only, like the comm meter that imports torch
     from torch.distributed import distributed_c10d as c10d
 
     from labkit.engines.meters.comm import CommMeter
@@ -270,7 +280,7 @@ def job_comm_meter():
 def comm_log_off() -> None:
     """Run the rest of this job without the collective log, the meter's kernels unregistered
     (only the overhead benchmark does this: it compares step times with and without)."""
-    from labkit.engines.meters import comm
+    from labkit.engines.meters import comm   # imports torch: engines only
 
     job = _state.job
     if job.comm_meter is not None:
@@ -284,10 +294,9 @@ def start(fn, args: tuple = (), kwargs: dict | None = None, timeout_s: float | N
     """Run fn(*args, **kwargs) in the job thread, under a fresh collective log; the process
     groups time out `PG_MARGIN_S` after `timeout_s`. Refuses if a job is still running.
     Returns how many jobs this engine has started (the Lab's tests count them)."""
-    from labkit.engines.meters.comm import CommMeter
+    from labkit.engines.meters.comm import CommMeter   # imports torch: engines only
 
-    old = _state.job
-    if old.thread is not None and old.thread.is_alive():
+    if _state.job.alive:
         raise RuntimeError("a job is still running on this engine; cancel it or wait for it")
     kwargs = kwargs or {}
     job = Job(started=time.time(), timeout_s=timeout_s)
@@ -340,7 +349,7 @@ def poll(since: int = 0, log_tail: int = 0) -> dict:
 
 def _registry() -> dict[str, list[int]]:
     """Process groups this rank is a member of: name -> global ranks (torch's own bookkeeping)."""
-    from torch.distributed import distributed_c10d as c10d
+    from torch.distributed import distributed_c10d as c10d   # engines only
 
     try:
         return {str(c10d._world.pg_names[pg]): sorted(ranks) for pg, ranks in c10d._world.pg_group_ranks.items()
@@ -376,7 +385,7 @@ def check_cancelled() -> None:
 def call_pickled(blob: bytes, *args, **kwargs):
     """Lab.apply's body: fn(*args, **kwargs) on this rank with the process group ready
     (fn arrives pickled by value, so it may come from a notebook or a test module)."""
-    import cloudpickle
+    import cloudpickle   # heavy; only a Lab.apply needs it
 
     current()
     return cloudpickle.loads(blob)(*args, **kwargs)

@@ -32,7 +32,7 @@ def test_the_px_magic_itself(lab):
                        store_history=False)
     total = float(sum(range(lab.world)))
     assert out.stdout.count(f"sum [{total}, {total}]") == lab.world, out.stdout
-    shown = [out.stdout.index(f"[stdout:{e}]") for e in lab.ids]      # grouped per engine, in rank order
+    shown = [out.stdout.index(f"[stdout:{e}]") for e in lab.engines.ids]   # grouped per engine, in rank order
     assert shown == sorted(shown), out.stdout
     assert shell.find_cell_magic("px") is not None
 

@@ -138,7 +138,7 @@ def test_a_rank_that_raises_comes_back_with_its_traceback_and_releases_the_other
 
 
 def test_a_killed_engine_gives_engine_died_and_is_replaced(flab, ref_cache):
-    victim = flab.pids[3]
+    victim = flab.engines.pids[3]
     killed = {}
 
     def kill():
@@ -156,8 +156,8 @@ def test_a_killed_engine_gives_engine_died_and_is_replaced(flab, ref_cache):
     t0 = time.monotonic()
     _matches_reference(flab, ref_cache)
     print(f"  repair (a new engine for rank 3) and a 2-step run: {time.monotonic() - t0:.1f} s")
-    assert flab.pids[3] != victim
-    assert flab.apply(_pid) == flab.pids
+    assert flab.engines.pids[3] != victim
+    assert flab.apply(_pid) == flab.engines.pids
 
 
 def test_an_interrupt_stops_the_run_on_the_engines(flab, ref_cache):

@@ -18,8 +18,8 @@ LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
 def _processes(lab) -> list[psutil.Process]:
     """The controller (with its scheduler processes) and every engine of a local Lab."""
-    ctrl = psutil.Process(lab.cluster.controller.pid)
-    return [ctrl, *ctrl.children(recursive=True), *(psutil.Process(pid) for pid in lab.pids)]
+    ctrl = psutil.Process(lab.engines.cluster.controller.pid)
+    return [ctrl, *ctrl.children(recursive=True), *(psutil.Process(pid) for pid in lab.engines.pids)]
 
 
 def _cluster_processes() -> list[psutil.Process]:
@@ -44,19 +44,19 @@ def test_a_local_lab_listens_on_loopback_only(lab):
           f"{sorted({(ip, what) for ip, _, what in seen})}, {len(seen)} in all")
     assert seen, "found no listening socket at all: the check would prove nothing"
     assert {ip for ip, _, _ in seen} <= LOOPBACK, [s for s in seen if s[0] not in LOOPBACK]
-    rank0 = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(lab.pids[0]).net_connections("inet")
+    rank0 = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(lab.engines.pids[0]).net_connections("inet")
              if c.status == psutil.CONN_LISTEN}
-    assert ("127.0.0.1", lab.port) in rank0                   # the rendezvous (TCPStore), on loopback
+    assert ("127.0.0.1", lab.engines.port) in rank0           # the rendezvous (TCPStore), on loopback
 
 
 def test_the_client_connection_is_authenticated(lab):
-    key = lab.client.session.key
+    key = lab.engines.client.session.key
     assert isinstance(key, bytes) and len(key) >= 16          # every message is HMAC-signed with it
-    assert lab.client.session.signature_scheme.startswith("hmac-")
+    assert lab.engines.client.session.signature_scheme.startswith("hmac-")
     for who in ("client", "engine"):
-        path = f"{lab.cluster.profile_dir}/security/ipcontroller-{lab.cluster.cluster_id}-{who}.json"
+        path = f"{lab.engines.cluster.profile_dir}/security/ipcontroller-{lab.engines.cluster.cluster_id}-{who}.json"
         info = json.loads(open(path).read())
-        assert info["key"].encode() == key and info["signature_scheme"] == lab.client.session.signature_scheme
+        assert info["key"].encode() == key and info["signature_scheme"] == lab.engines.client.session.signature_scheme
 
 
 @pytest.fixture
@@ -68,7 +68,7 @@ def second_lab():
 def test_two_labs_side_by_side_do_not_collide(lab, second_lab, ref_cache):
     ports = {name: {port for _, port, _ in _listening(x)} for name, x in (("first", lab), ("second", second_lab))}
     assert ports["first"] and ports["second"] and not ports["first"] & ports["second"]
-    assert lab.port != second_lab.port
+    assert lab.engines.port != second_lab.engines.port
     for x, cfg in ((lab, ParallelConfig(dp=4)), (second_lab, ParallelConfig(dp=2)), (lab, ParallelConfig(dp=2))):
         assert_matches(x.run(cfg, model=TINY, steps=3, return_params=True), ref_cache())
     after = {port for _, port, _ in _listening(second_lab)}

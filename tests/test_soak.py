@@ -84,7 +84,7 @@ def _process_groups():
 
 def _inject(lab, kind: str) -> None:
     if kind == "kill":
-        victim = lab.pids[1]
+        victim = lab.engines.pids[1]
         threading.Timer(1.0, os.kill, (victim, signal.SIGKILL)).start()
         with pytest.raises(EngineDied):
             lab.apply(_slow_all_reduces, timeout=30)
@@ -97,12 +97,12 @@ def _inject(lab, kind: str) -> None:
 
 
 def _snapshot(lab) -> dict:
-    procs = [psutil.Process(pid) for pid in [lab.cluster.controller.pid, *lab.pids]]
+    procs = [psutil.Process(pid) for pid in [lab.engines.cluster.controller.pid, *lab.engines.pids]]
     listening = {i: sorted(c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN)
                  for i, p in enumerate(procs)}   # 0: the controller, 1..4: the engines of ranks 0..3
     return {
-        "rss": [psutil.Process(pid).memory_info().rss for pid in lab.pids],
-        "pids": list(lab.pids),
+        "rss": [psutil.Process(pid).memory_info().rss for pid in lab.engines.pids],
+        "pids": list(lab.engines.pids),
         "listening": {pid: len(ports) for pid, ports in listening.items()},
         "lab_processes": _lab_processes(),
         "groups": lab.apply(_process_groups),

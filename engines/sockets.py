@@ -1,0 +1,35 @@
+"""Which sockets torch listens on in this engine process: gloo's pairs, and the TCPStore on rank 0.
+
+That is everything the process listens on, less what the engine itself opened before torch came
+(remembered by `remember_engine_listeners`, which runtime.engine_info calls before the first
+process group). Releasing a rank (engines/release.py) shuts the connections made to these.
+"""
+from __future__ import annotations
+
+import psutil
+
+_engine_listeners: frozenset | None = None
+"""What this engine listened on before torch did (ipyparallel's own sockets), once known."""
+
+
+def remember_engine_listeners() -> None:
+    """Note what the engine listens on now, before torch does; only the first call counts."""
+    global _engine_listeners
+    if _engine_listeners is None:
+        _engine_listeners = frozenset(all_listening())
+
+
+def listening() -> list[tuple[str, int]]:
+    """(address, port) of every socket torch listens on in this engine."""
+    return sorted(set(all_listening()) - (_engine_listeners or frozenset()))
+
+
+def all_listening() -> list[tuple[str, int]]:
+    """(address, port) of every socket this process listens on."""
+    return [(plain_ip(c.laddr.ip), c.laddr.port) for c in psutil.Process().net_connections("inet")
+            if c.status == psutil.CONN_LISTEN]
+
+
+def plain_ip(ip: str) -> str:
+    """An IPv4 address as itself, also when a dual-stack socket shows it IPv4-mapped (::ffff:a.b.c.d)."""
+    return ip[7:] if ip.startswith("::ffff:") else ip

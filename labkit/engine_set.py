@@ -1,0 +1,304 @@
+"""A Lab's engines: the ipyparallel client (and the local cluster it started), which engine is
+which rank (engine id, pid, host, device), the torch.distributed world built on them, and calls
+on them that never wait without a bound.
+
+Every wait here has a bound; an engine that is gone or silent becomes `EngineGone`, which the
+job runner (labkit/jobs.py) turns into EngineDied. Engines found bad are marked here and
+replaced by `replace` (local clusters only) before the next call.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections import Counter
+
+import ipyparallel as ipp
+import psutil
+from traitlets.config import Config
+
+from labkit.engines import runtime
+from labkit.errors import LabError
+
+START_TIMEOUT_S = 120.0
+"""Bound on starting engines, building the process groups and bringing results back."""
+ANSWER_S = 20.0
+"""An engine that does not answer a poll within this long is taken for dead (its job runs in a
+thread, so a live engine answers within milliseconds even mid-step)."""
+REPLACE_WAIT_S = 120.0
+"""Bound on new engines registering with the controller (a replacement, a restart)."""
+
+
+class EngineGone(Exception):
+    """Ranks whose engine is gone (or silent); the job runner turns it into EngineDied."""
+
+    def __init__(self, ranks, detail: str):
+        self.ranks, self.detail = sorted(ranks), detail
+        super().__init__(detail)
+
+
+def start_local(n: int):
+    """A local ipyparallel cluster of n engines on 127.0.0.1, started and connected: (cluster, client)."""
+    quick = Config()   # an engine that outlives SIGTERM by 1 s is killed (ipyparallel waits 5 s)
+    quick.LocalProcessLauncher.stop_seconds_until_kill = 1
+    cluster = ipp.Cluster(n=n, controller_ip="127.0.0.1", engine_timeout=60, log_level=40, config=quick)
+    try:
+        client = cluster.start_and_connect_sync(activate=False)
+        client.wait_for_engines(n, timeout=START_TIMEOUT_S)
+    except BaseException:
+        _stop(cluster)
+        raise
+    return cluster, client
+
+
+def connect(profile: str | None, url_file: str | None, cluster_id: str, engines: int | None, **client_kwargs):
+    """A client of a running cluster (its connection file carries the authentication key),
+    with `engines` registered if given, or at least one."""
+    kwargs = dict(client_kwargs)
+    args = (url_file,) if url_file else ()   # ipyparallel 9 reads the file as connection_info
+    if profile:
+        kwargs["profile"] = profile
+    if cluster_id:
+        kwargs["cluster_id"] = cluster_id
+    client = ipp.Client(*args, **kwargs)
+    if engines:
+        client.wait_for_engines(engines, timeout=START_TIMEOUT_S)
+    if not client.ids:
+        client.close()
+        raise LabError("the cluster has no engines; start some (ipcluster engines ...) or pass engines=N")
+    return client
+
+
+def _stop(cluster) -> None:
+    try:
+        cluster.stop_cluster_sync()
+    except Exception:
+        pass
+
+
+class EngineSet:
+    """The engines of one Lab, in rank order, and the torch world on them.
+
+    client, cluster: ipyparallel's (cluster: the local one this Lab started, else None).
+    ids, pids, hosts, devices: per rank. backend, port (the rendezvous), world (ranks).
+    lock: held by whoever talks to the engines (a job from start to end, a poll of the states,
+    activate's set-up, close); reentrant.
+    """
+
+    def __init__(self, client, cluster=None, n: int | None = None, *, local: bool, backend: str = "auto",
+                 device: str = "auto", timeout: float, master_addr: str | None = None):
+        self.client, self.cluster, self.local = client, cluster, local
+        self._n = len(client.ids) if n is None else n   # how many engines a restart starts
+        self.backend_choice, self.device_choice = backend, device
+        self.timeout = timeout          # the world's default group timeout (each job sets its own)
+        self.master_addr = master_addr
+        self.lock = threading.RLock()
+        self.ids = sorted(client.ids)[: self._n]
+        self.world = len(self.ids)
+        self.hosts: list[str] = []      # the rest is learnt by setup()
+        self.pids: list[int] = []
+        self.devices: list[str] = []
+        self.backend = ""
+        self.port = 0
+        self.runtimes: list[dict] = []    # each rank's runtime.Runtime, as a dict
+        self.generation = 0               # how many times the world has been built
+        self._known_ids = set(client.ids)
+        self._condemned: dict[int, str] = {}   # rank -> why its engine must be replaced (no longer used)
+        self._tainted: dict[int, str] = {}     # rank -> why its engine should be replaced (still usable)
+
+    # -- set-up -----------------------------------------------------------------------------
+    def setup(self) -> None:
+        """Give each engine (self.ids, in rank order) a rank and a device and build the world."""
+        self.world = len(self.ids)
+        got = self.gather({r: self.client[e].apply_async(runtime.engine_info) for r, e in enumerate(self.ids)},
+                          START_TIMEOUT_S, watch=False)   # pids are what this learns
+        infos = [got[r] for r in range(self.world)]
+        self.hosts = [i["host"] for i in infos]
+        self.pids = [i["pid"] for i in infos]
+        per_host = Counter(self.hosts)
+        local_index, seen = [], Counter()
+        for h in self.hosts:
+            local_index.append(seen[h])
+            seen[h] += 1
+        own_gpu = all(i["gpus"] >= per_host[h] for i, h in zip(infos, self.hosts))
+        has_gpu = all(i["gpus"] > 0 for i in infos)
+        if self.device_choice == "cuda" and not has_gpu:
+            raise LabError(f"device='cuda' but the engines see {[i['gpus'] for i in infos]} GPUs; use device='cpu'")
+        if self.backend_choice == "auto":
+            nccl = own_gpu and has_gpu and self.device_choice != "cpu"
+            self.backend = "nccl" if nccl else "gloo"
+        else:
+            self.backend = self.backend_choice
+        if self.backend == "nccl" and not own_gpu:
+            raise LabError(f"backend='nccl' needs one GPU per engine; hosts have {[i['gpus'] for i in infos]} GPUs "
+                           f"for {dict(per_host)} engines. Use device='cuda' (gloo on shared GPUs) or the CPU")
+        use_gpu = self.backend == "nccl" or self.device_choice == "cuda"
+        self.devices = [f"cuda:{k % max(1, i['gpus'])}" if use_gpu else "cpu" for k, i in zip(local_index, infos)]
+        loopback = self.local and len(per_host) == 1
+        addr = self.master_addr or ("127.0.0.1" if loopback else infos[0]["addr"])
+        threads = [max(1, (os.cpu_count() or 1) // per_host[h]) for h in self.hosts]
+        self._rendezvous(addr, threads, loopback)
+
+    def _rendezvous(self, addr: str, threads: list[int], loopback: bool) -> None:
+        """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
+        self.generation += 1
+        port = self.each(runtime.open_rendezvous, [0], addr, bound=START_TIMEOUT_S)[0]
+        got = self.gather({rank: self.client[eid].apply_async(
+            runtime.init_distributed, rank, self.world, addr, port, self.backend, self.devices[rank],
+            self.timeout, self.generation, threads[rank], loopback) for rank, eid in enumerate(self.ids)},
+            START_TIMEOUT_S)
+        self.runtimes = [got[r] for r in range(self.world)]
+        self.port = port
+
+    # -- bounded calls ----------------------------------------------------------------------
+    def gather(self, pending: dict, bound: float, watch: bool = True) -> dict:
+        """rank -> result of each AsyncResult, waiting at most `bound` seconds. Raises EngineGone
+        for ranks whose engine is gone (checked while waiting) or that do not answer in time."""
+        pending, out = dict(pending), {}
+        deadline = time.monotonic() + bound
+        while True:
+            for r in [r for r, ar in pending.items() if ar.ready()]:
+                try:
+                    out[r] = pending.pop(r).get(0)
+                except ipp.error.EngineError as e:
+                    raise EngineGone([r], str(e).splitlines()[0] if str(e) else "its engine went away") from None
+            if not pending:
+                return out
+            if watch:
+                dead = self.dead(pending)
+                if dead:
+                    raise EngineGone(dead, "its process is gone")
+            if time.monotonic() > deadline:
+                raise EngineGone(list(pending), f"it did not answer within {bound:g} s")
+            next(iter(pending.values())).wait(0.05)
+
+    def each(self, fn, ranks, *args, bound: float | None = None) -> dict:
+        """fn(*args) on the engines of `ranks`; rank -> result (bounded, see gather)."""
+        return self.gather({r: self.send(r, fn, *args) for r in ranks}, bound or ANSWER_S)
+
+    def send(self, rank: int, fn, *args):
+        """fn(*args) on the engine of `rank`, not waited for: its AsyncResult."""
+        try:
+            return self.client[self.ids[rank]].apply_async(fn, *args)
+        except IndexError:   # the controller has already unregistered this engine
+            raise EngineGone([rank], "its engine is no longer registered with the controller") from None
+
+    def dead(self, ranks) -> list[int]:
+        """Ranks among `ranks` whose engine process is gone (local: by pid; remote: unregistered)."""
+        if not self.local:
+            ids = set(self.client.ids)
+            return [r for r in ranks if self.ids[r] not in ids]
+        out = []
+        for r in ranks:
+            try:
+                if psutil.Process(self.pids[r]).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    out.append(r)
+            except psutil.NoSuchProcess:
+                out.append(r)
+        return out
+
+    def push(self, per_rank: list[dict]) -> None:
+        """per_rank[r] into the namespace of rank r's engine (ipyparallel's TimeoutError past START_TIMEOUT_S)."""
+        pushed = [self.client[eid].push(ns, block=False) for eid, ns in zip(self.ids, per_rank)]
+        for ar in pushed:
+            ar.get(timeout=START_TIMEOUT_S)
+
+    def execute(self, code: str) -> None:
+        """Python source run in every engine's namespace (bounded like push)."""
+        self.view().execute(code, block=False).get(timeout=START_TIMEOUT_S)
+
+    def view(self):
+        """A DirectView on the engines, in rank order."""
+        return self.client[self.ids]
+
+    # -- engines to replace -----------------------------------------------------------------
+    def condemn(self, ranks, why: str) -> None:
+        """Take these ranks' engines out of use; they are replaced before the next call."""
+        for r in ranks:
+            self._condemned.setdefault(r, why)
+
+    def taint(self, rank: int, why: str) -> None:
+        """Replace this rank's engine before the next call; it may still be used until then."""
+        self._tainted[rank] = why
+
+    def live(self) -> list[int]:
+        """Ranks whose engine is still in use (not condemned)."""
+        return [r for r in range(self.world) if r not in self._condemned]
+
+    def to_replace(self) -> dict[int, str]:
+        """rank -> why, for every engine to replace before the next call, in rank order."""
+        marked = dict(self._condemned)
+        for r, why in self._tainted.items():
+            marked.setdefault(r, why)
+        return dict(sorted(marked.items()))
+
+    def replace(self, ranks: list[int]) -> None:
+        """Kill the engines of `ranks` and start new ones in their places (local clusters).
+        The world must be set up again afterwards (setup)."""
+        if not self.local or self.cluster is None:
+            raise LabError(f"the engines of ranks {ranks} must be restarted, and this Lab is connected to a cluster "
+                           "it did not start: restart them with ipcluster and call Lab.connect again")
+        procs = []
+        for r in ranks:
+            try:
+                os.kill(self.pids[r], signal.SIGKILL)
+                procs.append(psutil.Process(self.pids[r]))
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        psutil.wait_procs(procs, timeout=10)
+        self.cluster.start_engines_sync(n=len(ranks))
+        fresh = self._new_engines(len(ranks))
+        for r, eid in zip(ranks, fresh):
+            self.ids[r] = eid
+            self._condemned.pop(r, None)
+            self._tainted.pop(r, None)
+
+    def restart(self) -> None:
+        """Replace every engine and build the world again (local clusters)."""
+        if not self.local or self.cluster is None:
+            raise LabError("this Lab is connected to a cluster it did not start; restart its engines "
+                           "with ipcluster and call Lab.connect again")
+        for pid in self.pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.cluster.stop_engines_sync()
+        self.cluster.start_engines_sync(n=self._n)
+        self.ids = self._new_engines(self._n)
+        self._condemned.clear()
+        self._tainted.clear()
+        self.setup()
+
+    def _new_engines(self, n: int) -> list[int]:
+        end = time.monotonic() + REPLACE_WAIT_S
+        while time.monotonic() < end:
+            fresh = sorted(set(self.client.ids) - self._known_ids)
+            if len(fresh) >= n:
+                self._known_ids |= set(fresh)
+                return fresh[:n]
+            time.sleep(0.1)
+        raise LabError(f"{n} new engine(s) did not register within {REPLACE_WAIT_S:g} s")
+
+    # -- lifetime ---------------------------------------------------------------------------
+    def close(self, wait: float = 10.0) -> None:
+        """Stop the engines and controller of a local cluster, or take down the world on a shared
+        one and disconnect. Waits at most `wait` seconds for whoever holds the lock."""
+        got = self.lock.acquire(timeout=wait)
+        try:
+            if not self.local:
+                try:
+                    self.each(runtime.shutdown_distributed, range(self.world), bound=10.0)
+                except Exception:
+                    pass
+            try:
+                self.client.close()
+            except Exception:
+                pass
+            if self.local and self.cluster is not None:
+                _stop(self.cluster)
+                self.cluster = None
+        finally:
+            if got:
+                self.lock.release()
