@@ -27,7 +27,7 @@ import warnings
 from collections import Counter
 
 from labkit.arguments import run_problems, timeout_problems
-from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, optim_problems, validate
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec, optim_problems, validate
 from labkit.engines import runtime
 from labkit.errors import Cancelled, LabError
 from labkit.faults import FaultHandling, _Died
@@ -248,9 +248,8 @@ class Lab(FaultHandling):
             warnings.warn(w, stacklevel=2)
         from labkit.engines.train import run_rank
 
-        spec = {"parallel": cfg.to_dict(), "model": model.to_dict(), "optim": optim.to_dict(),
-                "steps": steps, "seed": seed, "return_params": return_params, "audit": audit,
-                "comm_log": bool(_comm_log)}
+        spec = RunSpec(parallel=cfg, model=model, optim=optim, steps=steps, seed=seed, return_params=return_params,
+                       audit=audit, comm_log=bool(_comm_log)).to_dict()   # plain data crosses to the engines
         t0 = time.perf_counter()
         self.last_config = cfg
         reports = self._execute(run_rank, (spec,), {}, timeout, progress if progress is not None else self.progress)
