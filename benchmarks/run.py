@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 from common import steady_step_time  # noqa: E402
 
 from labkit import Lab, ModelConfig, ParallelConfig  # noqa: E402
-from labkit.config import OptimConfig  # noqa: E402
+from labkit.config import RunSpec  # noqa: E402
 
 MODEL = ModelConfig()     # layers 4, hidden 64, seq 64: the default demo model
 P = ParallelConfig
@@ -120,8 +120,7 @@ def ratio_rows(lab, model, repeats: int, steps: int) -> list[Row]:
 
 def torchrun_step(cfg, model) -> float:
     """Wall seconds of `torchrun --nproc-per-node 4 torchrun_step.py` training cfg for 1 step."""
-    spec = {"parallel": cfg.to_dict(), "model": model.to_dict(), "optim": OptimConfig().to_dict(),
-            "steps": 1, "seed": 0}
+    spec = RunSpec(parallel=cfg, model=model, steps=1, seed=0).to_dict()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "0",
            "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", os.path.join(HERE, "torchrun_step.py"),
            json.dumps(spec)]

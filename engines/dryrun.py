@@ -21,11 +21,17 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+from labkit.config import RunSpec
+from labkit.engines import runtime
+from labkit.engines.mesh import Mesh
+from labkit.engines.meters import comm
+from labkit.engines.train import run_rank
 
 
 def _fake_mode():
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     class ShapesOnly(FakeTensorMode):
         """Fake tensors whose scalar reads (`float(loss)`, `.item()`) give NaN instead of raising."""
 
@@ -38,14 +44,9 @@ def _fake_mode():
 
 
 def dry_run_rank(spec: dict, rank: int, world: int) -> dict:
-    """Run spec (as Lab.run sends it) as rank `rank` of a fake world of `world` ranks."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    from labkit.engines import runtime
-    from labkit.engines.mesh import Mesh
-    from labkit.engines.meters import comm
-    from labkit.engines.train import run_rank
-
+    """Run spec (a RunSpec as plain data, as Lab.run sends it) as rank `rank` of a fake world of
+    `world` ranks; nothing to bring back (no parameters) and nothing to audit."""
+    run = RunSpec.from_dict(spec).replace(return_params=False, audit=False)
     if dist.is_initialized():
         dist.destroy_process_group()
     Mesh.forget_groups()
@@ -56,7 +57,7 @@ def dry_run_rank(spec: dict, rank: int, world: int) -> dict:
     t0 = time.perf_counter()
     try:
         with _fake_mode():
-            report = run_rank({**spec, "return_params": False, "audit": False})
+            report = run_rank(run.to_dict())
     finally:
         runtime._state.runtime = None
         Mesh.forget_groups()

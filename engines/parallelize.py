@@ -12,6 +12,20 @@ are reduced come last, because they wrap whatever the earlier ones left.
   6. precision                                      bf16 compute, fp32 masters (a policy)
   7. data parallelism: DDP / ZeRO / FSDP            reduces gradients, owns the update [dp]
 
+A strategy gets what it uses, never the ParallelConfig: the model, the mesh whose groups it
+reads (or the DeviceMesh it runs on, or the meter it feeds), and named values — torchtitan's
+apply_tp(model, tp_mesh, loss_parallel=...). This function is the one place that reads the
+config. Two return shapes:
+  - a strategy that changes modules (1-5): apply_<x>(model, mesh, *, values) -> (model, info):
+    what runs next (after the pipeline: this rank's chunks), and plain data for the report
+    ({} when there is nothing to say);
+  - the data-parallel step (7), apply_zero / apply_fsdp(_torch) or a GradSync class built
+    directly (DDP, TorchDDP, TorchTP, TorchStageGrads), returns a GradSync
+    (engines/parallel/common.py) whose `modules` are what runs forward (PyTorch's DDP wraps them).
+The step's schedule and the input map are chosen here from the layout, beside the strategy they
+belong to: gradient accumulation or a pipeline schedule (DTensor's loss_parallel around it),
+and context parallelism's zigzag slice of the inputs.
+
 They compose through the parameters' metadata (engines/parallel/common.py), not by knowing
 each other: TP slices and marks replicas and SP's extra reduce dim; EP slices the experts,
 which it reduces over dp-cp, and keeps TP's marks (MoE layers are replicated over tp); the
@@ -25,110 +39,121 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import torch
 import torch.nn as nn
+from labkit.engines.accumulate import accumulate
+from labkit.engines.mesh import Mesh
+from labkit.engines.parallel.checkpoint import apply_ac
+from labkit.engines.parallel.common import GradSync, on_device
+from labkit.engines.parallel.context import apply_cp, zigzag_inputs
+from labkit.engines.parallel.ddp import DDP, TorchDDP
+from labkit.engines.parallel.experts import apply_ep
+from labkit.engines.parallel.fsdp import apply_fsdp, apply_fsdp_torch
+from labkit.engines.parallel.pipeline import apply_pipeline, pipeline_executor
+from labkit.engines.parallel.pipeline_torch import TorchSchedule, TorchStageGrads
+from labkit.engines.parallel.tensor import apply_tp
+from labkit.engines.parallel.tensor_torch import (
+    TorchTP,
+    apply_tp_torch,
+    in_loss_parallel,
+    tp_device_mesh,
+)
+from labkit.engines.parallel.zero import apply_zero
+from labkit.engines.precision import policy
 
 from labkit.config import OptimConfig, ParallelConfig
-from labkit.engines.mesh import Mesh
-from labkit.engines.parallel.common import GradSync, on_device
 from labkit.plans.mesh import DATA_DIMS
+
+ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
+
+
+def whole_sequence(tokens: torch.Tensor, targets: torch.Tensor):
+    """The input map without context parallelism: every position (chunk 0 numbers them itself)."""
+    return tokens, targets, None
 
 
 @dataclass
-class Parallel:
-    """This rank's share of the training."""
+class RankModel:
+    """This rank's share of the model, and what trains it: what parallelize returns."""
 
     chunks: list[nn.Module]
     """This rank's model: one module per pipeline chunk (a single one when pp == 1)."""
     grads: GradSync
     """Gradient reduction, clipping and the optimizer update."""
     schedule: Callable
-    """schedule(parallel, microbatches, meters) -> this rank's share of the loss (see train.py)."""
-    inputs: Callable = field(default=lambda tokens, targets: (tokens, targets, None))
+    """schedule(rank_model, microbatches, meters) -> this rank's share of the loss (see train.py)."""
+    inputs: Callable = whole_sequence
     """Map a rank's (tokens, targets) to what chunk 0 takes (context parallelism slices the sequence)."""
     info: dict = field(default_factory=dict)
     """Plain data about the layout for the report (TP plan, pipeline stages, ...)."""
 
 
-def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimConfig, meters) -> Parallel:
+def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimConfig, meters) -> RankModel:
     """Apply every strategy of `cfg` to the full, seeded `model`; return this rank's share."""
-    from labkit.engines.schedules import accumulate
-
     model = on_device(model, meters.device)
-    inputs = Parallel.inputs
-    schedule = accumulate
-    info: dict = {}
+    schedule, inputs, info = accumulate, whole_sequence, {}
 
     # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py, or DTensor's
     if cfg.tp > 1 and cfg.impl == "torch":
-        from labkit.engines.parallel.tensor_torch import apply_tp_torch
-
-        model, info["tp_plan"], schedule = apply_tp_torch(model, mesh, cfg, schedule)
+        tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharding == "fsdp")
+        model, info["tp_plan"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
+        schedule = in_loss_parallel(schedule)
     elif cfg.tp > 1:
-        from labkit.engines.parallel.tensor import apply_tp
-
-        model, info["tp_plan"] = apply_tp(model, mesh, cfg)
+        model, info["tp_plan"] = apply_tp(model, mesh, sequence_parallel=cfg.sequence_parallel)
 
     # 2. context parallelism: engines/parallel/context.py
     if cfg.cp > 1:
-        from labkit.engines.parallel.context import apply_cp
-
-        inputs, info["cp"] = apply_cp(model, mesh, cfg)
+        model, info["cp"] = apply_cp(model, mesh)
+        inputs = zigzag_inputs(model.cfg.seq, mesh)
 
     # 3. expert parallelism: engines/parallel/experts.py
     if cfg.ep > 1:
-        from labkit.engines.parallel.experts import apply_ep
-
-        info["ep"] = apply_ep(model, mesh, cfg)
+        model, info["ep"] = apply_ep(model, mesh)
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
     if cfg.checkpoint_activations:
-        from labkit.engines.parallel.checkpoint import apply_ac
+        model, _ = apply_ac(model, meters.memory)   # nothing to report
 
-        apply_ac(model, meters)
-
-    # 5. pipeline parallelism: engines/parallel/pipeline.py
+    # 5. pipeline parallelism: engines/parallel/pipeline.py; its schedule ours, or torch.distributed.pipelining's
     chunks = [model]
     if mesh.size("pp") > 1:
-        from labkit.engines.parallel.pipeline import apply_pipeline
-
-        chunks, schedule, info["pipeline"] = apply_pipeline(model, mesh, cfg, meters)
+        chunks, stages = apply_pipeline(model, mesh, virtual_stages=cfg.virtual_stages)
+        info["pipeline"] = {"schedule": cfg.schedule, **stages}
+        if cfg.impl == "torch":
+            schedule = TorchSchedule(mesh, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                                     virtual_stages=cfg.virtual_stages)
+        else:
+            schedule = pipeline_executor(mesh, schedule=cfg.schedule, microbatches=cfg.microbatches,
+                                         virtual_stages=cfg.virtual_stages, hidden=model.cfg.hidden,
+                                         dtype=policy(cfg.precision).compute,   # stages pass the compute dtype
+                                         seq_split=mesh.size("tp") if cfg.sequence_parallel else 1)   # SP: s/tp rows
+            info["pipeline"]["actions"] = [str(a) for a in schedule.actions]
 
     # 6. precision: engines/precision.py (the data-parallel strategy casts to it and keeps the masters)
-    from labkit.engines.precision import policy
-
     pol = policy(cfg.precision)
 
-    # 7. data parallelism: DDP (ddp.py), ZeRO (zero.py), FSDP (fsdp.py)
+    # 7. data parallelism: DDP (ddp.py), ZeRO (zero.py), FSDP (fsdp.py); PyTorch's own with impl='torch'
     loss_shards = mesh.size(*DATA_DIMS)
-    if cfg.sharding == "fsdp":
-        from labkit.engines.parallel.fsdp import apply_fsdp
-
-        sync = apply_fsdp(chunks[0], mesh, cfg, pol, optim, meters, loss_shards)
-        chunks = [sync.module]
+    bucket_bytes = int(cfg.bucket_mb * 2**20)
+    if cfg.sharding == "fsdp" and cfg.impl == "torch":
+        sync = apply_fsdp_torch(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim,
+                                meters=meters)
+    elif cfg.sharding == "fsdp":
+        sync = apply_fsdp(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim, meters=meters,
+                          loss_shards=loss_shards)
     elif cfg.sharding != "none":
-        from labkit.engines.parallel.zero import apply_zero
-
-        sync = apply_zero(chunks, mesh, cfg, pol, optim, meters, loss_shards)
+        sync = apply_zero(chunks, mesh, stage=ZERO_STAGES[cfg.sharding], bucket_bytes=bucket_bytes, pol=pol,
+                          optim=optim, meters=meters, loss_shards=loss_shards)
     elif cfg.impl == "torch" and mesh.size("pp") > 1:
-        from labkit.engines.parallel.pipeline_torch import TorchStageGrads   # DDP per stage chunk
-
-        sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)
-        chunks = sync.modules
+        sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)   # PyTorch's DDP per stage chunk
     elif cfg.impl == "torch" and cfg.tp > 1:
-        from labkit.engines.parallel.tensor_torch import TorchTP
-
-        sync = TorchTP(chunks[0], mesh, optim)
+        sync = TorchTP(chunks[0], mesh, optim)   # no dp: labkit.config refuses DDP with DTensor TP
     elif cfg.impl == "torch":
-        from labkit.engines.parallel.ddp import TorchDDP
-
         sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), cfg.bucket_mb, optim)
-        chunks = [sync.module]
     else:
-        from labkit.engines.parallel.ddp import DDP
-
-        params = [(n, p) for c in chunks for n, p in c.named_parameters()]
-        sync = DDP(params, mesh, loss_shards, int(cfg.bucket_mb * 2**20), optim, pol, meters)
+        sync = DDP(chunks, mesh, loss_shards=loss_shards, bucket_bytes=bucket_bytes, optim=optim, pol=pol,
+                   meters=meters)
     if hasattr(sync, "plans"):   # ours: the flat buffers, for the report
         info["flat_buffers"] = [{"unit": p.unit, "numel": p.numel, "padded": p.padded, "shard": p.shard}
                                 for p in sync.plans]
-    return Parallel(chunks=chunks, grads=sync, schedule=schedule, inputs=inputs, info=info)
+    return RankModel(chunks=sync.modules, grads=sync, schedule=schedule, inputs=inputs, info=info)

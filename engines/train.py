@@ -10,14 +10,14 @@ import time
 from contextlib import nullcontext
 
 import torch
-
-from labkit.config import ModelConfig, OptimConfig, ParallelConfig
 from labkit.engines import data, runtime
-from labkit.config import DIMS
 from labkit.engines.mesh import Mesh
 from labkit.engines.meters.bundle import Meters
+from labkit.engines.meters.comm import CommAudit
 from labkit.engines.model import build_model
 from labkit.engines.parallelize import parallelize
+
+from labkit.config import DIMS, RunSpec
 from labkit.plans.mesh import MeshLayout
 
 
@@ -28,16 +28,13 @@ def data_index(mesh: Mesh) -> tuple[int, int]:
 
 
 def run_rank(spec: dict) -> dict:
-    """spec: {'parallel': dict, 'model': dict, 'optim': dict, 'steps', 'seed', 'return_params',
-    'audit'} (plain data from the Lab). Returns this rank's report as plain data."""
+    """spec: a RunSpec as plain data (RunSpec.to_dict(), what Lab.run sends). Returns this rank's
+    report as plain data."""
     rt = runtime.current()
-    comm_log = spec.get("comm_log", True)
-    if not comm_log:            # the overhead benchmark's switch: no collective log at all
+    run = RunSpec.from_dict(spec)
+    if not run.comm_log:        # the overhead benchmark's switch: no collective log at all
         runtime.comm_log_off()
-    cfg = ParallelConfig.from_dict(spec["parallel"])
-    model_cfg = ModelConfig.from_dict(spec["model"])
-    optim = OptimConfig.from_dict(spec["optim"])
-    steps, seed = spec["steps"], spec["seed"]
+    cfg, model_cfg, steps, seed = run.parallel, run.model, run.steps, run.seed
 
     mesh = Mesh.build(MeshLayout.of(cfg), rt.rank)
     base = {"rank": rt.rank, "host": rt.host, "device": rt.device, "clock_offset": rt.clock_offset}
@@ -45,13 +42,10 @@ def run_rank(spec: dict) -> dict:
         return {**base, "idle": True}
 
     device = torch.device(rt.device)
-    meters = Meters(mesh, device, comm_log)
-    par = parallelize(build_model(model_cfg, seed), mesh, cfg, optim, meters)
-    meters.memory.exclude(p for chunk in par.chunks for p in chunk.parameters())
-    audit = None
-    if spec.get("audit"):
-        from labkit.engines.meters.comm import CommAudit
-        audit = CommAudit()
+    meters = Meters(mesh, device, run.comm_log)
+    rank_model = parallelize(build_model(model_cfg, seed), mesh, cfg, run.optim, meters)
+    meters.memory.exclude(p for chunk in rank_model.chunks for p in chunk.parameters())
+    audit = CommAudit() if run.audit else None
 
     index, count = data_index(mesh)
     losses, norms, step_times = [], [], []
@@ -62,19 +56,19 @@ def run_rank(spec: dict) -> dict:
             tokens = data.shard(tokens, index, count).to(device)
             targets = data.shard(targets, index, count).to(device)
             t0 = time.perf_counter()
-            with meters.step(step, sum(par.grads.memory().values())):
-                loss = par.schedule(par, data.microbatches(tokens, targets, cfg.microbatches), meters)
+            with meters.step(step, sum(rank_model.grads.memory().values())):
+                loss = rank_model.schedule(rank_model, data.microbatches(tokens, targets, cfg.microbatches), meters)
                 with meters.phase("backward"), meters.span("sync"):
-                    par.grads.finish()
+                    rank_model.grads.finish()
                 with meters.phase("optimizer"), meters.span("opt"):
-                    norm = par.grads.step()
+                    norm = rank_model.grads.step()
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
             norms.append(norm)
             runtime.progress(step=step, steps=steps, rank=rt.rank, seconds=step_times[-1], ranks=mesh.size(*DIMS),
                              loss_share=loss if mesh.coord("tp") == 0 else 0.0, shards=mesh.size("dp", "ep", "cp"))
 
-    states = par.grads.memory()
+    states = rank_model.grads.memory()
     report = {
         **base,
         "idle": False,
@@ -85,11 +79,11 @@ def run_rank(spec: dict) -> dict:
         "memory": meters.memory_report(states),
         "comm": meters.comm_events(),
         "timeline": meters.timeline.events,
-        "info": par.info,
+        "info": rank_model.info,
     }
     if audit is not None:
         report["audit"] = dict(audit.counts)
-    if spec.get("return_params"):
-        report["pieces"] = par.grads.pieces()
+    if run.return_params:
+        report["pieces"] = rank_model.grads.param_pieces()
     return report
 

@@ -150,6 +150,36 @@ class OptimConfig(_Dict):
     """Max global gradient norm (all shards, each parameter counted once); 0 disables clipping."""
 
 
+@dataclass(frozen=True)
+class RunSpec(_Dict):
+    """One training run as every engine receives it: Lab.run builds it, engines/train.py
+    `run_rank` runs it (the dry run and the torchrun benchmark too). Its `to_dict()` is what
+    crosses to the engines: plain data, the three configs nested as their own dicts."""
+
+    parallel: ParallelConfig = dataclasses.field(default_factory=ParallelConfig)
+    """The layout of the strategies on the mesh."""
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    """What to train: the full model every rank builds from the seed and then slices."""
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    """The optimizer and its clipping, the same as the reference's."""
+    steps: int = 3
+    """Optimizer steps to train."""
+    seed: int = 0
+    """Seeds the initial weights and the synthetic batches (the same on every rank and in the reference)."""
+    return_params: bool = False
+    """Bring back every rank's part of the final parameters (res.params), to check against the reference."""
+    audit: bool = False
+    """Run a TorchDispatchMode beside the comm meter and count what it sees (slow; tests use it)."""
+    comm_log: bool = True
+    """Record collectives in the job's log; False only for the overhead benchmark (nothing is recorded)."""
+
+    @classmethod
+    def from_dict(cls, d: dict) -> RunSpec:
+        """The nested configs come back as dataclasses (to_dict made them dicts)."""
+        nested = {"parallel": ParallelConfig, "model": ModelConfig, "optim": OptimConfig}
+        return super().from_dict({k: nested[k].from_dict(v) if k in nested else v for k, v in d.items()})
+
+
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 

@@ -12,9 +12,13 @@ fake tensors), so the notebook's own process never joins a process group.
 from __future__ import annotations
 
 import multiprocessing as mp
+import queue as queues
+import time
+import traceback
 from dataclasses import dataclass, field
 
-from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, problems
+from labkit import theory
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec, problems
 from labkit.results import RankReport, RunResult
 
 
@@ -51,14 +55,13 @@ class DryRun:
         return out
 
 
-def _child(spec, rank, world, queue):
+def _child(spec: dict, rank: int, world: int, queue) -> None:
     try:
+        # imported in the spawned child only: the notebook's process never loads torch for a dry run
         from labkit.engines.dryrun import dry_run_rank
 
         queue.put(("ok", dry_run_rank(spec, rank, world)))
     except BaseException as e:   # noqa: BLE001 - the parent raises it
-        import traceback
-
         queue.put(("error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
 
 
@@ -66,8 +69,6 @@ def dry_run(cfg: ParallelConfig, model: ModelConfig, world: int | None = None, r
             optim: OptimConfig | None = None, timeout: float = 600.0) -> DryRun:
     """One real training step of rank `rank` in a fake world of `world` ranks (default: the
     layout's product), with fake tensors; compared with theory.estimate for the same layout."""
-    from labkit import theory
-
     world = world or cfg.world
     found = problems(cfg, model, world)
     if model.experts:
@@ -77,15 +78,11 @@ def dry_run(cfg: ParallelConfig, model: ModelConfig, world: int | None = None, r
         found.append(f"rank={rank} is outside the world of {world} ranks; pick 0 .. {world - 1}")
     if found:
         raise ConfigError(found)
-    spec = {"parallel": cfg.to_dict(), "model": model.to_dict(), "optim": (optim or OptimConfig()).to_dict(),
-            "steps": 1, "seed": 0}
+    spec = RunSpec(parallel=cfg, model=model, optim=optim or OptimConfig(), steps=1, seed=0)
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_child, args=(spec, rank, world, queue), daemon=True)
+    proc = ctx.Process(target=_child, args=(spec.to_dict(), rank, world, queue), daemon=True)
     proc.start()
-    import queue as queues
-    import time
-
     deadline = time.monotonic() + timeout
     try:
         while True:

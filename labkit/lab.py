@@ -27,7 +27,15 @@ import cloudpickle
 
 from labkit import engine_set, magics
 from labkit.arguments import run_problems, timeout_problems
-from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, optim_problems, validate
+from labkit.config import (
+    ConfigError,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    RunSpec,
+    optim_problems,
+    validate,
+)
 from labkit.engine_set import EngineSet
 from labkit.engines import runtime
 from labkit.jobs import JobRunner
@@ -183,11 +191,12 @@ class Lab:
             raise ConfigError(optim_problems(optim))
         for w in MeshLayout.of(cfg).warnings(self.hosts[:cfg.world]):   # a TP group across hosts: say so
             warnings.warn(w, stacklevel=2)
-        from labkit.engines.train import run_rank   # imports torch: loaded at the first run, not with the Lab
+        from labkit.engines.train import (
+            run_rank,  # imports torch: loaded at the first run, not with the Lab
+        )
 
-        spec = {"parallel": cfg.to_dict(), "model": model.to_dict(), "optim": optim.to_dict(),
-                "steps": steps, "seed": seed, "return_params": return_params, "audit": audit,
-                "comm_log": bool(_comm_log)}
+        spec = RunSpec(parallel=cfg, model=model, optim=optim, steps=steps, seed=seed, return_params=return_params,
+                       audit=audit, comm_log=bool(_comm_log)).to_dict()   # plain data crosses to the engines
         t0 = time.perf_counter()
         self.last_config = cfg
         reports = self._execute(run_rank, (spec,), {}, timeout, progress if progress is not None else self.progress)

@@ -206,15 +206,12 @@ def test_checkpointed_moe_block_keeps_the_balance_loss_gradient():
     from labkit.engines.model import build_model
     from labkit.engines.parallel.checkpoint import apply_ac
 
-    class Meters:
-        memory = MemoryMeter()
-
     tokens, targets = data.global_batch(0, 0, 4, MOE.seq, MOE.vocab)
     grads = []
     for ac in (False, True):
         net = build_model(MOE, 0)
         if ac:
-            apply_ac(net, Meters())
+            apply_ac(net, MemoryMeter())
         net(tokens, targets).backward()
         grads.append(net.blocks[0].mlp.router.weight.grad.clone())
     torch.testing.assert_close(grads[1], grads[0], rtol=1e-6, atol=0)

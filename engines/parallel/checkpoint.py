@@ -69,9 +69,10 @@ def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor) -> torch.Tensor
     return y
 
 
-def apply_ac(model: nn.Module, meters) -> nn.Module:
-    """Checkpoint every transformer block of `model` (slot 4 of parallelize)."""
+def apply_ac(model: nn.Module, memory_meter) -> tuple[nn.Module, dict]:
+    """Checkpoint every transformer block of `model` (slot 4 of parallelize); the recomputation's
+    saved tensors are counted by `memory_meter`. Returns (model, {}): nothing to report."""
     for block in model.blocks:
         run = partial(_with_aux, block, block.forward)   # block.forward: the bound original
-        block.forward = partial(_checkpointed, block, run, meters.memory)
-    return model
+        block.forward = partial(_checkpointed, block, run, memory_meter)
+    return model, {}

@@ -14,6 +14,7 @@ later steps (gradient reduction, clipping, checking) need not know which strateg
 """
 from __future__ import annotations
 
+import weakref
 from contextlib import AbstractContextManager
 from typing import Protocol
 
@@ -23,12 +24,16 @@ from labkit.plans.mesh import DATA_DIMS
 
 
 class GradSync(Protocol):
-    """Turns the gradients of every microbatch into one optimizer update on this rank.
+    """Turns the gradients of every microbatch into one optimizer update on this rank: what every
+    data-parallel step of parallelize returns (DDP, ZeRO, FSDP, and PyTorch's).
 
     The schedule calls `microbatch(i, m)` around the forward+backward of microbatch i of m
     (reduction happens only in the last, as DDP's no_sync does), `finish()` once backward is
-    over, then `step()`; `memory()` and `pieces()` report after the step.
+    over, then `step()`; `memory()` and `param_pieces()` report after the step.
     """
+
+    modules: list[torch.nn.Module]
+    """What runs forward: this rank's chunks, wrapped where the strategy wraps them (PyTorch's DDP)."""
 
     def microbatch(self, index: int, count: int) -> AbstractContextManager: ...
 
@@ -40,8 +45,9 @@ class GradSync(Protocol):
     def memory(self) -> dict[str, int]:
         """Bytes of this rank's persistent 'params', 'grads' and 'optimizer' state."""
 
-    def pieces(self) -> list[dict]:
-        """This rank's part of every parameter (see `piece`), for checking against the reference."""
+    def param_pieces(self) -> list[dict]:
+        """This rank's part of every parameter after the step (see `piece`): the Lab assembles the full
+        parameters from every rank's, to check them against the reference."""
 
 
 def full_name(p: torch.nn.Parameter, fallback: str) -> str:
@@ -102,8 +108,6 @@ def weak_method(obj, name: str, *bound):
     For hooks on parameters: those are owned by the C++ tensor, so a strong reference back to
     the strategy object is a cycle Python's garbage collector cannot see, and every run's model,
     gradients and process groups would stay alive on the engine (measured: the soak test's RSS)."""
-    import weakref
-
     ref = weakref.ref(obj)
 
     def call(*args):

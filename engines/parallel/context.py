@@ -184,10 +184,11 @@ class _RingAttention(torch.autograd.Function):
         return dq, own[0].to(k.dtype), own[1].to(v.dtype), None
 
 
-def apply_cp(model, mesh, cfg):
-    """Swap every block's attention kernel for ring attention on the cp group; tell per-sequence
-    statistics (the MoE router's balance loss) that a sequence spans the cp group. Returns the
-    `Parallel.inputs` map: this rank's zigzag tokens, targets and their positions."""
+def apply_cp(model: torch.nn.Module, mesh) -> tuple[torch.nn.Module, dict]:
+    """Swap every block's attention kernel for ring attention on the mesh's cp group; tell
+    per-sequence statistics (the MoE router's balance loss) that a sequence spans the cp group.
+    Returns (model, this rank's chunks and ring plan as data for the report); `zigzag_inputs`
+    gives the tokens it must be fed."""
     cp, rank = mesh.size("cp"), mesh.coord("cp")
     group = mesh.group("cp")
     ring = Ring(group, rank, cp)
@@ -196,11 +197,16 @@ def apply_cp(model, mesh, cfg):
     for m in model.modules():
         if hasattr(m, "seq_split"):
             m.seq_split = (group, cp)
-    index = zigzag_index(model.cfg.seq, cp, rank)
+    return model, {"cp_chunks": list(zigzag_chunks(rank, cp)), "ring_plan": ring.plan}
+
+
+def zigzag_inputs(seq: int, mesh):
+    """The `RankModel.inputs` map under context parallelism: this cp rank's zigzag tokens,
+    targets and their positions."""
+    index = zigzag_index(seq, mesh.size("cp"), mesh.coord("cp"))
 
     def inputs(tokens: torch.Tensor, targets: torch.Tensor):
         idx = index.to(tokens.device)
         return tokens[:, idx], targets[:, idx], idx              # (b, s) -> (b, s/cp), positions (s/cp,)
 
-    info = {"cp_chunks": list(zigzag_chunks(rank, cp)), "ring_plan": ring.plan}
-    return inputs, info
+    return inputs

@@ -15,12 +15,18 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, torch_adamw
-from labkit.engines.parallel.common import param_piece, reduce_dims, weak_method
+from labkit.engines.parallel.common import (
+    norm_plan,
+    param_piece,
+    reduce_dims,
+    weak_method,
+)
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit.config import OptimConfig
 from labkit.plans.buckets import plan_groups
 
 
@@ -69,10 +75,10 @@ class DDP:
     precision.py says why those are fp32 (Megatron-LM accumulates into fp32 main_grad likewise).
     """
 
-    def __init__(self, named_params: list[tuple[str, nn.Parameter]], mesh, loss_shards: int,
-                 bucket_bytes: int, optim: OptimConfig, pol: Policy | None = None, meters=None):
-        from labkit.engines.parallel.common import norm_plan
-
+    def __init__(self, chunks: list[nn.Module], mesh, loss_shards: int, bucket_bytes: int, optim: OptimConfig,
+                 pol: Policy | None = None, meters=None):
+        named_params = [(n, p) for c in chunks for n, p in c.named_parameters()]
+        self.modules = chunks
         pol = pol or policy("fp32")
         self.reduce, self.meters = pol.reduce, meters
         self.names = [n for n, _ in named_params]
@@ -164,7 +170,7 @@ class DDP:
                 "optimizer": unique_bytes(self.opt.state_tensors()
                                           + [m for m, p in zip(self.masters, self.params) if m is not p])}
 
-    def pieces(self) -> list[dict]:
+    def param_pieces(self) -> list[dict]:
         return [param_piece(n, p, values=m) for n, p, m in zip(self.names, self.params, self.masters)]
 
 
@@ -175,17 +181,16 @@ class TorchDDP:
     reducer's all-reduces at the dispatcher (engines/meters/comm.py)."""
 
     def __init__(self, module: nn.Module, group, bucket_mb: float, optim: OptimConfig):
-        from torch.nn.parallel import DistributedDataParallel
-
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
-        self.module = DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_mb,
-                                              gradient_as_bucket_view=True, broadcast_buffers=False)
+        self.ddp = DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_mb,
+                                           gradient_as_bucket_view=True, broadcast_buffers=False)
+        self.modules = [self.ddp]
         self.clip = optim.clip
         self.opt = torch_adamw(self.names, self.params, optim)
 
     def microbatch(self, index: int, count: int):
-        return nullcontext() if index == count - 1 else self.module.no_sync()
+        return nullcontext() if index == count - 1 else self.ddp.no_sync()
 
     def finish(self) -> None:
         pass   # DDP's reducer waits for its all-reduces at the end of backward
@@ -202,5 +207,5 @@ class TorchDDP:
                 "grads": unique_bytes(p.grad for p in self.params),
                 "optimizer": unique_bytes(state)}
 
-    def pieces(self) -> list[dict]:
+    def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]

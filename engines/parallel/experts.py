@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from labkit.engines.moe import MoE
 
 
@@ -64,10 +63,10 @@ class ExpertParallel:
         return _AllToAll.apply(back, send, recv, self.group)      # (R, h) -> (N, h)
 
 
-def apply_ep(model: nn.Module, mesh, cfg) -> dict:
+def apply_ep(model: nn.Module, mesh) -> tuple[nn.Module, dict]:
     """Keep this ep rank's E/ep experts of every MoE layer (slices of the full seeded tensors),
-    route through the all-to-all, and mark what the gradient reduction and the norm must know.
-    Returns plain data for the report."""
+    route through the all-to-all on the mesh's ep group, and mark what the gradient reduction and
+    the norm must know. Returns (model, the experts it keeps as data for the report)."""
     ep, rank = mesh.size("ep"), mesh.coord("ep")
     n_exp = model.cfg.experts
     local = n_exp // ep
@@ -88,4 +87,4 @@ def apply_ep(model: nn.Module, mesh, cfg) -> dict:
     for p in model.parameters():   # everything else is the same on every ep rank: count it once in the norm
         if id(p) not in sharded:
             p._lk_replicas = tuple(getattr(p, "_lk_replicas", ())) + ("ep",)
-    return {"experts": [lo, hi]}
+    return model, {"experts": [lo, hi]}

@@ -19,24 +19,29 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
-
-from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import piece
+from labkit.engines.parallel.tensor_torch import device_mesh_2d
 from labkit.engines.parallel.zero import ZeRO3
 from labkit.engines.precision import Policy
+from torch.distributed.device_mesh import DeviceMesh
+
+from labkit.config import OptimConfig
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.tensor import shard_box
 
 
-def apply_fsdp(model: nn.Module, mesh, cfg, pol: Policy, optim: OptimConfig, meters, loss_shards: int):
-    """sharding='fsdp': this rank's GradSync; `.module` is what runs forward (the model itself)."""
-    if cfg.impl == "torch":
-        return TorchFSDP(model, mesh, cfg.reshard_after_forward, pol, optim, meters)
-    sync = ZeRO3(model, mesh, "fsdp", cfg.reshard_after_forward, pol, optim, meters, loss_shards)
-    sync.module = model
-    return sync
+def apply_fsdp(model: nn.Module, mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters,
+               loss_shards: int) -> ZeRO3:
+    """sharding='fsdp', impl='lab': our units (a ZeRO-3 per block plus the root), as this rank's GradSync."""
+    return ZeRO3(model, mesh, "fsdp", reshard, pol, optim, meters, loss_shards)
+
+
+def apply_fsdp_torch(model: nn.Module, mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters) -> TorchFSDP:
+    """sharding='fsdp', impl='torch': FSDP2's fully_shard, as this rank's GradSync (FSDP2 averages the
+    gradients over its own mesh, so it needs no loss_shards)."""
+    return TorchFSDP(model, mesh, reshard, pol, optim, meters)
 
 
 class TorchFSDP:
@@ -50,13 +55,13 @@ class TorchFSDP:
     is not counted)."""
 
     def __init__(self, model: nn.Module, mesh, reshard: bool, pol: Policy, optim: OptimConfig, meters):
-        from torch.distributed.device_mesh import DeviceMesh
+        # Deferred to FSDP2 runs: once torch.distributed.fsdp is imported (it pulls in torch.distributed.nn
+        # and _shard), a rank whose peer died keeps its gloo groups past destroy_process_group, so the
+        # Lab's repair replaces every engine instead of the dead one (measured: tests/test_soak.py's kill).
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device_type = next(model.parameters()).device.type
         if mesh.size("tp") > 1:   # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
-            from labkit.engines.parallel.tensor_torch import device_mesh_2d
-
             dm = device_mesh_2d(mesh, device_type)["dp"]
         else:
             dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)
@@ -68,7 +73,7 @@ class TorchFSDP:
             fully_shard(unit, mesh=dm, reshard_after_forward=reshard, mp_policy=mp)
             unit.register_forward_pre_hook(self._exclude_unsharded)
             self._track_gathered(unit)
-        self.module = model
+        self.modules = [model]
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
         self.clip = optim.clip
@@ -125,7 +130,7 @@ class TorchFSDP:
                 "optimizer": unique_bytes(t.to_local() for t in state)}
 
     @torch.no_grad()
-    def pieces(self) -> list[dict]:
+    def param_pieces(self) -> list[dict]:
         """Each parameter (its TP slice under 2-D) is split on dim 0 in chunks of ceil(d0 / N) rows
         (FSDP2's Shard(0) over dp)."""
         out = []

@@ -21,9 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
 from labkit.engines.model import aux_loss
-from labkit.engines.parallel.common import on_device
+
 from labkit.plans.schedules import Plan, chunk_layers, plan, stage_of
 from labkit.plans.simulator import ScheduleDeadlock, check
 
@@ -72,26 +71,25 @@ def split_model(model: nn.Module, p: int, v: int, rank: int) -> list[Chunk]:
     return chunks
 
 
-def apply_pipeline(model: nn.Module, mesh, cfg, meters):
-    """Slot 5 of parallelize: (this rank's chunks, schedule callable, plain info for the report)."""
-    p, v, r = mesh.size("pp"), cfg.virtual_stages, mesh.coord("pp")
-    chunks = [on_device(c, meters.device) for c in split_model(model, p, v, r)]
-    info = {"schedule": cfg.schedule, "p": p, "v": v, "stage": r,
+def apply_pipeline(model: nn.Module, mesh, *, virtual_stages: int) -> tuple[list[Chunk], dict]:
+    """Slot 5 of parallelize: (this pp rank's chunks, its stage and layers as data for the report).
+    The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule."""
+    p, v, r = mesh.size("pp"), virtual_stages, mesh.coord("pp")
+    info = {"p": p, "v": v, "stage": r,
             "layers": [list(chunk_layers(len(model.blocks), p, v, r, c)) for c in range(v)]}
-    if cfg.impl == "torch":
-        from labkit.engines.parallel.pipeline_torch import TorchSchedule
+    return split_model(model, p, v, r), info
 
-        return chunks, TorchSchedule(cfg, mesh), info
-    from labkit.engines.precision import policy
 
-    pl = plan(cfg.schedule, p, cfg.microbatches, v)
-    info["actions"] = [str(a) for a in pl.actions[r]]
-    rows = mesh.size("tp") if cfg.sequence_parallel else 1   # SP: the residual stream holds s/tp rows
-    return chunks, PipelineExecutor(pl, mesh, model.cfg.hidden, policy(cfg.precision).compute, rows), info
+def pipeline_executor(mesh, *, schedule: str, microbatches: int, virtual_stages: int, hidden: int,
+                      dtype: torch.dtype, seq_split: int) -> PipelineExecutor:
+    """Our executor of `schedule` ('gpipe', '1f1b', 'interleaved') for this pp rank: the plan is built
+    (schedules.plan), simulated and refused if it would hang, then run as is."""
+    return PipelineExecutor(plan(schedule, mesh.size("pp"), microbatches, virtual_stages), mesh, hidden, dtype,
+                            seq_split)
 
 
 class PipelineExecutor:
-    """schedule(par, microbatches, meters) -> this rank's share of the loss, running this rank's
+    """schedule(rank_model, microbatches, meters) -> this rank's share of the loss, running this rank's
     actions of a Plan. The share: the last stage's mean loss over the microbatches, 0 elsewhere
     (plus the MoE load-balancing loss of the layers a stage holds)."""
 
@@ -128,11 +126,11 @@ class PipelineExecutor:
             work = dist.isend(t.contiguous(), dst=self.peers[a.peer], group=self.group, tag=self._tag(a))
         return work, t
 
-    def __call__(self, par, microbatches, meters) -> float:
+    def __call__(self, rank_model, microbatches, meters) -> float:
         m = len(microbatches)
         if m != self.plan.m:
             raise ValueError(f"the plan is for {self.plan.m} microbatches, the step has {m}")
-        mbs = [par.inputs(tokens, targets) for tokens, targets in microbatches]
+        mbs = [rank_model.inputs(tokens, targets) for tokens, targets in microbatches]
         b, s = mbs[0][0].shape
         shape = (b, s // self.seq_split, self.hidden)          # (b/m, s, h) crosses each boundary (s/tp under SP)
         inputs, outputs, grads, sends = {}, {}, {}, []
@@ -141,7 +139,7 @@ class PipelineExecutor:
         for a in self.actions:
             meters.check_cancelled()
             key = (a.mb, a.chunk)
-            chunk = par.chunks[a.chunk]
+            chunk = rank_model.chunks[a.chunk]
             if a.op == "recv_act":
                 inputs[key] = self._recv(a, meters, shape).requires_grad_()
             elif a.op == "F":
@@ -169,7 +167,7 @@ class PipelineExecutor:
                         tensors, seeds = tensors + [aux / m], seeds + [None]
                 # the chunk's last backward (by count, whatever the order) lets DDP reduce it
                 with meters.phase("backward"), meters.span("B", a.mb, a.chunk), \
-                        par.grads.microbatch(backwards_done[a.chunk], m):
+                        rank_model.grads.microbatch(backwards_done[a.chunk], m):
                     torch.autograd.backward(tensors, seeds)
                 backwards_done[a.chunk] += 1
             elif a.op == "send_grad":

@@ -19,37 +19,46 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-
-from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import param_piece
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit.config import OptimConfig
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of
 
 
 def _schedule_class(name: str):
-    from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+    # torch.distributed.pipelining takes 0.5 s to import: only impl='torch' with pp > 1 needs it
+    from torch.distributed.pipelining import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
 
     return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
 
 
 class TorchSchedule:
-    """schedule(par, microbatches, meters) over torch.distributed.pipelining, built on first use
-    (from par.chunks, which DDP may have wrapped by then)."""
+    """schedule(rank_model, microbatches, meters) over torch.distributed.pipelining's `schedule`
+    ('gpipe', '1f1b' or 'interleaved'), built on first use (from rank_model.chunks, which DDP may
+    have wrapped by then)."""
 
-    def __init__(self, cfg, mesh):
-        self.cfg = cfg
+    def __init__(self, mesh, *, schedule: str, microbatches: int, virtual_stages: int):
         self.mesh = mesh
+        self.schedule, self.microbatches, self.virtual_stages = schedule, microbatches, virtual_stages
         self.sched = None
         self.first = self.last = False
 
-    def _build(self, par, meters) -> None:
-        from torch.distributed.pipelining import PipelineStage
+    def _build(self, rank_model, meters) -> None:
+        from torch.distributed.pipelining import (
+            PipelineStage,  # deferred: see _schedule_class
+        )
 
-        p, v, r = self.mesh.size("pp"), self.cfg.virtual_stages, self.mesh.coord("pp")
+        p, v, r = self.mesh.size("pp"), self.virtual_stages, self.mesh.coord("pp")
         stages = []
-        for c, module in enumerate(par.chunks):
+        for c, module in enumerate(rank_model.chunks):
             st = PipelineStage(module, stage_of(r, c, p), p * v, meters.device, group=self.mesh.group("pp"))
             _instrument(st, c, meters)
             stages.append(st)
@@ -60,13 +69,13 @@ class TorchSchedule:
             with meters.memory.saved_tensors():
                 return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
-        cls = _schedule_class(self.cfg.schedule)
-        self.sched = cls(stages if self.cfg.schedule == "interleaved" else stages[0],
-                         n_microbatches=self.cfg.microbatches, loss_fn=loss_fn)
+        cls = _schedule_class(self.schedule)
+        self.sched = cls(stages if self.schedule == "interleaved" else stages[0],
+                         n_microbatches=self.microbatches, loss_fn=loss_fn)
 
-    def __call__(self, par, microbatches, meters) -> float:
+    def __call__(self, rank_model, microbatches, meters) -> float:
         if self.sched is None:
-            self._build(par, meters)
+            self._build(rank_model, meters)
         tokens = torch.cat([t for t, _ in microbatches])      # m x (b/m, s) -> (b, s); the schedule splits it again
         targets = torch.cat([y for _, y in microbatches])
         losses: list[torch.Tensor] = []
@@ -99,8 +108,6 @@ class TorchStageGrads:
     torch.optim.AdamW, and the gradient norm taken over the whole pipeline."""
 
     def __init__(self, chunks: list[nn.Module], mesh, bucket_mb: float, optim: OptimConfig):
-        from torch.nn.parallel import DistributedDataParallel
-
         self.names = [n for c in chunks for n, _ in c.named_parameters()]
         self.params = [p for c in chunks for p in c.parameters()]
         self.modules = chunks
@@ -138,5 +145,5 @@ class TorchStageGrads:
         return {"params": unique_bytes(self.params), "grads": unique_bytes(p.grad for p in self.params),
                 "optimizer": unique_bytes(state)}
 
-    def pieces(self) -> list[dict]:
+    def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-
-from labkit.config import OptimConfig
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
 from labkit.engines.parallel.common import full_name, norm_plan, piece, reduce_dims
+
+from labkit.config import OptimConfig
 from labkit.plans.flat import FlatPlan
 
 
@@ -44,9 +44,10 @@ def plan_group(mesh, plan: FlatPlan):
     return mesh.group(*plan.dims), mesh.size(*plan.dims), mesh.ranks(*plan.dims).index(mesh.rank)
 
 
-class Shards:
-    """This rank's slice of every flat buffer on the optimizer side: the master weights (fp32),
-    AdamW over them with the decay mask as runs (plans/flat.py), the global norm and the pieces.
+class ShardedOptimizer:
+    """The optimizer over this rank's slice of every flat buffer: the master weights (fp32), AdamW
+    over them with the decay mask as runs (plans/flat.py), the global norm, and the slices as pieces of
+    the full parameters (for checking).
 
     `params` (full name -> parameter) gives what the norm and the pieces need to know of each
     parameter: whether this rank counts it in the norm (norm_plan), and where its local tensor
@@ -75,7 +76,7 @@ class Shards:
         self.opt.step(runs, clip_coefficient(norm, self.clip))
         return float(norm)
 
-    def pieces(self) -> list[dict]:
+    def param_pieces(self) -> list[dict]:
         """A flat range of each (possibly TP / EP sliced) local tensor; `box` places it in the full one."""
         out = []
         for p, i, m in zip(self.plans, self.indices, self.masters):

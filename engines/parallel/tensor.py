@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from labkit.config import ParallelConfig
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.tensor import local_param, tp_plan
 
@@ -234,13 +233,14 @@ def _sliced(weight: torch.Tensor, box) -> nn.Parameter:
     return nn.Parameter(weight.detach()[tuple(slice(a, b) for a, b in box)].clone())
 
 
-def apply_tp(model: nn.Module, mesh, cfg: ParallelConfig) -> tuple[nn.Module, dict]:
-    """Slice the full, seeded `model` for this tp rank as the plan says; returns (model, plan).
+def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
+    """Slice the full, seeded `model` for this tp rank as the plan says (on the mesh's tp group);
+    returns (model, the plan as data for the report).
 
     Sliced parameters get `_lk_full_shape` / `_lk_box`; replicated ones `_lk_replicas=('tp',)`,
     and under SP `_lk_reduce` gains 'tp' (each rank saw s/t positions: partial gradients)."""
     group, t, r = mesh.group("tp"), mesh.size("tp"), mesh.coord("tp")
-    plan = tp_plan(model.cfg, cfg.sequence_parallel)
+    plan = tp_plan(model.cfg, sequence_parallel)
     ops = {"copy": lambda x: Copy.apply(x, group), "all-gather": lambda x: Gather.apply(x, group),
            "all-reduce": lambda x: Reduce.apply(x, group), "reduce-scatter": lambda x: Scatter.apply(x, group),
            "all-gather-replicated": lambda x: GatherReplicated.apply(x, group),

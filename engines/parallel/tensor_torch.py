@@ -28,20 +28,27 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
-
-from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.meters.memory import local, unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import piece
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+
+from labkit.config import OptimConfig
 from labkit.plans.tensor import shard_box, tp_plan
 
 
 def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:
     """labkit's plan in DTensor's ParallelStyles (modules outside it are replicated)."""
-    from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
-
     between = Shard(1) if sequence_parallel else Replicate()   # layout of the residual stream (b, s, h)
     out = {}
     for name, style in plan.items():
@@ -67,7 +74,6 @@ def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:
 def _replicate_rest(model: nn.Module, tp_mesh) -> None:
     """Every module whose own parameters are still plain tensors: Replicate DTensor parameters,
     local tensors in and out."""
-    from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
     def to_dtensor(_mod, inputs, mesh):
         return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
@@ -85,9 +91,6 @@ def _replicate_rest(model: nn.Module, tp_mesh) -> None:
 def device_mesh_2d(mesh, device_type: str):
     """One (dp, tp) DeviceMesh over this layout, from the Mesh's own dp and tp groups (no new
     process group), built once per Mesh: DTensor TP takes its ["tp"] slice, FSDP2 its ["dp"]."""
-    import torch
-    from torch.distributed.device_mesh import DeviceMesh
-
     if getattr(mesh, "_lk_device_mesh", None) is None:
         lay, here = mesh.layout, mesh.coords
         ranks = [[lay.rank(**{**here, "dp": d, "tp": t}) for t in range(lay.size("tp"))]
@@ -97,28 +100,33 @@ def device_mesh_2d(mesh, device_type: str):
     return mesh._lk_device_mesh
 
 
-def apply_tp_torch(model: nn.Module, mesh, cfg: ParallelConfig, schedule):
-    """parallelize_module on the tp group; returns (model, plan as data, schedule in loss_parallel)."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor.parallel import loss_parallel, parallelize_module
+def tp_device_mesh(mesh, device_type: str, *, with_fsdp: bool) -> DeviceMesh:
+    """The DeviceMesh DTensor TP runs on: the tp slice of the 2-D (dp, tp) mesh when FSDP2 shards over
+    dp as well (FSDP2 insists both slices share one parent), else one dimension around the tp group."""
+    if with_fsdp and mesh.size("dp") > 1:
+        return device_mesh_2d(mesh, device_type)["tp"]
+    return DeviceMesh.from_group(mesh.group("tp"), device_type)
 
-    device = next(model.parameters()).device.type
-    if cfg.sharding == "fsdp" and mesh.size("dp") > 1:
-        tp_mesh = device_mesh_2d(mesh, device)["tp"]
-    else:
-        tp_mesh = DeviceMesh.from_group(mesh.group("tp"), device)
-    plan = tp_plan(model.cfg, cfg.sequence_parallel)
-    parallelize_module(model, tp_mesh, torch_plan(plan, cfg.sequence_parallel))
+
+def apply_tp_torch(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
+    """parallelize_module on `tp_mesh`; returns (model, the plan as data for the report). Its loss is
+    vocab-parallel: run the step's schedule inside `in_loss_parallel`."""
+    plan = tp_plan(model.cfg, sequence_parallel)
+    parallelize_module(model, tp_mesh, torch_plan(plan, sequence_parallel))
     _replicate_rest(model, tp_mesh)
     # the loss leaves loss_parallel as a Replicate DTensor; the schedule adds plain tensors
     model.register_forward_hook(lambda _m, _a, out: out.to_local() if isinstance(out, DTensor) else out)
+    return model, plan
 
-    def in_loss_parallel(par, microbatches, meters):
+
+def in_loss_parallel(schedule):
+    """`schedule` run inside loss_parallel(), which must be active in forward and backward."""
+
+    def scheduled(rank_model, microbatches, meters):
         with loss_parallel():
-            return schedule(par, microbatches, meters)
+            return schedule(rank_model, microbatches, meters)
 
-    return model, plan, in_loss_parallel
+    return scheduled
 
 
 class TorchTP:
@@ -126,7 +134,7 @@ class TorchTP:
     squared norms are summed over tp, replicas counted once)."""
 
     def __init__(self, module: nn.Module, mesh, optim: OptimConfig):
-        self.module = module
+        self.modules = [module]
         self.tp, self.tp_rank = mesh.size("tp"), mesh.coord("tp")
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
@@ -151,7 +159,7 @@ class TorchTP:
                 "grads": unique_bytes(local(p.grad) for p in self.params if p.grad is not None),
                 "optimizer": unique_bytes(local(t) for t in state)}
 
-    def pieces(self) -> list[dict]:
+    def param_pieces(self) -> list[dict]:
         out = []
         for name, p in zip(self.names, self.params):
             shards = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]

@@ -31,12 +31,19 @@ from functools import partial
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-
-from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.parallel.common import full_name, weak_method
-from labkit.engines.parallel.shards import Shards, bind, entries, flatten, group_sizes, plan_group
+from labkit.engines.parallel.shards import (
+    ShardedOptimizer,
+    bind,
+    entries,
+    flatten,
+    group_sizes,
+    plan_group,
+)
 from labkit.engines.precision import Policy
+
+from labkit.config import OptimConfig
 from labkit.plans.flat import FlatPlan, bucket_plans, unit_plans
 
 
@@ -54,8 +61,10 @@ class ZeRO12:
     microbatches sums their gradients in the bucket's fp32 buffer as they arrive, as DDP does
     (ddp.py says why)."""
 
-    def __init__(self, named: list[tuple[str, nn.Parameter]], mesh, stage: int, pol: Policy, bucket_bytes: int,
+    def __init__(self, chunks: list[nn.Module], mesh, stage: int, pol: Policy, bucket_bytes: int,
                  optim: OptimConfig, meters, loss_shards: int):
+        self.modules = chunks
+        named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {full_name(p, n): p for n, p in named}
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
         elem = torch.tensor([], dtype=pol.compute).element_size()
@@ -78,7 +87,7 @@ class ZeRO12:
                 self.grads.append(torch.zeros(plan.shard, dtype=pol.compute, device=flat.device))
         self.bucket_of = {id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans)
                           for name, _, lo, hi in p.offsets()}
-        self.shards = Shards(self.plans, [g[2] for g in self.groups], masters, mesh, params, optim)
+        self.optimizer = ShardedOptimizer(self.plans, [g[2] for g in self.groups], masters, mesh, params, optim)
         self.pending = [0] * len(self.plans)
         self.filling: dict[int, torch.Tensor] = {}   # stage 2: bucket -> its buffer, until launched
         self.acc: dict[int, torch.Tensor] = {}       # stage 1, bf16, microbatches: bucket -> fp32 sum
@@ -176,8 +185,8 @@ class ZeRO12:
 
     @torch.no_grad()
     def step(self) -> float:
-        norm = self.shards.step(self.grads)
-        for plan, (group, n, index), flat, m in zip(self.plans, self.groups, self.flats, self.shards.masters):
+        norm = self.optimizer.step(self.grads)
+        for plan, (group, n, index), flat, m in zip(self.plans, self.groups, self.flats, self.optimizer.masters):
             a, b = plan.owned(index)
             if self.pol.mixed:
                 flat[a:b].copy_(m)     # round the updated masters into this rank's bf16 slice
@@ -188,13 +197,13 @@ class ZeRO12:
         return norm
 
     def memory(self) -> dict[str, int]:
-        masters = self.shards.masters if self.pol.mixed else []
+        masters = self.optimizer.masters if self.pol.mixed else []
         return {"params": unique_bytes(self.flats),
                 "grads": unique_bytes(self.grad_full or self.grads),
-                "optimizer": unique_bytes(masters + self.shards.opt.state_tensors())}
+                "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors())}
 
-    def pieces(self) -> list[dict]:
-        return self.shards.pieces()
+    def param_pieces(self) -> list[dict]:
+        return self.optimizer.param_pieces()
 
 
 class _Unit:
@@ -237,6 +246,7 @@ class ZeRO3:
 
     def __init__(self, model: nn.Module, mesh, kind: str, reshard: bool, pol: Policy, optim: OptimConfig,
                  meters, loss_shards: int):
+        self.modules = [model]
         named = list(model.named_parameters())
         params = {full_name(p, n): p for n, p in named}
         self.pol, self.reshard, self.meters, self.loss_shards = pol, reshard, meters, loss_shards
@@ -247,8 +257,8 @@ class ZeRO3:
             u.module.register_forward_hook(partial(self._post_forward, u))
             for p in u.params:
                 p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
-        self.shards = Shards(self.plans, [u.index for u in self.units], [u.master for u in self.units], mesh,
-                             params, optim)
+        self.optimizer = ShardedOptimizer(self.plans, [u.index for u in self.units], [u.master for u in self.units],
+                                          mesh, params, optim)
         self.in_flight = None   # (unit, buffer, work): one reduce-scatter in flight
 
     # -- gather / free ----------------------------------------------------------------------
@@ -337,7 +347,7 @@ class ZeRO3:
 
     @torch.no_grad()
     def step(self) -> float:
-        norm = self.shards.step([u.grad for u in self.units])
+        norm = self.optimizer.step([u.grad for u in self.units])
         for u in self.units:
             if self.pol.mixed:
                 u.shard.copy_(u.master)   # round the updated masters into the bf16 slice
@@ -348,17 +358,17 @@ class ZeRO3:
         masters = [u.master for u in self.units] if self.pol.mixed else []
         return {"params": unique_bytes(u.shard for u in self.units),
                 "grads": unique_bytes(u.grad for u in self.units),
-                "optimizer": unique_bytes(masters + self.shards.opt.state_tensors())}
+                "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors())}
 
-    def pieces(self) -> list[dict]:
-        return self.shards.pieces()
+    def param_pieces(self) -> list[dict]:
+        return self.optimizer.param_pieces()
 
 
-def apply_zero(chunks: list[nn.Module], mesh, cfg, pol: Policy, optim: OptimConfig, meters, loss_shards: int):
-    """sharding='zero1' | 'zero2' | 'zero3' (impl='lab'): this rank's GradSync. ZeRO-1 takes every
-    pipeline chunk's parameters; ZeRO-2/3 run without a pipeline (labkit.config says why)."""
-    if cfg.sharding == "zero3":
+def apply_zero(chunks: list[nn.Module], mesh, *, stage: int, bucket_bytes: int, pol: Policy, optim: OptimConfig,
+               meters, loss_shards: int):
+    """ZeRO stage 1, 2 or 3 (impl='lab'): this rank's GradSync. ZeRO-1 takes every pipeline chunk's
+    parameters; ZeRO-2/3 run without a pipeline (labkit.config says why); ZeRO-3 shards by module
+    units and has no buckets."""
+    if stage == 3:
         return ZeRO3(chunks[0], mesh, "zero3", True, pol, optim, meters, loss_shards)
-    stage = {"zero1": 1, "zero2": 2}[cfg.sharding]
-    named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-    return ZeRO12(named, mesh, stage, pol, int(cfg.bucket_mb * 2**20), optim, meters, loss_shards)
+    return ZeRO12(chunks, mesh, stage, pol, bucket_bytes, optim, meters, loss_shards)

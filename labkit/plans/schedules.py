@@ -2,7 +2,7 @@
 
 Pure Python (no torch): the executor (engines/parallel/pipeline.py), the simulator
 (simulator.py), the theory (labkit/theory/pipeline.py) and the widgets all read the same lists.
-(engines/schedules.py is something else: the pp == 1 gradient-accumulation loop.)
+(engines/accumulate.py is something else: the pp == 1 gradient-accumulation loop.)
 
 An action is a forward `F`, a backward `B` (or, split as in zero-bubble schedules, an
 input-gradient `B` and a weight-gradient `W`) of microbatch `mb` on local chunk `chunk`, or a
