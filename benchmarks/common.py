@@ -1,4 +1,5 @@
 """Helpers for the benchmarks: medians of step times, A/B interleaving, a plain table."""
+
 from __future__ import annotations
 
 import platform
@@ -9,8 +10,10 @@ def machine() -> str:
     import os
 
     import torch
-    return (f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, "
-            f"torch {torch.__version__}")
+
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, Python {platform.python_version()}, torch {torch.__version__}"
+    )
 
 
 def steady_step_time(result) -> float:

@@ -7,6 +7,7 @@ with Lab.run(_comm_log=False), which unregisters the meter's dispatcher kernels 
 so no collective passes through Python at all. Step times are medians over ranks and over
 interleaved A/B repeats (the first step of each run dropped as warm-up).
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,7 +30,8 @@ def _per_collective(blocks: int = 20, n: int = 200) -> dict:
     import torch.distributed as dist
 
     from labkit.engines.meters import comm
-    meter = comm.CommMeter.current            # the job's collective log
+
+    meter = comm.CommMeter.current  # the job's collective log
     t = torch.ones(1)
     out = {True: [], False: []}
     for b in range(blocks):
@@ -53,7 +55,7 @@ def main(repeats: int = 9, steps: int = 8) -> None:
     model, cfg = ModelConfig(), ParallelConfig(dp=4)
     times: dict[bool, list[float]] = {True: [], False: []}
     with Lab(engines=4, progress=False) as lab:
-        lab.run(cfg, model=model, steps=2)                       # warm: groups built, kernels compiled
+        lab.run(cfg, model=model, steps=2)  # warm: groups built, kernels compiled
         for _ in range(repeats):
             for log in (True, False):
                 res = lab.run(cfg, model=model, steps=steps, _comm_log=log)
@@ -65,16 +67,26 @@ def main(repeats: int = 9, steps: int = 8) -> None:
         per_op = {log: statistics.median(g[log] for g in got) for log in (True, False)}
     on, off = statistics.median(times[True]), statistics.median(times[False])
     print(f"machine: {machine()}")
-    print(table([
-        ("step, collective log on (default)", f"{on * 1e3:.2f} ms"),
-        ("step, collective log off", f"{off * 1e3:.2f} ms"),
-        ("overhead", f"{(on / off - 1) * 100:+.1f} %"),
-        ("collectives per step (rank 0)", f"{ops}"),
-        ("1-element all-reduce, log on / off", f"{per_op[True] * 1e6:.1f} / {per_op[False] * 1e6:.1f} us"),
-        ("log cost per step from that", f"{ops * (per_op[True] - per_op[False]) * 1e6:.1f} us = "
-                                        f"{ops * (per_op[True] - per_op[False]) / off * 100:.2f} % of a step"),
-        ("per-repeat overhead (%)", " ".join(f"{(a / b - 1) * 100:+.1f}" for a, b in zip(times[True], times[False]))),
-    ]))
+    print(
+        table(
+            [
+                ("step, collective log on (default)", f"{on * 1e3:.2f} ms"),
+                ("step, collective log off", f"{off * 1e3:.2f} ms"),
+                ("overhead", f"{(on / off - 1) * 100:+.1f} %"),
+                ("collectives per step (rank 0)", f"{ops}"),
+                ("1-element all-reduce, log on / off", f"{per_op[True] * 1e6:.1f} / {per_op[False] * 1e6:.1f} us"),
+                (
+                    "log cost per step from that",
+                    f"{ops * (per_op[True] - per_op[False]) * 1e6:.1f} us = "
+                    f"{ops * (per_op[True] - per_op[False]) / off * 100:.2f} % of a step",
+                ),
+                (
+                    "per-repeat overhead (%)",
+                    " ".join(f"{(a / b - 1) * 100:+.1f}" for a, b in zip(times[True], times[False])),
+                ),
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

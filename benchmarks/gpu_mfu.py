@@ -5,6 +5,7 @@
 MFU = 6·Ψ·tokens / (step seconds · peak), where the peak is this device's own measured bf16
 matrix-multiply rate (an 8192³ product, median of 10 after warm-up), not the datasheet's.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -48,13 +49,17 @@ def main() -> None:
     tokens = cfg.global_batch * model.seq
     flops = 6 * theory.num_params(model) * tokens
     print(f"machine: {machine()}, {torch.cuda.get_device_name()}")
-    print(table([
-        ("measured bf16 matmul peak", f"{peak / 1e12:.0f} TFLOP/s"),
-        ("GPT-2 124M (untied head) step, 16 x 1024 tokens", f"{step * 1e3:.1f} ms"),
-        ("model FLOPs per step (6·Ψ·tokens)", f"{flops / 1e12:.2f} TFLOP"),
-        ("MFU against the measured peak", f"{flops / step / peak:.1%}"),
-        ("allocator peak", f"{res.ranks[0].memory['peak'] / 2**30:.2f} GiB"),
-    ]))
+    print(
+        table(
+            [
+                ("measured bf16 matmul peak", f"{peak / 1e12:.0f} TFLOP/s"),
+                ("GPT-2 124M (untied head) step, 16 x 1024 tokens", f"{step * 1e3:.1f} ms"),
+                ("model FLOPs per step (6·Ψ·tokens)", f"{flops / 1e12:.2f} TFLOP"),
+                ("MFU against the measured peak", f"{flops / step / peak:.1%}"),
+                ("allocator peak", f"{res.ranks[0].memory['peak'] / 2**30:.2f} GiB"),
+            ]
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ last compute span; mean over ranks), the median over the steps after the first; 
 stage and its fastest receive as t_comm. Step times: medians over ranks and over interleaved
 A/B repeats, the first step of each run dropped.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -43,7 +44,7 @@ def concurrency(res, step: int) -> tuple[float, float]:
         mid = (e.start + e.end) / 2
         busy = sum(1 for _, o in spans if o.start <= mid <= o.end)
         (alone if busy == 1 else crowded if busy >= 3 else []).append(e.end - e.start)
-    mean = lambda xs: statistics.mean(xs) * 1e3 if xs else float("nan")   # noqa: E731
+    mean = lambda xs: statistics.mean(xs) * 1e3 if xs else float("nan")  # noqa: E731
     return mean(alone), mean(crowded)
 
 
@@ -52,7 +53,7 @@ def main() -> None:
     with Lab(engines=4, progress=False) as lab:
         for cfg in layouts():
             times = {}
-            for impl in ("lab", "torch", "lab", "torch"):                # A B A B
+            for impl in ("lab", "torch", "lab", "torch"):  # A B A B
                 c = cfg.replace(impl=impl)
                 res = lab.run(c, model=MODEL, steps=STEPS)
                 times.setdefault(impl, []).append(steady_step_time(res))
@@ -61,16 +62,22 @@ def main() -> None:
             bub = statistics.median(ours.bubble_fraction(s)["overall"] for s in range(1, STEPS))
             pred = theory.pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages)
             sim = simulated(cfg, costs_from_result(ours)).bubble
-            acts = [rk.memory["activations"] for rk in sorted(ours.ranks, key=lambda r: r.coords["pp"])]
+            by_stage = sorted(ours.ranks, key=lambda r: r.coords["pp"])
+            acts = [rk.memory["activations"] for rk in by_stage]
             est = theory.estimate(cfg, MODEL)
             alone, crowded = concurrency(ours, STEPS - 1)
             name = f"pp={cfg.pp} {cfg.schedule:<11} m={cfg.microbatches}"
-            rows.append((name, f"bubble measured {bub:.2f}  predicted {pred:.2f}  simulated(measured costs) {sim:.2f}"
-                               f" | step ours {statistics.median(times['lab']) * 1e3:6.1f} ms  torch "
-                               f"{statistics.median(times['torch']) * 1e3:6.1f} ms"
-                               f" | act KiB/stage {[a // 1024 for a in acts]} (theory "
-                               f"{[est.memory[rk.rank]['activations'] // 1024 for rk in sorted(ours.ranks, key=lambda r: r.coords['pp'])]})"
-                               f" | F on stage 0 alone {alone:.1f} ms, with >=3 busy {crowded:.1f} ms"))
+            rows.append(
+                (
+                    name,
+                    f"bubble measured {bub:.2f}  predicted {pred:.2f}  simulated(measured costs) {sim:.2f}"
+                    f" | step ours {statistics.median(times['lab']) * 1e3:6.1f} ms  torch "
+                    f"{statistics.median(times['torch']) * 1e3:6.1f} ms"
+                    f" | act KiB/stage {[a // 1024 for a in acts]} (theory "
+                    f"{[est.memory[rk.rank]['activations'] // 1024 for rk in by_stage]})"
+                    f" | F on stage 0 alone {alone:.1f} ms, with >=3 busy {crowded:.1f} ms",
+                )
+            )
             print(rows[-1][0], rows[-1][1], flush=True)
     print(f"\nmachine: {machine()}\nmodel: {MODEL}, global_batch 16, {STEPS} steps")
     print(table(rows))

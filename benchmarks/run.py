@@ -15,6 +15,7 @@ Rows:
   `torchrun --nproc-per-node 4 benchmarks/torchrun_step.py` (whole subprocess wall time);
 - cluster start: Lab(engines=4) until ready (one sample: the Lab this run uses).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,27 +37,30 @@ from common import steady_step_time  # noqa: E402
 from labkit import Lab, ModelConfig, ParallelConfig  # noqa: E402
 from labkit.config import RunSpec  # noqa: E402
 
-MODEL = ModelConfig()     # layers 4, hidden 64, seq 64: the default demo model
+MODEL = ModelConfig()  # layers 4, hidden 64, seq 64: the default demo model
 P = ParallelConfig
-PAIRS = {                 # name -> (ours, PyTorch's) on the same 4 ranks
+PAIRS = {  # name -> (ours, PyTorch's) on the same 4 ranks
     "DDP": (P(dp=4), P(dp=4, impl="torch")),
     "ZeRO-3 / FSDP2": (P(dp=4, sharding="zero3"), P(dp=4, sharding="fsdp", impl="torch")),
     "TP / DTensor TP": (P(tp=4), P(tp=4, impl="torch")),
-    "1F1B / pipelining 1F1B": (P(pp=4, microbatches=4, schedule="1f1b"),
-                               P(pp=4, microbatches=4, schedule="1f1b", impl="torch")),
+    "1F1B / pipelining 1F1B": (
+        P(pp=4, microbatches=4, schedule="1f1b"),
+        P(pp=4, microbatches=4, schedule="1f1b", impl="torch"),
+    ),
 }
 COMM_LOG = {"collective log, DDP": P(dp=4), "collective log, TP": P(tp=4)}
-WARM = [P(dp=2, tp=2), P(dp=4, sharding="zero3")]    # alternated, so each warm run is a changed layout
+WARM = [P(dp=2, tp=2), P(dp=4, sharding="zero3")]  # alternated, so each warm run is a changed layout
 
 
 @dataclass
 class Row:
     """One line of the table: A against B (B may be absent), A/B and the target it is held to."""
+
     name: str
     a: float
     b: float | None = None
     unit: str = "ms"
-    target: str = ""            # '<= 1.10', '>= 10', '<= 1000 ms' ...
+    target: str = ""  # '<= 1.10', '>= 10', '<= 1000 ms' ...
     samples: int = 0
     note: str = ""
     extra: dict = field(default_factory=dict)
@@ -107,23 +111,51 @@ def ratio_rows(lab, model, repeats: int, steps: int) -> list[Row]:
     for name, cfg in COMM_LOG.items():
         variants[(name, "a")] = lambda c=cfg: step_time(lab, c, model, steps)
         variants[(name, "b")] = lambda c=cfg: step_time(lab, c, model, steps, _comm_log=False)
-    for (name, side), fn in list(variants.items()):   # one untimed run each: every layout warm
+    for (_, side), fn in list(variants.items()):  # one untimed run each: every layout warm
         if side == "a":
             fn()
     got = interleave(variants, repeats)
-    rows = [Row(f"{n}: ours / PyTorch", median(got[(n, "a")]) * 1e3, median(got[(n, "b")]) * 1e3,
-                target="<= 1.10", samples=repeats) for n in PAIRS]
-    rows += [Row(f"{n}: with / without", median(got[(n, "a")]) * 1e3, median(got[(n, "b")]) * 1e3,
-                 target="<= 1.05", samples=repeats) for n in COMM_LOG]
+    rows = [
+        Row(
+            f"{n}: ours / PyTorch",
+            median(got[(n, "a")]) * 1e3,
+            median(got[(n, "b")]) * 1e3,
+            target="<= 1.10",
+            samples=repeats,
+        )
+        for n in PAIRS
+    ]
+    rows += [
+        Row(
+            f"{n}: with / without",
+            median(got[(n, "a")]) * 1e3,
+            median(got[(n, "b")]) * 1e3,
+            target="<= 1.05",
+            samples=repeats,
+        )
+        for n in COMM_LOG
+    ]
     return rows
 
 
 def torchrun_step(cfg, model) -> float:
     """Wall seconds of `torchrun --nproc-per-node 4 torchrun_step.py` training cfg for 1 step."""
     spec = RunSpec(parallel=cfg, model=model, steps=1, seed=0).to_dict()
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--master-port", "0",
-           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", os.path.join(HERE, "torchrun_step.py"),
-           json.dumps(spec)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "4",
+        "--master-port",
+        "0",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        os.path.join(HERE, "torchrun_step.py"),
+        json.dumps(spec),
+    ]
     env = {**os.environ, "GLOO_SOCKET_IFNAME": "lo", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
     t0 = time.perf_counter()
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
@@ -138,31 +170,48 @@ def warm_row(lab, model, repeats: int) -> Row:
     warm, fresh = [], []
     for i in range(repeats):
         cfg = WARM[i % len(WARM)]
-        warm.append(wall(lambda: lab.run(cfg, model=model, steps=1, progress=False)))
+        warm.append(wall(lambda c=cfg: lab.run(c, model=model, steps=1, progress=False)))
         fresh.append(torchrun_step(cfg, model))
-    return Row("warm re-run (changed layout, 1 step): torchrun / warm Lab", median(fresh) * 1e3,
-               median(warm) * 1e3, target=">= 10", samples=repeats,
-               note="a = fresh torchrun launch, b = warm Lab")
+    return Row(
+        "warm re-run (changed layout, 1 step): torchrun / warm Lab",
+        median(fresh) * 1e3,
+        median(warm) * 1e3,
+        target=">= 10",
+        samples=repeats,
+        note="a = fresh torchrun launch, b = warm Lab",
+    )
 
 
 def dashboard_row(lab, model, changes: list) -> Row:
     import dashboard
 
     total, parts = dashboard.latency(lab, model, changes)
-    return Row("dashboard: control change -> figures updated", median(total) * 1e3, target="<= 1000 ms",
-               samples=len(total), extra={k: median([p[k] for p in parts]) * 1e3 for k in parts[0]})
+    return Row(
+        "dashboard: control change -> figures updated",
+        median(total) * 1e3,
+        target="<= 1000 ms",
+        samples=len(total),
+        extra={k: median([p[k] for p in parts]) * 1e3 for k in parts[0]},
+    )
 
 
 def machine() -> dict:
     import torch
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "date": datetime.datetime.now().isoformat(timespec="seconds"), "load": os.getloadavg()}
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load": os.getloadavg(),
+    }
 
 
 def fmt_table(rows: list[Row]) -> str:
@@ -192,6 +241,7 @@ def main(argv=None) -> list[Row]:
     try:
         rows += ratio_rows(lab, MODEL, repeats, steps)
         import dashboard
+
         rows.append(dashboard_row(lab, MODEL, dashboard.CHANGES[:4] if args.quick else dashboard.CHANGES))
         rows.append(warm_row(lab, MODEL, 2 if args.quick else max(2, min(repeats, 4))))
     finally:
@@ -206,13 +256,18 @@ def main(argv=None) -> list[Row]:
 
 def render(rows: list[Row], info: dict) -> str:
     m = info
-    head = (f"machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}; {m['date']}; "
-            f"load average {m['load'][0]:.1f} before, {m['load_after'][0]:.1f} after; "
-            f"{m['repeats']} interleaved repeats of {m['steps']} steps (first dropped); {m['seconds']:.0f} s in all\n"
-            f"model: {MODEL}")
+    head = (
+        f"machine: {m['cpu']}, {m['cores']} cores, Python {m['python']}, torch {m['torch']}; {m['date']}; "
+        f"load average {m['load'][0]:.1f} before, {m['load_after'][0]:.1f} after; "
+        f"{m['repeats']} interleaved repeats of {m['steps']} steps (first dropped); {m['seconds']:.0f} s in all\n"
+        f"model: {MODEL}"
+    )
     dash = next((r for r in rows if r.extra), None)
-    parts = "" if dash is None else ("\ndashboard parts (median ms): "
-                                     + ", ".join(f"{k} {v:.0f}" for k, v in dash.extra.items()))
+    parts = (
+        ""
+        if dash is None
+        else ("\ndashboard parts (median ms): " + ", ".join(f"{k} {v:.0f}" for k, v in dash.extra.items()))
+    )
     return head + "\n\n" + fmt_table(rows) + parts
 
 
@@ -222,7 +277,7 @@ def write_results(path: str, rows: list[Row], info: dict) -> None:
     block = f"{begin}\n{render(rows, info)}\n{end}"
     text = open(path).read() if os.path.exists(path) else f"# Benchmark results\n\n{begin}\n{end}\n"
     if begin in text and end in text:
-        text = text[:text.index(begin)] + block + text[text.index(end) + len(end):]
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end) :]
     else:
         text += "\n" + block + "\n"
     with open(path, "w") as f:

@@ -7,6 +7,7 @@ Bytes and memory come from one run each (they do not vary), with the theory besi
 Step times are medians over ranks and over interleaved repeats (A B A B ...), the first step of
 each run dropped as warm-up; on a shared 2-core machine they are noisy, so read ratios only.
 """
+
 from __future__ import annotations
 
 import sys
@@ -44,10 +45,16 @@ def main(repeats: int = 5, steps: int = 6) -> None:
     with Lab(engines=4, progress=False) as lab:
         runs = {name: lab.run(cfg, model=model, steps=3) for name, cfg in layouts.items()}
         t0 = time.perf_counter()
-        times = ab(lab, {k: layouts[k] for k in ("tp2", "tp2 torch", "tp2+sp", "tp2+sp torch")},
-                   model, repeats=repeats, steps=steps)
-        times.update(ab(lab, {k: layouts[k] for k in ("tp4", "tp4+sp", "dp4", "tp2 x dp2")},
-                        model, repeats=repeats, steps=steps))
+        times = ab(
+            lab,
+            {k: layouts[k] for k in ("tp2", "tp2 torch", "tp2+sp", "tp2+sp torch")},
+            model,
+            repeats=repeats,
+            steps=steps,
+        )
+        times.update(
+            ab(lab, {k: layouts[k] for k in ("tp4", "tp4+sp", "dp4", "tp2 x dp2")}, model, repeats=repeats, steps=steps)
+        )
         bench_s = time.perf_counter() - t0
 
     print(f"machine: {machine()}")
@@ -70,8 +77,10 @@ def main(repeats: int = 5, steps: int = 6) -> None:
     for name, res in runs.items():
         m = res.ranks[0].memory
         est = theory.estimate(layouts[name], model, world=4).memory[0]
-        print(f"  {name:13s} {m['params'] / KIB:7.1f} {m['grads'] / KIB:7.1f} {m['optimizer'] / KIB:7.1f} "
-              f"{m['activations'] / KIB:8.1f} ({est['activations'] / KIB:.1f}) {m['peak'] / KIB:8.1f}")
+        print(
+            f"  {name:13s} {m['params'] / KIB:7.1f} {m['grads'] / KIB:7.1f} {m['optimizer'] / KIB:7.1f} "
+            f"{m['activations'] / KIB:8.1f} ({est['activations'] / KIB:.1f}) {m['peak'] / KIB:8.1f}"
+        )
 
     print(f"\nStep time, median of {repeats} interleaved runs x {steps - 1} steps ({bench_s:.0f} s):")
     for k, v in times.items():

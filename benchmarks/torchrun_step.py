@@ -8,6 +8,7 @@ Each process joins the gloo group from torchrun's environment and runs labkit's 
 from a warm Lab is what a fresh launch costs: starting Python, importing torch and labkit,
 the rendezvous, building the process groups. benchmarks/run.py times the whole subprocess.
 """
+
 from __future__ import annotations
 
 import json

@@ -10,6 +10,7 @@ of reduce buffers, and the peak of their sum over the step as the meters saw it.
 there is no allocator peak: FSDP2's internal all-gather and reduce-scatter buffers are not
 tracked, so its peak leaves them out; ours counts its reduce buffers.
 """
+
 from __future__ import annotations
 
 import sys
@@ -39,8 +40,11 @@ def kib(n) -> str:
 
 def main() -> None:
     model = ModelConfig()
-    configs = {f"{name} {prec}": ParallelConfig(dp=4, precision=prec, **kw)
-               for prec in ("fp32", "bf16") for name, kw in CONFIGS.items()}
+    configs = {
+        f"{name} {prec}": ParallelConfig(dp=4, precision=prec, **kw)
+        for prec in ("fp32", "bf16")
+        for name, kw in CONFIGS.items()
+    }
     with Lab(engines=4, progress=False) as lab:
         memory = {name: lab.run(cfg, model=model, steps=2).ranks[0].memory for name, cfg in configs.items()}
         med = ab(lab, configs, model, repeats=5, steps=6)
@@ -53,13 +57,22 @@ def main() -> None:
         m = memory[name]
         est = theory.estimate(cfg, model).memory[0]
         exact = all(m.get(k, 0) == est.get(k, 0) for k in COLUMNS if k != "peak")
-        print(f"{name:<34}{med[name] * 1e3:8.1f}" + "".join(f"{kib(m.get(c, 0)):>15}" for c in COLUMNS)
-              + f"  {'yes' if exact else 'NO'}")
+        print(
+            f"{name:<34}{med[name] * 1e3:8.1f}"
+            + "".join(f"{kib(m.get(c, 0)):>15}" for c in COLUMNS)
+            + f"  {'yes' if exact else 'NO'}"
+        )
     for prec in ("fp32", "bf16"):
         ours, torch = med[f"ZeRO-3 {prec}"], med[f"FSDP2 (PyTorch) {prec}"]
         fsdp = med[f"FSDP (ours) {prec}"]
-        print(table([(f"{prec}: ZeRO-3 / FSDP2 step time", f"{ours / torch:.2f}"),
-                     (f"{prec}: FSDP (ours) / FSDP2 step time", f"{fsdp / torch:.2f}")]))
+        print(
+            table(
+                [
+                    (f"{prec}: ZeRO-3 / FSDP2 step time", f"{ours / torch:.2f}"),
+                    (f"{prec}: FSDP (ours) / FSDP2 step time", f"{fsdp / torch:.2f}"),
+                ]
+            )
+        )
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ It runs every microbatch's forward and backward on the one chunk. The pipeline's
 (engines/parallel/pipeline.py's executor, torch.distributed.pipelining's) are called the same way:
 schedule(rank_model, microbatches, meters) -> this rank's share of the loss.
 """
+
 from __future__ import annotations
 
 import torch

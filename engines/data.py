@@ -6,6 +6,7 @@ lowers the loss from ln(V) toward the noise floor. The permutation comes from a 
 (the language never changes); the samples of step t come from (seed, t), so every layout,
 and the reference, sees exactly the same global batch at every step.
 """
+
 from __future__ import annotations
 
 import torch
@@ -35,7 +36,7 @@ def shard(t: torch.Tensor, index: int, count: int) -> torch.Tensor:
     """Rows [index * B/count, (index+1) * B/count) of a (B, ...) batch, as a tensor of their own
     (a view would keep the whole batch alive wherever autograd saves it: the loss saves targets)."""
     rows = t.shape[0] // count
-    return t[index * rows:(index + 1) * rows].clone()
+    return t[index * rows : (index + 1) * rows].clone()
 
 
 def microbatches(tokens: torch.Tensor, targets: torch.Tensor, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

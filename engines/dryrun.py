@@ -14,6 +14,7 @@ all-to-all split sizes are the token counts per expert — are refused.
 Private PyTorch pieces used (tests/test_dryrun.py checks they are still there):
 torch.testing._internal.distributed.fake_pg.FakeStore, torch._subclasses.fake_tensor.FakeTensorMode.
 """
+
 from __future__ import annotations
 
 import socket

@@ -4,6 +4,7 @@
 the process groups. It is built once per layout on every rank, in the same order, and cached,
 so re-running a layout on a warm cluster creates no new groups.
 """
+
 from __future__ import annotations
 
 import torch.distributed as dist
@@ -20,18 +21,18 @@ class Mesh:
     tuple across layouts, so a warm cluster re-running layouts creates each group once.
     """
 
-    _pg_cache: dict[tuple[int, ...], object] = {}   # per engine process: rank tuple -> group
-    _mesh_cache: dict[tuple, "Mesh"] = {}
+    _pg_cache: dict[tuple[int, ...], object] = {}  # per engine process: rank tuple -> group
+    _mesh_cache: dict[tuple, Mesh] = {}
 
     def __init__(self, layout: MeshLayout, rank: int):
         self.layout = layout
         self.rank = rank
         self._groups: dict[tuple[str, ...], object] = {}
         self._group_ranks: dict[tuple[str, ...], list[int]] = {}
-        self.dim_of: dict[str, str] = {}   # process group name -> dim name (for the comm meter)
+        self.dim_of: dict[str, str] = {}  # process group name -> dim name (for the comm meter)
 
     @classmethod
-    def build(cls, layout: MeshLayout, rank: int) -> "Mesh":
+    def build(cls, layout: MeshLayout, rank: int) -> Mesh:
         key = (layout, rank)
         if key not in cls._mesh_cache:
             mesh = cls(layout, rank)
@@ -51,7 +52,7 @@ class Mesh:
             if dims in self._groups:
                 continue
             mine = None
-            for ranks in self.layout.groups(*dims):   # same order on every rank
+            for ranks in self.layout.groups(*dims):  # same order on every rank
                 key = tuple(ranks)
                 if key not in self._pg_cache:
                     if len(ranks) == world:

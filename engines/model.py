@@ -7,6 +7,7 @@ parallelism swaps `attn.core` (the attention kernel), the pipeline splits `embed
 and `head` across stages. Linear layers have no bias (as in Llama), so a row-parallel layer
 never has to decide which rank adds it.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config import ModelConfig
+from labkit.engines.moe import MoE
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -47,7 +49,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(h, h, bias=False)
         self.wv = nn.Linear(h, h, bias=False)
         self.wo = nn.Linear(h, h, bias=False)
-        self.core = causal_attention   # swapped for ring attention under context parallelism
+        self.core = causal_attention  # swapped for ring attention under context parallelism
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, _ = x.shape
@@ -55,9 +57,9 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        y = self.core(q, k, v)                                   # (b, nh, s, hd)
-        y = y.transpose(1, 2).reshape(b, s, -1)                  # (b, s, nh*hd)
-        return self.wo(y)                                        # (b, s, h)
+        y = self.core(q, k, v)  # (b, nh, s, hd)
+        y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd)
+        return self.wo(y)  # (b, s, h)
 
 
 class MLP(nn.Module):
@@ -67,7 +69,7 @@ class MLP(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))                    # (b, s, h) -> (b, s, f) -> (b, s, h)
+        return self.fc2(F.gelu(self.fc1(x)))  # (b, s, h) -> (b, s, f) -> (b, s, h)
 
 
 class Block(nn.Module):
@@ -79,7 +81,6 @@ class Block(nn.Module):
         self.attn = Attention(cfg)
         self.ln2 = nn.LayerNorm(cfg.hidden)
         if cfg.experts:
-            from labkit.engines.moe import MoE   # the MoE layer lives beside the EP strategy
             self.mlp = MoE(cfg)
         else:
             self.mlp = MLP(cfg)
@@ -98,7 +99,7 @@ class Head(nn.Module):
         self.proj = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.proj(self.norm(x))                         # (b, s, h) -> (b, s, V)
+        logits = self.proj(self.norm(x))  # (b, s, h) -> (b, s, V)
         # the loss is taken in fp32 whatever the compute precision
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -111,8 +112,9 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg)
 
-    def forward(self, tokens: torch.Tensor, targets: torch.Tensor,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Mean LM loss over (b, s) tokens, plus the MoE load-balancing loss when there are experts."""
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)

@@ -14,6 +14,7 @@ the ranks that hold them and back.
 
 Parameters, as labkit/theory/model.py lists them: router.weight (E, h), w1 (E, h, f), w2 (E, f, h).
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,9 +25,9 @@ import torch.nn.functional as F
 from labkit.config import ModelConfig
 
 
-def local_experts(moe: "MoE", rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def local_experts(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Every expert on this rank: rows (N, h) sorted by expert, counts (E,) -> (N, h)."""
-    blocks = rows.split(counts.tolist())                      # E x (n_e, h), views
+    blocks = rows.split(counts.tolist())  # E x (n_e, h), views
     return torch.cat([moe.expert(e, x) for e, x in enumerate(blocks)])
 
 
@@ -52,16 +53,16 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         k = self.cfg.top_k
-        probs = self.router(x).float().softmax(dim=-1)       # (b, s, E)
-        gate, expert = probs.topk(k, dim=-1)                  # (b, s, k) each
+        probs = self.router(x).float().softmax(dim=-1)  # (b, s, E)
+        gate, expert = probs.topk(k, dim=-1)  # (b, s, k) each
         self.aux_loss = self.balance_loss(probs, expert)
-        flat = expert.reshape(-1)                             # (b*s*k,): assignment a = token*k + slot
-        order = flat.argsort(stable=True)                     # assignments grouped by expert
-        counts = torch.bincount(flat, minlength=self.cfg.experts)   # (E,)
-        rows = x.reshape(b * s, h)[order // k]                # (b*s, h) -> (b*s*k, h), sorted by expert
-        out = self.dispatch(self, rows, counts)               # (b*s*k, h), sorted by expert
-        out = out[order.argsort()].view(b * s, k, h)          # back to (token, slot) order
-        y = (out * gate.view(b * s, k, 1).to(out.dtype)).sum(dim=1)   # sum_e p_e(x) E_e(x): (b*s, h)
+        flat = expert.reshape(-1)  # (b*s*k,): assignment a = token*k + slot
+        order = flat.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(flat, minlength=self.cfg.experts)  # (E,)
+        rows = x.reshape(b * s, h)[order // k]  # (b*s, h) -> (b*s*k, h), sorted by expert
+        out = self.dispatch(self, rows, counts)  # (b*s*k, h), sorted by expert
+        out = out[order.argsort()].view(b * s, k, h)  # back to (token, slot) order
+        y = (out * gate.view(b * s, k, 1).to(out.dtype)).sum(dim=1)  # sum_e p_e(x) E_e(x): (b*s, h)
         return y.view(b, s, h)
 
     def balance_loss(self, probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
@@ -79,10 +80,10 @@ class MoE(nn.Module):
         k = expert.shape[-1]
         group, cp = self.seq_split
         counts = torch.zeros(b, n_exp, dtype=torch.int64, device=probs.device)
-        counts.scatter_add_(1, expert.reshape(b, -1), torch.ones_like(expert).reshape(b, -1))   # (b, E)
+        counts.scatter_add_(1, expert.reshape(b, -1), torch.ones_like(expert).reshape(b, -1))  # (b, E)
         if cp > 1:
-            dist.all_reduce(counts, group=group)              # (b, E) over the whole sequence
+            dist.all_reduce(counts, group=group)  # (b, E) over the whole sequence
         s = s_local * cp
-        f = counts.to(probs.dtype) / (s * k)                  # (b, E)
-        p = probs.sum(dim=1) / s                              # (b, s/cp, E) -> (b, E): this rank's part
+        f = counts.to(probs.dtype) / (s * k)  # (b, E)
+        p = probs.sum(dim=1) / s  # (b, s/cp, E) -> (b, E): this rank's part
         return cp * n_exp * (f * p).sum(dim=-1).mean()

@@ -5,6 +5,7 @@ element for element the update of the full tensor. It follows torch.optim.AdamW
 (Loshchilov & Hutter 2019, decoupled weight decay): p *= 1 - lr*wd; m = lerp(m, g, 1-b1);
 v = b2*v + (1-b2)*g^2; p -= lr/(1-b1^t) * m / (sqrt(v)/sqrt(1-b2^t) + eps).
 """
+
 from __future__ import annotations
 
 import math
@@ -26,8 +27,12 @@ def torch_adamw(names: list[str], params: list[torch.Tensor], cfg: OptimConfig) 
     impl="torch" strategies, whose parameters PyTorch owns (DDP, FSDP2, DTensor, pipelining)."""
     decay = [p for n, p in zip(names, params) if decays(n, p)]
     rest = [p for n, p in zip(names, params) if not decays(n, p)]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+    )
 
 
 class AdamW:
@@ -36,7 +41,7 @@ class AdamW:
     def __init__(self, params: list[torch.Tensor], cfg: OptimConfig, decay: list):
         self.params = params
         self.cfg = cfg
-        self.decay = decay   # per tensor: bool, or a 0/1 float mask of the tensor's shape
+        self.decay = decay  # per tensor: bool, or a 0/1 float mask of the tensor's shape
         self.exp_avg = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         self.exp_avg_sq = [torch.zeros_like(p, dtype=torch.float32) for p in params]
         self.t = 0
@@ -46,8 +51,8 @@ class AdamW:
         """One update; `scale` multiplies every gradient first (the clipping coefficient)."""
         c = self.cfg
         self.t += 1
-        bc1 = 1 - c.beta1 ** self.t
-        bc2_sqrt = math.sqrt(1 - c.beta2 ** self.t)
+        bc1 = 1 - c.beta1**self.t
+        bc2_sqrt = math.sqrt(1 - c.beta2**self.t)
         for p, g, m, v, d in zip(self.params, grads, self.exp_avg, self.exp_avg_sq, self.decay):
             g = g.float()
             if scale != 1.0:

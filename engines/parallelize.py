@@ -34,13 +34,16 @@ gradient over its own group, buckets or shards per group and chunk, and counts e
 once in the global norm. labkit.config refuses, with the reason, the few combinations that are
 not built or that frameworks reject (README.md, "Composition").
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn as nn
+
+from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.accumulate import accumulate
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.checkpoint import apply_ac
@@ -60,8 +63,6 @@ from labkit.engines.parallel.tensor_torch import (
 )
 from labkit.engines.parallel.zero import apply_zero
 from labkit.engines.precision import policy
-
-from labkit.config import OptimConfig, ParallelConfig
 from labkit.plans.mesh import DATA_DIMS
 
 ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
@@ -112,7 +113,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
     if cfg.checkpoint_activations:
-        model, _ = apply_ac(model, meters.memory)   # nothing to report
+        model, _ = apply_ac(model, meters.memory)  # nothing to report
 
     # 5. pipeline parallelism: engines/parallel/pipeline.py; its schedule ours, or torch.distributed.pipelining's
     chunks = [model]
@@ -120,13 +121,19 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         chunks, stages = apply_pipeline(model, mesh, virtual_stages=cfg.virtual_stages)
         info["pipeline"] = {"schedule": cfg.schedule, **stages}
         if cfg.impl == "torch":
-            schedule = TorchSchedule(mesh, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                                     virtual_stages=cfg.virtual_stages)
+            schedule = TorchSchedule(
+                mesh, schedule=cfg.schedule, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages
+            )
         else:
-            schedule = pipeline_executor(mesh, schedule=cfg.schedule, microbatches=cfg.microbatches,
-                                         virtual_stages=cfg.virtual_stages, hidden=model.cfg.hidden,
-                                         dtype=policy(cfg.precision).compute,   # stages pass the compute dtype
-                                         seq_split=mesh.size("tp") if cfg.sequence_parallel else 1)   # SP: s/tp rows
+            schedule = pipeline_executor(
+                mesh,
+                schedule=cfg.schedule,
+                microbatches=cfg.microbatches,
+                virtual_stages=cfg.virtual_stages,
+                hidden=model.cfg.hidden,
+                dtype=policy(cfg.precision).compute,  # stages pass the compute dtype
+                seq_split=mesh.size("tp") if cfg.sequence_parallel else 1,
+            )  # SP: s/tp rows
             info["pipeline"]["actions"] = [str(a) for a in schedule.actions]
 
     # 6. precision: engines/precision.py (the data-parallel strategy casts to it and keeps the masters)
@@ -136,24 +143,40 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     loss_shards = mesh.size(*DATA_DIMS)
     bucket_bytes = int(cfg.bucket_mb * 2**20)
     if cfg.sharding == "fsdp" and cfg.impl == "torch":
-        sync = apply_fsdp_torch(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim,
-                                meters=meters)
+        sync = apply_fsdp_torch(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim, meters=meters)
     elif cfg.sharding == "fsdp":
-        sync = apply_fsdp(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim, meters=meters,
-                          loss_shards=loss_shards)
+        sync = apply_fsdp(
+            chunks[0],
+            mesh,
+            reshard=cfg.reshard_after_forward,
+            pol=pol,
+            optim=optim,
+            meters=meters,
+            loss_shards=loss_shards,
+        )
     elif cfg.sharding != "none":
-        sync = apply_zero(chunks, mesh, stage=ZERO_STAGES[cfg.sharding], bucket_bytes=bucket_bytes, pol=pol,
-                          optim=optim, meters=meters, loss_shards=loss_shards)
+        sync = apply_zero(
+            chunks,
+            mesh,
+            stage=ZERO_STAGES[cfg.sharding],
+            bucket_bytes=bucket_bytes,
+            pol=pol,
+            optim=optim,
+            meters=meters,
+            loss_shards=loss_shards,
+        )
     elif cfg.impl == "torch" and mesh.size("pp") > 1:
-        sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)   # PyTorch's DDP per stage chunk
+        sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)  # PyTorch's DDP per stage chunk
     elif cfg.impl == "torch" and cfg.tp > 1:
-        sync = TorchTP(chunks[0], mesh, optim)   # no dp: labkit.config refuses DDP with DTensor TP
+        sync = TorchTP(chunks[0], mesh, optim)  # no dp: labkit.config refuses DDP with DTensor TP
     elif cfg.impl == "torch":
         sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), cfg.bucket_mb, optim)
     else:
-        sync = DDP(chunks, mesh, loss_shards=loss_shards, bucket_bytes=bucket_bytes, optim=optim, pol=pol,
-                   meters=meters)
-    if hasattr(sync, "plans"):   # ours: the flat buffers, for the report
-        info["flat_buffers"] = [{"unit": p.unit, "numel": p.numel, "padded": p.padded, "shard": p.shard}
-                                for p in sync.plans]
+        sync = DDP(
+            chunks, mesh, loss_shards=loss_shards, bucket_bytes=bucket_bytes, optim=optim, pol=pol, meters=meters
+        )
+    if hasattr(sync, "plans"):  # ours: the flat buffers, for the report
+        info["flat_buffers"] = [
+            {"unit": p.unit, "numel": p.numel, "padded": p.padded, "shard": p.shard} for p in sync.plans
+        ]
     return RankModel(chunks=sync.modules, grads=sync, schedule=schedule, inputs=inputs, info=info)

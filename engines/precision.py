@@ -23,6 +23,7 @@ with 4 bytes per reduced gradient element and 2 per gathered parameter element.
 way to the same arithmetic with no strategy involved: a bf16 copy of the model whose gradients
 are handed to the optimizer as fp32 and whose weights are refreshed from the fp32 masters.
 """
+
 from __future__ import annotations
 
 import copy
@@ -85,8 +86,10 @@ class Compute:
 
     def master_grads(self) -> list[torch.Tensor]:
         """fp32 gradients, in the masters' parameter order."""
-        return [p.grad.float() if p.grad is not None else torch.zeros_like(m, dtype=torch.float32)
-                for m, p in zip(self.master.parameters(), self.module.parameters())]
+        return [
+            p.grad.float() if p.grad is not None else torch.zeros_like(m, dtype=torch.float32)
+            for m, p in zip(self.master.parameters(), self.module.parameters())
+        ]
 
     def zero_grads(self) -> None:
         for p in self.module.parameters():

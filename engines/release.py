@@ -4,6 +4,7 @@ The Lab calls `release(peers)` on each rank whose job is over (labkit/faults.py)
 the other engines' listening sockets (engines/sockets.py `listening()`); see engines/runtime.py
 for why destroying the process groups alone is not enough.
 """
+
 from __future__ import annotations
 
 import os

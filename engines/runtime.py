@@ -25,6 +25,7 @@ is, its store and the current job. Parallel layouts keep none here; they live in
 torch (and the comm meter, which imports it) is imported inside the functions: the notebook
 imports this module only to name the functions the Lab sends, and never loads torch.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -37,8 +38,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from labkit.engines import sockets
-from labkit.engines.mesh import Mesh
+from labkit.engines import group_log, sockets
 
 PG_MARGIN_S = 2.0
 """A job's process groups time out this much later than the Lab gives up on the job, so the Lab
@@ -57,11 +57,11 @@ class Runtime:
     rank: int
     world_size: int
     backend: str
-    device: str          # 'cpu' or 'cuda:N'
+    device: str  # 'cpu' or 'cuda:N'
     host: str
     timeout_s: float
-    generation: int      # how many times the process group has been (re)built
-    clock_offset: float = 0.0   # add to this host's perf_counter to get rank 0's clock
+    generation: int  # how many times the process group has been (re)built
+    clock_offset: float = 0.0  # add to this host's perf_counter to get rank 0's clock
 
 
 class Cancelled(Exception):
@@ -71,14 +71,14 @@ class Cancelled(Exception):
 @dataclass
 class Job:
     thread: threading.Thread | None = None
-    state: str = "idle"          # idle | running | done | error | cancelled
+    state: str = "idle"  # idle | running | done | error | cancelled
     result: object = None
     error: str = ""
     progress: list = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
     started: float = 0.0
     timeout_s: float | None = None
-    comm_meter: object = None    # the job's CommMeter: its collective log
+    comm_meter: object = None  # the job's CommMeter: its collective log
 
     @property
     def alive(self) -> bool:
@@ -100,18 +100,22 @@ _state = _State()
 # -- identity and rendezvous ----------------------------------------------------------------
 def engine_info() -> dict:
     """Host, pid, address and GPUs of this engine (before it has a rank)."""
-    import torch   # engines only (see the module docstring)
+    import torch  # engines only (see the module docstring)
 
-    if _state.runtime is None:      # before torch listens on anything: the engine's own sockets
+    if _state.runtime is None:  # before torch listens on anything: the engine's own sockets
         sockets.remember_engine_listeners()
     host = socket.gethostname()
     try:
         addr = socket.gethostbyname(host)
     except OSError:
         addr = "127.0.0.1"
-    return {"host": host, "pid": os.getpid(), "addr": addr,
-            "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-            "python": sys.executable}
+    return {
+        "host": host,
+        "pid": os.getpid(),
+        "addr": addr,
+        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
+        "python": sys.executable,
+    }
 
 
 def open_rendezvous(bind: str) -> int:
@@ -129,10 +133,20 @@ def open_rendezvous(bind: str) -> int:
     return s.getsockname()[1]
 
 
-def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: str, device: str,
-                     timeout_s: float, generation: int, threads: int, loopback: bool) -> dict:
+def init_distributed(
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    backend: str,
+    device: str,
+    timeout_s: float,
+    generation: int,
+    threads: int,
+    loopback: bool,
+) -> dict:
     """Join the process group (tearing down an old one first). Returns this rank's Runtime."""
-    import torch   # engines only, like the comm meter that imports it
+    import torch  # engines only, like the comm meter that imports it
     import torch.distributed as dist
 
     from labkit.engines.meters import comm
@@ -141,24 +155,31 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: 
         raise RuntimeError("a job is still running on this engine; it must end before the process group is rebuilt")
     shutdown_distributed()
     if loopback:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"   # gloo's own connections stay on 127.0.0.1
+        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on 127.0.0.1
     torch.set_num_threads(max(1, threads))
     sys.setswitchinterval(GIL_SWITCH_S)
     timeout = datetime.timedelta(seconds=timeout_s)
     if rank == 0:
         fd = _state.listener.detach()
         _state.listener = None
-        store = dist.TCPStore(addr, port, world_size, True, timeout, master_listen_fd=fd,
-                              wait_for_workers=False, use_libuv=True)
+        store = dist.TCPStore(
+            addr, port, world_size, True, timeout, master_listen_fd=fd, wait_for_workers=False, use_libuv=True
+        )
     else:
         store = dist.TCPStore(addr, port, world_size, False, timeout)
     _state.store = store
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout,
-                            device_id=torch.device(device) if backend == "nccl" else None)
+    dist.init_process_group(
+        backend,
+        store=store,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=torch.device(device) if backend == "nccl" else None,
+    )
     comm.install()
-    _log_group_creation()
+    group_log.install(_group_timeout)
     _state.runtime = Runtime(rank, world_size, backend, device, socket.gethostname(), timeout_s, generation)
     _state.runtime.clock_offset = _clock_offset()
     return _state.runtime.__dict__.copy()
@@ -166,7 +187,7 @@ def init_distributed(rank: int, world_size: int, addr: str, port: int, backend: 
 
 def _clock_offset() -> float:
     """Offset of this host's perf_counter from rank 0's, from a barrier handshake (0 on one host)."""
-    import torch   # engines only
+    import torch  # engines only
     import torch.distributed as dist
 
     rt = _state.runtime
@@ -182,8 +203,9 @@ def _clock_offset() -> float:
 
 def shutdown_distributed() -> None:
     """Destroy every process group of this rank (closing its connections) and forget them."""
-    import torch.distributed as dist   # engines only, like the comm meter that imports torch
+    import torch.distributed as dist  # engines only, like the comm meter that imports torch
 
+    from labkit.engines.mesh import Mesh
     from labkit.engines.meters import comm
 
     if dist.is_initialized():
@@ -192,8 +214,8 @@ def shutdown_distributed() -> None:
         except Exception:
             pass
     Mesh.forget_groups()
-    comm.forget_groups()      # group names are reused by the next world: drop their cached ranks
-    _state.store = None       # the TCPStore (and on rank 0 its listening socket) goes with it
+    comm.forget_groups()  # group names are reused by the next world: drop their cached ranks
+    _state.store = None  # the TCPStore (and on rank 0 its listening socket) goes with it
     _state.runtime = None
     # A gloo group closes its connections only when its last reference goes, and a finished
     # run's DDP keeps its groups in reference cycles (gradient hooks): collect them now, or the
@@ -214,59 +236,18 @@ def current() -> Runtime:
 
 def process_groups() -> int:
     """How many process groups this rank holds (the soak test checks that it stays bounded)."""
-    from torch.distributed import distributed_c10d as c10d   # engines only
+    from torch.distributed import distributed_c10d as c10d  # engines only
 
     return len(c10d._world.pg_names)
 
 
-# -- the job's process groups: timeouts and creation log ------------------------------------
-def _set_timeouts(seconds: float) -> None:
-    """Every process group of this rank times out after `seconds` (gloo reads it per op)."""
-    from torch.distributed import distributed_c10d as c10d   # engines only
-
-    td = datetime.timedelta(seconds=seconds)
-    for pg in list(c10d._world.pg_names):
-        try:
-            c10d._set_pg_timeout(td, pg)
-        except Exception:   # a group this rank is not a member of, or a backend without timeouts
-            pass
-
-
-def _log_group_creation() -> None:
-    """Record every dist.new_group in the job's collective log, and give it the job's timeout.
-
-    Creating a group is collective: every rank of the world must create the same groups in the
-    same order, or ranks pair up in the wrong groups and wait forever (torch names groups by
-    a counter). Each creation is logged as a 'new_group' op on the world group, its members
-    beside it, so the diagnosis sees where two ranks' creation orders part. Installed once per
-    process, around torch's `_new_group_with_tag` (what `new_group` calls).
-    """
-    import torch.distributed as dist   # engines only, like the comm meter that imports torch
-    from torch.distributed import distributed_c10d as c10d
-
-    from labkit.engines.meters.comm import CommMeter
-
-    if getattr(c10d._new_group_with_tag, "_labkit", False):
-        return
-    create = c10d._new_group_with_tag
-
-    def new_group_logged(ranks=None, timeout=None, *args, **kwargs):
-        job = _state.job
-        if timeout is None and job.timeout_s is not None and job.state == "running":
-            timeout = datetime.timedelta(seconds=job.timeout_s + PG_MARGIN_S)
-        meter = CommMeter.current
-        local = kwargs.get("use_local_synchronization", len(args) > 3 and args[3])
-        if meter is None or local or not dist.is_initialized():
-            return create(ranks, timeout, *args, **kwargs)
-        members = sorted(ranks) if ranks is not None else list(range(dist.get_world_size()))
-        ev = meter.begin("new_group", dist.group.WORLD, None, 0)
-        ev["members"] = members
-        pg = create(ranks, timeout, *args, **kwargs)
-        meter.end(ev)
-        return pg
-
-    new_group_logged._labkit = True
-    c10d._new_group_with_tag = new_group_logged
+# -- the job's process groups ----------------------------------------------------------------
+def _group_timeout() -> float | None:
+    """Seconds a group created now should wait: the running job's timeout plus the margin."""
+    job = _state.job
+    if job.timeout_s is None or job.state != "running":
+        return None
+    return job.timeout_s + PG_MARGIN_S
 
 
 def job_comm_meter():
@@ -280,7 +261,7 @@ def job_comm_meter():
 def comm_log_off() -> None:
     """Run the rest of this job without the collective log, the meter's kernels unregistered
     (only the overhead benchmark does this: it compares step times with and without)."""
-    from labkit.engines.meters import comm   # imports torch: engines only
+    from labkit.engines.meters import comm  # imports torch: engines only
 
     job = _state.job
     if job.comm_meter is not None:
@@ -294,14 +275,14 @@ def start(fn, args: tuple = (), kwargs: dict | None = None, timeout_s: float | N
     """Run fn(*args, **kwargs) in the job thread, under a fresh collective log; the process
     groups time out `PG_MARGIN_S` after `timeout_s`. Refuses if a job is still running.
     Returns how many jobs this engine has started (the Lab's tests count them)."""
-    from labkit.engines.meters.comm import CommMeter   # imports torch: engines only
+    from labkit.engines.meters.comm import CommMeter  # imports torch: engines only
 
     if _state.job.alive:
         raise RuntimeError("a job is still running on this engine; cancel it or wait for it")
     kwargs = kwargs or {}
     job = Job(started=time.time(), timeout_s=timeout_s)
     if _state.runtime is not None and timeout_s is not None:
-        _set_timeouts(timeout_s + PG_MARGIN_S)
+        group_log.set_timeouts(timeout_s + PG_MARGIN_S)
     job.comm_meter = CommMeter({})
     _state.job = job
     _state.jobs += 1
@@ -313,7 +294,7 @@ def start(fn, args: tuple = (), kwargs: dict | None = None, timeout_s: float | N
             job.state = "done"
         except Cancelled:
             job.state = "cancelled"
-        except BaseException as e:   # noqa: BLE001 - everything goes back to the Lab
+        except BaseException as e:  # noqa: BLE001 - everything goes back to the Lab
             job.error = "".join(traceback.format_exception(type(e), e, e.__traceback__))
             job.state = "error"
 
@@ -349,11 +330,14 @@ def poll(since: int = 0, log_tail: int = 0) -> dict:
 
 def _registry() -> dict[str, list[int]]:
     """Process groups this rank is a member of: name -> global ranks (torch's own bookkeeping)."""
-    from torch.distributed import distributed_c10d as c10d   # engines only
+    from torch.distributed import distributed_c10d as c10d  # engines only
 
     try:
-        return {str(c10d._world.pg_names[pg]): sorted(ranks) for pg, ranks in c10d._world.pg_group_ranks.items()
-                if pg in c10d._world.pg_names}
+        return {
+            str(c10d._world.pg_names[pg]): sorted(ranks)
+            for pg, ranks in c10d._world.pg_group_ranks.items()
+            if pg in c10d._world.pg_names
+        }
     except Exception:
         return {}
 
@@ -385,7 +369,7 @@ def check_cancelled() -> None:
 def call_pickled(blob: bytes, *args, **kwargs):
     """Lab.apply's body: fn(*args, **kwargs) on this rank with the process group ready
     (fn arrives pickled by value, so it may come from a notebook or a test module)."""
-    import cloudpickle   # heavy; only a Lab.apply needs it
+    import cloudpickle  # heavy; only a Lab.apply needs it
 
     current()
     return cloudpickle.loads(blob)(*args, **kwargs)

@@ -4,6 +4,7 @@ That is everything the process listens on, less what the engine itself opened be
 (remembered by `remember_engine_listeners`, which runtime.engine_info calls before the first
 process group). Releasing a rank (engines/release.py) shuts the connections made to these.
 """
+
 from __future__ import annotations
 
 import psutil
@@ -26,8 +27,11 @@ def listening() -> list[tuple[str, int]]:
 
 def all_listening() -> list[tuple[str, int]]:
     """(address, port) of every socket this process listens on."""
-    return [(plain_ip(c.laddr.ip), c.laddr.port) for c in psutil.Process().net_connections("inet")
-            if c.status == psutil.CONN_LISTEN]
+    return [
+        (plain_ip(c.laddr.ip), c.laddr.port)
+        for c in psutil.Process().net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
 
 
 def plain_ip(ip: str) -> str:

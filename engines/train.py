@@ -4,20 +4,21 @@ It builds the mesh, the full model from the seed, this rank's share of it (paral
 runs `steps` steps on the same global batches the reference sees. It returns plain data: the
 rank's losses, memory, collective log and timeline — never tensors.
 """
+
 from __future__ import annotations
 
 import time
 from contextlib import nullcontext
 
 import torch
+
+from labkit.config import DIMS, RunSpec
 from labkit.engines import data, runtime
 from labkit.engines.mesh import Mesh
 from labkit.engines.meters.bundle import Meters
 from labkit.engines.meters.comm import CommAudit
 from labkit.engines.model import build_model
 from labkit.engines.parallelize import parallelize
-
-from labkit.config import DIMS, RunSpec
 from labkit.plans.mesh import MeshLayout
 
 
@@ -32,7 +33,7 @@ def run_rank(spec: dict) -> dict:
     report as plain data."""
     rt = runtime.current()
     run = RunSpec.from_dict(spec)
-    if not run.comm_log:        # the overhead benchmark's switch: no collective log at all
+    if not run.comm_log:  # the overhead benchmark's switch: no collective log at all
         runtime.comm_log_off()
     cfg, model_cfg, steps, seed = run.parallel, run.model, run.steps, run.seed
 
@@ -49,7 +50,7 @@ def run_rank(spec: dict) -> dict:
 
     index, count = data_index(mesh)
     losses, norms, step_times = [], [], []
-    with meters, (audit or nullcontext()):
+    with meters, audit or nullcontext():
         for step in range(steps):
             runtime.check_cancelled()
             tokens, targets = data.global_batch(step, seed, cfg.global_batch, model_cfg.seq, model_cfg.vocab)
@@ -65,8 +66,15 @@ def run_rank(spec: dict) -> dict:
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
             norms.append(norm)
-            runtime.progress(step=step, steps=steps, rank=rt.rank, seconds=step_times[-1], ranks=mesh.size(*DIMS),
-                             loss_share=loss if mesh.coord("tp") == 0 else 0.0, shards=mesh.size("dp", "ep", "cp"))
+            runtime.progress(
+                step=step,
+                steps=steps,
+                rank=rt.rank,
+                seconds=step_times[-1],
+                ranks=mesh.size(*DIMS),
+                loss_share=loss if mesh.coord("tp") == 0 else 0.0,
+                shards=mesh.size("dp", "ep", "cp"),
+            )
 
     states = rank_model.grads.memory()
     report = {
@@ -86,4 +94,3 @@ def run_rank(spec: dict) -> dict:
     if run.return_params:
         report["pieces"] = rank_model.grads.param_pieces()
     return report
-

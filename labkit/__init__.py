@@ -1,25 +1,45 @@
 """labkit: a Jupyter-first lab for the parallel training of large models.
 
-    from labkit import Lab, ParallelConfig, ModelConfig, reference, theory
+from labkit import Lab, ParallelConfig, ModelConfig, reference, theory
 """
+
 from labkit import theory
-from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, validate
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from labkit.dryrun import dry_run
 from labkit.errors import Cancelled, CollectiveTimeout, EngineDied, LabError, RankError
 from labkit.reference import Reference, reference
 from labkit.results import CommEvent, Event, RankReport, RunResult
+from labkit.validation import validate
 
 
 def __getattr__(name):
-    # The Lab pulls in ipyparallel; import it on first use so theory-only users stay light.
     if name == "Lab":
-        from labkit.lab import Lab
+        from labkit.lab import (
+            Lab,  # deferred: ipyparallel, so that theory-only users stay light
+        )
+
         return Lab
-    if name == "dry_run":
-        from labkit.dryrun import dry_run
-        return dry_run
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 
-__all__ = ["Lab", "dry_run", "ParallelConfig", "ModelConfig", "OptimConfig", "ConfigError", "validate", "reference",
-           "Reference", "theory", "RunResult", "RankReport", "CommEvent", "Event", "LabError", "RankError",
-           "EngineDied", "CollectiveTimeout", "Cancelled"]
+__all__ = [
+    "Lab",
+    "dry_run",
+    "ParallelConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ConfigError",
+    "validate",
+    "reference",
+    "Reference",
+    "theory",
+    "RunResult",
+    "RankReport",
+    "CommEvent",
+    "Event",
+    "LabError",
+    "RankError",
+    "EngineDied",
+    "CollectiveTimeout",
+    "Cancelled",
+]

@@ -1,5 +1,6 @@
 """The Lab's arguments checked before any engine work: every problem named, each with a fix
 (collected into one ConfigError by the caller)."""
+
 from __future__ import annotations
 
 from labkit.config import ModelConfig, OptimConfig, ParallelConfig
@@ -18,13 +19,17 @@ def timeout_problems(timeout, name: str = "timeout") -> list[str]:
 
 
 def run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit) -> list[str]:
-    """What is wrong with the arguments of Lab.run (their types; the layout is config.validate's)."""
+    """What is wrong with the arguments of Lab.run (their types; the layout is validation.validate's)."""
     bad = []
-    for name, value, kind in (("cfg", cfg, ParallelConfig), ("model", model, ModelConfig),
-                              ("optim", optim, OptimConfig)):
+    for name, value, kind in (
+        ("cfg", cfg, ParallelConfig),
+        ("model", model, ModelConfig),
+        ("optim", optim, OptimConfig),
+    ):
         if not isinstance(value, kind):
-            bad.append(f"{name}={value!r} must be a {kind.__name__} (e.g. {kind.__name__}()), "
-                       f"not {type(value).__name__}")
+            bad.append(
+                f"{name}={value!r} must be a {kind.__name__} (e.g. {kind.__name__}()), not {type(value).__name__}"
+            )
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         bad.append(f"steps={steps!r} must be a positive integer; try steps=3")
     if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:

@@ -1,4 +1,5 @@
 """Comparisons against the reference, shared by tests, notebooks and benchmarks."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -29,8 +30,10 @@ def param_errors(params: dict, ref_params: dict) -> dict[str, float]:
     missing = set(ref_params) - set(params)
     if missing:
         raise AssertionError(f"parameters missing from the run: {sorted(missing)}")
-    return {k: float(np.linalg.norm(params[k] - ref_params[k]) / max(np.linalg.norm(ref_params[k]), 1e-30))
-            for k in ref_params}
+    return {
+        k: float(np.linalg.norm(params[k] - ref_params[k]) / max(np.linalg.norm(ref_params[k]), 1e-30))
+        for k in ref_params
+    }
 
 
 def model_error(params: dict, ref_params: dict) -> float:
@@ -64,19 +67,24 @@ def assert_matches(result, ref, rtol: float | None = None) -> None:
     rtol = rtol if rtol is not None else rtol_for(result.config.precision)
     errs = loss_errors(result.losses, ref.losses)
     if len(result.losses) != len(ref.losses) or max(errs) > rtol:
-        raise AssertionError(f"losses differ from the reference beyond {rtol:g}: run {result.losses} "
-                             f"vs reference {ref.losses} (relative errors {errs})")
+        raise AssertionError(
+            f"losses differ from the reference beyond {rtol:g}: run {result.losses} "
+            f"vs reference {ref.losses} (relative errors {errs})"
+        )
     for rk in result.ranks:
         if rk.grad_norms:
             gerr = loss_errors(rk.grad_norms, ref.grad_norms)
             if max(gerr) > rtol:
-                raise AssertionError(f"rank {rk.rank}'s gradient norms {rk.grad_norms} differ from the "
-                                     f"reference's {ref.grad_norms} beyond {rtol:g} (relative {gerr})")
+                raise AssertionError(
+                    f"rank {rk.rank}'s gradient norms {rk.grad_norms} differ from the "
+                    f"reference's {ref.grad_norms} beyond {rtol:g} (relative {gerr})"
+                )
     if result.params is not None:
         err = model_error(result.params, ref.params)
         if err > rtol:
             perr = param_errors(result.params, ref.params)
             worst = sorted(perr, key=perr.get, reverse=True)[:3]
-            raise AssertionError(f"the parameters differ from the reference by {err:.3g} (relative L2 of the "
-                                 f"whole model) > {rtol:g}; worst tensors: "
-                                 + ", ".join(f"{k} {perr[k]:.3g}" for k in worst))
+            raise AssertionError(
+                f"the parameters differ from the reference by {err:.3g} (relative L2 of the "
+                f"whole model) > {rtol:g}; worst tensors: " + ", ".join(f"{k} {perr[k]:.3g}" for k in worst)
+            )

@@ -8,6 +8,7 @@
 This is the top rung of the import ladder: the only module that imports both the Lab and the
 figures.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,12 @@ import dataclasses
 import sys
 import typing
 
+from labkit import reference, theory
+from labkit.checks import loss_errors, reference_shards
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import MeshLayout
+from labkit.theory.presets import PRESETS
+from labkit.theory.timing import HARDWARE
 
 DEMO = {"dp": 4}
 
@@ -33,8 +38,11 @@ def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
 
 
 def _pick(ns: argparse.Namespace, cls, prefix: str = "") -> dict:
-    return {f.name: getattr(ns, prefix + f.name) for f in dataclasses.fields(cls)
-            if getattr(ns, prefix + f.name) is not None}
+    return {
+        f.name: getattr(ns, prefix + f.name)
+        for f in dataclasses.fields(cls)
+        if getattr(ns, prefix + f.name) is not None
+    }
 
 
 def _human(n: float) -> str:
@@ -54,17 +62,24 @@ def write_report(path: str, result, ref, estimate) -> None:
     for i, (name, fig) in enumerate(figs.items()):
         parts.append(f'<section id="{name}">' + fig.to_html(full_html=False, include_plotlyjs=(i == 0)) + "</section>")
     cfg = result.config
-    head = (f"<h1>labkit run</h1><p>{cfg.world} ranks: dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} "
-            f"ep={cfg.ep}, sharding={cfg.sharding}, impl={cfg.impl}, precision={cfg.precision}, "
-            f"{result.steps} steps; losses {', '.join(f'{x:.4f}' for x in result.losses)}</p>")
+    head = (
+        f"<h1>labkit run</h1><p>{cfg.world} ranks: dp={cfg.dp} tp={cfg.tp} pp={cfg.pp} cp={cfg.cp} "
+        f"ep={cfg.ep}, sharding={cfg.sharding}, impl={cfg.impl}, precision={cfg.precision}, "
+        f"{result.steps} steps; losses {', '.join(f'{x:.4f}' for x in result.losses)}</p>"
+    )
     with open(path, "w") as f:
-        f.write("<!DOCTYPE html><html><head><meta charset='utf-8'><title>labkit report</title></head><body>"
-                + head + "\n".join(parts) + "</body></html>")
+        f.write(
+            "<!DOCTYPE html><html><head><meta charset='utf-8'><title>labkit report</title></head><body>"
+            + head
+            + "\n".join(parts)
+            + "</body></html>"
+        )
 
 
 def cmd_run(ns: argparse.Namespace) -> int:
-    from labkit import Lab, reference, theory
-    from labkit.checks import loss_errors, reference_shards
+    from labkit.lab import (
+        Lab,  # deferred: ipyparallel, so that `labkit estimate` starts fast
+    )
 
     parallel = _pick(ns, ParallelConfig) or dict(DEMO)
     cfg = ParallelConfig(**parallel)
@@ -74,18 +89,26 @@ def cmd_run(ns: argparse.Namespace) -> int:
     with Lab(engines=engines, backend=ns.backend, timeout=ns.timeout) as lab:
         print(lab, flush=True)
         res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed)
-    ref = reference(model, steps=ns.steps, seed=ns.seed, global_batch=cfg.global_batch, precision=cfg.precision,
-                    shards=reference_shards(cfg))
+    ref = reference(
+        model,
+        steps=ns.steps,
+        seed=ns.seed,
+        global_batch=cfg.global_batch,
+        precision=cfg.precision,
+        shards=reference_shards(cfg),
+    )
     est = theory.estimate(cfg, model, world=engines)
     errs = loss_errors(res.losses, ref.losses)
-    print(f"losses    {['%.5f' % x for x in res.losses]}")
-    print(f"reference {['%.5f' % x for x in ref.losses]}  (max relative error {max(errs):.2e})")
+    print(f"losses    {[f'{x:.5f}' for x in res.losses]}")
+    print(f"reference {[f'{x:.5f}' for x in ref.losses]}  (max relative error {max(errs):.2e})")
     for rk in res.ranks:
         mem = ", ".join(f"{k} {_human(v)}" for k, v in rk.memory.items())
         print(f"rank {rk.rank} {rk.coords}: {mem}")
     for row in res.comm_table():
-        print(f"rank {row['rank']} {row['dim']:>6} {row['op']:<15} {row['calls']:>3} calls "
-              f"{_human(row['wire_bytes'])} sent")
+        print(
+            f"rank {row['rank']} {row['dim']:>6} {row['op']:<15} {row['calls']:>3} calls "
+            f"{_human(row['wire_bytes'])} sent"
+        )
     if ns.report:
         write_report(ns.report, res, ref, est)
         print(f"report written to {ns.report}")
@@ -98,10 +121,6 @@ def cmd_run(ns: argparse.Namespace) -> int:
 def cmd_estimate(ns: argparse.Namespace) -> int:
     """The theory for a layout: memory of the fullest rank, its wire bytes per dim and op, the
     bubble, and the time model's step on the chosen hardware (which dim dominates)."""
-    from labkit import theory
-    from labkit.theory.presets import PRESETS
-    from labkit.theory.timing import HARDWARE
-
     if ns.model is not None and ns.model not in PRESETS:
         raise ConfigError([f"--model {ns.model!r} is not a preset: choose one of {', '.join(PRESETS)}"])
     base = PRESETS[ns.model] if ns.model else ModelConfig()
@@ -109,22 +128,30 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     model = base.replace(**_pick(ns, ModelConfig, "model_"))
     est = theory.estimate(cfg, model, world=ns.world)
     hw = HARDWARE[ns.gpu]
-    print(f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters; {est.world:,} ranks "
-          f"({MeshLayout.of(cfg).describe()}, {cfg.order})")
+    print(
+        f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters; {est.world:,} ranks "
+        f"({MeshLayout.of(cfg).describe()}, {cfg.order})"
+    )
     fullest = max(range(len(est.memory)), key=lambda r: est.memory[r]["peak"])
     m = est.memory[fullest]
-    print(f"memory per rank (rank {fullest}, the fullest): "
-          + ", ".join(f"{k} {_human(v)}" for k, v in m.items())
-          + f"  [{hw.name}: {_human(hw.memory)}]")
+    print(
+        f"memory per rank (rank {fullest}, the fullest): "
+        + ", ".join(f"{k} {_human(v)}" for k, v in m.items())
+        + f"  [{hw.name}: {_human(hw.memory)}]"
+    )
     rows = est.rank_rows(fullest)
     for row in sorted(rows, key=lambda r: (r["dim"], r["op"])):
-        print(f"comm per step (rank {fullest}) {row['dim']:>8} {row['op']:<15} {row['calls']:>7,} calls "
-              f"{_human(row['wire_bytes'])}")
+        print(
+            f"comm per step (rank {fullest}) {row['dim']:>8} {row['op']:<15} {row['calls']:>7,} calls "
+            f"{_human(row['wire_bytes'])}"
+        )
     print(f"bubble {est.bubble:.3f}")
     t = est.step_time(hw, fullest)
-    print(f"step time on {hw.name}: {t.total * 1e3:,.1f} ms (compute {t.compute * 1e3:,.1f} ms; "
-          + ", ".join(f"{d} {x * 1e3:,.1f} ms exposed" for d, x in sorted(t.exposed.items()))
-          + f"); dominated by {t.dominant}; MFU {t.mfu:.0%}")
+    print(
+        f"step time on {hw.name}: {t.total * 1e3:,.1f} ms (compute {t.compute * 1e3:,.1f} ms; "
+        + ", ".join(f"{d} {x * 1e3:,.1f} ms exposed" for d, x in sorted(t.exposed.items()))
+        + f"); dominated by {t.dominant}; MFU {t.mfu:.0%}"
+    )
     return 0
 
 
@@ -144,8 +171,12 @@ def parser() -> argparse.ArgumentParser:
     run.set_defaults(fn=cmd_run)
     est = sub.add_parser("estimate", help="print the theory's prediction for a layout (no cluster)")
     est.add_argument("--world", type=int, default=None)
-    est.add_argument("--model", default=None, help="a preset (labkit/theory/presets.py): gpt2-124m, llama-7b, "
-                     "llama-13b, llama-70b, llama-405b, mixtral-8x7b; --model-* flags override its fields")
+    est.add_argument(
+        "--model",
+        default=None,
+        help="a preset (labkit/theory/presets.py): gpt2-124m, llama-7b, "
+        "llama-13b, llama-70b, llama-405b, mixtral-8x7b; --model-* flags override its fields",
+    )
     est.add_argument("--gpu", default="h100", choices=["h100", "a100"], help="hardware of the time model")
     _add_fields(est, ParallelConfig)
     _add_fields(est, ModelConfig, "model_")

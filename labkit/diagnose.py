@@ -16,6 +16,7 @@ they ran on the same process group (same name *and* same ranks): rebuilt worlds 
 and a name can stand for different ranks on ranks that created groups in different orders.
 Pure Python: it reads plain dicts.
 """
+
 from __future__ import annotations
 
 
@@ -59,7 +60,7 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
         open_ops = [e for e in log if e.get("end") is None]
         stuck[r] = min(open_ops, key=lambda e: e["start"]) if open_ops else None
 
-    by_key: dict[tuple, dict[int, dict[int, dict]]] = {}    # (pg, ranks) -> rank -> seq -> event
+    by_key: dict[tuple, dict[int, dict[int, dict]]] = {}  # (pg, ranks) -> rank -> seq -> event
     for r, log in logs.items():
         for e in log:
             by_key.setdefault(_key(e), {}).setdefault(r, {})[e["seq"]] = e
@@ -98,12 +99,20 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
         if ident in seen:
             seen[ident]["waiting"].append(r)
             continue
-        seen[ident] = {"group": list(key[1]), "pg": key[0], "seq": e["seq"], "op": e["op"], "dim": e["dim"],
-                       "ranks": absent, "waiting": [r], "where": {m: where(m) for m in absent}}
+        seen[ident] = {
+            "group": list(key[1]),
+            "pg": key[0],
+            "seq": e["seq"],
+            "op": e["op"],
+            "dim": e["dim"],
+            "ranks": absent,
+            "waiting": [r],
+            "where": {m: where(m) for m in absent},
+        }
         missing.append(seen[ident])
 
     renamed = []
-    names: dict[tuple, dict[int, set]] = {}     # group ranks -> member -> its names for them
+    names: dict[tuple, dict[int, set]] = {}  # group ranks -> member -> its names for them
     for r, p in polls.items():
         for pg, ranks in (p.get("registry") or {}).items():
             names.setdefault(tuple(ranks), {}).setdefault(r, set()).add(pg)
@@ -119,8 +128,13 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
             if len(have) > 1 and len({_sig(e) for e in have.values()}) > 1:
                 start = min(e["start"] for e in have.values())
                 if divergence is None or start < divergence["start"]:
-                    divergence = {"group": list(key[1]), "pg": key[0], "seq": s, "start": start,
-                                  "ops": {m: _fmt(e) for m, e in sorted(have.items())}}
+                    divergence = {
+                        "group": list(key[1]),
+                        "pg": key[0],
+                        "seq": s,
+                        "start": start,
+                        "ops": {m: _fmt(e) for m, e in sorted(have.items())},
+                    }
                 break
 
     cycle = _cycle(waits_for)
@@ -138,25 +152,39 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
             last = f"; last completed {_fmt(done[-1])}" if done else "; no collective completed"
             lines.append(f"rank {r}{at}: {where(r)}, in no collective{last}")
     for m in missing:
-        lines.append(f"ranks {m['ranks']} never reached {m['op']} seq {m['seq']} on {m['dim']} group {m['group']}"
-                     f" (pg {m['pg']}), where ranks {m['waiting']} wait: "
-                     + "; ".join(f"rank {r} {w}" for r, w in m["where"].items()))
+        lines.append(
+            f"ranks {m['ranks']} never reached {m['op']} seq {m['seq']} on {m['dim']} group {m['group']}"
+            f" (pg {m['pg']}), where ranks {m['waiting']} wait: "
+            + "; ".join(f"rank {r} {w}" for r, w in m["where"].items())
+        )
     for g in renamed:
-        lines.append(f"group {g['group']} has different process-group names on its ranks "
-                     + ", ".join(f"rank {r}: {v}" for r, v in g["names"].items())
-                     + ": the ranks created their groups in different orders")
+        lines.append(
+            f"group {g['group']} has different process-group names on its ranks "
+            + ", ".join(f"rank {r}: {v}" for r, v in g["names"].items())
+            + ": the ranks created their groups in different orders"
+        )
     if divergence:
-        lines.append(f"first divergence on group {divergence['group']} (pg {divergence['pg']}) "
-                     f"at seq {divergence['seq']}:")
+        lines.append(
+            f"first divergence on group {divergence['group']} (pg {divergence['pg']}) at seq {divergence['seq']}:"
+        )
         lines.extend(f"  rank {r}: {txt}" for r, txt in divergence["ops"].items())
     if cycle:
-        lines.append("ranks wait on each other in a cycle: " + " -> ".join(str(r) for r in cycle + cycle[:1])
-                     + " (each waits in a collective the next one has not entered: collectives issued "
-                     "in different orders)")
+        lines.append(
+            "ranks wait on each other in a cycle: "
+            + " -> ".join(str(r) for r in cycle + cycle[:1])
+            + " (each waits in a collective the next one has not entered: collectives issued "
+            "in different orders)"
+        )
     if not any(stuck.values()):
         lines.append("no rank is inside a collective: the run is slow or stuck in computation, not in communication")
-    return {"stuck": stuck, "missing": missing, "divergence": divergence, "renamed": renamed, "cycle": cycle,
-            "text": "\n".join(lines)}
+    return {
+        "stuck": stuck,
+        "missing": missing,
+        "divergence": divergence,
+        "renamed": renamed,
+        "cycle": cycle,
+        "text": "\n".join(lines),
+    }
 
 
 def _last_frame(stack: str) -> str:
@@ -180,7 +208,7 @@ def _cycle(waits_for: dict[int, list[int]]) -> list[int] | None:
                 break
             node = nxt[0]
             if node in path:
-                loop = path[path.index(node):]
+                loop = path[path.index(node) :]
                 i = loop.index(min(loop))
                 return loop[i:] + loop[:i]
             path.append(node)

@@ -9,6 +9,7 @@
 It runs in a fresh subprocess (engines/dryrun.py: a fake process group of `world` ranks and
 fake tensors), so the notebook's own process never joins a process group.
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -18,8 +19,9 @@ import traceback
 from dataclasses import dataclass, field
 
 from labkit import theory
-from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec, problems
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.results import RankReport, RunResult
+from labkit.validation import problems
 
 
 @dataclass
@@ -61,19 +63,27 @@ def _child(spec: dict, rank: int, world: int, queue) -> None:
         from labkit.engines.dryrun import dry_run_rank
 
         queue.put(("ok", dry_run_rank(spec, rank, world)))
-    except BaseException as e:   # noqa: BLE001 - the parent raises it
+    except BaseException as e:  # noqa: BLE001 - the parent raises it
         queue.put(("error", "".join(traceback.format_exception(type(e), e, e.__traceback__))))
 
 
-def dry_run(cfg: ParallelConfig, model: ModelConfig, world: int | None = None, rank: int = 0,
-            optim: OptimConfig | None = None, timeout: float = 600.0) -> DryRun:
+def dry_run(
+    cfg: ParallelConfig,
+    model: ModelConfig,
+    world: int | None = None,
+    rank: int = 0,
+    optim: OptimConfig | None = None,
+    timeout: float = 600.0,
+) -> DryRun:
     """One real training step of rank `rank` in a fake world of `world` ranks (default: the
     layout's product), with fake tensors; compared with theory.estimate for the same layout."""
     world = world or cfg.world
     found = problems(cfg, model, world)
     if model.experts:
-        found.append("a dry run cannot route MoE tokens (the all-to-all sizes depend on the data); "
-                     "use experts=0, or theory.estimate for an MoE layout")
+        found.append(
+            "a dry run cannot route MoE tokens (the all-to-all sizes depend on the data); "
+            "use experts=0, or theory.estimate for an MoE layout"
+        )
     if not 0 <= rank < world:
         found.append(f"rank={rank} is outside the world of {world} ranks; pick 0 .. {world - 1}")
     if found:
@@ -91,11 +101,13 @@ def dry_run(cfg: ParallelConfig, model: ModelConfig, world: int | None = None, r
                 break
             except queues.Empty:
                 if not proc.is_alive():
-                    raise RuntimeError(f"the dry-run process exited with code {proc.exitcode} before "
-                                       "reporting (a script that calls dry_run needs an "
-                                       "`if __name__ == '__main__':` guard: it runs in a spawned process)")
+                    raise RuntimeError(
+                        f"the dry-run process exited with code {proc.exitcode} before "
+                        "reporting (a script that calls dry_run needs an "
+                        "`if __name__ == '__main__':` guard: it runs in a spawned process)"
+                    ) from None
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"the dry run of rank {rank} did not finish within {timeout:g} s")
+                    raise TimeoutError(f"the dry run of rank {rank} did not finish within {timeout:g} s") from None
     finally:
         proc.join(timeout=10)
         if proc.is_alive():
@@ -105,5 +117,4 @@ def dry_run(cfg: ParallelConfig, model: ModelConfig, world: int | None = None, r
     payload["clock_offset"] = 0.0
     result = RunResult.from_reports(cfg, model, OptimConfig(), 1, 0, [payload], 0.0)
     est = theory.estimate(cfg, model, world)
-    return DryRun(cfg, model, rank, result.ranks[0], est.memory[rank], est.rank_rows(rank),
-                  payload["dry_run_seconds"])
+    return DryRun(cfg, model, rank, result.ranks[0], est.memory[rank], est.rank_rows(rank), payload["dry_run_seconds"])

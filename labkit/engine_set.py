@@ -6,6 +6,7 @@ Every wait here has a bound; an engine that is gone or silent becomes `EngineGon
 job runner (labkit/jobs.py) turns into EngineDied. Engines found bad are marked here and
 replaced by `replace` (local clusters only) before the next call.
 """
+
 from __future__ import annotations
 
 import os
@@ -40,7 +41,7 @@ class EngineGone(Exception):
 
 def start_local(n: int):
     """A local ipyparallel cluster of n engines on 127.0.0.1, started and connected: (cluster, client)."""
-    quick = Config()   # an engine that outlives SIGTERM by 1 s is killed (ipyparallel waits 5 s)
+    quick = Config()  # an engine that outlives SIGTERM by 1 s is killed (ipyparallel waits 5 s)
     quick.LocalProcessLauncher.stop_seconds_until_kill = 1
     cluster = ipp.Cluster(n=n, controller_ip="127.0.0.1", engine_timeout=60, log_level=40, config=quick)
     try:
@@ -56,7 +57,7 @@ def connect(profile: str | None, url_file: str | None, cluster_id: str, engines:
     """A client of a running cluster (its connection file carries the authentication key),
     with `engines` registered if given, or at least one."""
     kwargs = dict(client_kwargs)
-    args = (url_file,) if url_file else ()   # ipyparallel 9 reads the file as connection_info
+    args = (url_file,) if url_file else ()  # ipyparallel 9 reads the file as connection_info
     if profile:
         kwargs["profile"] = profile
     if cluster_id:
@@ -86,33 +87,46 @@ class EngineSet:
     activate's set-up, close); reentrant.
     """
 
-    def __init__(self, client, cluster=None, n: int | None = None, *, local: bool, backend: str = "auto",
-                 device: str = "auto", timeout: float, master_addr: str | None = None):
+    def __init__(
+        self,
+        client,
+        cluster=None,
+        n: int | None = None,
+        *,
+        local: bool,
+        backend: str = "auto",
+        device: str = "auto",
+        timeout: float,
+        master_addr: str | None = None,
+    ):
         self.client, self.cluster, self.local = client, cluster, local
-        self._n = len(client.ids) if n is None else n   # how many engines a restart starts
+        self._n = len(client.ids) if n is None else n  # how many engines a restart starts
         self.backend_choice, self.device_choice = backend, device
-        self.timeout = timeout          # the world's default group timeout (each job sets its own)
+        self.timeout = timeout  # the world's default group timeout (each job sets its own)
         self.master_addr = master_addr
         self.lock = threading.RLock()
         self.ids = sorted(client.ids)[: self._n]
         self.world = len(self.ids)
-        self.hosts: list[str] = []      # the rest is learnt by setup()
+        self.hosts: list[str] = []  # the rest is learnt by setup()
         self.pids: list[int] = []
         self.devices: list[str] = []
         self.backend = ""
         self.port = 0
-        self.runtimes: list[dict] = []    # each rank's runtime.Runtime, as a dict
-        self.generation = 0               # how many times the world has been built
+        self.runtimes: list[dict] = []  # each rank's runtime.Runtime, as a dict
+        self.generation = 0  # how many times the world has been built
         self._known_ids = set(client.ids)
-        self._condemned: dict[int, str] = {}   # rank -> why its engine must be replaced (no longer used)
-        self._tainted: dict[int, str] = {}     # rank -> why its engine should be replaced (still usable)
+        self._condemned: dict[int, str] = {}  # rank -> why its engine must be replaced (no longer used)
+        self._tainted: dict[int, str] = {}  # rank -> why its engine should be replaced (still usable)
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
         """Give each engine (self.ids, in rank order) a rank and a device and build the world."""
         self.world = len(self.ids)
-        got = self.gather({r: self.client[e].apply_async(runtime.engine_info) for r, e in enumerate(self.ids)},
-                          START_TIMEOUT_S, watch=False)   # pids are what this learns
+        got = self.gather(
+            {r: self.client[e].apply_async(runtime.engine_info) for r, e in enumerate(self.ids)},
+            START_TIMEOUT_S,
+            watch=False,
+        )  # pids are what this learns
         infos = [got[r] for r in range(self.world)]
         self.hosts = [i["host"] for i in infos]
         self.pids = [i["pid"] for i in infos]
@@ -131,8 +145,10 @@ class EngineSet:
         else:
             self.backend = self.backend_choice
         if self.backend == "nccl" and not own_gpu:
-            raise LabError(f"backend='nccl' needs one GPU per engine; hosts have {[i['gpus'] for i in infos]} GPUs "
-                           f"for {dict(per_host)} engines. Use device='cuda' (gloo on shared GPUs) or the CPU")
+            raise LabError(
+                f"backend='nccl' needs one GPU per engine; hosts have {[i['gpus'] for i in infos]} GPUs "
+                f"for {dict(per_host)} engines. Use device='cuda' (gloo on shared GPUs) or the CPU"
+            )
         use_gpu = self.backend == "nccl" or self.device_choice == "cuda"
         self.devices = [f"cuda:{k % max(1, i['gpus'])}" if use_gpu else "cpu" for k, i in zip(local_index, infos)]
         loopback = self.local and len(per_host) == 1
@@ -144,10 +160,25 @@ class EngineSet:
         """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
         self.generation += 1
         port = self.each(runtime.open_rendezvous, [0], addr, bound=START_TIMEOUT_S)[0]
-        got = self.gather({rank: self.client[eid].apply_async(
-            runtime.init_distributed, rank, self.world, addr, port, self.backend, self.devices[rank],
-            self.timeout, self.generation, threads[rank], loopback) for rank, eid in enumerate(self.ids)},
-            START_TIMEOUT_S)
+        got = self.gather(
+            {
+                rank: self.client[eid].apply_async(
+                    runtime.init_distributed,
+                    rank,
+                    self.world,
+                    addr,
+                    port,
+                    self.backend,
+                    self.devices[rank],
+                    self.timeout,
+                    self.generation,
+                    threads[rank],
+                    loopback,
+                )
+                for rank, eid in enumerate(self.ids)
+            },
+            START_TIMEOUT_S,
+        )
         self.runtimes = [got[r] for r in range(self.world)]
         self.port = port
 
@@ -181,7 +212,7 @@ class EngineSet:
         """fn(*args) on the engine of `rank`, not waited for: its AsyncResult."""
         try:
             return self.client[self.ids[rank]].apply_async(fn, *args)
-        except IndexError:   # the controller has already unregistered this engine
+        except IndexError:  # the controller has already unregistered this engine
             raise EngineGone([rank], "its engine is no longer registered with the controller") from None
 
     def dead(self, ranks) -> list[int]:
@@ -237,8 +268,10 @@ class EngineSet:
         """Kill the engines of `ranks` and start new ones in their places (local clusters).
         The world must be set up again afterwards (setup)."""
         if not self.local or self.cluster is None:
-            raise LabError(f"the engines of ranks {ranks} must be restarted, and this Lab is connected to a cluster "
-                           "it did not start: restart them with ipcluster and call Lab.connect again")
+            raise LabError(
+                f"the engines of ranks {ranks} must be restarted, and this Lab is connected to a cluster "
+                "it did not start: restart them with ipcluster and call Lab.connect again"
+            )
         procs = []
         for r in ranks:
             try:
@@ -257,8 +290,10 @@ class EngineSet:
     def restart(self) -> None:
         """Replace every engine and build the world again (local clusters)."""
         if not self.local or self.cluster is None:
-            raise LabError("this Lab is connected to a cluster it did not start; restart its engines "
-                           "with ipcluster and call Lab.connect again")
+            raise LabError(
+                "this Lab is connected to a cluster it did not start; restart its engines "
+                "with ipcluster and call Lab.connect again"
+            )
         for pid in self.pids:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -5,6 +5,7 @@ moment it takes to read the ranks' logs and release the ranks that waited); what
 the Lab still needs (replacing an engine, rebuilding the process groups on a fresh port) is
 done at the start of the next call, which waits for it.
 """
+
 from __future__ import annotations
 
 from labkit.config import ConfigError  # noqa: F401  (re-exported)
@@ -28,10 +29,17 @@ class RankError(LabError):
         first = min(failures)
         self.rank = first
         lines = [f"rank {r} on {f['host']} raised: {_last_line(f['traceback'])}" for r, f in sorted(failures.items())]
-        freed = (f"ranks {self.released} were waiting for it and were released"
-                 if self.released else "no other rank was left waiting")
-        super().__init__("\n".join(lines) + f"\n\n--- traceback of rank {first} ---\n"
-                         + failures[first]["traceback"].rstrip() + f"\n\n({freed}; {READY})")
+        freed = (
+            f"ranks {self.released} were waiting for it and were released"
+            if self.released
+            else "no other rank was left waiting"
+        )
+        super().__init__(
+            "\n".join(lines)
+            + f"\n\n--- traceback of rank {first} ---\n"
+            + failures[first]["traceback"].rstrip()
+            + f"\n\n({freed}; {READY})"
+        )
 
 
 class EngineDied(LabError):
@@ -41,8 +49,9 @@ class EngineDied(LabError):
         self.rank, self.host = rank, host
         self.ranks = sorted(ranks or [rank])
         also = f" (ranks {self.ranks} in all)" if len(self.ranks) > 1 else ""
-        super().__init__(f"the engine of rank {rank} on host {host} died{also}"
-                         + (f": {detail}" if detail else "") + f"; {READY}")
+        super().__init__(
+            f"the engine of rank {rank} on host {host} died{also}" + (f": {detail}" if detail else "") + f"; {READY}"
+        )
 
 
 class CollectiveTimeout(LabError, TimeoutError):

@@ -11,6 +11,7 @@ fault paths, labkit/jobs.py). Every wait is bounded; each error is raised as soo
 The functions hold no state: what they learn about engines (one to replace) they mark on the
 EngineSet. How releasing works, and why a rank is sometimes replaced instead: notes/faults.md.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,7 +35,9 @@ running are taken to wait for it in a collective, and released."""
 LOG_TAIL = 400
 """Collective-log entries read from each rank for a diagnosis."""
 
-_COLLECTIVE_TIMEOUT = re.compile(r"Timed out waiting \d+ms for (recv|send)|Watchdog caught collective operation timeout")
+_COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ms for (recv|send)|Watchdog caught collective operation timeout"
+)
 
 
 # -- fault paths (each raises) ---------------------------------------------------------------
@@ -50,10 +53,10 @@ def on_error(engines: EngineSet, states: list[dict], timeout: float) -> None:
         states = [got[r] for r in world]
         failures.update({r: s["error"] for r, s in enumerate(states) if s["state"] == "error" and r not in failures})
     dead = engines.dead(world)
-    if dead:          # the others' "connection closed" errors are the consequence
+    if dead:  # the others' "connection closed" errors are the consequence
         raise EngineGone(dead, "its process is gone")
     if all(_COLLECTIVE_TIMEOUT.search(tb) for tb in failures.values()):
-        on_timeout(engines, timeout)   # gloo's own timeout fired first: diagnose it as a hang
+        on_timeout(engines, timeout)  # gloo's own timeout fired first: diagnose it as a hang
     final = release_cascade(engines)
     released = [r for r, s in final.items() if r not in failures and s["state"] == "error"]
     raise RankError({r: {"host": engines.hosts[r], "traceback": tb} for r, tb in failures.items()}, released)
@@ -65,7 +68,7 @@ def on_timeout(engines: EngineSet, timeout: float) -> None:
     found = analyse(got, dict(enumerate(engines.hosts)))
     try:
         engines.each(runtime.cancel, range(engines.world))
-        release_cascade(engines, bound=1.0)   # ranks waiting only on each other are freed by the groups' timeout
+        release_cascade(engines, bound=1.0)  # ranks waiting only on each other are freed by the groups' timeout
     except EngineGone as d:
         engines.condemn(d.ranks, d.detail)
     raise CollectiveTimeout(timeout, found["text"], found)
@@ -92,7 +95,7 @@ def abandon(engines: EngineSet) -> bool:
         return stop_after_cancel(engines)
     except EngineGone as d:
         engines.condemn(d.ranks, d.detail)
-    except BaseException:   # a second Ctrl-C: leave the rest to the repair
+    except BaseException:  # a second Ctrl-C: leave the rest to the repair
         pass
     return False
 
@@ -131,8 +134,9 @@ def free_stuck(engines: EngineSet) -> None:
         return
     engines.each(runtime.cancel, running)
     final = release_cascade(engines, CANCEL_GRACE_S)
-    engines.condemn([r for r, s in final.items() if s["state"] == "running"],
-                    "its job still ran after cancel and release")
+    engines.condemn(
+        [r for r, s in final.items() if s["state"] == "running"], "its job still ran after cancel and release"
+    )
 
 
 # -- releasing --------------------------------------------------------------------------------
@@ -152,8 +156,11 @@ def release_cascade(engines: EngineSet, bound: float = RELEASE_S) -> dict:
                 peers = sorted({ep for eps in engines.each(sockets.listening, live).values() for ep in eps})
                 for r, out in engines.each(release.release, over, peers).items():
                     if out["held"]:
-                        engines.taint(r, f"torch still held its old process groups ({out['held']} "
-                                         "listening sockets): a new engine frees them")
+                        engines.taint(
+                            r,
+                            f"torch still held its old process groups ({out['held']} "
+                            "listening sockets): a new engine frees them",
+                        )
                 released |= set(over)
         except EngineGone as d:
             engines.condemn(d.ranks, d.detail)
@@ -172,7 +179,7 @@ def consistent(polls: dict[int, dict]) -> bool:
             return False
         for pg, (n, ranks) in (p.get("groups") or {}).items():
             counts.setdefault((pg, tuple(ranks)), {})[r] = n
-    for (pg, ranks), per in counts.items():
+    for (_, ranks), per in counts.items():
         if len({per.get(m, 0) for m in ranks if m in polls}) > 1:
             return False
     return True

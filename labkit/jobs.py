@@ -3,6 +3,7 @@
 turns that into an error). A fault leaves the engines to repair; the repair runs at the start of
 the next call: engines stuck or dead are replaced, and the process groups rebuilt on a fresh port.
 """
+
 from __future__ import annotations
 
 import threading
@@ -30,7 +31,7 @@ class JobRunner:
         self.repairs: list[dict] = []
         self.jobs = 0
         self._cancel_request = threading.Event()
-        self._rebuild_needed = False     # the process groups are not known to be usable as they are
+        self._rebuild_needed = False  # the process groups are not known to be usable as they are
 
     def run(self, fn, args: tuple, kwargs: dict, timeout: float, steps) -> list:
         """fn(*args, **kwargs) on every rank (after a repair if one is due); results in rank order.
@@ -65,7 +66,7 @@ class JobRunner:
         engines = self.engines
         ranks = range(engines.world)
         try:
-            self._rebuild_needed = True          # until the job ends cleanly
+            self._rebuild_needed = True  # until the job ends cleanly
             engines.each(runtime.start, ranks, fn, args, kwargs, timeout)
             self.jobs += 1
             deadline = time.monotonic() + timeout
@@ -100,7 +101,7 @@ class JobRunner:
             faults.on_died(engines, gone)
         except (LabError, ConfigError):
             raise
-        except BaseException:        # Ctrl-C, a progress callback that raised, a broken client
+        except BaseException:  # Ctrl-C, a progress callback that raised, a broken client
             if faults.abandon(engines):
                 self._rebuild_needed = False
             raise
@@ -125,8 +126,10 @@ class JobRunner:
             try:
                 engines.restart()
             except Exception as e:
-                raise LabError(f"the Lab could not repair itself ({first}); restarting every engine failed too "
-                               f"({e}). Close it (lab.close()) and start a new Lab") from e
+                raise LabError(
+                    f"the Lab could not repair itself ({first}); restarting every engine failed too "
+                    f"({e}). Close it (lab.close()) and start a new Lab"
+                ) from e
         self._rebuild_needed = False
         note["seconds"] = time.monotonic() - t0
         self.repairs.append(note)

@@ -17,6 +17,7 @@ never waits on anything without a bound:
   - an engine that dies (or stops answering) becomes EngineDied naming its rank and host;
   - Ctrl-C (KeyboardInterrupt) or Lab.cancel() stops the job on the engines too.
 """
+
 from __future__ import annotations
 
 import sys
@@ -27,21 +28,14 @@ import cloudpickle
 
 from labkit import engine_set, magics
 from labkit.arguments import run_problems, timeout_problems
-from labkit.config import (
-    ConfigError,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-    RunSpec,
-    optim_problems,
-    validate,
-)
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.engine_set import EngineSet
 from labkit.engines import runtime
 from labkit.jobs import JobRunner
 from labkit.plans.mesh import MeshLayout
 from labkit.progress import StepProgress, print_progress
 from labkit.results import RunResult
+from labkit.validation import optim_problems, validate
 
 DEFAULT_TIMEOUT_S = 300.0
 """A run or apply that takes longer is diagnosed as a hang. Generous for CPU demos; pass your own."""
@@ -75,9 +69,18 @@ class Lab:
     engines: the EngineSet (engine ids, pids, the client, the rendezvous port, ...).
     """
 
-    def __init__(self, engines: int = 4, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-                 progress=True, *, device: str = "auto", _client=None, _cluster=None,
-                 master_addr: str | None = None):
+    def __init__(
+        self,
+        engines: int = 4,
+        backend: str = "auto",
+        timeout: float = DEFAULT_TIMEOUT_S,
+        progress=True,
+        *,
+        device: str = "auto",
+        _client=None,
+        _cluster=None,
+        master_addr: str | None = None,
+    ):
         bad = timeout_problems(timeout)
         if _client is None and (not isinstance(engines, int) or isinstance(engines, bool) or engines < 1):
             bad.append(f"engines={engines!r}: a Lab needs a positive whole number of engines; try 4")
@@ -109,10 +112,19 @@ class Lab:
             raise
 
     @classmethod
-    def connect(cls, profile: str | None = None, url_file: str | None = None, cluster_id: str = "",
-                engines: int | None = None, backend: str = "auto", timeout: float = DEFAULT_TIMEOUT_S,
-                device: str = "auto",
-                progress=True, master_addr: str | None = None, **client_kwargs) -> "Lab":
+    def connect(
+        cls,
+        profile: str | None = None,
+        url_file: str | None = None,
+        cluster_id: str = "",
+        engines: int | None = None,
+        backend: str = "auto",
+        timeout: float = DEFAULT_TIMEOUT_S,
+        device: str = "auto",
+        progress=True,
+        master_addr: str | None = None,
+        **client_kwargs,
+    ) -> Lab:
         """Attach to a running ipyparallel cluster (`ipcluster start` with any launcher).
 
         The connection uses the cluster's connection file (ipcontroller-client.json), which
@@ -121,8 +133,9 @@ class Lab:
         with master_addr when that host has several).
         """
         client = engine_set.connect(profile, url_file, cluster_id, engines, **client_kwargs)
-        return cls(backend=backend, timeout=timeout, progress=progress, device=device, _client=client,
-                   master_addr=master_addr)
+        return cls(
+            backend=backend, timeout=timeout, progress=progress, device=device, _client=client, master_addr=master_addr
+        )
 
     # -- what the engines are --------------------------------------------------------------
     @property
@@ -169,9 +182,20 @@ class Lab:
             raise ConfigError(bad)
         return self._execute(runtime.call_pickled, (_by_value(fn), *args), kwargs, timeout, None)
 
-    def run(self, cfg: ParallelConfig | None = None, model: ModelConfig | None = None, steps: int = 3,
-            seed: int = 0, optim: OptimConfig | None = None, timeout: float | None = None,
-            progress=None, return_params: bool = False, audit: bool = False, *, _comm_log: bool = True) -> RunResult:
+    def run(
+        self,
+        cfg: ParallelConfig | None = None,
+        model: ModelConfig | None = None,
+        steps: int = 3,
+        seed: int = 0,
+        optim: OptimConfig | None = None,
+        timeout: float | None = None,
+        progress=None,
+        return_params: bool = False,
+        audit: bool = False,
+        *,
+        _comm_log: bool = True,
+    ) -> RunResult:
         """Train `steps` steps of `model` laid out as `cfg` on the engines; returns a RunResult.
 
         Raises ConfigError (before any engine work) for a layout, model or argument that cannot
@@ -189,14 +213,22 @@ class Lab:
         validate(cfg, model, self.world)
         if optim_problems(optim):
             raise ConfigError(optim_problems(optim))
-        for w in MeshLayout.of(cfg).warnings(self.hosts[:cfg.world]):   # a TP group across hosts: say so
+        for w in MeshLayout.of(cfg).warnings(self.hosts[: cfg.world]):  # a TP group across hosts: say so
             warnings.warn(w, stacklevel=2)
         from labkit.engines.train import (
             run_rank,  # imports torch: loaded at the first run, not with the Lab
         )
 
-        spec = RunSpec(parallel=cfg, model=model, optim=optim, steps=steps, seed=seed, return_params=return_params,
-                       audit=audit, comm_log=bool(_comm_log)).to_dict()   # plain data crosses to the engines
+        spec = RunSpec(
+            parallel=cfg,
+            model=model,
+            optim=optim,
+            steps=steps,
+            seed=seed,
+            return_params=return_params,
+            audit=audit,
+            comm_log=bool(_comm_log),
+        ).to_dict()  # plain data crosses to the engines
         t0 = time.perf_counter()
         self.last_config = cfg
         reports = self._execute(run_rank, (spec,), {}, timeout, progress if progress is not None else self.progress)
@@ -246,7 +278,7 @@ class Lab:
         self._runner.cancel()
         self.engines.close(wait=10.0)
 
-    def __enter__(self) -> "Lab":
+    def __enter__(self) -> Lab:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -4,16 +4,20 @@ ready for distributed code: rank, world_size, mesh, device, torch and dist.
 It only prepares the namespaces and registers the magics; the engines and their process groups
 are the Lab's (labkit/engine_set.py).
 """
+
 from __future__ import annotations
 
 from labkit.config import ConfigError, ParallelConfig
 from labkit.engines import runtime
-from labkit.engines.mesh import Mesh
 from labkit.plans.mesh import MeshLayout
 
 
 def _build_mesh(layout) -> None:
     """On every rank (through Lab.apply): create the layout's groups, cached for Mesh.build."""
+    from labkit.engines.mesh import (
+        Mesh,  # imports torch: it runs on the engines, never in the kernel
+    )
+
     Mesh.build(layout, runtime.current().rank)
 
 
@@ -37,16 +41,16 @@ def activate(lab, cfg: ParallelConfig | None = None, suffix: str = ""):
     if not isinstance(cfg, ParallelConfig) or cfg.world > lab.world:
         raise ConfigError([f"cfg={cfg!r} must be a ParallelConfig of at most {lab.world} ranks"])
     layout = MeshLayout.of(cfg)
-    lab.apply(_build_mesh, layout)                       # every rank creates the groups, in order
+    lab.apply(_build_mesh, layout)  # every rank creates the groups, in order
     engines = lab.engines
     with engines.lock:
         engines.push([{"rank": rank, "world_size": lab.world, "_lk_layout": layout} for rank in range(lab.world)])
         engines.execute(_PX_SETUP)
-        view = engines.view()             # its own view: blocking, as a cell expects
+        view = engines.view()  # its own view: blocking, as a cell expects
         view.block = True
-        view.activate(suffix)             # warns (and registers nothing) outside IPython
-        from IPython import get_ipython   # heavy; only activate needs it
+        view.activate(suffix)  # warns (and registers nothing) outside IPython
+        from IPython import get_ipython  # heavy; only activate needs it
 
-        if get_ipython() is not None:     # whole outputs after the cell, in rank order
+        if get_ipython() is not None:  # whole outputs after the cell, in rank order
             get_ipython().run_line_magic("pxconfig" + suffix, "--no-stream")
     return view

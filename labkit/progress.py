@@ -1,10 +1,10 @@
 """Per-step progress of a run as the notebook shows it: the ranks' records combined into one line."""
+
 from __future__ import annotations
 
 
 def print_progress(p: dict) -> None:
     print(f"step {p['step'] + 1}/{p['steps']}  loss {p['loss']:.4f}  ({p['seconds']:.2f} s)", flush=True)
-
 
 
 class StepProgress:
@@ -25,6 +25,11 @@ class StepProgress:
         got.append(rec)
         if len(got) == rec["ranks"]:
             del self.pending[rec["step"]]
-            self.show({"step": rec["step"], "steps": rec["steps"],
-                       "loss": sum(r["loss_share"] for r in got) / rec["shards"],
-                       "seconds": max(r["seconds"] for r in got)})
+            self.show(
+                {
+                    "step": rec["step"],
+                    "steps": rec["steps"],
+                    "loss": sum(r["loss_share"] for r in got) / rec["shards"],
+                    "seconds": max(r["seconds"] for r in got),
+                }
+            )

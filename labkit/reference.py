@@ -4,6 +4,7 @@ Every layout must reproduce its losses and final parameters (fp32 within 1e-5 re
 within 2e-2). It shares only the model, the data and the optimizer formula with the engines,
 never a strategy, so a bug in a strategy cannot hide in it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -23,9 +24,16 @@ class Reference:
     """Final parameters, full tensors, by name (fp32)."""
 
 
-def reference(model: ModelConfig | None = None, steps: int = 3, seed: int = 0, global_batch: int = 8,
-              precision: str = "fp32", optim: OptimConfig | None = None, shards: int = 1,
-              threads: int | None = None) -> Reference:
+def reference(
+    model: ModelConfig | None = None,
+    steps: int = 3,
+    seed: int = 0,
+    global_batch: int = 8,
+    precision: str = "fp32",
+    optim: OptimConfig | None = None,
+    shards: int = 1,
+    threads: int | None = None,
+) -> Reference:
     """Train `steps` steps of `model` on one process and return losses and final parameters.
 
     precision='bf16' computes forward and backward on a bf16 copy of the fp32 master weights
@@ -60,11 +68,11 @@ def reference(model: ModelConfig | None = None, steps: int = 3, seed: int = 0, g
 
     model = model or ModelConfig()
     optim = optim or OptimConfig()
-    torch.manual_seed(seed)   # nothing random is drawn from it; set for any future dropout
+    torch.manual_seed(seed)  # nothing random is drawn from it; set for any future dropout
     net = build_model(model, seed)
     names, params = zip(*net.named_parameters())
     opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
-    compute = compute_copy(net, precision)   # the module that runs forward/backward
+    compute = compute_copy(net, precision)  # the module that runs forward/backward
     losses, norms = [], []
     for step in range(steps):
         tokens, targets = data.global_batch(step, seed, global_batch, model.seq, model.vocab)

@@ -1,4 +1,5 @@
 """What a run measured: RunResult with one RankReport per rank (plain data, JSON round-trip)."""
+
 from __future__ import annotations
 
 import json
@@ -74,9 +75,15 @@ class RankReport:
 def _event(d: dict, t0: float, offset: float) -> Event:
     known = {f.name for f in fields(Event)}
     extra = {k: v for k, v in d.items() if k not in known}
-    return Event(kind=d["kind"], microbatch=d.get("microbatch"), chunk=d.get("chunk"),
-                 start=d["start"] + offset - t0, end=d["end"] + offset - t0, step=d.get("step", 0),
-                 extra=extra.get("extra", extra))
+    return Event(
+        kind=d["kind"],
+        microbatch=d.get("microbatch"),
+        chunk=d.get("chunk"),
+        start=d["start"] + offset - t0,
+        end=d["end"] + offset - t0,
+        step=d.get("step", 0),
+        extra=extra.get("extra", extra),
+    )
 
 
 def _comm(d: dict, t0: float, offset: float) -> CommEvent:
@@ -104,16 +111,26 @@ class RunResult:
 
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
-    def from_reports(cls, cfg, model, optim, steps, seed, reports: list[dict], wall: float) -> "RunResult":
+    def from_reports(cls, cfg, model, optim, steps, seed, reports: list[dict], wall: float) -> RunResult:
         active = [r for r in reports if not r.get("idle")]
         starts = [e["start"] + r["clock_offset"] for r in active for e in r["timeline"]]
         t0 = min(starts) if starts else 0.0
-        ranks = [RankReport(
-            rank=r["rank"], coords=r["coords"], host=r["host"], device=r["device"], memory=r["memory"],
-            comm=[_comm(e, t0, r["clock_offset"]) for e in r["comm"]],
-            timeline=[_event(e, t0, r["clock_offset"]) for e in r["timeline"]],
-            losses=r["losses"], grad_norms=r.get("grad_norms", []), step_times=r.get("step_times", []),
-            info=r.get("info", {})) for r in active]
+        ranks = [
+            RankReport(
+                rank=r["rank"],
+                coords=r["coords"],
+                host=r["host"],
+                device=r["device"],
+                memory=r["memory"],
+                comm=[_comm(e, t0, r["clock_offset"]) for e in r["comm"]],
+                timeline=[_event(e, t0, r["clock_offset"]) for e in r["timeline"]],
+                losses=r["losses"],
+                grad_norms=r.get("grad_norms", []),
+                step_times=r.get("step_times", []),
+                info=r.get("info", {}),
+            )
+            for r in active
+        ]
         shards = cfg.dp * cfg.ep * cfg.cp
         losses = [sum(rk.losses[s] for rk in ranks if rk.coords["tp"] == 0) / shards for s in range(steps)]
         params = None
@@ -132,8 +149,10 @@ class RunResult:
             for e in rk.comm:
                 if wanted is not None and e.step != wanted:
                     continue
-                row = acc.setdefault((rk.rank, e.dim, e.op), {"rank": rk.rank, "dim": e.dim, "op": e.op,
-                                                             "calls": 0, "payload_bytes": 0, "wire_bytes": 0.0})
+                row = acc.setdefault(
+                    (rk.rank, e.dim, e.op),
+                    {"rank": rk.rank, "dim": e.dim, "op": e.op, "calls": 0, "payload_bytes": 0, "wire_bytes": 0.0},
+                )
                 row["calls"] += 1
                 row["payload_bytes"] += e.payload_bytes
                 row["wire_bytes"] += e.wire_bytes
@@ -149,8 +168,7 @@ class RunResult:
         replicas run their pipelines independently until the gradient reduction; time in
         send/recv counts as idle, as in the formula (which assumes free communication)."""
         wanted = step % self.steps
-        spans = {rk.rank: [e for e in rk.timeline if e.kind in COMPUTE_KINDS and e.step == wanted]
-                 for rk in self.ranks}
+        spans = {rk.rank: [e for e in rk.timeline if e.kind in COMPUTE_KINDS and e.step == wanted] for rk in self.ranks}
         per = {r: 0.0 for r in spans}
         if self.config.pp > 1:
             pipelines: dict[tuple, list[int]] = defaultdict(list)
@@ -171,16 +189,24 @@ class RunResult:
 
     # -- persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict:
-        d = {"config": self.config.to_dict(), "model": self.model.to_dict(), "optim": self.optim.to_dict(),
-             "steps": self.steps, "seed": self.seed, "losses": self.losses,
-             "wall_seconds": self.wall_seconds, "ranks": [asdict(r) for r in self.ranks]}
+        d = {
+            "config": self.config.to_dict(),
+            "model": self.model.to_dict(),
+            "optim": self.optim.to_dict(),
+            "steps": self.steps,
+            "seed": self.seed,
+            "losses": self.losses,
+            "wall_seconds": self.wall_seconds,
+            "ranks": [asdict(r) for r in self.ranks],
+        }
         if self.params is not None:
-            d["params"] = {k: {"shape": list(v.shape), "values": v.reshape(-1).tolist()}
-                           for k, v in self.params.items()}
+            d["params"] = {
+                k: {"shape": list(v.shape), "values": v.reshape(-1).tolist()} for k, v in self.params.items()
+            }
         return d
 
     @classmethod
-    def from_dict(cls, d: dict) -> "RunResult":
+    def from_dict(cls, d: dict) -> RunResult:
         ranks = []
         for r in d["ranks"]:
             r = dict(r)
@@ -189,18 +215,25 @@ class RunResult:
             ranks.append(RankReport(**r))
         params = None
         if d.get("params"):
-            params = {k: np.asarray(v["values"], dtype=np.float32).reshape(v["shape"])
-                      for k, v in d["params"].items()}
-        return cls(ParallelConfig.from_dict(d["config"]), ModelConfig.from_dict(d["model"]), d["steps"],
-                   d["seed"], d["losses"], ranks, OptimConfig.from_dict(d["optim"]),
-                   d.get("wall_seconds", 0.0), params)
+            params = {k: np.asarray(v["values"], dtype=np.float32).reshape(v["shape"]) for k, v in d["params"].items()}
+        return cls(
+            ParallelConfig.from_dict(d["config"]),
+            ModelConfig.from_dict(d["model"]),
+            d["steps"],
+            d["seed"],
+            d["losses"],
+            ranks,
+            OptimConfig.from_dict(d["optim"]),
+            d.get("wall_seconds", 0.0),
+            params,
+        )
 
     def save(self, path) -> None:
         with open(path, "w") as f:
             json.dump(self.to_dict(), f)
 
     @classmethod
-    def load(cls, path) -> "RunResult":
+    def load(cls, path) -> RunResult:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
@@ -210,21 +243,44 @@ class RunResult:
         events = []
         for rk in self.ranks:
             pid = rk.rank
-            events.append({"ph": "M", "pid": pid, "name": "process_name",
-                           "args": {"name": f"rank {rk.rank} {rk.coords}"}})
+            events.append(
+                {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {rk.rank} {rk.coords}"}}
+            )
             events.append({"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}})
             events.append({"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "comm"}})
             for e in rk.timeline:
                 label = e.kind if e.microbatch is None else f"{e.kind}{e.microbatch}"
-                events.append({"ph": "X", "pid": pid, "tid": 0, "name": label, "ts": e.start * 1e6,
-                               "dur": (e.end - e.start) * 1e6,
-                               "args": {"microbatch": e.microbatch, "chunk": e.chunk, "step": e.step}})
+                events.append(
+                    {
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": 0,
+                        "name": label,
+                        "ts": e.start * 1e6,
+                        "dur": (e.end - e.start) * 1e6,
+                        "args": {"microbatch": e.microbatch, "chunk": e.chunk, "step": e.step},
+                    }
+                )
             for c in rk.comm:
                 end = c.end if c.end is not None else c.start
-                events.append({"ph": "X", "pid": pid, "tid": 1, "name": f"{c.op}[{c.dim}]", "ts": c.start * 1e6,
-                               "dur": (end - c.start) * 1e6,
-                               "args": {"group": c.group, "numel": c.numel, "dtype": c.dtype,
-                                        "wire_bytes": c.wire_bytes, "phase": c.phase, "seq": c.seq}})
+                events.append(
+                    {
+                        "ph": "X",
+                        "pid": pid,
+                        "tid": 1,
+                        "name": f"{c.op}[{c.dim}]",
+                        "ts": c.start * 1e6,
+                        "dur": (end - c.start) * 1e6,
+                        "args": {
+                            "group": c.group,
+                            "numel": c.numel,
+                            "dtype": c.dtype,
+                            "wire_bytes": c.wire_bytes,
+                            "phase": c.phase,
+                            "seq": c.seq,
+                        },
+                    }
+                )
         return {"traceEvents": events, "displayTimeUnit": "ms"}
 
     def save_trace(self, path) -> None:
@@ -238,7 +294,7 @@ def assemble(pieces: list[dict]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     for pc in pieces:
         full = out.setdefault(pc["name"], np.full(pc["shape"], np.nan, dtype=np.float32))
-        if pc["flat"] is not None and pc["box"] is not None:   # a flat range of a sliced tensor (ZeRO x TP)
+        if pc["flat"] is not None and pc["box"] is not None:  # a flat range of a sliced tensor (ZeRO x TP)
             box = tuple(slice(a, b) for a, b in pc["box"])
             local = full[box].copy()
             a, b = pc["flat"]

@@ -7,6 +7,7 @@ tests/test_notebooks.py checks that every committed notebook is stripped. Plain 
 needed; written the way nbformat writes (indent 1, a final newline), so a stripped notebook that
 Jupyter saves again shows no spurious diff.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,7 +31,7 @@ def strip(nb: dict) -> bool:
             if k in meta:
                 del meta[k]
                 changed = True
-    if "widgets" in nb.get("metadata", {}):   # saved widget state: outputs by another name
+    if "widgets" in nb.get("metadata", {}):  # saved widget state: outputs by another name
         del nb["metadata"]["widgets"]
         changed = True
     return changed

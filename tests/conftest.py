@@ -3,6 +3,7 @@
 Starting engines costs ~15 s on two cores, so every cluster test shares this one; tests use
 tiny models so that the suite stays well inside CI's budget.
 """
+
 from __future__ import annotations
 
 import pytest

@@ -1,6 +1,7 @@
 """benchmarks/run.py's pieces on the session cluster: interleaving, medians, the table and the
 RESULTS.md block. Structure only (rows present, ratios finite and positive): timings on a
 shared CI machine are not asserted; benchmarks/RESULTS.md holds the measured figures."""
+
 from __future__ import annotations
 
 import math
@@ -18,6 +19,7 @@ BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run():
     sys.path.insert(0, BENCH)
     import run as module
+
     yield module
     sys.path.remove(BENCH)
 
@@ -33,22 +35,31 @@ def test_every_pair_runs_and_gives_a_finite_positive_ratio(run, lab, tiny, monke
     monkeypatch.setattr(run, "PAIRS", {"DDP": run.PAIRS["DDP"], "TP / DTensor TP": (P(tp=2), P(tp=2, impl="torch"))})
     monkeypatch.setattr(run, "COMM_LOG", {"collective log, DDP": P(dp=4)})
     rows = run.ratio_rows(lab, tiny, repeats=1, steps=2)
-    assert [r.name for r in rows] == ["DDP: ours / PyTorch", "TP / DTensor TP: ours / PyTorch",
-                                      "collective log, DDP: with / without"]
+    assert [r.name for r in rows] == [
+        "DDP: ours / PyTorch",
+        "TP / DTensor TP: ours / PyTorch",
+        "collective log, DDP: with / without",
+    ]
     for r in rows:
         assert math.isfinite(r.ratio) and r.ratio > 0 and r.samples == 1
         assert r.met() in ("yes", "NO")
 
 
 def test_the_table_and_results_block(run, tmp_path):
-    rows = [run.Row("cluster start", 15000.0, samples=1), run.Row("DDP: ours / PyTorch", 50.0, 60.0, target="<= 1.10"),
-            run.Row("warm", 15000.0, 300.0, target=">= 10"), run.Row("dash", 1200.0, target="<= 1000 ms")]
+    rows = [
+        run.Row("cluster start", 15000.0, samples=1),
+        run.Row("DDP: ours / PyTorch", 50.0, 60.0, target="<= 1.10"),
+        run.Row("warm", 15000.0, 300.0, target=">= 10"),
+        run.Row("dash", 1200.0, target="<= 1000 ms"),
+    ]
     assert [r.met() for r in rows] == ["", "yes", "yes", "NO"]
     table = run.fmt_table(rows)
     assert table.count("\n") == len(rows) + 1 and "| DDP: ours / PyTorch | 50.0 ms | 60.0 ms | 0.83 |" in table
     info = {**run.machine(), "load_after": (0.0, 0.0, 0.0), "seconds": 1.0, "repeats": 1, "steps": 2}
     out = tmp_path / "RESULTS.md"
-    out.write_text("# Results\n\nprose before\n\n<!-- run.py table begin -->\nold\n<!-- run.py table end -->\n\nprose after\n")
+    out.write_text(
+        "# Results\n\nprose before\n\n<!-- run.py table begin -->\nold\n<!-- run.py table end -->\n\nprose after\n"
+    )
     run.write_results(str(out), rows, info)
     text = out.read_text()
     assert "prose before" in text and "prose after" in text and "\nold\n" not in text and table in text

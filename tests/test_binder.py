@@ -4,6 +4,7 @@ repo2docker installs binder/requirements.txt, then runs binder/postBuild (`pip i
 Every runtime dependency must be in the requirements with the same specifier, torch pinned to a
 CPU build that pyproject's range accepts, and postBuild must install the project itself.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,7 +16,7 @@ from packaging.utils import canonicalize_name
 
 try:
     import tomllib
-except ImportError:                      # Python 3.10
+except ImportError:  # Python 3.10
     tomllib = pytest.importorskip("tomli")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,8 +55,10 @@ def test_torch_is_a_cpu_build_that_pyproject_accepts():
     reqs, options = binder_reqs()
     pins = [s for s in reqs["torch"].specifier if s.operator == "=="]
     assert len(pins) == 1, f"pin torch to one version in binder: {reqs['torch']}"
-    assert pyproject_deps()["torch"].specifier.contains(pins[0].version), (pins[0].version,
-                                                                            str(pyproject_deps()["torch"].specifier))
+    assert pyproject_deps()["torch"].specifier.contains(pins[0].version), (
+        pins[0].version,
+        str(pyproject_deps()["torch"].specifier),
+    )
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in options
 
 

@@ -3,10 +3,11 @@ driven by Playwright, notebooks/00_tour.ipynb executed in the page as a new user
 (all cells but its teardown, so the cluster stays up for the slider).
 
 Checks that the plotly figures render (.js-plotly-plot), that the tour's layout change (dp2 x tp2)
-ran, that moving the dp slider with the keyboard re-runs the layout and redraws the timeline, and keeps a screenshot under
-artifacts/browser/ (git-ignored; its path is printed). Playwright's own browser download is
+ran, that moving the dp slider with the keyboard re-runs the layout and redraws the timeline, and
+keeps a screenshot under artifacts/browser/ (git-ignored; its path is printed). Playwright's own browser download is
 not available here, so chromium comes from apt (`apt-get install chromium`), as in .ci/run.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,10 +30,15 @@ NOTEBOOK = ROOT / "notebooks" / "00_tour.ipynb"
 TEARDOWN = "teardown"
 """Tag of the cells that close the Lab; the test leaves them out and closes it itself."""
 ARTIFACTS = ROOT / "artifacts" / "browser"
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run"]   # ARCHITECTURE.md
-SLOW = 240   # seconds for the notebook's cluster to start and run under a loaded CI machine
-
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]  # ARCHITECTURE.md
+SLOW = 240  # seconds for the notebook's cluster to start and run under a loaded CI machine
 
 
 def chromium_path() -> str | None:
@@ -49,9 +55,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-pytestmark = [pytest.mark.browser,
-              pytest.mark.skipif(chromium_path() is None, reason="no chromium on PATH: apt-get install -y "
-                                 "chromium (Playwright's own browser download is not used)")]
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        chromium_path() is None,
+        reason="no chromium on PATH: apt-get install -y chromium (Playwright's own browser download is not used)",
+    ),
+]
 playwright = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install playwright)")
 
 
@@ -66,26 +76,58 @@ def jupyter(tmp_path):
     data = tmp_path / "data"
     spec = data / "kernels" / "python3"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "Python 3 (labkit test)", "language": "python"}))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "Python 3 (labkit test)",
+                "language": "python",
+            }
+        )
+    )
     labconfig = tmp_path / "config" / "labconfig"
     labconfig.mkdir(parents=True)
-    (labconfig / "page_config.json").write_text(json.dumps(   # no "get notified about news?" toast
-        {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
+    (labconfig / "page_config.json").write_text(
+        json.dumps(  # no "get notified about news?" toast
+            {"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}
+        )
+    )
     scripts = os.pathsep.join(dict.fromkeys([sysconfig.get_path("scripts"), os.path.join(sys.base_prefix, "bin")]))
-    env = dict(os.environ, PATH=scripts + os.pathsep + os.environ.get("PATH", ""),   # where jupyter-lab lives
-               JUPYTER_PATH=str(data), JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"), IPYTHONDIR=str(tmp_path / "ipython"))
+    env = dict(
+        os.environ,
+        PATH=scripts + os.pathsep + os.environ.get("PATH", ""),  # where jupyter-lab lives
+        JUPYTER_PATH=str(data),
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        IPYTHONDIR=str(tmp_path / "ipython"),
+    )
     port, token = free_port(), secrets.token_hex(16)
     log = open(tmp_path / "jupyter.log", "w")
     server = subprocess.Popen(
-        [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root", "--ServerApp.ip=127.0.0.1",
-         f"--ServerApp.port={port}", f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
-         "--LabApp.expose_app_in_browser=True", "--LabApp.news_url=None",
-         "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
-         f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}", f"--LabApp.user_settings_dir={tmp_path / 'settings'}"],
-        cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        [
+            sys.executable,
+            "-m",
+            "jupyter",
+            "lab",
+            "--no-browser",
+            "--allow-root",
+            "--ServerApp.ip=127.0.0.1",
+            f"--ServerApp.port={port}",
+            f"--IdentityProvider.token={token}",
+            f"--ServerApp.root_dir={root}",
+            "--LabApp.expose_app_in_browser=True",
+            "--LabApp.news_url=None",
+            "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+            "--LabApp.extension_manager=readonly",
+            f"--LabApp.workspaces_dir={tmp_path / 'workspaces'}",
+            f"--LabApp.user_settings_dir={tmp_path / 'settings'}",
+        ],
+        cwd=root,
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120
@@ -95,12 +137,13 @@ def jupyter(tmp_path):
                 break
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError("jupyter lab did not start:\n" + (tmp_path / "jupyter.log").read_text())
+                    log = (tmp_path / "jupyter.log").read_text()
+                    raise RuntimeError("jupyter lab did not start:\n" + log) from None
                 time.sleep(0.5)
         yield base, token
     finally:
         if server.poll() is None:
-            os.killpg(server.pid, signal.SIGTERM)   # the server, and any kernel it still has
+            os.killpg(server.pid, signal.SIGTERM)  # the server, and any kernel it still has
             try:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
@@ -128,12 +171,14 @@ def until(page, js: str, what: str, seconds: float, arg=None) -> None:
     and a screenshot."""
     try:
         page.wait_for_function(js, arg=arg, timeout=seconds * 1000)
-    except Exception as e:   # playwright's TimeoutError
+    except Exception as e:  # playwright's TimeoutError
         shot = ARTIFACTS / "failure.png"
         page.screenshot(path=str(shot), full_page=True)
-        raise AssertionError(f"{what}: not within {seconds} s ({type(e).__name__}); status "
-                             f"{page.evaluate(STATUS)!r}, figures {page.evaluate(DRAWN)}; see {shot}; console: "
-                             f"{CONSOLE[-12:]}") from None
+        raise AssertionError(
+            f"{what}: not within {seconds} s ({type(e).__name__}); status "
+            f"{page.evaluate(STATUS)!r}, figures {page.evaluate(DRAWN)}; see {shot}; console: "
+            f"{CONSOLE[-12:]}"
+        ) from None
 
 
 def test_dashboard_renders_and_redraws_in_chromium(jupyter):
@@ -145,22 +190,38 @@ def test_dashboard_renders_and_redraws_in_chromium(jupyter):
         browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1500, "height": 2200})
-            page.on("console", lambda m: CONSOLE.append(f"{m.type}: {m.text}"[:400]) if m.type in ("error", "warning") else None)
+            page.on(
+                "console",
+                lambda m: CONSOLE.append(f"{m.type}: {m.text}"[:400]) if m.type in ("error", "warning") else None,
+            )
             page.on("pageerror", lambda e: CONSOLE.append(f"pageerror: {e}"[:400]))
             page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}")
-            page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
-                                   "&& window.jupyterapp.shell.currentWidget.sessionContext", timeout=SLOW * 1000)
-            page.evaluate("async () => { const w = window.jupyterapp.shell.currentWidget;"
-                          " await w.context.ready; await w.sessionContext.ready; }")
+            page.wait_for_function(
+                "() => window.jupyterapp && window.jupyterapp.shell.currentWidget "
+                "&& window.jupyterapp.shell.currentWidget.sessionContext",
+                timeout=SLOW * 1000,
+            )
+            page.evaluate(
+                "async () => { const w = window.jupyterapp.shell.currentWidget;"
+                " await w.context.ready; await w.sessionContext.ready; }"
+            )
             page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
 
             # the six figures render, and the first run finishes
             until(page, "() => document.querySelectorAll('.js-plotly-plot').length >= 6", "six plotly figures", SLOW)
-            until(page, f"() => ({STATUS})().startsWith('dp2 x tp2') && ({STATUS})().includes('done')",
-                  "the tour's runs (dp4, then dp2 x tp2)", SLOW)
+            until(
+                page,
+                f"() => ({STATUS})().startsWith('dp2 x tp2') && ({STATUS})().includes('done')",
+                "the tour's runs (dp4, then dp2 x tp2)",
+                SLOW,
+            )
             # every figure drawn with its title and data (not a blank plot)
-            until(page, f"() => ({DRAWN})().filter(t => !t.startsWith(' ') && !t.endsWith('[0]')).length >= 6",
-                  "every figure drawn with data", 60)
+            until(
+                page,
+                f"() => ({DRAWN})().filter(t => !t.startsWith(' ') && !t.endsWith('[0]')).length >= 6",
+                "every figure drawn with data",
+                60,
+            )
             drawn = page.evaluate(DRAWN)
             for title in ("Memory per rank", "Communication per rank", "Traffic", "Timeline", "Mesh", "Loss"):
                 assert any(t.startswith(title) for t in drawn), (title, drawn)
@@ -175,21 +236,27 @@ def test_dashboard_renders_and_redraws_in_chromium(jupyter):
             handle = page.locator(".labkit-dp .noUi-handle")
             handle.focus()
             page.keyboard.press("ArrowLeft")
-            until(page, f"() => ({STATUS})().startsWith('tp2') && ({STATUS})().includes('done')",
-                  "the run after the slider moved", SLOW)
+            until(
+                page,
+                f"() => ({STATUS})().startsWith('tp2') && ({STATUS})().includes('done')",
+                "the run after the slider moved",
+                SLOW,
+            )
             until(page, f"(old) => ({TIMELINE})() !== old", "the timeline redrawn", 60, arg=raw)
             after = json.loads(page.evaluate(TIMELINE))
             assert after != before
             rows = {y for _, ys, _ in after["data"] for y in ys}
-            assert rows and not any(y.startswith(("rank 2", "rank 3")) for y in rows)   # two ranks left
+            assert rows and not any(y.startswith(("rank 2", "rank 3")) for y in rows)  # two ranks left
             assert page.locator(".js-plotly-plot").count() >= 6
 
             page.screenshot(path=str(shots[1]), full_page=True)
             print("\nscreenshots: " + ", ".join(map(str, shots)))
 
             # tear the notebook's cluster down from its own kernel before the server goes
-            page.evaluate("async () => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
-                          " await k.requestExecute({code: 'dash.close(); lab.close()'}).done; }")
+            page.evaluate(
+                "async () => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
+                " await k.requestExecute({code: 'dash.close(); lab.close()'}).done; }"
+            )
             page.evaluate("async () => { await window.jupyterapp.shell.currentWidget.sessionContext.shutdown(); }")
         finally:
             browser.close()

@@ -1,4 +1,5 @@
 """The command line: the default demo writes a report with every figure; estimate prints a table."""
+
 from __future__ import annotations
 
 import re
@@ -21,8 +22,12 @@ def test_estimate_refuses_a_bad_layout(capsys):
 
 def test_default_run_writes_a_report(tmp_path):
     report = tmp_path / "report.html"
-    out = subprocess.run([sys.executable, "-m", "labkit.cli", "run", "--report", str(report)],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.cli", "run", "--report", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "step 3/3" in out.stdout
     html = report.read_text()
@@ -32,11 +37,29 @@ def test_default_run_writes_a_report(tmp_path):
 
 
 def test_estimate_of_a_preset_says_what_dominates(capsys):
-    from labkit.theory.presets import LLAMA_70B
     from labkit.theory import num_params
+    from labkit.theory.presets import LLAMA_70B
 
-    assert main(["estimate", "--model", "llama-70b", "--dp", "32", "--tp", "8", "--pp", "4",
-                 "--microbatches", "16", "--global-batch", "512"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--model",
+                "llama-70b",
+                "--dp",
+                "32",
+                "--tp",
+                "8",
+                "--pp",
+                "4",
+                "--microbatches",
+                "16",
+                "--global-batch",
+                "512",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert f"Ψ = {num_params(LLAMA_70B):,} parameters; 1,024 ranks" in out
     assert "tp all_reduce" in out and "dominated by" in out

@@ -21,15 +21,15 @@ ZeRO, its other data shards run as microbatches — pipeline, ZeRO-1 and data pa
 top must not change a bit of it (bitwise equal here) — and that oracle's losses against the
 one-process reference.
 """
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
+from theory_match import compare, format_table, reference_gap, same_arithmetic
 
 from labkit import ParallelConfig, reference
 from labkit.checks import FP32_RTOL, assert_matches, loss_errors, param_errors, reference_shards, rtol_for
-
-from conftest import TINY
-from theory_match import compare, format_table, reference_gap, same_arithmetic
 
 M4 = TINY.replace(layers=4)
 MOE = TINY.replace(experts=4, top_k=2)
@@ -41,8 +41,10 @@ MATRIX = {
     "dp2-tp2-pp2-m4": (ParallelConfig(dp=2, tp=2, pp=2, microbatches=4), M4),
     "tp2sp-cp2-pp2": (ParallelConfig(tp=2, cp=2, pp=2, microbatches=2, sequence_parallel=True), M4),
     "dp2-ep2-tp2-moe": (ParallelConfig(dp=2, ep=2, tp=2), MOE),
-    "dp2-tp2-pp2-zero1-bf16": (ParallelConfig(dp=2, tp=2, pp=2, microbatches=2, sharding="zero1",
-                                              precision="bf16"), M4),
+    "dp2-tp2-pp2-zero1-bf16": (
+        ParallelConfig(dp=2, tp=2, pp=2, microbatches=2, sharding="zero1", precision="bf16"),
+        M4,
+    ),
     "fsdp4-tp2": (ParallelConfig(dp=4, tp=2, sharding="fsdp"), TINY),
     "fsdp4-tp2-torch": (ParallelConfig(dp=4, tp=2, sharding="fsdp", impl="torch"), TINY),
 }
@@ -73,8 +75,15 @@ def oracle8(lab8):
     def get(cfg, model):
         key = (model, cfg.precision, reference_shards(cfg), cfg.global_batch)
         if key not in cache:
-            cache[key] = reference(model, steps=3, seed=SEEDS[model], global_batch=cfg.global_batch,
-                                   precision=cfg.precision, shards=reference_shards(cfg), threads=threads)
+            cache[key] = reference(
+                model,
+                steps=3,
+                seed=SEEDS[model],
+                global_batch=cfg.global_batch,
+                precision=cfg.precision,
+                shards=reference_shards(cfg),
+                threads=threads,
+            )
         return cache[key]
 
     return get
@@ -89,11 +98,11 @@ def test_layout_trains_like_one_process_and_as_predicted(lab8, oracle8, name):
         assert max(loss_errors(res.losses, ref.losses)) < rtol_for(cfg.precision)
         alone = lab8.run(same_arithmetic(cfg), model=model, steps=3, seed=SEEDS[model], return_params=True)
         assert max(loss_errors(alone.losses, ref.losses)) < rtol_for(cfg.precision)
-        assert max(param_errors(res.params, alone.params).values()) < FP32_RTOL   # the same bf16 arithmetic
+        assert max(param_errors(res.params, alone.params).values()) < FP32_RTOL  # the same bf16 arithmetic
         ref.grad_norms = alone.ranks[0].grad_norms
     else:
         assert_matches(res, ref)
-    for rk in res.ranks:   # the global norm, each parameter once across tp / pp / ep / dp shards
+    for rk in res.ranks:  # the global norm, each parameter once across tp / pp / ep / dp shards
         assert rk.grad_norms == pytest.approx(ref.grad_norms, rel=rtol_for(cfg.precision))
     table = compare(res, cfg, model, world=8)
     print("\n" + format_table(name, res, ref.losses, table))

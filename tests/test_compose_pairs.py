@@ -2,28 +2,30 @@
 each layout trains like one process, with the global gradient norm counted once, and matches the
 theory (tests/theory_match.py); then the pieces that make composition work, without a cluster.
 """
+
 from __future__ import annotations
 
 from math import prod
 
 import pytest
+from conftest import TINY
+from theory_match import compare, same_arithmetic
 
 from labkit import ConfigError, ParallelConfig, reference, validate
 from labkit.checks import FP32_RTOL, assert_matches, loss_errors, param_errors, reference_shards, rtol_for
 from labkit.plans.mesh import MeshLayout
 
-from conftest import TINY
-from theory_match import compare, same_arithmetic
-
 M4 = TINY.replace(layers=4)
 MOE = TINY.replace(experts=4, top_k=2)
-SEEDS = {TINY: 0, M4: 11, MOE: 0}   # well conditioned (test_compose.py, theory_match.reference_gap)
+SEEDS = {TINY: 0, M4: 11, MOE: 0}  # well conditioned (test_compose.py, theory_match.reference_gap)
 P = ParallelConfig
 
 PAIRS = {
     "tp2sp-pp2": (P(tp=2, pp=2, microbatches=2, sequence_parallel=True), M4),
-    "tp2-pp2-interleaved-ac": (P(tp=2, pp=2, virtual_stages=2, schedule="interleaved", microbatches=4,
-                                 checkpoint_activations=True), M4),
+    "tp2-pp2-interleaved-ac": (
+        P(tp=2, pp=2, virtual_stages=2, schedule="interleaved", microbatches=4, checkpoint_activations=True),
+        M4,
+    ),
     "tp2sp-cp2": (P(tp=2, cp=2, sequence_parallel=True), TINY),
     "tp2sp-cp2-ac": (P(tp=2, cp=2, sequence_parallel=True, checkpoint_activations=True), TINY),
     "cp2-pp2": (P(cp=2, pp=2, microbatches=2), M4),
@@ -34,7 +36,7 @@ PAIRS = {
     "tp2sp-dp2-moe": (P(tp=2, dp=2, sequence_parallel=True), MOE),
     "dp2-moe-ac": (P(dp=2, checkpoint_activations=True), MOE),
     "dp2-pp2-bf16": (P(dp=2, pp=2, microbatches=2, precision="bf16"), M4),
-    "dp2-m2-bf16": (P(dp=2, microbatches=2, precision="bf16"), TINY),   # accumulated in fp32 (was 9.7e-2 off)
+    "dp2-m2-bf16": (P(dp=2, microbatches=2, precision="bf16"), TINY),  # accumulated in fp32 (was 9.7e-2 off)
     "zero1-dp2-pp2-bf16": (P(dp=2, pp=2, microbatches=2, sharding="zero1", precision="bf16"), M4),
     "zero1-tp2-pp2": (P(tp=2, pp=2, microbatches=2, sharding="zero1"), M4),
     "zero1-cp2-pp2-bf16": (P(cp=2, pp=2, microbatches=2, sharding="zero1", precision="bf16"), M4),
@@ -60,8 +62,15 @@ def oracle(lab):
     def get(cfg, model):
         key = (model, cfg.precision, reference_shards(cfg))
         if key not in cache:
-            cache[key] = reference(model, steps=3, seed=SEEDS[model], global_batch=cfg.global_batch,
-                                   precision=cfg.precision, shards=reference_shards(cfg), threads=threads)
+            cache[key] = reference(
+                model,
+                steps=3,
+                seed=SEEDS[model],
+                global_batch=cfg.global_batch,
+                precision=cfg.precision,
+                shards=reference_shards(cfg),
+                threads=threads,
+            )
         return cache[key]
 
     return get
@@ -86,14 +95,14 @@ def test_pair_trains_like_one_process_and_as_predicted(lab, run, oracle, name):
     cfg, model = PAIRS[name]
     res = run(name)
     ref = oracle(cfg, model)
-    if cfg.precision == "bf16" and cfg.tp * cfg.cp * cfg.ep > 1:   # bit for bit: test_compose.py says why
+    if cfg.precision == "bf16" and cfg.tp * cfg.cp * cfg.ep > 1:  # bit for bit: test_compose.py says why
         assert max(loss_errors(res.losses, ref.losses)) < rtol_for(cfg.precision)
         alone = lab.run(same_arithmetic(cfg), model=model, steps=3, seed=SEEDS[model], return_params=True)
         assert max(param_errors(res.params, alone.params).values()) < FP32_RTOL
         ref.grad_norms = alone.ranks[0].grad_norms
     else:
         assert_matches(res, ref)
-    for rk in res.ranks:   # each parameter counted once: replicas over tp (MoE too), ep, sharded slices
+    for rk in res.ranks:  # each parameter counted once: replicas over tp (MoE too), ep, sharded slices
         assert rk.grad_norms == pytest.approx(ref.grad_norms, rel=rtol_for(cfg.precision))
     compare(res, cfg, model, world=4)
 
@@ -109,10 +118,8 @@ def test_gradients_are_reduced_over_their_groups(run):
     sp = {n for n, _ in param_shapes(model) if ".ln" in n or "norm" in n or "pos" in n}
     experts = {n for n, _ in param_shapes(model) if n.endswith(("w1", "w2"))}
     halved = ("wq.weight", "wk.weight", "wv.weight", "wo.weight", "tok.weight", "proj.weight")
-    numel = {n: (s[0] * s[1] // cfg.tp if n.endswith(halved) else prod(s))
-             for n, s in param_shapes(model)}
-    want = {"ep": 4 * sum(k for n, k in numel.items() if n not in sp | experts),
-            "tp-ep": 4 * sum(numel[n] for n in sp)}
+    numel = {n: (s[0] * s[1] // cfg.tp if n.endswith(halved) else prod(s)) for n, s in param_shapes(model)}
+    want = {"ep": 4 * sum(k for n, k in numel.items() if n not in sp | experts), "tp-ep": 4 * sum(numel[n] for n in sp)}
     for rk in res.ranks:
         got = {}
         for c in rk.comm:
@@ -138,9 +145,10 @@ def test_tp_group_across_hosts_warns(lab):
         with pytest.warns(UserWarning, match="tensor parallelism talks after every layer"):
             lab.run(P(tp=2, dp=2, order="dp-tp-cp-ep-pp"), model=TINY, steps=1)
         import warnings
+
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            lab.run(P(tp=2, dp=2), model=TINY, steps=1)        # tp innermost: each group on one host
+            lab.run(P(tp=2, dp=2), model=TINY, steps=1)  # tp innermost: each group on one host
     finally:
         lab.hosts = real
 
@@ -152,29 +160,39 @@ def test_axes_report_groups_and_hosts():
     axes = {a["dim"]: a for a in lay.axes(hosts)}
     assert [a["dim"] for a in lay.axes()] == ["dp", "tp", "cp", "ep", "pp"]
     assert axes["tp"]["groups"] == lay.groups("tp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
-    assert axes["tp"]["spans_hosts"] == [] and axes["tp"]["warning"] is None     # within a host: fine
+    assert axes["tp"]["spans_hosts"] == [] and axes["tp"]["warning"] is None  # within a host: fine
     assert axes["pp"]["spans_hosts"] == lay.groups("pp") and axes["pp"]["warning"] is None
-    wide = MeshLayout.from_sizes("dp-pp-tp-cp-ep", tp=2, dp=2, pp=2)           # tp outermost: 0 with 4
+    wide = MeshLayout.from_sizes("dp-pp-tp-cp-ep", tp=2, dp=2, pp=2)  # tp outermost: 0 with 4
     warnings = wide.warnings(hosts)
     assert len(warnings) == 1 and "tp=2" in warnings[0] and "[0, 4]" in warnings[0] and "intra-node" in warnings[0]
-    assert MeshLayout.from_sizes(tp=2).axes()[0]["spans_hosts"] == []           # no hosts: nothing spans
+    assert MeshLayout.from_sizes(tp=2).axes()[0]["spans_hosts"] == []  # no hosts: nothing spans
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(sharding="zero2", pp=2, dp=2, microbatches=2), "DeepSpeed"),
-    (dict(sharding="zero3", pp=2, dp=2, microbatches=2), "DeepSpeed"),
-    (dict(sharding="fsdp", pp=2, dp=2, microbatches=2), "DeepSpeed"),
-    (dict(tp=2, dp=2, impl="torch"), "FSDP2"),
-    (dict(tp=2, pp=2, microbatches=2, impl="torch"), "not built yet"),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(sharding="zero2", pp=2, dp=2, microbatches=2), "DeepSpeed"),
+        (dict(sharding="zero3", pp=2, dp=2, microbatches=2), "DeepSpeed"),
+        (dict(sharding="fsdp", pp=2, dp=2, microbatches=2), "DeepSpeed"),
+        (dict(tp=2, dp=2, impl="torch"), "FSDP2"),
+        (dict(tp=2, pp=2, microbatches=2, impl="torch"), "not built yet"),
+    ],
+)
 def test_refused_combinations_say_why(kw, words):
     with pytest.raises(ConfigError, match=words):
         validate(P(**kw), M4, 4)
 
 
-@pytest.mark.parametrize("kw", [dict(tp=2, pp=2, sharding="zero1", microbatches=2), dict(tp=2, dp=2, sharding="fsdp"),
-                                dict(tp=2, dp=2, sharding="fsdp", impl="torch"), dict(ep=2, dp=2, sharding="zero3"),
-                                dict(tp=2, ep=2, cp=2, pp=2, microbatches=2, sequence_parallel=True)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(tp=2, pp=2, sharding="zero1", microbatches=2),
+        dict(tp=2, dp=2, sharding="fsdp"),
+        dict(tp=2, dp=2, sharding="fsdp", impl="torch"),
+        dict(ep=2, dp=2, sharding="zero3"),
+        dict(tp=2, ep=2, cp=2, pp=2, microbatches=2, sequence_parallel=True),
+    ],
+)
 def test_compositions_are_accepted(kw):
     validate(P(**kw), MOE.replace(layers=4) if kw.get("ep") else M4, 16)
 
@@ -190,7 +208,7 @@ def test_buffers_are_sharded_over_their_reduce_groups():
     for p in plans:
         kinds = {n.split(".")[-1] for n in p.names}
         if p.dims == ("dp", "cp"):
-            assert kinds <= {"w1", "w2"}                                  # experts
+            assert kinds <= {"w1", "w2"}  # experts
         elif "tp" in p.dims:
             assert kinds <= {"weight", "bias"} and all(".ln" in n or "norm" in n or "pos" in n for n in p.names)
 

@@ -1,15 +1,17 @@
 """Config validation: every ConfigError path, with the numbers and a fix in its message."""
+
 from __future__ import annotations
 
 import pytest
 
 from labkit import ConfigError, ModelConfig, OptimConfig, ParallelConfig, validate
-from labkit.config import problems
+from labkit.validation import problems
 
 M = ModelConfig()
 
 
-def only(cfg=ParallelConfig(), model=M, engines=8):
+def only(cfg=None, model=M, engines=8):
+    cfg = ParallelConfig() if cfg is None else cfg
     found = problems(cfg, model, engines)
     assert len(found) == 1, found
     return found[0]
@@ -22,20 +24,31 @@ def test_default_is_valid():
 
 
 def test_unbuilt_strategies_are_refused_with_a_way_out():
-    from labkit.config import not_built_yet
-    for cfg, model in [(ParallelConfig(sharding="zero1"), M), (ParallelConfig(precision="bf16"), M),
-                       (ParallelConfig(checkpoint_activations=True), M), (ParallelConfig(tp=2), M),
-                       (ParallelConfig(cp=2), M), (ParallelConfig(ep=2), ModelConfig(experts=2)),
-                       (ParallelConfig(pp=2), M)]:
+    from labkit.validation import not_built_yet
+
+    for cfg, model in [
+        (ParallelConfig(sharding="zero1"), M),
+        (ParallelConfig(precision="bf16"), M),
+        (ParallelConfig(checkpoint_activations=True), M),
+        (ParallelConfig(tp=2), M),
+        (ParallelConfig(cp=2), M),
+        (ParallelConfig(ep=2), ModelConfig(experts=2)),
+        (ParallelConfig(pp=2), M),
+    ]:
         for line in not_built_yet(cfg, model):
             assert "not built yet" in line and "use" in line or "set" in line
             with pytest.raises(ConfigError, match="not built yet"):
                 validate(cfg, model, 8)
 
 
-@pytest.mark.parametrize("cls, value", [(ParallelConfig, ParallelConfig(dp=2, tp=2, sharding="zero1")),
-                                        (ModelConfig, ModelConfig(experts=4, top_k=2)),
-                                        (OptimConfig, OptimConfig(lr=1e-4))])
+@pytest.mark.parametrize(
+    "cls, value",
+    [
+        (ParallelConfig, ParallelConfig(dp=2, tp=2, sharding="zero1")),
+        (ModelConfig, ModelConfig(experts=4, top_k=2)),
+        (OptimConfig, OptimConfig(lr=1e-4)),
+    ],
+)
 def test_round_trip_through_plain_dict(cls, value):
     d = value.to_dict()
     assert all(isinstance(v, (int, float, str, bool)) for v in d.values())
@@ -87,8 +100,9 @@ def test_global_batch_split():
     assert "dp(4) * ep(1) * microbatches(3) = 12" in msg and "try global_batch=12" in msg
 
 
-@pytest.mark.parametrize("field, value", [("sharding", "zero4"), ("schedule", "2f2b"), ("impl", "jax"),
-                                          ("precision", "fp8")])
+@pytest.mark.parametrize(
+    "field, value", [("sharding", "zero4"), ("schedule", "2f2b"), ("impl", "jax"), ("precision", "fp8")]
+)
 def test_unknown_names(field, value):
     msg = only(ParallelConfig(**{field: value}))
     assert f"{field}={value!r} is not one of" in msg
@@ -110,10 +124,12 @@ def test_model_sizes_must_be_positive():
 
 def test_schedule_constraints():
     assert "needs virtual_stages >= 2" in only(ParallelConfig(pp=2, schedule="interleaved", microbatches=2))
-    assert "only applies to schedule='interleaved'" in only(ParallelConfig(pp=2, virtual_stages=2),
-                                                            ModelConfig(layers=4))
-    assert "multiple of pp" in only(ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2,
-                                                   microbatches=3, global_batch=6))
+    assert "only applies to schedule='interleaved'" in only(
+        ParallelConfig(pp=2, virtual_stages=2), ModelConfig(layers=4)
+    )
+    assert "multiple of pp" in only(
+        ParallelConfig(pp=2, schedule="interleaved", virtual_stages=2, microbatches=3, global_batch=6)
+    )
 
 
 def test_sequence_parallel_needs_tp():

@@ -1,15 +1,15 @@
 """Context parallelism: ring attention alone against dense causal attention, and cp layouts on the
 4-engine cluster against the reference, with measured bytes and memory against the theory."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 
 from labkit import ConfigError, ParallelConfig, theory, validate
 from labkit.checks import assert_matches, loss_errors
-from labkit.plans.mesh import MeshLayout
 from labkit.engines.parallel.context import ring_plan, zigzag_chunks, zigzag_index
-
-from conftest import TINY
+from labkit.plans.mesh import MeshLayout
 
 # (cp, seq, batch, heads, head_dim): odd shapes on purpose (3 heads, chunks of 3 and 5 tokens)
 RING_CASES = [(2, 8, 2, 2, 4), (2, 20, 1, 3, 8), (4, 24, 2, 3, 5), (4, 64, 1, 4, 16)]
@@ -68,7 +68,7 @@ def test_zigzag_plan_covers_every_causal_pair_once_with_equal_work(cp):
                 seen[qc, kc] = seen.get((qc, kc), 0) + 1
                 assert (mask == "causal") == (qc == kc) and kc <= qc
             work.append(sum(0.5 if m == "causal" else 1.0 for _, _, m in pairs))
-        assert work == [2.0] * cp          # the zigzag's point: every rank, every step, two blocks
+        assert work == [2.0] * cp  # the zigzag's point: every rank, every step, two blocks
     assert seen == {(q, k): 1 for q in range(2 * cp) for k in range(q + 1)}
 
 
@@ -88,13 +88,13 @@ def test_context_parallel_trains_like_one_process(lab, ref_cache, cfg):
     assert res.comm_table() == est.comm_table()
     b, s, h, cp = cfg.global_batch // cfg.dp, TINY.seq, TINY.hidden, cfg.cp
     for rk in res.ranks:
-        assert max(loss_errors(rk.grad_norms, ref.grad_norms)) < 1e-5   # the clip is inactive on TINY
+        assert max(loss_errors(rk.grad_norms, ref.grad_norms)) < 1e-5  # the clip is inactive on TINY
         for k in ("params", "grads", "optimizer", "activations"):
             assert rk.memory[k] == est.memory[rk.rank][k], (rk.rank, k)
         assert rk.memory["activations"] == theory.activation_bytes(TINY.replace(seq=s // cp), b)
         sends = [c for c in rk.comm if c.op == "send" and c.step == 2]
-        assert len(sends) == 3 * (cp - 1) * TINY.layers                # K/V forward; K/V and dK/dV backward
+        assert len(sends) == 3 * (cp - 1) * TINY.layers  # K/V forward; K/V and dK/dV backward
         assert [c.phase for c in sends].count("forward") == (cp - 1) * TINY.layers
         assert {c.payload_bytes for c in sends} == {4 * 2 * b * (s // cp) * h}
         nxt = MeshLayout.of(cfg).rank(**{**rk.coords, "cp": (rk.coords["cp"] + 1) % cp})
-        assert {c.peer for c in sends} == {nxt}                          # round the ring, one way
+        assert {c.peer for c in sends} == {nxt}  # round the ring, one way

@@ -1,12 +1,12 @@
 """DDP on a real 4-engine gloo cluster, ours and PyTorch's, against the one-process reference."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 
 from labkit import ParallelConfig, theory
 from labkit.checks import assert_matches, param_errors
-
-from conftest import TINY
 
 PSI = theory.num_params(TINY)
 
@@ -18,7 +18,7 @@ def test_ddp_trains_like_one_process(lab, ref_cache, impl, dp):
     res = lab.run(cfg, model=TINY, steps=3, return_params=True)
     ref = ref_cache()
     assert_matches(res, ref)
-    assert len(res.ranks) == dp                        # dp=2 on 4 engines: ranks 2, 3 stay idle
+    assert len(res.ranks) == dp  # dp=2 on 4 engines: ranks 2, 3 stay idle
     for rk in res.ranks:
         assert rk.memory["params"] == 4 * PSI
         assert rk.memory["grads"] == 4 * PSI
@@ -28,9 +28,9 @@ def test_ddp_trains_like_one_process(lab, ref_cache, impl, dp):
     wire = [(r["rank"], r["dim"], r["op"], r["payload_bytes"], r["wire_bytes"]) for r in measured]
     assert wire == [(r["rank"], r["dim"], r["op"], r["payload_bytes"], r["wire_bytes"]) for r in est.comm_table()]
     for r in measured:
-        assert r["wire_bytes"] == 2 * (dp - 1) / dp * 4 * PSI     # all-reduce of every fp32 gradient
+        assert r["wire_bytes"] == 2 * (dp - 1) / dp * 4 * PSI  # all-reduce of every fp32 gradient
     if impl == "lab":
-        assert measured == est.comm_table()                          # calls too: one per bucket
+        assert measured == est.comm_table()  # calls too: one per bucket
     for rk in res.ranks:
         assert rk.memory["activations"] == est.memory[rk.rank]["activations"]
 
@@ -41,7 +41,7 @@ def test_gradient_accumulation_reduces_once(lab, ref_cache):
     for rk in res.ranks:
         fwd = [e for e in rk.timeline if e.kind == "F" and e.step == 2]
         assert [e.microbatch for e in fwd] == [0, 1]
-        assert [c.phase for c in rk.comm if c.step == 2] == ["backward"]   # one reduction per step
+        assert [c.phase for c in rk.comm if c.step == 2] == ["backward"]  # one reduction per step
     # one microbatch of b=2 rows in flight at a time
     assert res.ranks[0].memory["activations"] == theory.activation_bytes(TINY, 2)
 
@@ -59,7 +59,7 @@ def test_small_buckets_overlap_backward(lab, ref_cache, impl):
     rk = res.ranks[0]
     backward = [e for e in rk.timeline if e.kind == "B" and e.step == 2][0]
     started_in_backward = [c for c in rk.comm if c.step == 2 and backward.start <= c.start <= backward.end]
-    assert len(started_in_backward) >= calls - 1      # all but possibly the last overlap backward
+    assert len(started_in_backward) >= calls - 1  # all but possibly the last overlap backward
 
 
 C10D_TO_OP = {"c10d.allreduce_": "all_reduce", "c10d.broadcast_": "broadcast"}

@@ -1,12 +1,12 @@
 """The dry run: one rank's real step at any scale, with a fake process group and fake tensors."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 
 from labkit import ConfigError, ModelConfig, ParallelConfig
 from labkit.dryrun import dry_run
-
-from conftest import TINY
 
 
 def test_the_private_pytorch_pieces_are_there():
@@ -23,8 +23,9 @@ def test_a_dry_run_measures_what_the_cluster_measures(lab):
     d = dry_run(cfg, TINY, rank=1)
     assert d.differences() == []
     real = lab.run(cfg, model=TINY, steps=1).ranks[1]
-    assert {k: d.report.memory[k] for k in ("params", "grads", "optimizer", "activations")} == \
-           {k: real.memory[k] for k in ("params", "grads", "optimizer", "activations")}
+    assert {k: d.report.memory[k] for k in ("params", "grads", "optimizer", "activations")} == {
+        k: real.memory[k] for k in ("params", "grads", "optimizer", "activations")
+    }
     assert d.comm_table() == [r for r in lab.run(cfg, model=TINY, steps=1).comm_table() if r["rank"] == 1]
 
 
@@ -36,7 +37,11 @@ def test_a_7b_wide_rank_of_128_equals_theory():
     d = dry_run(cfg, model, rank=77)
     assert d.report.coords == {"tp": 5, "cp": 0, "ep": 0, "dp": 9, "pp": 0}
     assert d.differences() == []
-    assert d.report.memory["params"] > 0 and {r["dim"] for r in d.comm_table()} == {"tp", "dp", "tp-dp"}   # SP LayerNorms: tp x dp
+    assert d.report.memory["params"] > 0 and {r["dim"] for r in d.comm_table()} == {
+        "tp",
+        "dp",
+        "tp-dp",
+    }  # SP LayerNorms: tp x dp
 
 
 def test_bad_requests_are_refused():
@@ -46,11 +51,15 @@ def test_bad_requests_are_refused():
         dry_run(ParallelConfig(dp=2), TINY.replace(experts=2))
 
 
-@pytest.mark.parametrize("cfg", [
-    ParallelConfig(dp=2, tp=2, pp=2, microbatches=4, global_batch=16, sequence_parallel=True),
-    ParallelConfig(tp=2, cp=2, pp=2, microbatches=2, global_batch=8),
-    ParallelConfig(dp=2, tp=2, pp=2, microbatches=4, global_batch=16, sharding="zero1", precision="bf16"),
-], ids=["dp2-tp2sp-pp2", "tp2-cp2-pp2", "zero1-dp2-tp2-pp2-bf16"])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ParallelConfig(dp=2, tp=2, pp=2, microbatches=4, global_batch=16, sequence_parallel=True),
+        ParallelConfig(tp=2, cp=2, pp=2, microbatches=2, global_batch=8),
+        ParallelConfig(dp=2, tp=2, pp=2, microbatches=4, global_batch=16, sharding="zero1", precision="bf16"),
+    ],
+    ids=["dp2-tp2sp-pp2", "tp2-cp2-pp2", "zero1-dp2-tp2-pp2-bf16"],
+)
 def test_composed_layouts_dry_run_as_predicted(cfg):
     """The last rank (last pipeline stage: the head and the loss) of 3-D layouts, measured in one
     process, equals the theory: model states, every comm row, activations."""

@@ -1,20 +1,20 @@
 """Mixture of experts and expert parallelism: the MoE layer on one process (against the dense MLP,
 the theory's parameter list and activation bytes, the balance loss under any split), and ep
 layouts on the 4-engine cluster against the reference, with measured bytes against the theory."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
 from labkit.checks import assert_matches, loss_errors
 from labkit.engines import data
-from labkit.plans.mesh import MeshLayout
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.model import build_model
+from labkit.plans.mesh import MeshLayout
 from labkit.theory.experts import layer_activation_bytes
-
-from conftest import TINY
 
 MOE2 = TINY.replace(experts=4, top_k=2)
 MOE1 = TINY.replace(experts=4, top_k=1)
@@ -36,7 +36,7 @@ def test_moe_parameters_and_activations_match_the_theory(m):
     assert meter.live["activations"] == theory.activation_bytes(m, 3)
     loss.backward()
     del loss
-    assert meter.live["activations"] == 0                  # released with the graph
+    assert meter.live["activations"] == 0  # released with the graph
 
 
 def test_one_expert_is_the_dense_mlp():
@@ -78,7 +78,7 @@ def test_balance_loss_is_the_same_for_any_split_of_the_batch():
             layer(chunk)
             shares.append(layer.aux_loss)
         torch.testing.assert_close(torch.stack(shares).mean(), whole, rtol=1e-6, atol=0)
-    assert whole > 1.0                                   # >= 1, with equality only for a uniform router
+    assert whole > 1.0  # >= 1, with equality only for a uniform router
 
 
 def test_torch_expert_parallel_is_refused():
@@ -94,8 +94,12 @@ def received_rows(rank_report, layers: int, hidden: int) -> list[int]:
     return [fwd[3 * i + 2].payload_bytes // (4 * hidden) for i in range(layers)]
 
 
-CASES = [(ParallelConfig(ep=2, dp=2), MOE2), (ParallelConfig(ep=4), MOE1), (ParallelConfig(cp=2, ep=2), MOE2),
-         (ParallelConfig(dp=4), MOE2)]
+CASES = [
+    (ParallelConfig(ep=2, dp=2), MOE2),
+    (ParallelConfig(ep=4), MOE1),
+    (ParallelConfig(cp=2, ep=2), MOE2),
+    (ParallelConfig(dp=4), MOE2),
+]
 
 
 @pytest.mark.parametrize("cfg, model", CASES, ids=["ep2xdp2-top2", "ep4-top1", "cp2xep2-top2", "dp4-moe"])
@@ -107,16 +111,16 @@ def test_expert_parallel_trains_like_one_process(lab, ref_cache, cfg, model):
     res = lab.run(cfg, model=model, steps=3, return_params=True)
     ref = ref_cache(model)
     assert_matches(res, ref)
-    for rk in res.ranks:               # the clip is inactive here (norm < 1): check the norm itself
+    for rk in res.ranks:  # the clip is inactive here (norm < 1): check the norm itself
         assert max(loss_errors(rk.grad_norms, ref.grad_norms)) < 1e-5
     est = theory.estimate(cfg, model, world=4)
     a2a = lambda rows: {r["rank"]: r for r in rows if r["op"] == "all_to_all"}
     others = lambda rows: [r for r in rows if r["op"] != "all_to_all"]
-    assert others(res.comm_table()) == others(est.comm_table())          # DDP per reduce group, norm, ring
+    assert others(res.comm_table()) == others(est.comm_table())  # DDP per reduce group, norm, ring
     measured, predicted = a2a(res.comm_table()), a2a(est.comm_table())
     assert sorted(measured) == sorted(predicted) == (list(range(4)) if cfg.ep > 1 else [])
     b, s = cfg.global_batch // (cfg.dp * cfg.ep), model.seq // cfg.cp
-    n = b * s * model.top_k                                               # rows each rank sends
+    n = b * s * model.top_k  # rows each rank sends
     h, f = model.hidden, model.ffn
     for rk in res.ranks:
         want = est.memory[rk.rank]
@@ -130,8 +134,8 @@ def test_expert_parallel_trains_like_one_process(lab, ref_cache, cfg, model):
             assert (got["dim"], got["calls"]) == (row["dim"], row["calls"])
             # R rows back in the forward combine and again in the dispatch's backward
             assert got["payload_bytes"] == row["payload_bytes"] + sum(2 * 4 * h * (x - n) for x in r)
-    for group in (MeshLayout.of(cfg).groups("ep") if cfg.ep > 1 else []):   # an ep group's totals: exact
+    for group in MeshLayout.of(cfg).groups("ep") if cfg.ep > 1 else []:  # an ep group's totals: exact
         for key in ("payload_bytes", "wire_bytes"):
             assert sum(measured[i][key] for i in group) == sum(predicted[i][key] for i in group)
-    experts = model.layers * 2 * model.experts * h * f                    # w1 and w2 of every layer
+    experts = model.layers * 2 * model.experts * h * f  # w1 and w2 of every layer
     assert res.ranks[0].memory["params"] == 4 * (theory.num_params(model) - experts + experts // cfg.ep)

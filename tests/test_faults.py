@@ -5,6 +5,7 @@ These tests replace engines, so they use a Lab of their own (`flab`), never the 
 The hang diagnosis itself is also tested on hand-written logs (no cluster) for the cases a
 live cluster cannot produce on demand.
 """
+
 from __future__ import annotations
 
 import _thread
@@ -14,12 +15,11 @@ import threading
 import time
 
 import pytest
+from conftest import TINY
 
 from labkit import CollectiveTimeout, EngineDied, ParallelConfig, RankError
 from labkit.checks import assert_matches
 from labkit.diagnose import analyse
-
-from conftest import TINY
 
 HANG_TIMEOUT = 10.0
 SLACK = 6.0
@@ -43,7 +43,7 @@ def _timed(fn):
     t0 = time.monotonic()
     try:
         fn()
-    except BaseException as e:   # noqa: BLE001 - the test inspects it
+    except BaseException as e:  # noqa: BLE001 - the test inspects it
         return e, time.monotonic() - t0
     return None, time.monotonic() - t0
 
@@ -52,8 +52,9 @@ def _timed(fn):
 def _skip_collective():
     import torch
     import torch.distributed as dist
+
     t = torch.ones(8)
-    if dist.get_rank() != 2:          # rank 2 skips the all-reduce
+    if dist.get_rank() != 2:  # rank 2 skips the all-reduce
         dist.all_reduce(t)
     return float(t[0])
 
@@ -61,8 +62,9 @@ def _skip_collective():
 def _groups_in_different_orders():
     import torch
     import torch.distributed as dist
+
     lists = [[0, 1], [2, 3], [0, 2], [1, 3]]
-    if dist.get_rank() == 3:          # rank 3 builds the same groups in reverse order
+    if dist.get_rank() == 3:  # rank 3 builds the same groups in reverse order
         lists = lists[::-1]
     groups = {tuple(g): dist.new_group(g) for g in lists}
     t = torch.ones(4)
@@ -73,6 +75,7 @@ def _groups_in_different_orders():
 def _rank_raises():
     import torch
     import torch.distributed as dist
+
     if dist.get_rank() == 1:
         raise ValueError("rank 1 fails on purpose")
     t = torch.ones(8)
@@ -85,6 +88,7 @@ def _all_reduce_forever():
 
     import torch
     import torch.distributed as dist
+
     t = torch.ones(8)
     end = _time.monotonic() + 60
     while _time.monotonic() < end:
@@ -119,7 +123,7 @@ def test_groups_built_in_different_orders_are_diagnosed(flab, ref_cache):
     assert isinstance(err, CollectiveTimeout), err
     assert HANG_TIMEOUT <= took < HANG_TIMEOUT + SLACK
     div = err.analysis["divergence"]
-    assert div["group"] == [0, 1, 2, 3] and div["seq"] == 0          # the first group each created
+    assert div["group"] == [0, 1, 2, 3] and div["seq"] == 0  # the first group each created
     assert "new_group([1, 3])" in div["ops"][3] and "new_group([0, 1])" in div["ops"][0]
     assert "first divergence on group [0, 1, 2, 3]" in str(err) and "rank 3: new_group([1, 3])" in str(err)
     _matches_reference(flab, ref_cache)
@@ -129,10 +133,10 @@ def test_a_rank_that_raises_comes_back_with_its_traceback_and_releases_the_other
     err, took = _timed(lambda: flab.apply(_rank_raises, timeout=30))
     print(f"a rank raises: {type(err).__name__} after {took:.1f} s")
     assert isinstance(err, RankError), err
-    assert took < SLACK                              # not the timeout: the others were released
+    assert took < SLACK  # not the timeout: the others were released
     assert set(err.failures) == {1} and err.rank == 1
     assert "ValueError: rank 1 fails on purpose" in err.failures[1]["traceback"]
-    assert "_rank_raises" in str(err)               # the remote traceback, with the function
+    assert "_rank_raises" in str(err)  # the remote traceback, with the function
     assert err.released == [0, 2, 3]
     _matches_reference(flab, ref_cache)
 
@@ -168,13 +172,14 @@ def test_an_interrupt_stops_the_run_on_the_engines(flab, ref_cache):
             sent["at"] = time.monotonic()
             threading.Timer(0.3, _thread.interrupt_main).start()
 
-    err, _ = _timed(lambda: flab.run(ParallelConfig(dp=4), model=TINY, steps=100000, timeout=120,
-                                    progress=interrupt_once))
+    err, _ = _timed(
+        lambda: flab.run(ParallelConfig(dp=4), model=TINY, steps=100000, timeout=120, progress=interrupt_once)
+    )
     took = time.monotonic() - sent["at"] - 0.3
     print(f"interrupt: {type(err).__name__} {took:.1f} s after Ctrl-C")
     assert isinstance(err, KeyboardInterrupt), err
     assert took < SLACK
-    assert "running" not in flab.engine_states()      # the engines stopped too
+    assert "running" not in flab.engine_states()  # the engines stopped too
     _matches_reference(flab, ref_cache)
 
 
@@ -186,9 +191,14 @@ def test_cancel_from_another_thread(flab, ref_cache):
 
     def background():
         try:
-            out["res"] = flab.run(ParallelConfig(dp=2, microbatches=2), model=TINY, steps=100000, timeout=120,
-                                  progress=lambda rec: first_step.set())
-        except BaseException as e:   # noqa: BLE001
+            out["res"] = flab.run(
+                ParallelConfig(dp=2, microbatches=2),
+                model=TINY,
+                steps=100000,
+                timeout=120,
+                progress=lambda rec: first_step.set(),
+            )
+        except BaseException as e:  # noqa: BLE001
             out["err"] = e
 
     th = threading.Thread(target=background)
@@ -204,26 +214,39 @@ def test_cancel_from_another_thread(flab, ref_cache):
 
 # -- the diagnosis on hand-written logs ---------------------------------------------------------
 def _ev(op, group, seq, pg="0", done=True, shape=(8,), start=0.0, **kw):
-    return {"op": op, "dim": "dp", "group": list(group), "seq": seq, "pg": pg, "shape": list(shape),
-            "numel": 8, "dtype": "float32", "start": start, "end": start + 1 if done else None, "peer": None, **kw}
+    return {
+        "op": op,
+        "dim": "dp",
+        "group": list(group),
+        "seq": seq,
+        "pg": pg,
+        "shape": list(shape),
+        "numel": 8,
+        "dtype": "float32",
+        "start": start,
+        "end": start + 1 if done else None,
+        "peer": None,
+        **kw,
+    }
 
 
 def test_sequences_are_compared_per_process_group_not_per_ranks():
     """Two process groups over the same ranks (say WORLD and a group of all ranks) count their own
     sequence numbers: seq 0 of one must not be compared with seq 0 of the other."""
     world = [0, 1]
-    logs = {0: [_ev("all_reduce", world, 0, pg="0"), _ev("broadcast", world, 0, pg="1", start=2)],
-            1: [_ev("broadcast", world, 0, pg="1"), _ev("all_reduce", world, 0, pg="0", start=2)]}
+    logs = {
+        0: [_ev("all_reduce", world, 0, pg="0"), _ev("broadcast", world, 0, pg="1", start=2)],
+        1: [_ev("broadcast", world, 0, pg="1"), _ev("all_reduce", world, 0, pg="0", start=2)],
+    }
     assert analyse(logs)["divergence"] is None
-    logs[1][1] = _ev("all_reduce", world, 0, pg="0", shape=(4,), start=2)   # a real mismatch
+    logs[1][1] = _ev("all_reduce", world, 0, pg="0", shape=(4,), start=2)  # a real mismatch
     div = analyse(logs)["divergence"]
     assert div["pg"] == "0" and div["seq"] == 0 and "all_reduce(4 float32)" in div["ops"][1]
 
 
 def test_a_cycle_of_waiting_ranks_is_named():
     a, b = [0, 1], [0, 1]
-    logs = {0: [_ev("all_reduce", a, 0, pg="1", done=False)],
-            1: [_ev("all_reduce", b, 0, pg="2", done=False)]}
+    logs = {0: [_ev("all_reduce", a, 0, pg="1", done=False)], 1: [_ev("all_reduce", b, 0, pg="2", done=False)]}
     found = analyse(logs)
     assert found["cycle"] == [0, 1]
     assert {tuple(m["ranks"]) for m in found["missing"]} == {(0,), (1,)}
@@ -231,8 +254,10 @@ def test_a_cycle_of_waiting_ranks_is_named():
 
 
 def test_a_group_known_by_different_names_is_flagged():
-    polls = {0: {"log": [], "registry": {"0": [0, 1, 2, 3], "1": [0, 1]}},
-             1: {"log": [], "registry": {"0": [0, 1, 2, 3], "2": [0, 1]}}}
+    polls = {
+        0: {"log": [], "registry": {"0": [0, 1, 2, 3], "1": [0, 1]}},
+        1: {"log": [], "registry": {"0": [0, 1, 2, 3], "2": [0, 1]}},
+    }
     found = analyse(polls)
     assert found["renamed"] == [{"group": [0, 1], "names": {0: ["1"], 1: ["2"]}}]
     assert "created their groups in different orders" in found["text"]
@@ -240,6 +265,8 @@ def test_a_group_known_by_different_names_is_flagged():
 
 def test_how_far_a_rank_got_counts_even_when_its_log_window_has_moved_on():
     """Rank 1 is 500 ops further; its log tail no longer holds seq 3, but its counter says it passed."""
-    logs = {0: {"log": [_ev("all_reduce", [0, 1], 3, done=False)], "groups": {"0": [4, [0, 1]]}},
-            1: {"log": [_ev("all_reduce", [0, 1], 503)], "groups": {"0": [504, [0, 1]]}}}
+    logs = {
+        0: {"log": [_ev("all_reduce", [0, 1], 3, done=False)], "groups": {"0": [4, [0, 1]]}},
+        1: {"log": [_ev("all_reduce", [0, 1], 503)], "groups": {"0": [504, [0, 1]]}},
+    }
     assert analyse(logs)["missing"] == []

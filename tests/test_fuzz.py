@@ -8,12 +8,14 @@ same draws start running them, with no change here. Each example must end one of
 a RunResult that matches the single-process reference (fp32 1e-5, bf16 2e-2), or a ConfigError
 raised before any job started on the engines. A hang, a crashed engine or a wrong loss fails.
 """
+
 from __future__ import annotations
 
 import math
 from collections import Counter
 
 import pytest
+from conftest import TINY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -21,21 +23,21 @@ from labkit import ConfigError, Lab, OptimConfig, ParallelConfig, reference
 from labkit.checks import assert_matches
 from labkit.config import DIMS, PRECISIONS, SCHEDULES, SHARDINGS
 
-from conftest import TINY
-
 EXAMPLES = 30
 TRIED: Counter = Counter()
 
 BATCHES = [2, 4, 6, 8, 12, 16]
-CORE = {   # the fields that are built today, values valid and not
-    "dp": st.sampled_from([1, 2, 2, 3, 4, 4, 8]),           # repeats weight the draw
+CORE = {  # the fields that are built today, values valid and not
+    "dp": st.sampled_from([1, 2, 2, 3, 4, 4, 8]),  # repeats weight the draw
     "microbatches": st.sampled_from([1, 1, 2, 2, 3, 4]),
     "global_batch": st.sampled_from(BATCHES),
     "impl": st.sampled_from(["lab", "torch"]),
     "bucket_mb": st.sampled_from([1e-4, 0.001, 0.01, 25.0, 25.0, 25.0, 0.0, -1.0, float("inf")]),
 }
 OTHER = {  # every other field: a value away from its default
-    "tp": st.sampled_from([2, 3, 4]), "pp": st.sampled_from([2, 4]), "cp": st.sampled_from([2, 4]),
+    "tp": st.sampled_from([2, 3, 4]),
+    "pp": st.sampled_from([2, 4]),
+    "cp": st.sampled_from([2, 4]),
     "ep": st.sampled_from([2, 4]),
     "sharding": st.sampled_from(SHARDINGS[1:] + ("zero4",)),
     "sequence_parallel": st.just(True),
@@ -45,10 +47,14 @@ OTHER = {  # every other field: a value away from its default
     "checkpoint_activations": st.just(True),
     "order": st.permutations(list(DIMS)).map("-".join) | st.just("dp-tp"),
     "reshard_after_forward": st.just(False),
-    "model.layers": st.sampled_from([1, 3, 4]), "model.heads": st.sampled_from([1, 2, 3]),
-    "model.hidden": st.sampled_from([16, 48]), "model.ffn": st.sampled_from([32, 96]),
-    "model.vocab": st.sampled_from([64, 96]), "model.seq": st.sampled_from([8, 12]),
-    "model.experts": st.sampled_from([2, 4]), "model.top_k": st.sampled_from([2, 3]),
+    "model.layers": st.sampled_from([1, 3, 4]),
+    "model.heads": st.sampled_from([1, 2, 3]),
+    "model.hidden": st.sampled_from([16, 48]),
+    "model.ffn": st.sampled_from([32, 96]),
+    "model.vocab": st.sampled_from([64, 96]),
+    "model.seq": st.sampled_from([8, 12]),
+    "model.experts": st.sampled_from([2, 4]),
+    "model.top_k": st.sampled_from([2, 3]),
 }
 
 
@@ -56,7 +62,7 @@ OTHER = {  # every other field: a value away from its default
 def layouts(draw):
     core = {k: draw(s) for k, s in CORE.items()}
     fits = [g for g in BATCHES if g % (core["dp"] * core["microbatches"]) == 0]
-    if fits and draw(st.sampled_from([True, True, True, False])):   # mostly a batch that splits evenly
+    if fits and draw(st.sampled_from([True, True, True, False])):  # mostly a batch that splits evenly
         core["global_batch"] = draw(st.sampled_from(fits))
     how_many = {7: 1, 8: 2}.get(draw(st.integers(0, 8)), 0)
     changed = draw(st.lists(st.sampled_from(sorted(OTHER)), min_size=how_many, max_size=how_many, unique=True))
@@ -76,8 +82,13 @@ def _reference(model, cfg, steps):
     return _refs[key]
 
 
-@settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(layout=layouts())
 def test_random_configs_train_like_the_reference_or_are_refused(lab, layout):
     cfg, model = layout
@@ -96,19 +107,29 @@ def test_random_configs_train_like_the_reference_or_are_refused(lab, layout):
 
 def test_fuzz_summary():
     """Runs after the fuzz (file order): what it tried, for the issue notes."""
-    print(f"\nfuzz: {TRIED['ran'] + TRIED['refused']} configs, {TRIED['ran']} ran and matched the reference, "
-          f"{TRIED['refused']} refused; {dict((k, v) for k, v in TRIED.items() if k.startswith('ran '))}")
+    print(
+        f"\nfuzz: {TRIED['ran'] + TRIED['refused']} configs, {TRIED['ran']} ran and matched the reference, "
+        f"{TRIED['refused']} refused; {dict((k, v) for k, v in TRIED.items() if k.startswith('ran '))}"
+    )
     assert TRIED["ran"] + TRIED["refused"] == EXAMPLES or not TRIED
-    assert TRIED["ran"] >= 3 or not TRIED       # the draws do reach what is built
+    assert TRIED["ran"] >= 3 or not TRIED  # the draws do reach what is built
 
 
 BAD_RUN_ARGS = [
-    (dict(steps=0), "steps=0"), (dict(steps=2.5), "steps=2.5"), (dict(steps=True), "steps=True"),
-    (dict(seed=-1), "seed=-1"), (dict(seed="0"), "seed='0'"),
-    (dict(timeout=0), "timeout=0"), (dict(timeout=math.inf), "timeout=inf"), (dict(timeout="60"), "timeout='60'"),
-    (dict(cfg="dp=2"), "cfg='dp=2' must be a ParallelConfig"), (dict(model={"layers": 2}), "must be a ModelConfig"),
-    (dict(optim=OptimConfig(lr=0)), "lr=0"), (dict(optim=OptimConfig(beta2=1.0)), "beta2=1.0"),
-    (dict(return_params=1), "return_params=1"), (dict(progress="yes"), "progress='yes'"),
+    (dict(steps=0), "steps=0"),
+    (dict(steps=2.5), "steps=2.5"),
+    (dict(steps=True), "steps=True"),
+    (dict(seed=-1), "seed=-1"),
+    (dict(seed="0"), "seed='0'"),
+    (dict(timeout=0), "timeout=0"),
+    (dict(timeout=math.inf), "timeout=inf"),
+    (dict(timeout="60"), "timeout='60'"),
+    (dict(cfg="dp=2"), "cfg='dp=2' must be a ParallelConfig"),
+    (dict(model={"layers": 2}), "must be a ModelConfig"),
+    (dict(optim=OptimConfig(lr=0)), "lr=0"),
+    (dict(optim=OptimConfig(beta2=1.0)), "beta2=1.0"),
+    (dict(return_params=1), "return_params=1"),
+    (dict(progress="yes"), "progress='yes'"),
     (dict(cfg=ParallelConfig(dp=2, bucket_mb=float("nan"))), "bucket_mb=nan"),
     (dict(cfg=ParallelConfig(dp=2, order=None)), "order=None"),
     (dict(cfg=ParallelConfig(dp=2.0)), "dp=2.0"),
@@ -123,7 +144,7 @@ def test_bad_run_arguments_are_refused_before_engine_work(lab, kwargs, names):
     with pytest.raises(ConfigError) as info:
         lab.run(args.pop("cfg"), **args)
     assert names in str(info.value)
-    assert "; " in str(info.value) or "must be" in str(info.value)    # each problem comes with a fix
+    assert "; " in str(info.value) or "must be" in str(info.value)  # each problem comes with a fix
     assert lab.jobs == jobs
 
 
@@ -134,7 +155,10 @@ def test_bad_apply_and_lab_arguments_are_refused(lab):
     with pytest.raises(ConfigError, match="timeout=-1"):
         lab.apply(print, timeout=-1)
     assert lab.jobs == jobs
-    for kwargs, names in [(dict(engines=0), "engines=0"), (dict(backend="mpi"), "backend='mpi'"),
-                          (dict(timeout=float("nan")), "timeout=nan")]:
+    for kwargs, names in [
+        (dict(engines=0), "engines=0"),
+        (dict(backend="mpi"), "backend='mpi'"),
+        (dict(timeout=float("nan")), "timeout=nan"),
+    ]:
         with pytest.raises(ConfigError, match=names):
-            Lab(**kwargs)                          # refused before any cluster starts
+            Lab(**kwargs)  # refused before any cluster starts

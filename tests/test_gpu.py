@@ -1,5 +1,6 @@
 """The GPU path (marked `gpu`, skipped without CUDA): NCCL, the allocator's memory, CUDA-event
 timelines, and ranks sharing one GPU through gloo. Run on a GPU server with `pytest -m gpu`."""
+
 from __future__ import annotations
 
 import pytest
@@ -23,7 +24,7 @@ def gpu_lab():
 def test_nccl_is_chosen_when_every_engine_has_a_gpu(gpu_lab):
     assert gpu_lab.backend == "nccl"
     assert all(d.startswith("cuda:") for d in gpu_lab.devices)
-    assert len(set(gpu_lab.devices)) == gpu_lab.world          # one GPU each
+    assert len(set(gpu_lab.devices)) == gpu_lab.world  # one GPU each
 
 
 def test_ddp_on_nccl_trains_like_one_process(gpu_lab):
@@ -44,20 +45,25 @@ def test_cuda_memory_comes_from_the_allocator(gpu_lab):
 
 
 def test_timeline_from_cuda_events_is_ordered(gpu_lab):
-    res = gpu_lab.run(ParallelConfig(dp=gpu_lab.world, global_batch=8 * gpu_lab.world, microbatches=2),
-                      model=MODEL, steps=2)
+    res = gpu_lab.run(
+        ParallelConfig(dp=gpu_lab.world, global_batch=8 * gpu_lab.world, microbatches=2), model=MODEL, steps=2
+    )
     for rk in res.ranks:
         spans = [e for e in rk.timeline if e.step == 1 and e.kind in ("F", "B")]
         assert [(e.kind, e.microbatch) for e in spans] == [("F", 0), ("B", 0), ("F", 1), ("B", 1)]
         assert all(e.end > e.start for e in spans)
-        assert all(a.end <= b.start + 1e-4 for a, b in zip(spans, spans[1:]))   # one stream: in order
+        assert all(a.end <= b.start + 1e-4 for a, b in zip(spans, spans[1:]))  # one stream: in order
 
 
 def test_bf16_on_gpu(gpu_lab):
     from labkit.checks import reference_shards
 
-    cfg = ParallelConfig(dp=gpu_lab.world, global_batch=8 * gpu_lab.world, precision="bf16", sharding="zero1"
-                         if gpu_lab.world > 1 else "none")
+    cfg = ParallelConfig(
+        dp=gpu_lab.world,
+        global_batch=8 * gpu_lab.world,
+        precision="bf16",
+        sharding="zero1" if gpu_lab.world > 1 else "none",
+    )
     res = gpu_lab.run(cfg, model=MODEL, steps=3)
     ref = reference(MODEL, steps=3, global_batch=cfg.global_batch, precision="bf16", shards=reference_shards(cfg))
     assert max(abs(a - b) / b for a, b in zip(res.losses, ref.losses)) < 2e-2

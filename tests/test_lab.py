@@ -1,17 +1,18 @@
 """The Lab itself: apply, progress, idle ranks, errors before engine work, results on disk."""
+
 from __future__ import annotations
 
 import json
 
 import pytest
-
-from labkit import ConfigError, ModelConfig, ParallelConfig, RunResult
-
 from conftest import TINY
+
+from labkit import ConfigError, ParallelConfig, RunResult
 
 
 def _rank_and_world():
     import torch.distributed as dist
+
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -22,6 +23,7 @@ def test_apply_runs_on_every_rank_in_order(lab):
 def _all_reduce_rank():
     import torch
     import torch.distributed as dist
+
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t)
     return float(t)
@@ -43,7 +45,7 @@ def test_bad_config_is_refused_before_engine_work(lab):
         lab.run(ParallelConfig(dp=8), model=TINY)
     with pytest.raises(ConfigError, match="steps=0"):
         lab.run(ParallelConfig(dp=2), model=TINY, steps=0)
-    assert lab.apply(_rank_and_world)[3] == (3, 4)      # the Lab is untouched
+    assert lab.apply(_rank_and_world)[3] == (3, 4)  # the Lab is untouched
 
 
 def test_result_round_trip_and_trace(lab, tmp_path):

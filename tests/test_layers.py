@@ -1,67 +1,291 @@
-"""The import ladder, read off the source files (pure: no imports are executed).
+"""The house rules, read off the source with `ast` (no imports run): the one-way ladder of
+packages, no import cycles (function-level imports counted), torch-free plans and theory, files
+under 400 lines, and no pointer to a document outside the repository (ARCHITECTURE.md has the map)."""
 
-labkit.plans is torch-free and imports only the standard library, numpy, labkit.config and
-itself; labkit.theory never imports torch or labkit.engines; and the files of labkit.theory,
-labkit.plans and engines/parallel form no import cycle, counting function-level imports.
-"""
 from __future__ import annotations
 
 import ast
-import sys
-from pathlib import Path
+import pathlib
 
-ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"labkit.plans": ROOT / "labkit" / "plans", "labkit.theory": ROOT / "labkit" / "theory",
-            "labkit.engines.parallel": ROOT / "engines" / "parallel"}
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+FOLDERS = {"labkit": "labkit", "engines": "labkit.engines", "widgets": "labkit.widgets"}
+
+RUNGS = [
+    ("config", ("labkit.config", "labkit.validation")),
+    ("plans", ("labkit.plans",)),
+    ("engines", ("labkit.engines",)),
+    ("theory", ("labkit.theory",)),
+    ("orchestration", ("labkit",)),  # Lab, results, reference, checks, faults, ...
+    ("widgets", ("labkit.widgets",)),
+    ("cli", ("labkit.cli",)),
+]
+"""The ladder, bottom first; a module may import its own rung and the rungs below it, except that
+engines and theory stand side by side and never import each other."""
+LEVEL = {"config": 0, "plans": 1, "engines": 2, "theory": 2, "orchestration": 3, "widgets": 4, "cli": 5}
+FORBIDDEN = {
+    "plans": ("torch", "ipyparallel", "ipywidgets", "plotly"),
+    "theory": ("torch", "ipyparallel", "ipywidgets", "plotly"),
+    "config": ("torch", "numpy", "ipyparallel", "ipywidgets", "plotly"),
+    "engines": ("ipyparallel", "ipywidgets", "plotly", "IPython"),
+    "widgets": ("torch.distributed",),
+}
+"""Third-party packages a rung never imports (DESIGN: the theory is instant and torch-free; the
+engines run on ranks without the notebook's packages; the widgets never talk to a process group)."""
 
 
-def modules() -> dict[str, Path]:
+def modules() -> dict[str, pathlib.Path]:
     out = {}
-    for pkg, folder in PACKAGES.items():
-        for f in folder.glob("*.py"):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    for folder, pkg in FOLDERS.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            rel = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in rel.parts if p != "__init__"]
+            out[".".join([pkg, *parts])] = path
     return out
 
 
-def imports(path: Path, known: dict[str, Path]) -> set[str]:
-    """Every module `path` imports, anywhere in the file; `from pkg import mod` names pkg.mod."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            for a in node.names:
-                full = f"{node.module}.{a.name}"
-                out.add(full if full in known else node.module)
+def rung(module: str) -> str:
+    best = ""
+    for name, prefixes in RUNGS:
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > len(best):
+                best, found = p, name
+    return found
+
+
+def _type_checking(node: ast.AST) -> bool:
+    t = node.test if isinstance(node, ast.If) else None
+    return isinstance(t, (ast.Name, ast.Attribute)) and "TYPE_CHECKING" in ast.unparse(t)
+
+
+def imports(path: pathlib.Path):
+    """(imported name, line, at module level?) for every import, TYPE_CHECKING blocks excepted
+    (they never run)."""
+    tree = ast.parse(path.read_text())
+    out = []
+
+    def visit(node, top: bool):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _type_checking(child):
+                continue
+            if isinstance(child, ast.Import):
+                out.extend((a.name, child.lineno, top) for a in child.names)
+            elif isinstance(child, ast.ImportFrom) and child.module and not child.level:
+                out.extend((f"{child.module}.{a.name}", child.lineno, top) for a in child.names)
+            else:
+                nested = isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda))
+                visit(child, top and not nested)
+
+    visit(tree, True)
     return out
 
 
-def test_plans_and_theory_stay_off_torch_and_the_engines():
-    known = modules()
-    for name, path in known.items():
-        found = imports(path, known)
-        if name.startswith("labkit.plans"):
-            allowed = lambda m: (m.split(".")[0] in sys.stdlib_module_names or m.split(".")[0] == "numpy"  # noqa: E731
-                                 or m == "labkit.config" or m.startswith("labkit.plans"))
-            assert all(allowed(m) for m in found), (name, sorted(m for m in found if not allowed(m)))
-        if name.startswith("labkit.theory"):
-            bad = [m for m in found if m.split(".")[0] == "torch" or m.startswith("labkit.engines")]
-            assert not bad, (name, bad)
+def graph():
+    mods = modules()
+    edges: dict[str, set[str]] = {m: set() for m in mods}
+    external: dict[str, list[tuple[str, int]]] = {m: [] for m in mods}
+    for m, path in mods.items():
+        for name, line, _ in imports(path):
+            target = name
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if not target:
+                external[m].append((name, line))
+            elif target != m and not m.startswith(target + "."):  # a package's own __init__
+                edges[m].add(target)
+    return mods, edges, external
 
 
-def test_no_import_cycles_among_theory_plans_and_strategies():
-    known = modules()
-    graph = {n: sorted(m for m in imports(p, known) if m in known and m != n) for n, p in known.items()}
-    state: dict[str, int] = {}   # 1: on the current path, 2: done
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
 
-    def visit(n: str, path: list[str]) -> None:
-        state[n] = 1
-        for m in graph[n]:
-            assert state.get(m) != 1, " -> ".join(path[path.index(m):] + [n, m])
-            if m not in state:
-                visit(m, path + [n])
-        state[n] = 2
+    def strong(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
 
-    for n in graph:
-        if n not in state:
-            visit(n, [])
+    for v in sorted(edges):
+        if v not in index:
+            strong(v)
+    return out
+
+
+def test_no_import_cycles():
+    _, edges, _ = graph()
+    found = cycles(edges)
+    assert not found, "import cycles (function-level imports counted): " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_ladder_is_one_way():
+    mods, edges, external = graph()
+    wrong = []
+    for m, targets in edges.items():
+        a = rung(m)
+        for t in targets:
+            b = rung(t)
+            if LEVEL[b] > LEVEL[a] or (LEVEL[a] == LEVEL[b] and a != b):
+                wrong.append(f"{m} ({a}) imports {t} ({b})")
+    for m, names in external.items():
+        for name, line in names:
+            for bad in FORBIDDEN.get(rung(m), ()):
+                if name == bad or name.startswith(bad + "."):
+                    wrong.append(f"{mods[m].relative_to(ROOT)}:{line} ({rung(m)}) imports {name}")
+    assert not wrong, "imports against the ladder (ARCHITECTURE.md):\n" + "\n".join(sorted(wrong))
+
+
+def test_the_ladder_catches_what_it_should():
+    """The checks above can fail: a made-up upward edge and a made-up cycle are both found."""
+    assert rung("labkit.theory.comm") == "theory" and rung("labkit.lab") == "orchestration"
+    assert rung("labkit.widgets.figures") == "widgets" and rung("labkit.plans.mesh") == "plans"
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+
+
+HEAVY = (
+    "torch",
+    "ipyparallel",
+    "plotly",
+    "ipywidgets",
+    "anywidget",
+    "IPython",
+    "cloudpickle",
+    "nbformat",
+    "nbclient",
+    "playwright",
+    "transformers",
+    "pandas",
+    "traitlets",
+    "zmq",
+)
+"""Dependencies worth deferring: slow to import, or absent where a module must also work."""
+
+
+def heavy_at_import() -> dict[str, set[str]]:
+    """Per module: the heavy packages that importing it loads (module-level imports, transitively)."""
+    mods, _, _ = graph()
+    top: dict[str, tuple[set[str], set[str]]] = {}
+    for m, path in mods.items():
+        own, ext = set(), set()
+        for name, _, at_top in imports(path):
+            if not at_top:
+                continue
+            target = name
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            if target and target != m and not m.startswith(target + "."):
+                own.add(target)
+            elif not target:
+                ext |= {h for h in HEAVY if name == h or name.startswith(h + ".")}
+        top[m] = (own, ext)
+    memo: dict[str, set[str]] = {}
+
+    def load(m, seen=()):
+        if m not in memo:
+            own, ext = top[m]
+            memo[m] = set(ext).union(*(load(t, seen + (m,)) for t in own if t not in seen))
+        return memo[m]
+
+    return {m: load(m) for m in mods}
+
+
+def test_function_level_imports_defer_heavy_dependencies_only():
+    """Imports go at the top; one inside a function is there only to defer a heavy dependency
+    (torch, ipyparallel, plotly, ...) that importing the module itself must not load."""
+    mods, _, _ = graph()
+    heavy = heavy_at_import()
+    wrong = []
+    for m, path in mods.items():
+        for name, line, at_top in imports(path):
+            if at_top:
+                continue
+            target = name
+            while target and target not in mods:
+                target = target.rpartition(".")[0]
+            defers = heavy[target] - heavy[m] if target else {h for h in HEAVY if name == h or name.startswith(h + ".")}
+            if not defers:
+                wrong.append(
+                    f"{path.relative_to(ROOT)}:{line} imports {name} inside a function, deferring nothing heavy"
+                )
+    assert not wrong, "move these to the top of the file:\n" + "\n".join(wrong)
+
+
+def test_the_notebook_kernel_never_loads_torch():
+    """What the kernel imports (the Lab, its engine set, results, the reference, the theory, the
+    widgets) loads no torch: a Binder tab has 2 GB, and torch alone is ~300 MB resident. The
+    engines import torch; the Lab names their functions without loading it."""
+    heavy = heavy_at_import()
+    loads = sorted(
+        m
+        for m in heavy
+        if rung(m) in ("orchestration", "widgets", "cli", "theory", "plans", "config") and "torch" in heavy[m]
+    )
+    assert not loads, "these load torch when imported in the kernel: " + ", ".join(loads)
+
+
+def test_plans_import_only_the_standard_library_numpy_and_config():
+    import sys
+
+    mods, edges, external = graph()
+    wrong = [
+        f"{m} imports {name}"
+        for m in mods
+        if rung(m) == "plans"
+        for name, _ in external[m]
+        if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "numpy"
+    ]
+    wrong += [
+        f"{m} imports {t}" for m in mods if rung(m) == "plans" for t in edges[m] if rung(t) not in ("config", "plans")
+    ]
+    assert not wrong, "labkit.plans is the shared, torch-free rung:\n" + "\n".join(wrong)
+
+
+@pytest.mark.parametrize("folder", ["labkit", "engines", "widgets", "tests", "benchmarks"])
+def test_files_stay_short(folder):
+    long = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        if (n := len(p.read_text().splitlines())) > 400
+    ]
+    assert not long, "split these by responsibility: " + ", ".join(long)
+
+
+def test_no_pointer_outside_the_repository():
+    hits = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for folder in ("labkit", "engines", "widgets", "tests", "benchmarks")
+        for p in sorted((ROOT / folder).rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "DESIGN" + ".md" in line
+    ]
+    assert not hits, "that document is not in the repository; point at ARCHITECTURE.md: " + ", ".join(hits)
+
+
+@pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
+def test_ruff_keeps_the_house(command):
+    """ruff (the rule set is in pyproject.toml) passes on the whole repository, notebooks included."""
+    import shutil
+    import subprocess
+
+    ruff = shutil.which("ruff")
+    assert ruff, "ruff is in the test extras: pip install -e '.[test]'"
+    out = subprocess.run([ruff, *command, "."], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]

@@ -1,4 +1,5 @@
 """Mesh arithmetic: coordinates, groups, orders (pure, no processes)."""
+
 from __future__ import annotations
 
 import itertools
@@ -22,17 +23,17 @@ def test_coords_groups_are_consistent(tp, cp, ep, dp, pp, order):
     seen = set()
     for r in range(world):
         c = lay.coords(r)
-        assert lay.rank(**c) == r                      # a bijection
+        assert lay.rank(**c) == r  # a bijection
         seen.add(tuple(c[d] for d in DIMS))
     assert len(seen) == world
     inner = order.split("-")[0]
-    if lay.size(inner) > 1:                            # the innermost dim holds neighbours
+    if lay.size(inner) > 1:  # the innermost dim holds neighbours
         assert lay.coords(1)[inner] == 1
     for dims in [(d,) for d in DIMS] + list(itertools.combinations(DIMS, 2)):
         groups = lay.groups(*dims)
-        assert sorted(r for g in groups for r in g) == list(range(world))    # a partition
+        assert sorted(r for g in groups for r in g) == list(range(world))  # a partition
         assert all(len(g) == lay.size(*dims) for g in groups)
-        for g in groups:                               # members differ only along `dims`
+        for g in groups:  # members differ only along `dims`
             base = lay.coords(g[0])
             for r in g:
                 c = lay.coords(r)

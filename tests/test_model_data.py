@@ -1,15 +1,15 @@
 """The model, the data and the reference (one process, no cluster)."""
+
 from __future__ import annotations
 
 import pytest
 import torch
+from conftest import TINY
 
 from labkit import ModelConfig, reference, theory
 from labkit.engines import data
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.model import build_model
-
-from conftest import TINY
 
 
 @pytest.mark.parametrize("m", [TINY, ModelConfig(), ModelConfig(layers=3, hidden=48, heads=6, ffn=96, vocab=64, seq=8)])
@@ -31,16 +31,16 @@ def test_batches_are_deterministic_and_shards_cover_them():
     t1, y1 = data.global_batch(3, 7, 8, 16, 128)
     t2, y2 = data.global_batch(3, 7, 8, 16, 128)
     assert torch.equal(t1, t2) and torch.equal(y1, y2)
-    assert torch.equal(t1[:, 1:], y1[:, :-1])                 # targets are the next tokens
+    assert torch.equal(t1[:, 1:], y1[:, :-1])  # targets are the next tokens
     assert not torch.equal(t1, data.global_batch(4, 7, 8, 16, 128)[0])
     parts = [data.shard(t1, i, 4) for i in range(4)]
     assert torch.equal(torch.cat(parts), t1)
-    assert parts[1].untyped_storage().nbytes() == parts[1].numel() * 8   # owns its rows
+    assert parts[1].untyped_storage().nbytes() == parts[1].numel() * 8  # owns its rows
 
 
 def test_the_language_is_learnable():
     ref = reference(TINY, steps=40, global_batch=16)
-    assert ref.losses[-1] < ref.losses[0] - 1.0, ref.losses   # from ~ln(128)=4.85 well down
+    assert ref.losses[-1] < ref.losses[0] - 1.0, ref.losses  # from ~ln(128)=4.85 well down
 
 
 def test_reference_is_reproducible():
@@ -49,8 +49,10 @@ def test_reference_is_reproducible():
     assert a.losses == b.losses
 
 
-@pytest.mark.parametrize("m, batch", [(TINY, 2), (TINY, 4), (ModelConfig(), 2),
-                                      (ModelConfig(layers=1, hidden=48, heads=3, ffn=64, vocab=96, seq=8), 3)])
+@pytest.mark.parametrize(
+    "m, batch",
+    [(TINY, 2), (TINY, 4), (ModelConfig(), 2), (ModelConfig(layers=1, hidden=48, heads=3, ffn=64, vocab=96, seq=8), 3)],
+)
 def test_activation_theory_equals_the_saved_tensor_meter(m, batch):
     net = build_model(m, 0)
     tokens, targets = data.global_batch(0, 0, batch, m.seq, m.vocab)
@@ -61,4 +63,4 @@ def test_activation_theory_equals_the_saved_tensor_meter(m, batch):
     assert meter.live["activations"] == theory.activation_bytes(m, batch)
     loss.backward()
     del loss
-    assert meter.live["activations"] == 0          # released with the graph
+    assert meter.live["activations"] == 0  # released with the graph

@@ -5,6 +5,7 @@ the one-process reference), so executing it is a test. Each starts its own Lab (
 they run one after another; the kernel runs this interpreter (the same labkit), its cwd is
 notebooks/. Strip outputs before committing with `python -m labkit.strip_notebooks`.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,9 +29,15 @@ def kernel(tmp_path_factory):
     data = tmp_path_factory.mktemp("jupyter")
     spec = data / "kernels" / "labkit-test"
     spec.mkdir(parents=True)
-    (spec / "kernel.json").write_text(json.dumps({
-        "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
-        "display_name": "labkit test", "language": "python"}))
+    (spec / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
+                "display_name": "labkit test",
+                "language": "python",
+            }
+        )
+    )
     mp = pytest.MonkeyPatch()
     mp.setenv("JUPYTER_PATH", str(data))
     yield "labkit-test"
@@ -47,14 +54,15 @@ def test_notebook_executes(path, kernel):
     from nbclient import NotebookClient
 
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, kernel_name=kernel, timeout=TIMEOUT_S, startup_timeout=120,
-                            resources={"metadata": {"path": str(NOTEBOOKS)}})
+    client = NotebookClient(
+        nb, kernel_name=kernel, timeout=TIMEOUT_S, startup_timeout=120, resources={"metadata": {"path": str(NOTEBOOKS)}}
+    )
     t0 = time.perf_counter()
     with client.setup_kernel():
-        try:   # raises CellExecutionError (with the cell and traceback) if a cell fails
+        try:  # raises CellExecutionError (with the cell and traceback) if a cell fails
             for i, cell in enumerate(nb.cells):
                 client.execute_cell(cell, i)
-        except BaseException:   # a failed notebook still stops its engines (its teardown cell)
+        except BaseException:  # a failed notebook still stops its engines (its teardown cell)
             for i, cell in enumerate(nb.cells):
                 if "teardown" in cell.metadata.get("tags", []):
                     try:

@@ -1,16 +1,16 @@
 """Pipeline parallelism on a real 4-engine gloo cluster: ours (GPipe, 1F1B, interleaved 1F1B)
 and torch.distributed.pipelining, against the one-process reference and the theory."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 
 from labkit import ParallelConfig, theory
 from labkit.checks import assert_matches
 from labkit.plans.schedules import plan
 
-from conftest import TINY
-
-M4 = TINY.replace(layers=4)     # 4 layers: one per stage at pp=4, one per chunk at pp=2 x v=2
+M4 = TINY.replace(layers=4)  # 4 layers: one per stage at pp=4, one per chunk at pp=2 x v=2
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ LAYOUTS = [
     ParallelConfig(pp=4, microbatches=8, schedule="gpipe"),
     ParallelConfig(pp=4, microbatches=4, schedule="1f1b"),
     ParallelConfig(pp=4, microbatches=8, schedule="1f1b"),
-    ParallelConfig(pp=4, microbatches=6, schedule="gpipe", global_batch=12),    # m not a multiple of p
+    ParallelConfig(pp=4, microbatches=6, schedule="gpipe", global_batch=12),  # m not a multiple of p
     ParallelConfig(pp=4, microbatches=6, schedule="1f1b", global_batch=12),
     ParallelConfig(pp=2, dp=2, microbatches=2, schedule="1f1b"),
     ParallelConfig(pp=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
@@ -47,9 +47,9 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("cfg", LAYOUTS, ids=lambda c: f"pp{c.pp}xdp{c.dp}-{c.schedule}-m{c.microbatches}")
 def test_pipeline_trains_like_one_process_and_as_predicted(run, cfg):
-    res = run(cfg)                                        # losses and parameters match the reference
+    res = run(cfg)  # losses and parameters match the reference
     est = theory.estimate(cfg, M4)
-    assert comm_rows(res.comm_table()) == comm_rows(est.comm_table())    # row for row, calls too
+    assert comm_rows(res.comm_table()) == comm_rows(est.comm_table())  # row for row, calls too
     pl = plan(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     for rk in res.ranks:
         for k in ("params", "grads", "optimizer", "activations"):
@@ -59,8 +59,9 @@ def test_pipeline_trains_like_one_process_and_as_predicted(run, cfg):
         ran = [(e.kind, e.microbatch, e.chunk) for e in step if e.kind in ("F", "B")]
         assert ran == [(a.op, a.mb, a.chunk) for a in pl.compute(rk.coords["pp"])]
         for kind in ("send", "recv"):
-            assert len([e for e in step if e.kind == kind]) == \
-                len([a for a in pl.actions[rk.coords["pp"]] if a.op.startswith(kind)])
+            assert len([e for e in step if e.kind == kind]) == len(
+                [a for a in pl.actions[rk.coords["pp"]] if a.op.startswith(kind)]
+            )
     bubble = res.bubble_fraction()
     assert set(bubble["per_rank"]) == {rk.rank for rk in res.ranks}
     assert all(0 < f < 1 for f in bubble["per_rank"].values())
@@ -94,16 +95,23 @@ def test_each_chunk_is_reduced_once_after_its_last_backward(run):
         assert all(c.start >= last_b and c.phase == "backward" for c in reduces)
 
 
-@pytest.mark.parametrize("cfg", [
-    ParallelConfig(pp=4, microbatches=4, schedule="1f1b", impl="torch"),
-    ParallelConfig(pp=2, dp=2, microbatches=4, schedule="gpipe", impl="torch"),
-    ParallelConfig(pp=2, virtual_stages=2, microbatches=4, schedule="interleaved", impl="torch"),
-], ids=lambda c: f"torch-pp{c.pp}xdp{c.dp}-{c.schedule}")
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ParallelConfig(pp=4, microbatches=4, schedule="1f1b", impl="torch"),
+        ParallelConfig(pp=2, dp=2, microbatches=4, schedule="gpipe", impl="torch"),
+        ParallelConfig(pp=2, virtual_stages=2, microbatches=4, schedule="interleaved", impl="torch"),
+    ],
+    ids=lambda c: f"torch-pp{c.pp}xdp{c.dp}-{c.schedule}",
+)
 def test_torch_pipelining_trains_like_one_process(run, cfg):
     res = run(cfg)
     # the same point-to-point volume as ours (each schedule moves the same tensors)
-    ours = {(r["rank"], r["op"]): r["payload_bytes"] for r in theory.estimate(cfg.replace(impl="lab"), M4).comm_table()
-            if r["op"] in ("send", "recv")}
+    ours = {
+        (r["rank"], r["op"]): r["payload_bytes"]
+        for r in theory.estimate(cfg.replace(impl="lab"), M4).comm_table()
+        if r["op"] in ("send", "recv")
+    }
     got = {(r["rank"], r["op"]): r["payload_bytes"] for r in res.comm_table() if r["op"] in ("send", "recv")}
     assert got == ours
     assert any(e.kind == "F" for rk in res.ranks for e in rk.timeline)

@@ -1,16 +1,16 @@
 """Mixed precision (bf16 compute, fp32 masters) and activation checkpointing on the cluster, and
 the theory of sharding (no cluster): the ZeRO paper's bytes and volumes, refusals."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
+from test_sharding import ODD, check_against_theory, oracle  # noqa: F401  (oracle is a fixture)
 
 from labkit import ConfigError, ParallelConfig, theory, validate
 from labkit.checks import assert_matches
 from labkit.plans.flat import padded, unit_plans
 from labkit.theory import sharding
-
-from conftest import TINY
-from test_sharding import ODD, check_against_theory, oracle  # noqa: F401  (oracle is a fixture)
 
 PSI = theory.num_params(TINY)
 
@@ -21,13 +21,17 @@ def test_bf16_ddp_holds_2_2_12_bytes_per_parameter(lab, oracle):  # noqa: F811
     assert_matches(res, oracle(cfg))
     paper = theory.model_state_bytes(PSI, 4, "bf16")["none"]
     for rk in res.ranks:
-        assert [rk.memory[k] for k in ("params", "grads", "optimizer")] == \
-               [paper["params"], paper["grads"], paper["optimizer"]]
+        assert [rk.memory[k] for k in ("params", "grads", "optimizer")] == [
+            paper["params"],
+            paper["grads"],
+            paper["optimizer"],
+        ]
     check_against_theory(res, cfg, TINY)
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(sharding="zero3", precision="bf16"), dict(impl="torch"),
-                                dict(sharding="fsdp", impl="torch")])
+@pytest.mark.parametrize(
+    "kw", [dict(), dict(sharding="zero3", precision="bf16"), dict(impl="torch"), dict(sharding="fsdp", impl="torch")]
+)
 def test_checkpointing_drops_activations_by_the_predicted_factor(lab, oracle, kw):  # noqa: F811
     """Each block keeps only its input; backward recomputes one block at a time."""
     cfg = ParallelConfig(dp=4, checkpoint_activations=True, **kw)
@@ -53,7 +57,7 @@ def test_states_are_the_papers_plus_padding(stage, precision):
     exact = sharding.state_bytes(cfg, ODD, n)
     paper = theory.model_state_bytes(theory.num_params(ODD), n, precision)[stage]
     buffers = len(sharding.plans(cfg, ODD, n))
-    per_element = 16   # 2 + 2 + 12 or 4 + 4 + 8
+    per_element = 16  # 2 + 2 + 12 or 4 + 4 + 8
     extra = sum(exact.values()) - paper["total"]
     assert 0 < extra <= buffers * (n - 1) * per_element
 
@@ -65,12 +69,14 @@ def test_traffic_in_elements_of_psi(n, precision):
     2Ψ(N-1)/N; ZeRO-3 and FSDP 3Ψ(N-1)/N (Ψ counted with padding; gradients travel in fp32,
     parameters in the compute dtype; the norm's one scalar left out)."""
     elem = {"fp32": 4, "bf16": 2}[precision]
-    for cfg, volume in [(ParallelConfig(dp=n, precision=precision), 2),
-                        (ParallelConfig(dp=n, sharding="zero1", precision=precision), 2),
-                        (ParallelConfig(dp=n, sharding="zero2", precision=precision), 2),
-                        (ParallelConfig(dp=n, sharding="zero3", precision=precision), 3),
-                        (ParallelConfig(dp=n, sharding="fsdp", precision=precision), 3),
-                        (ParallelConfig(dp=n, sharding="fsdp", reshard_after_forward=False, precision=precision), 2)]:
+    for cfg, volume in [
+        (ParallelConfig(dp=n, precision=precision), 2),
+        (ParallelConfig(dp=n, sharding="zero1", precision=precision), 2),
+        (ParallelConfig(dp=n, sharding="zero2", precision=precision), 2),
+        (ParallelConfig(dp=n, sharding="zero3", precision=precision), 3),
+        (ParallelConfig(dp=n, sharding="fsdp", precision=precision), 3),
+        (ParallelConfig(dp=n, sharding="fsdp", reshard_after_forward=False, precision=precision), 2),
+    ]:
         psi = sum(p.padded for p in sharding.plans(cfg, ODD, n)) if cfg.sharding != "none" else theory.num_params(ODD)
         rows = [r for r in theory.estimate(cfg, ODD).comm_table() if r["rank"] == 0 and r["payload_bytes"] > 4]
         elements = sum(r["wire_bytes"] / (4 if r["op"] != "all_gather" else elem) for r in rows)
@@ -82,17 +88,22 @@ def test_units_and_padding_rule():
     assert [p.unit for p in plans] == ["embed", "blocks.0", "blocks.1", "head"]
     for p in plans:
         assert p.padded == padded(p.numel, 4) and p.padded % 4 == 0 and p.padded - p.numel < 4
-        assert sum(p.real(i) for i in range(4)) == p.numel            # padding belongs to no one
-        assert [d for _, _, d in p.runs(0)][:1] == [True]              # matrices first: decayed
+        assert sum(p.real(i) for i in range(4)) == p.numel  # padding belongs to no one
+        assert [d for _, _, d in p.runs(0)][:1] == [True]  # matrices first: decayed
     fsdp = unit_plans([(n, s) for n, s in theory.param_shapes(ODD)], 4, "fsdp")
     assert [p.unit for p in fsdp] == ["", "blocks.0", "blocks.1"]
 
 
-@pytest.mark.parametrize("kw, fix", [(dict(sharding="zero1", impl="torch"), "impl='lab'"),
-                                     (dict(sharding="zero2", impl="torch"), "reshard_after_forward=False"),
-                                     (dict(sharding="zero3", impl="torch"), "sharding='fsdp'"),
-                                     (dict(precision="bf16", impl="torch"), "impl='lab'"),
-                                     (dict(sharding="zero3", reshard_after_forward=False), "sharding='fsdp'")])
+@pytest.mark.parametrize(
+    "kw, fix",
+    [
+        (dict(sharding="zero1", impl="torch"), "impl='lab'"),
+        (dict(sharding="zero2", impl="torch"), "reshard_after_forward=False"),
+        (dict(sharding="zero3", impl="torch"), "sharding='fsdp'"),
+        (dict(precision="bf16", impl="torch"), "impl='lab'"),
+        (dict(sharding="zero3", reshard_after_forward=False), "sharding='fsdp'"),
+    ],
+)
 def test_combinations_without_an_implementation_are_refused(kw, fix):
     with pytest.raises(ConfigError) as err:
         validate(ParallelConfig(dp=4, **kw), TINY, 4)

@@ -1,4 +1,5 @@
 """Pipeline schedules as data and their simulator (pure: no torch, no cluster)."""
+
 from __future__ import annotations
 
 import subprocess
@@ -23,8 +24,10 @@ def exact_bubbles(sim) -> set[Fraction]:
 
 
 def test_schedule_module_does_not_import_torch():
-    code = ("import sys, labkit.plans.schedules, labkit.plans.simulator, labkit.theory;"
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, labkit.plans.schedules, labkit.plans.simulator, labkit.theory;"
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -69,8 +72,9 @@ def test_zero_bubble_h1_takes_3m_plus_p_minus_1():
             assert max(zb.in_flight.values()) == min(m, p)
 
 
-@pytest.mark.parametrize("schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4),
-                                         ("zb-h1", 1)])
+@pytest.mark.parametrize(
+    "schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]
+)
 def test_every_generated_schedule_passes_its_own_check(schedule, v):
     for p in (1, 2, 3, 4, 8):
         for m in range(1, 3 * p + 2):
@@ -102,7 +106,7 @@ def broken_plan() -> Plan:
 
 def test_a_broken_schedule_is_reported_as_a_deadlock_and_not_run():
     pl = broken_plan()
-    assert local_problems(pl) == []                      # each rank's list is valid on its own
+    assert local_problems(pl) == []  # each rank's list is valid on its own
     sim = simulate(pl)
     assert sim.deadlock
     assert any("rank 0 stuck" in p and "recv_grad0" in p for p in sim.problems)
@@ -110,7 +114,7 @@ def test_a_broken_schedule_is_reported_as_a_deadlock_and_not_run():
     from labkit.engines.parallel.pipeline import PipelineExecutor
 
     with pytest.raises(ScheduleDeadlock, match="rank 0 stuck"):
-        PipelineExecutor(pl, mesh=None, hidden=8)         # refused before it touches a process group
+        PipelineExecutor(pl, mesh=None, hidden=8)  # refused before it touches a process group
 
 
 def test_local_mistakes_and_unmatched_messages_are_reported():
@@ -118,7 +122,7 @@ def test_local_mistakes_and_unmatched_messages_are_reported():
     r1 = [a for a in good.actions[1] if not (a.op == "send_grad" and a.mb == 1)]
     assert any("never received" in p or "stuck" in p for p in check(Plan("x", 2, 2, 1, (good.actions[0], tuple(r1)))))
     r0 = list(good.actions[0])
-    r0[0], r0[1] = r0[1], r0[0]                            # send before the forward that produces it
+    r0[0], r0[1] = r0[1], r0[0]  # send before the forward that produces it
     assert any("comes before ['F']" in p for p in check(Plan("x", 2, 2, 1, (tuple(r0), good.actions[1]))))
 
 
@@ -167,10 +171,11 @@ def test_first_stage_activations_gpipe_is_m_over_p_times_1f1b():
 def test_p2p_bytes_per_microbatch_per_boundary_times_v():
     """Every microbatch crosses each of the p·v - 1 boundaries twice (activation, gradient)."""
     m, gb = 4, 8
-    b = M.seq * M.hidden * 4 * gb // m                      # bytes of one microbatch's (b, s, h) fp32
+    b = M.seq * M.hidden * 4 * gb // m  # bytes of one microbatch's (b, s, h) fp32
     for pp, v in [(2, 1), (4, 1), (2, 2), (4, 2)]:
-        cfg = ParallelConfig(pp=pp, virtual_stages=v, microbatches=m, global_batch=gb,
-                             schedule="interleaved" if v > 1 else "1f1b")
+        cfg = ParallelConfig(
+            pp=pp, virtual_stages=v, microbatches=m, global_batch=gb, schedule="interleaved" if v > 1 else "1f1b"
+        )
         rows = theory.estimate(cfg, M).comm_table()
         sends = [r for r in rows if r["op"] == "send"]
         assert sum(r["wire_bytes"] for r in sends) == 2 * (pp * v - 1) * m * b
@@ -206,11 +211,17 @@ def test_measured_bubble_means_what_the_formula_means():
     ranks = []
     for pp_rank in range(p):
         for d in range(dp):
-            offset = 100.0 * d                                   # replica 1 starts much later
-            tl = [Event(e["kind"], e["microbatch"], e["chunk"], e["start"] + offset, e["end"] + offset)
-                  for e in sim.events if e["rank"] == pp_rank]
-            ranks.append(RankReport(pp_rank * dp + d, {"tp": 0, "cp": 0, "ep": 0, "dp": d, "pp": pp_rank},
-                                    "h", "cpu", {}, [], tl, [0.0]))
+            offset = 100.0 * d  # replica 1 starts much later
+            tl = [
+                Event(e["kind"], e["microbatch"], e["chunk"], e["start"] + offset, e["end"] + offset)
+                for e in sim.events
+                if e["rank"] == pp_rank
+            ]
+            ranks.append(
+                RankReport(
+                    pp_rank * dp + d, {"tp": 0, "cp": 0, "ep": 0, "dp": d, "pp": pp_rank}, "h", "cpu", {}, [], tl, [0.0]
+                )
+            )
     res = RunResult(cfg, M, 1, 0, [0.0], ranks)
     got = res.bubble_fraction()
     assert got["overall"] == pytest.approx(theory.pipeline_bubble(p, m), abs=1e-12)

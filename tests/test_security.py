@@ -1,17 +1,17 @@
 """A local Lab listens on 127.0.0.1 only, two Labs on one machine never collide on ports, and the
 notebook talks to the cluster through ipyparallel's authenticated (HMAC-signed) connection.
 (Lab.connect's use of a connection file is tested in test_connect.py.)"""
+
 from __future__ import annotations
 
 import json
 
 import psutil
 import pytest
+from conftest import TINY
 
 from labkit import Lab, ParallelConfig
 from labkit.checks import assert_matches
-
-from conftest import TINY
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 
@@ -30,7 +30,7 @@ def _cluster_processes() -> list[psutil.Process]:
 
 def _listening(lab=None) -> list[tuple[str, int, str]]:
     out = []
-    for p in (_processes(lab) if lab is not None else _cluster_processes()):
+    for p in _processes(lab) if lab is not None else _cluster_processes():
         for c in p.net_connections("inet"):
             if c.status == psutil.CONN_LISTEN:
                 out.append((c.laddr.ip, c.laddr.port, " ".join(p.cmdline()[1:3])))
@@ -38,20 +38,25 @@ def _listening(lab=None) -> list[tuple[str, int, str]]:
 
 
 def test_a_local_lab_listens_on_loopback_only(lab):
-    lab.run(ParallelConfig(dp=2), model=TINY, steps=1)     # gloo's groups and the store are up
+    lab.run(ParallelConfig(dp=2), model=TINY, steps=1)  # gloo's groups and the store are up
     seen = _listening()
-    print(f"\nlistening sockets of {len(_cluster_processes())} cluster processes: "
-          f"{sorted({(ip, what) for ip, _, what in seen})}, {len(seen)} in all")
+    print(
+        f"\nlistening sockets of {len(_cluster_processes())} cluster processes: "
+        f"{sorted({(ip, what) for ip, _, what in seen})}, {len(seen)} in all"
+    )
     assert seen, "found no listening socket at all: the check would prove nothing"
     assert {ip for ip, _, _ in seen} <= LOOPBACK, [s for s in seen if s[0] not in LOOPBACK]
-    rank0 = {(c.laddr.ip, c.laddr.port) for c in psutil.Process(lab.engines.pids[0]).net_connections("inet")
-             if c.status == psutil.CONN_LISTEN}
-    assert ("127.0.0.1", lab.engines.port) in rank0           # the rendezvous (TCPStore), on loopback
+    rank0 = {
+        (c.laddr.ip, c.laddr.port)
+        for c in psutil.Process(lab.engines.pids[0]).net_connections("inet")
+        if c.status == psutil.CONN_LISTEN
+    }
+    assert ("127.0.0.1", lab.engines.port) in rank0  # the rendezvous (TCPStore), on loopback
 
 
 def test_the_client_connection_is_authenticated(lab):
     key = lab.engines.client.session.key
-    assert isinstance(key, bytes) and len(key) >= 16          # every message is HMAC-signed with it
+    assert isinstance(key, bytes) and len(key) >= 16  # every message is HMAC-signed with it
     assert lab.engines.client.session.signature_scheme.startswith("hmac-")
     for who in ("client", "engine"):
         path = f"{lab.engines.cluster.profile_dir}/security/ipcontroller-{lab.engines.cluster.cluster_id}-{who}.json"

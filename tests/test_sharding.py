@@ -6,21 +6,24 @@ multiple of N = dp, so a rank holds ceil(numel / N) elements of each; FSDP2 pads
 parameter's dim 0 to a multiple of N instead. TINY's buffers are multiples of 4 already;
 ODD (below) makes every rule pad.
 """
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.checks import assert_matches, reference_shards, rtol_for
-
-from conftest import TINY
 
 ODD = ModelConfig(layers=2, hidden=27, heads=3, ffn=81, vocab=125, seq=18)
 """Sizes that no flat buffer and no dim 0 divides by 4 (hidden 27, vocab 125, seq 18): padding everywhere."""
 
 STATES = ("params", "grads", "optimizer")
-CASES = [(s, True, "lab") for s in ("zero1", "zero2", "zero3", "fsdp")] + [("fsdp", False, "lab"),
-         ("fsdp", True, "torch"), ("fsdp", False, "torch")]
+CASES = [(s, True, "lab") for s in ("zero1", "zero2", "zero3", "fsdp")] + [
+    ("fsdp", False, "lab"),
+    ("fsdp", True, "torch"),
+    ("fsdp", False, "torch"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -38,8 +41,9 @@ def oracle(lab):
         shards = reference_shards(cfg)
         key = (model, cfg.precision, shards, cfg.global_batch)
         if key not in cache:
-            cache[key] = reference(model, steps=3, global_batch=cfg.global_batch, precision=cfg.precision,
-                                   shards=shards, threads=threads)
+            cache[key] = reference(
+                model, steps=3, global_batch=cfg.global_batch, precision=cfg.precision, shards=shards, threads=threads
+            )
         return cache[key]
 
     return get
@@ -51,11 +55,12 @@ def check_against_theory(res, cfg: ParallelConfig, model) -> None:
     est = theory.estimate(cfg, model, world=4)
     for rk in res.ranks:
         predicted = est.memory[rk.rank]
-        assert {k: rk.memory[k] for k in predicted if k != "peak"} == \
-               {k: v for k, v in predicted.items() if k != "peak"}, rk.rank
+        assert {k: rk.memory[k] for k in predicted if k != "peak"} == {
+            k: v for k, v in predicted.items() if k != "peak"
+        }, rk.rank
         states = sum(rk.memory[k] for k in STATES)
         assert states + rk.memory["activations"] <= rk.memory["peak"] <= predicted["peak"]
-        if "gathered" in predicted:   # ZeRO-3's transient parameters are inside the peak, not beside it
+        if "gathered" in predicted:  # ZeRO-3's transient parameters are inside the peak, not beside it
             assert rk.memory["peak"] >= states + rk.memory["gathered"]
     if cfg.impl == "lab":
         assert res.comm_table() == est.comm_table()
@@ -72,7 +77,7 @@ def test_sharding_trains_like_one_process(lab, oracle, sharding, reshard, impl, 
     res = lab.run(cfg, model=TINY, steps=3, return_params=True)
     ref = oracle(cfg)
     assert_matches(res, ref)
-    for rk in res.ranks:   # the global norm, each element once: every rank clips by the reference's norm
+    for rk in res.ranks:  # the global norm, each element once: every rank clips by the reference's norm
         assert rk.grad_norms == pytest.approx(ref.grad_norms, rel=rtol_for(precision))
     check_against_theory(res, cfg, TINY)
 
@@ -86,7 +91,7 @@ def test_padding(lab, oracle, sharding, impl):
     check_against_theory(res, cfg, ODD)
     psi = theory.num_params(ODD)
     held = sum(res.ranks[0].memory[k] for k in STATES)
-    assert held > 16 * psi / 4   # the padding is there (16 bytes per fp32 element, split 4 ways)
+    assert held > 16 * psi / 4  # the padding is there (16 bytes per fp32 element, split 4 ways)
 
 
 @pytest.mark.parametrize("sharding", ["zero1", "zero2", "zero3"])
@@ -113,16 +118,23 @@ def test_zero3_gathers_each_unit_around_its_forward_and_backward(lab):
     in backward; every op the dispatcher saw was recorded (a TorchDispatchMode audit counts them)."""
     cfg = ParallelConfig(dp=4, sharding="zero3")
     res = lab.run(cfg, model=TINY, steps=2, audit=True)
-    units = 2 + TINY.layers   # embedding, blocks, head
-    names = {"c10d._allgather_base_": "all_gather", "c10d._reduce_scatter_base_": "reduce_scatter",
-             "c10d.allreduce_": "all_reduce"}
+    units = 2 + TINY.layers  # embedding, blocks, head
+    names = {
+        "c10d._allgather_base_": "all_gather",
+        "c10d._reduce_scatter_base_": "reduce_scatter",
+        "c10d.allreduce_": "all_reduce",
+    }
     for rk, counts in zip(res.ranks, res.audit):
         step = [c for c in rk.comm if c.step == 1]
         by_phase = {(c.op, c.phase): 0 for c in step}
         for c in step:
             by_phase[c.op, c.phase] += 1
-        assert by_phase == {("all_gather", "forward"): units, ("all_gather", "backward"): units,
-                            ("reduce_scatter", "backward"): units, ("all_reduce", "optimizer"): 1}
+        assert by_phase == {
+            ("all_gather", "forward"): units,
+            ("all_gather", "backward"): units,
+            ("reduce_scatter", "backward"): units,
+            ("all_reduce", "optimizer"): 1,
+        }
         seen: dict[str, int] = {}
         for c in rk.comm:
             seen[c.op] = seen.get(c.op, 0) + 1

@@ -5,6 +5,7 @@ a bounded number of process groups, and engine memory (RSS) flat.
 
 Its own Lab (`slab`): the faults replace engines, which the session `lab` must never see.
 """
+
 from __future__ import annotations
 
 import os
@@ -15,19 +16,18 @@ import time
 
 import psutil
 import pytest
+from conftest import TINY
 
 from labkit import CollectiveTimeout, EngineDied, ParallelConfig, RankError, reference
 from labkit.checks import assert_matches
 
-from conftest import TINY
-
 RUNS = 50
-STEPS = 2          # the second step's loss shows the first update
+STEPS = 2  # the second step's loss shows the first update
 LAYOUTS = [
     ParallelConfig(dp=4),
     ParallelConfig(dp=2, microbatches=2),
     ParallelConfig(dp=1, microbatches=4),
-    ParallelConfig(dp=2, bucket_mb=0.001),          # many small buckets
+    ParallelConfig(dp=2, bucket_mb=0.001),  # many small buckets
     ParallelConfig(dp=4, microbatches=2, global_batch=16),
     ParallelConfig(dp=4, impl="torch"),
     ParallelConfig(dp=2, impl="torch", microbatches=2),
@@ -55,6 +55,7 @@ def slab():
 def _raise_on_rank_2():
     import torch
     import torch.distributed as dist
+
     if dist.get_rank() == 2:
         raise RuntimeError("injected")
     dist.all_reduce(torch.ones(2))
@@ -63,6 +64,7 @@ def _raise_on_rank_2():
 def _skip_on_rank_0():
     import torch
     import torch.distributed as dist
+
     if dist.get_rank() != 0:
         dist.all_reduce(torch.ones(2))
 
@@ -72,6 +74,7 @@ def _slow_all_reduces():
 
     import torch
     import torch.distributed as dist
+
     for _ in range(3000):
         dist.all_reduce(torch.ones(2))
         _time.sleep(0.01)
@@ -79,6 +82,7 @@ def _slow_all_reduces():
 
 def _process_groups():
     from labkit.engines import runtime
+
     return runtime.process_groups()
 
 
@@ -98,8 +102,10 @@ def _inject(lab, kind: str) -> None:
 
 def _snapshot(lab) -> dict:
     procs = [psutil.Process(pid) for pid in [lab.engines.cluster.controller.pid, *lab.engines.pids]]
-    listening = {i: sorted(c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN)
-                 for i, p in enumerate(procs)}   # 0: the controller, 1..4: the engines of ranks 0..3
+    listening = {
+        i: sorted(c.laddr.port for c in p.net_connections("inet") if c.status == psutil.CONN_LISTEN)
+        for i, p in enumerate(procs)
+    }  # 0: the controller, 1..4: the engines of ranks 0..3
     return {
         "rss": [psutil.Process(pid).memory_info().rss for pid in lab.engines.pids],
         "pids": list(lab.engines.pids),
@@ -142,17 +148,20 @@ def test_fifty_runs_with_faults_leave_the_lab_as_it_was(slab):
     end = _snapshot(slab)
     took = time.monotonic() - t0
     drift = [e - b for e, b in zip(end["rss"], base["rss"])]
-    print(f"\nsoak: {RUNS} runs + {len(FAULTS)} faults in {took:.0f} s; RSS per engine at run {BASELINE_AT} "
-          f"{[round(b / 2**20, 1) for b in base['rss']]} MiB, drift to the end "
-          f"{[round(d / 2**20, 2) for d in drift]} MiB (median {statistics.median(drift) / 2**20:.2f}); "
-          f"listening sockets (start, baseline, end) {start['listening']}, {base['listening']}, {end['listening']}; process groups per rank {end['groups']}; "
-          f"processes (live, zombie) {end['lab_processes']}; repairs {slab.repairs}")
-    assert end["pids"] == base["pids"]                        # no engine replaced after the baseline
+    print(
+        f"\nsoak: {RUNS} runs + {len(FAULTS)} faults in {took:.0f} s; RSS per engine at run {BASELINE_AT} "
+        f"{[round(b / 2**20, 1) for b in base['rss']]} MiB, drift to the end "
+        f"{[round(d / 2**20, 2) for d in drift]} MiB (median {statistics.median(drift) / 2**20:.2f}); "
+        f"listening sockets (start, baseline, end) {start['listening']}, {base['listening']}, {end['listening']}; "
+        f"process groups per rank {end['groups']}; "
+        f"processes (live, zombie) {end['lab_processes']}; repairs {slab.repairs}"
+    )
+    assert end["pids"] == base["pids"]  # no engine replaced after the baseline
     killed, raised, hung = (r["replaced"] for r in slab.repairs)
-    assert sorted(killed) == [1] and raised == {}                 # the kill: one new engine; the raise: none
-    assert all("torch still held" in why for why in hung.values())   # ranks whose groups DDP pinned
+    assert sorted(killed) == [1] and raised == {}  # the kill: one new engine; the raise: none
+    assert all("torch still held" in why for why in hung.values())  # ranks whose groups DDP pinned
     assert max(drift) < RSS_DRIFT_LIMIT, drift
-    assert end["lab_processes"] == start["lab_processes"]          # nothing leaked, no zombie
+    assert end["lab_processes"] == start["lab_processes"]  # nothing leaked, no zombie
     assert end["lab_processes"][1] == 0
-    assert end["listening"] == base["listening"]                   # no port left open by old worlds
-    assert end["groups"] == base["groups"]                          # process groups rebuilt, not piled up
+    assert end["listening"] == base["listening"]  # no port left open by old worlds
+    assert end["groups"] == base["groups"]  # process groups rebuilt, not piled up

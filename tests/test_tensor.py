@@ -1,14 +1,15 @@
 """Tensor (+ sequence) parallelism on the real 4-engine cluster: against the reference, against
 the theory (comm rows and memory, exactly), and its primitives against dense computation."""
+
 from __future__ import annotations
 
 import pytest
+from conftest import TINY
 
 from labkit import ParallelConfig, theory
 from labkit.checks import assert_matches
-from labkit.config import ConfigError, validate
-
-from conftest import TINY
+from labkit.config import ConfigError
+from labkit.validation import validate
 
 LAYOUTS = {
     "tp4": ParallelConfig(tp=4),
@@ -48,7 +49,7 @@ def test_tensor_parallel_trains_like_one_process(runs, ref_cache, name):
         assert rk.memory["grads"] == est.memory[rk.rank]["grads"] + extra_grad
         assert rk.memory["optimizer"] == est.memory[rk.rank]["optimizer"]
     if cfg.impl == "lab":
-        assert res.comm_table() == est.comm_table()                  # row for row: calls, payload, wire bytes
+        assert res.comm_table() == est.comm_table()  # row for row: calls, payload, wire bytes
         for rk in res.ranks:
             assert rk.memory["activations"] == est.memory[rk.rank]["activations"]
     plan = res.ranks[0].info["tp_plan"]
@@ -65,14 +66,15 @@ def test_sequence_parallel_same_bytes_less_activation_memory(runs):
     def wire(res, ops):
         return sum(e.wire_bytes for e in res.ranks[0].comm if e.step == 2 and e.op in ops and e.payload_bytes == big)
 
-    per_step = (4 * TINY.layers + 2) * 2 * (t - 1) / t * big     # 4L + 2 all-reduces of (b, s, h)
+    per_step = (4 * TINY.layers + 2) * 2 * (t - 1) / t * big  # 4L + 2 all-reduces of (b, s, h)
     assert wire(sp, ("all_gather", "reduce_scatter")) == wire(tp, ("all_reduce",)) == per_step
     for r in range(2):
         a_tp, a_sp = tp.ranks[r].memory["activations"], sp.ranks[r].memory["activations"]
         assert a_sp < a_tp
         assert a_tp == pytest.approx(theory.estimate(ParallelConfig(tp=2), TINY).memory[r]["activations"], rel=0.1)
-        assert a_sp == pytest.approx(theory.estimate(ParallelConfig(tp=2, sequence_parallel=True), TINY)
-                                     .memory[r]["activations"], rel=0.1)
+        assert a_sp == pytest.approx(
+            theory.estimate(ParallelConfig(tp=2, sequence_parallel=True), TINY).memory[r]["activations"], rel=0.1
+        )
     # what SP saves is exactly the replicated LayerNorm inputs and stats, and the head's norm input
     saved = (4 * (2 * TINY.layers + 1) * b * h + 4 * 2 * (2 * TINY.layers + 1) * b) * (s - s // t)
     assert tp.ranks[0].memory["activations"] - sp.ranks[0].memory["activations"] == saved
@@ -87,8 +89,8 @@ def test_meter_sees_dtensor_internal_collectives(lab):
     for rk, counts in zip(res.ranks, res.audit):
         assert sum(counts.values()) == len(rk.comm)
         steady = [c for c in rk.comm if c.step == 1]
-        assert [c for c in steady if c.phase == "forward" and c.payload_bytes == 4 * tokens]   # loss_parallel
-        assert [c for c in steady if c.phase == "optimizer"]                                   # the grad norm
+        assert [c for c in steady if c.phase == "forward" and c.payload_bytes == 4 * tokens]  # loss_parallel
+        assert [c for c in steady if c.phase == "optimizer"]  # the grad norm
 
 
 def _primitives(seed: int) -> dict[str, float]:
@@ -101,7 +103,7 @@ def _primitives(seed: int) -> dict[str, float]:
     from labkit.engines.parallel import tensor as tpl
 
     group, t, r = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
-    gen = torch.Generator().manual_seed(seed)   # the same full tensors on every rank
+    gen = torch.Generator().manual_seed(seed)  # the same full tensors on every rank
     b, s, h, f, v = 2, 8, 12, 16, 20
 
     def rand(*shape):
@@ -111,7 +113,7 @@ def _primitives(seed: int) -> dict[str, float]:
         return float((a - b_).norm() / b_.norm())
 
     x, w1, w2, gy = rand(b, s, h), rand(f, h), rand(h, f), rand(b, s, h)
-    rows, cols = slice(r * f // t, (r + 1) * f // t), slice(r * s // t, (r + 1) * s // t)   # ffn, sequence
+    rows, cols = slice(r * f // t, (r + 1) * f // t), slice(r * s // t, (r + 1) * s // t)  # ffn, sequence
     out = {}
 
     # dense MLP: y = gelu(x W1^T) W2^T, its gradients under the upstream gradient gy
@@ -121,8 +123,8 @@ def _primitives(seed: int) -> dict[str, float]:
     for sp in (False, True):
         xp = (x[:, cols] if sp else x).clone().requires_grad_()
         w1p, w2p = w1[rows].clone().requires_grad_(), w2[:, rows].clone().requires_grad_()
-        enter = tpl.Gather.apply(xp, group) if sp else tpl.Copy.apply(xp, group)   # f / all-gather
-        part = F.gelu(enter @ w1p.T) @ w2p.T                                       # column, then row
+        enter = tpl.Gather.apply(xp, group) if sp else tpl.Copy.apply(xp, group)  # f / all-gather
+        part = F.gelu(enter @ w1p.T) @ w2p.T  # column, then row
         y = tpl.Scatter.apply(part, group) if sp else tpl.Reduce.apply(part, group)
         y.mul(gy[:, cols] if sp else gy).sum().backward()
         tag = "sp" if sp else "tp"
@@ -141,12 +143,12 @@ def _primitives(seed: int) -> dict[str, float]:
     loss_d.backward()
     pp_ = proj[vs].clone().requires_grad_()
     pos = torch.nn.Embedding(s, h).double()
-    torch.nn.init.zeros_(pos.weight)                                               # tokens only
+    torch.nn.init.zeros_(pos.weight)  # tokens only
     tok = torch.nn.Embedding(v // t, h).double()
     tok.weight = torch.nn.Parameter(table[vs].clone())
     embed = tpl.VocabParallelEmbedding(tok, pos, vs.start, lambda z: tpl.Reduce.apply(z, group))
-    emb = embed(tokens, torch.arange(s))                                           # (b, s, h) summed
-    logits = tpl.Copy.apply(emb, group) @ pp_.T                                    # (b, s, V/t)
+    emb = embed(tokens, torch.arange(s))  # (b, s, h) summed
+    logits = tpl.Copy.apply(emb, group) @ pp_.T  # (b, s, V/t)
     loss = tpl.VocabParallelCrossEntropy.apply(logits.flatten(0, 1), tokens.roll(1, 1).flatten(), vs.start, group)
     loss.backward()
     out["embedding forward"] = err(emb, emb_d)
@@ -165,8 +167,8 @@ def test_primitives_match_dense_computation(lab):
 
 def test_config_accepts_tp_and_refuses_what_is_not_built():
     validate(ParallelConfig(tp=2, dp=2, sequence_parallel=True), TINY, 4)
-    validate(ParallelConfig(tp=2), TINY.replace(experts=4, top_k=2), 4)   # MoE replicated over tp
-    with pytest.raises(ConfigError, match="FSDP2 over dp"):                 # DTensor TP composes with FSDP2
+    validate(ParallelConfig(tp=2), TINY.replace(experts=4, top_k=2), 4)  # MoE replicated over tp
+    with pytest.raises(ConfigError, match="FSDP2 over dp"):  # DTensor TP composes with FSDP2
         validate(ParallelConfig(tp=2, dp=2, impl="torch"), TINY, 4)
     with pytest.raises(ConfigError, match="not built yet"):
         validate(ParallelConfig(tp=2, impl="torch"), TINY.replace(experts=4, top_k=2), 4)
@@ -179,8 +181,9 @@ def test_activation_theory_shrinks_as_korthikanti_says():
 
     def block(t, sp, regather=False):
         one, two = TINY.replace(layers=1), TINY.replace(layers=2)
-        return (tensor.activation_bytes(two, 4, t, sp, megatron_regather=regather)
-                - tensor.activation_bytes(one, 4, t, sp, megatron_regather=regather))
+        return tensor.activation_bytes(two, 4, t, sp, megatron_regather=regather) - tensor.activation_bytes(
+            one, 4, t, sp, megatron_regather=regather
+        )
 
     full = block(1, False)
     assert full == theory.activation_bytes(TINY, 4, layers=1, head=False, embed=False)

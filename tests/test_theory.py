@@ -1,4 +1,5 @@
 """Theory against published numbers (no cluster)."""
+
 from __future__ import annotations
 
 import pytest
@@ -33,7 +34,9 @@ def test_korthikanti_table_2():
     assert theory.korthikanti_layer_bytes(s, b, h, a, t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
     assert theory.korthikanti_layer_bytes(s, b, h, a, t, recompute="full") == 2 * sbh
     # the paper's headline: SP + selective recompute saves ~5x vs TP alone at this size
-    ratio = theory.korthikanti_layer_bytes(s, b, h, a, t) / theory.korthikanti_layer_bytes(s, b, h, a, t, True, "selective")
+    ratio = theory.korthikanti_layer_bytes(s, b, h, a, t) / theory.korthikanti_layer_bytes(
+        s, b, h, a, t, True, "selective"
+    )
     assert 4.5 < ratio < 6
 
 

@@ -1,5 +1,6 @@
 """The estimate at scale: one representative rank per class must give exactly what computing
 every rank gives (checked on many small layouts), and large layouts must be cheap."""
+
 from __future__ import annotations
 
 import itertools
@@ -7,10 +8,10 @@ import itertools
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.config import problems
 from labkit.plans.mesh import MeshLayout
 from labkit.theory import comm as tcomm
 from labkit.theory.per_rank import comm_rows, rank_memory
+from labkit.validation import problems
 
 MODEL = ModelConfig(layers=4, hidden=32, heads=4, ffn=128, vocab=128, seq=32, experts=0)
 MOE = MODEL.replace(experts=4, top_k=2)
@@ -18,11 +19,20 @@ MOE = MODEL.replace(experts=4, top_k=2)
 
 def _layouts():
     for dp, tp, pp, cp, ep in itertools.product([1, 2], [1, 2], [1, 2], [1, 2], [1, 2]):
-        for model in ([MODEL, MOE] if ep == 1 else [MOE]):
+        for model in [MODEL, MOE] if ep == 1 else [MOE]:
             for sharding in ("none", "zero1", "fsdp"):
                 for order in ("tp-cp-ep-dp-pp", "dp-pp-tp-cp-ep"):
-                    cfg = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, sharding=sharding, order=order,
-                                         microbatches=2, global_batch=16)
+                    cfg = ParallelConfig(
+                        dp=dp,
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        ep=ep,
+                        sharding=sharding,
+                        order=order,
+                        microbatches=2,
+                        global_batch=16,
+                    )
                     if not problems(cfg, model):
                         yield cfg, model
 
@@ -48,7 +58,7 @@ def test_405b_on_16384_gpus_is_a_small_computation():
     m405 = ModelConfig(layers=126, hidden=16384, heads=128, ffn=64512, vocab=128256, seq=8192)
     cfg = ParallelConfig(dp=1024, tp=8, pp=2, microbatches=4, global_batch=4096)
     est = theory.estimate(cfg, m405)
-    assert len(est.memory) == 16384 and len(est.rows_of) == 2          # one class per pipeline stage
-    assert est.memory[0]["params"] == est.memory[8191]["params"]        # symmetric over tp and dp
+    assert len(est.memory) == 16384 and len(est.rows_of) == 2  # one class per pipeline stage
+    assert est.memory[0]["params"] == est.memory[8191]["params"]  # symmetric over tp and dp
     rows = est.rank_rows(16383)
     assert {r["dim"] for r in rows} >= {"tp", "dp", "pp"}

@@ -1,4 +1,5 @@
 """The time model: Hockney's α-β per link level, 6Ψ·tokens compute, overlap rules."""
+
 from __future__ import annotations
 
 import pytest
@@ -29,14 +30,18 @@ def test_compute_and_overlap():
     assert compute_flops(7e9, 1e6) == 6 * 7e9 * 1e6
     assert compute_flops(7e9, 1e6, recompute=True) == 8 * 7e9 * 1e6
     # dp traffic that fits inside backward is hidden; tp traffic never is
-    rows = [{"dim": "dp", "op": "all_reduce", "calls": 1, "wire_bytes": 1e6},
-            {"dim": "tp", "op": "all_reduce", "calls": 1, "wire_bytes": 1e6}]
+    rows = [
+        {"dim": "dp", "op": "all_reduce", "calls": 1, "wire_bytes": 1e6},
+        {"dim": "tp", "op": "all_reduce", "calls": 1, "wire_bytes": 1e6},
+    ]
     t = step_time(rows, {"dp": [0, 8], "tp": [0, 1]}, 7e9, 4e6, 16)
     assert t.exposed["dp"] == 0 and t.exposed["tp"] == t.comm["tp"] > 0
     assert t.total == pytest.approx(t.compute + t.comm["tp"])
     assert t.dominant == "compute" and 0 < t.mfu <= H100.mfu
     # a bubble stretches the compute
-    assert step_time([], {}, 7e9, 4e6, 16, bubble=0.5).compute == pytest.approx(2 * step_time([], {}, 7e9, 4e6, 16).compute)
+    assert step_time([], {}, 7e9, 4e6, 16, bubble=0.5).compute == pytest.approx(
+        2 * step_time([], {}, 7e9, 4e6, 16).compute
+    )
 
 
 def test_estimate_step_time_names_the_dominant_dim():
@@ -45,7 +50,7 @@ def test_estimate_step_time_names_the_dominant_dim():
     m = ModelConfig(layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=2048)
     inside = theory.estimate(ParallelConfig(dp=8, tp=8, global_batch=64), m).step_time()
     across = theory.estimate(ParallelConfig(dp=8, tp=8, global_batch=64, order="dp-tp-cp-ep-pp"), m).step_time()
-    assert across.comm["tp"] > 5 * inside.comm["tp"]          # tp groups spanning nodes: the slow link
+    assert across.comm["tp"] > 5 * inside.comm["tp"]  # tp groups spanning nodes: the slow link
     assert across.dominant == "tp"
     moe = m.replace(experts=8, top_k=2)
     assert theory.active_params(moe) < theory.num_params(moe)

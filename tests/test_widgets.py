@@ -3,6 +3,7 @@
 The dashboard runs on the session's real 4-engine cluster; MeshView and ScaleExplorer need
 none. Expected numbers come from the ring model and the theory, never typed in.
 """
+
 from __future__ import annotations
 
 import html
@@ -11,16 +12,15 @@ import time
 
 import numpy as np
 import pytest
+from conftest import TINY
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, theory, validate
-from labkit.config import problems
 from labkit.plans.mesh import MeshLayout
 from labkit.theory.presets import PRESETS, PUBLISHED_PARAMS
+from labkit.validation import problems
 from labkit.widgets import Dashboard, MeshView, ScaleExplorer, figures
 from labkit.widgets.controls import DEGREES
 from labkit.widgets.scale import at_scale
-
-from conftest import TINY
 
 PSI = theory.num_params(TINY)
 KIB = 1024
@@ -51,7 +51,7 @@ def test_first_run_draws_every_figure(dash, ref_cache):
     mem = dash.figures["memory"]
     for cat in ("params", "grads", "optimizer", "activations"):
         assert bars(mem, cat) == [rk.memory[cat] / KIB for rk in res.ranks]
-    assert bars(mem, "params") == [4 * PSI / KIB] * 4                       # fp32 weights, every rank
+    assert bars(mem, "params") == [4 * PSI / KIB] * 4  # fp32 weights, every rank
     assert bars(dash.figures["comm"], "all_reduce [dp]") == [ring_all_reduce(4, 4 * PSI) / KIB] * 4
     assert bars(dash.figures["loss"], "reference (1 process)") == ref_cache().losses
     assert bars(dash.figures["loss"], "lab layout") == res.losses
@@ -67,7 +67,7 @@ def test_dp_4_to_2_changes_the_comm_figure_in_place(dash):
     before = {name: id(fw) for name, fw in dash.figures.items()}
     dash.controls["dp"].value = 2
     res = dash.wait(60)
-    assert res.config.dp == 2 and len(res.ranks) == 2                    # ranks 2 and 3 idle
+    assert res.config.dp == 2 and len(res.ranks) == 2  # ranks 2 and 3 idle
     assert {name: id(fw) for name, fw in dash.figures.items()} == before  # same widgets, redrawn
     assert bars(dash.figures["comm"], "all_reduce [dp]") == [ring_all_reduce(2, 4 * PSI) / KIB] * 2
     assert list(dash.figures["traffic"].data[0].x) == ["r0", "r1"]
@@ -76,14 +76,14 @@ def test_dp_4_to_2_changes_the_comm_figure_in_place(dash):
 
 def test_invalid_layout_shows_its_error_and_does_not_run(dash):
     runs, shown = dash.runs, dash.result
-    dash.controls["sequence_parallel"].value = True                      # needs tp > 1
+    dash.controls["sequence_parallel"].value = True  # needs tp > 1
     cfg = ParallelConfig(dp=4, sequence_parallel=True)
     with pytest.raises(ConfigError) as err:
         validate(cfg, TINY, 4)
     assert html.escape(str(err.value)) in dash.error_box.value
     assert "not run" in dash.status.value
     assert dash.wait(10) is shown and dash.runs == runs
-    dash.controls["sequence_parallel"].value = False                     # valid again: it runs
+    dash.controls["sequence_parallel"].value = False  # valid again: it runs
     assert dash.wait(60) is not shown and dash.error_box.value == ""
 
 
@@ -98,14 +98,14 @@ def test_controls_offer_only_values_that_fit(dash):
     for d in DEGREES:
         fits = tuple(v for v in range(1, 5) if not problems(cfg.replace(**{d: v}), TINY, 4))
         assert c[d].options == fits, d
-    assert c["tp"].options == (1, 2)                                    # 2 * tp <= 4, tp | heads
-    assert c["ep"].options == (1,)                                      # a dense model has no experts
+    assert c["tp"].options == (1, 2)  # 2 * tp <= 4, tp | heads
+    assert c["ep"].options == (1,)  # a dense model has no experts
     assert all(not w.continuous_update for w in c.values() if hasattr(w, "continuous_update"))
 
 
 def test_microbatches_show_on_the_timeline(dash):
     dash.controls["dp"].value = 2
-    dash.controls["microbatches"].value = 4                              # debounced into one run
+    dash.controls["microbatches"].value = 4  # debounced into one run
     res = dash.wait(60)
     assert (res.config.dp, res.config.microbatches) == (2, 4)
     names = {t.name for t in dash.figures["timeline"].data}
@@ -166,15 +166,22 @@ def test_refresh_shows_exactly_the_new_figure(lab):
     a = lab.run(ParallelConfig(dp=4), model=TINY, steps=2)
     b = lab.run(ParallelConfig(dp=2, microbatches=2), model=TINY, steps=2)
 
-    def plain(fig_json):   # uids are the widget's own; an empty list is the same as no list
+    def plain(fig_json):  # uids are the widget's own; an empty list is the same as no list
         for t in fig_json["data"]:
             t.pop("uid", None)
-        return [{k: v for k, v in d.items() if not (isinstance(v, (list, tuple)) and not v)}
-                for d in fig_json["data"] + [fig_json["layout"]]]
+        return [
+            {k: v for k, v in d.items() if not (isinstance(v, (list, tuple)) and not v)}
+            for d in fig_json["data"] + [fig_json["layout"]]
+        ]
 
-    builders = [lambda r: figures.memory_figure(r, theory.estimate(r.config, r.model), 1e6 if r is a else None),
-                figures.comm_figure, figures.traffic_figure, figures.timeline_figure, figures.loss_figure,
-                lambda r: figures.mesh_figure(MeshLayout.of(r.config), "dp")]
+    builders = [
+        lambda r: figures.memory_figure(r, theory.estimate(r.config, r.model), 1e6 if r is a else None),
+        figures.comm_figure,
+        figures.traffic_figure,
+        figures.timeline_figure,
+        figures.loss_figure,
+        lambda r: figures.mesh_figure(MeshLayout.of(r.config), "dp"),
+    ]
     for build in builders:
         fw = figure_widget(figures.empty_figure("before"))
         for r in (a, b, a, a, b):
@@ -187,10 +194,10 @@ def test_traffic_matrix_follows_the_ring(lab):
     res = lab.run(ParallelConfig(dp=4, bucket_mb=0.03), model=TINY, steps=2)
     ranks, m = figures.traffic_matrix(res)
     sent = {r: sum(row["wire_bytes"] for row in res.comm_table() if row["rank"] == r) for r in ranks}
-    assert m.sum(axis=1).tolist() == [sent[r] for r in ranks]            # rows add up to comm_table
+    assert m.sum(axis=1).tolist() == [sent[r] for r in ranks]  # rows add up to comm_table
     ring = np.zeros_like(m)
     for i in range(4):
-        ring[i, (i + 1) % 4] = ring_all_reduce(4, 4 * PSI)                # each rank feeds its successor
+        ring[i, (i + 1) % 4] = ring_all_reduce(4, 4 * PSI)  # each rank feeds its successor
     assert np.allclose(m, ring)
     fig = figures.traffic_figure(res)
     assert np.allclose(np.asarray(fig.data[0].z), m / KIB)
@@ -213,18 +220,18 @@ def test_mesh_view_groups_orders_and_hosts():
     assert view.groups == layout.groups("tp") == [[2 * i, 2 * i + 1] for i in range(8)]
     view.controls["dim"].value = "dp"
     assert view.groups == layout.groups("dp")
-    view.controls["order"].value = "dp-tp-cp-ep-pp"                      # dp innermost now
+    view.controls["order"].value = "dp-tp-cp-ep-pp"  # dp innermost now
     assert view.groups == [[4 * i + k for k in range(4)] for i in range(4)]
     view.controls["order"].value = "dp-tp"
     assert "must name each of" in view.text.value
     view.controls["order"].value = "tp-cp-ep-dp-pp"
-    view.controls["ranks_per_host"].value = 4                            # 4 hosts of 4 ranks
+    view.controls["ranks_per_host"].value = 4  # 4 hosts of 4 ranks
     crossing = next(t for t in view.figure.data if t.name == "dp group spans hosts")
     hosts = [r // 4 for r in range(16)]
     expect = sorted(r for g in layout.groups("dp") if len({hosts[x] for x in g}) > 1 for r in g)
-    assert sorted(crossing.customdata) == expect == list(range(16))      # dp strides over nodes
+    assert sorted(crossing.customdata) == expect == list(range(16))  # dp strides over nodes
     view.controls["dim"].value = "tp"
-    assert not any(t.name == "tp group spans hosts" for t in view.figure.data)   # tp stays in a node
+    assert not any(t.name == "tp group spans hosts" for t in view.figure.data)  # tp stays in a node
 
 
 def test_mesh_figure_at_16k_ranks_is_quick():
@@ -238,7 +245,7 @@ def test_mesh_figure_at_16k_ranks_is_quick():
 # -- ScaleExplorer: theory only ----------------------------------------------------------------------
 def test_presets_hold_the_published_parameter_counts():
     for name, model in PRESETS.items():
-        untied = model.vocab * model.hidden if name.startswith("gpt2") else 0   # GPT-2 ties its head
+        untied = model.vocab * model.hidden if name.startswith("gpt2") else 0  # GPT-2 ties its head
         assert theory.num_params(model) - untied == pytest.approx(PUBLISHED_PARAMS[name], rel=0.01), name
 
 
@@ -250,8 +257,9 @@ def test_at_scale_agrees_with_the_full_estimate():
         assert view.memory == [est.memory[r] for r in view.ranks]
         for rank, rows in zip(view.ranks, view.comm):
             full = [r for r in est.comm_table() if r["rank"] == rank]
-            assert {(r["dim"], r["op"]): r["wire_bytes"] for r in rows} == \
-                   pytest.approx({(r["dim"], r["op"]): r["wire_bytes"] for r in full})
+            assert {(r["dim"], r["op"]): r["wire_bytes"] for r in rows} == pytest.approx(
+                {(r["dim"], r["op"]): r["wire_bytes"] for r in full}
+            )
 
 
 def test_scale_explorer_updates_quickly_and_reaches_16k_gpus():
@@ -261,15 +269,25 @@ def test_scale_explorer_updates_quickly_and_reaches_16k_gpus():
     x = ScaleExplorer(model="llama-7b", gpus=64, tp=8)
     c = x.controls
     took = []
-    for field, value in [("microbatches", 4), ("pp", 2), ("sharding", "zero1"), ("precision", "fp32"),
-                         ("gpus", 128), ("tp", 4), ("pp", 4), ("microbatches", 16), ("gpus", 256), ("cp", 2)]:
+    for field, value in [
+        ("microbatches", 4),
+        ("pp", 2),
+        ("sharding", "zero1"),
+        ("precision", "fp32"),
+        ("gpus", 128),
+        ("tp", 4),
+        ("pp", 4),
+        ("microbatches", 16),
+        ("gpus", 256),
+        ("cp", 2),
+    ]:
         c[field].value = value
         x.wait()
         took.append(x.timings["update_cpu"])
         assert x.error_box.value == "", (field, value, x.error_box.value)
     assert statistics.median(took) < 0.1, took
     c["pp"].value, c["cp"].value, c["tp"].value, c["precision"].value = 1, 1, 8, "fp32"
-    c["sharding"].value = "none"   # DDP: one all-reduce of the fp32 gradients over dp
+    c["sharding"].value = "none"  # DDP: one all-reduce of the fp32 gradients over dp
     c["gpus"].value = 16384
     view = x.wait(120)
     assert view.config.world == 16384 and not view.comm_pending
@@ -277,11 +295,11 @@ def test_scale_explorer_updates_quickly_and_reaches_16k_gpus():
     dp_rows = [r for r in view.comm[0] if r["op"] == "all_reduce" and r["dim"] == "dp"]
     from labkit.theory.params import rank_param_count
 
-    held = rank_param_count(view.config, view.model, 0)      # the rank's tp slice of the model
-    assert held < view.psi / 7                                # tp=8: about an eighth (norms replicated)
-    assert [r["wire_bytes"] for r in dp_rows] == [ring_all_reduce(n, 4 * held)]   # DDP's fp32 gradients
-    assert x.figures["memory"].layout.shapes[0].y0 == 80                              # the 80 GB line
-    c["tp"].value = 16    # llama-7b: heads 32; dp = 16384 / 16 = 1024
+    held = rank_param_count(view.config, view.model, 0)  # the rank's tp slice of the model
+    assert held < view.psi / 7  # tp=8: about an eighth (norms replicated)
+    assert [r["wire_bytes"] for r in dp_rows] == [ring_all_reduce(n, 4 * held)]  # DDP's fp32 gradients
+    assert x.figures["memory"].layout.shapes[0].y0 == 80  # the 80 GB line
+    c["tp"].value = 16  # llama-7b: heads 32; dp = 16384 / 16 = 1024
     assert x.view.config.dp == 1024
-    c["gpus"].value = 1   # dp would not be whole
+    c["gpus"].value = 1  # dp would not be whole
     assert "not divisible" in x.error_box.value

@@ -7,9 +7,10 @@ checks them: the all-to-alls match in calls, per ep group in bytes, and per rank
 routing (R rows received per layer, read off its forward combine all-to-all) replaces the
 balanced R = N; activations likewise (the schedule walked again with each microbatch's R,
 theory/activations.py `peak(..., received)`). PyTorch's FSDP2 rows (over dp) and model states
-equal the theory and its activations are within 10% of ours (DTensor saves what our TP saves, to 60 bytes); DTensor's own TP
-collectives are its implementation's, not compared here.
+equal the theory and its activations are within 10% of ours (DTensor saves what our TP saves, to 60
+bytes); DTensor's own TP collectives are its implementation's, not compared here.
 """
+
 from __future__ import annotations
 
 from labkit import ParallelConfig, theory
@@ -42,10 +43,13 @@ def routing(rank_report, cfg, model) -> dict:
     if cfg.pp == 1:
         order = [(mb, 0) for mb in range(cfg.microbatches)]
     else:
-        order = [(a.mb, a.chunk) for a in plan(cfg.schedule, cfg.pp, cfg.microbatches,
-                                               cfg.virtual_stages).actions[rank_report.coords["pp"]] if a.op == "F"]
+        order = [
+            (a.mb, a.chunk)
+            for a in plan(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages).actions[rank_report.coords["pp"]]
+            if a.op == "F"
+        ]
     rows = received_rows(rank_report, len(order) * layers, model.hidden, elem)
-    return {key: rows[i * layers:(i + 1) * layers] for i, key in enumerate(order)}
+    return {key: rows[i * layers : (i + 1) * layers] for i, key in enumerate(order)}
 
 
 def compare(res, cfg, model, world: int) -> list[dict]:
@@ -62,17 +66,22 @@ def compare(res, cfg, model, world: int) -> list[dict]:
         for k in STATES:
             assert rk.memory[k] == want[k], (rk.rank, k, rk.memory[k], want[k])
         acts = want["activations"]
-        if routed(cfg, model):   # the same walk with this rank's R per layer and microbatch
+        if routed(cfg, model):  # the same walk with this rank's R per layer and microbatch
             acts = activations.peak(cfg, model, rk.coords["pp"], routing(rk, cfg, model))
         if ours:
             assert rk.memory["activations"] == acts, (rk.rank, rk.memory["activations"], acts)
-        else:   # DTensor's own saved tensors (FSDP2 x TP)
+        else:  # DTensor's own saved tensors (FSDP2 x TP)
             assert abs(rk.memory["activations"] - acts) <= 0.1 * acts, (rk.rank, rk.memory["activations"], acts)
-        table.append({"rank": rk.rank, "coords": rk.coords,
-                      **{k: (rk.memory[k], want[k]) for k in STATES},
-                      "activations": (rk.memory["activations"], acts)})
+        table.append(
+            {
+                "rank": rk.rank,
+                "coords": rk.coords,
+                **{k: (rk.memory[k], want[k]) for k in STATES},
+                "activations": (rk.memory["activations"], acts),
+            }
+        )
     measured, predicted = res.comm_table(), est.comm_table()
-    if not ours:   # FSDP2's rows over dp
+    if not ours:  # FSDP2's rows over dp
         measured = [r for r in measured if r["dim"] == "dp"]
         predicted = [r for r in predicted if r["dim"] == "dp"]
     a2a = lambda rows: {r["rank"]: r for r in rows if r["op"] == "all_to_all"}
@@ -91,7 +100,7 @@ def compare(res, cfg, model, world: int) -> list[dict]:
         for group in MeshLayout.of(cfg).groups("ep"):
             for key in ("payload_bytes", "wire_bytes"):
                 assert sum(got[i][key] for i in group) == sum(row[i][key] for i in group)
-    for entry in table:   # wire bytes per dim, measured vs predicted
+    for entry in table:  # wire bytes per dim, measured vs predicted
         wire = {}
         for src, rows in (("measured", res.comm_table()), ("predicted", est.comm_table())):
             for r in rows:
@@ -119,9 +128,16 @@ def same_arithmetic(cfg: ParallelConfig) -> ParallelConfig:
     kept, no pipeline and no ZeRO, dp folded into microbatches — unless ep > 1, whose experts see
     the rows of one dp replica's ep ranks together, a pairing that only dp itself reproduces."""
     fold = cfg.ep == 1
-    return ParallelConfig(tp=cfg.tp, cp=cfg.cp, ep=cfg.ep, dp=1 if fold else cfg.dp,
-                          sequence_parallel=cfg.sequence_parallel, precision=cfg.precision,
-                          microbatches=cfg.microbatches * (cfg.dp if fold else 1), global_batch=cfg.global_batch)
+    return ParallelConfig(
+        tp=cfg.tp,
+        cp=cfg.cp,
+        ep=cfg.ep,
+        dp=1 if fold else cfg.dp,
+        sequence_parallel=cfg.sequence_parallel,
+        precision=cfg.precision,
+        microbatches=cfg.microbatches * (cfg.dp if fold else 1),
+        global_batch=cfg.global_batch,
+    )
 
 
 def reference_gap(model, seed: int, steps: int = 3) -> float:
@@ -139,7 +155,6 @@ def reference_gap(model, seed: int, steps: int = 3) -> float:
     layouts land 2e-5 away (one element, of 4096). No bug, and no tolerance to loosen: tests pick
     a seed whose gap is small, and check that it is."""
     import numpy as np
-    import torch
 
     from labkit import reference
     from labkit.checks import param_errors
@@ -163,5 +178,6 @@ def reference_gap(model, seed: int, steps: int = 3) -> float:
 
     ref = reference(model, steps=steps, seed=seed).params
     others = [float64()] + [reference(model, steps=steps, seed=seed, shards=k).params for k in (2, 4, 8)]
-    return max(max(param_errors({n: np.asarray(v, dtype=np.float64) for n, v in o.items()}, ref).values())
-               for o in others)
+    return max(
+        max(param_errors({n: np.asarray(v, dtype=np.float64) for n, v in o.items()}, ref).values()) for o in others
+    )

@@ -5,15 +5,20 @@
 Everything here runs in the notebook kernel; nothing imports torch.distributed. The widgets
 are imported on first use, so `labkit.widgets.figures` stays light for the CLI's report.
 """
+
 from __future__ import annotations
 
-_LAZY = {"Dashboard": "labkit.widgets.dashboard", "MeshView": "labkit.widgets.meshview",
-         "ScaleExplorer": "labkit.widgets.scale"}
+import importlib
+
+_LAZY = {
+    "Dashboard": "labkit.widgets.dashboard",
+    "MeshView": "labkit.widgets.meshview",
+    "ScaleExplorer": "labkit.widgets.scale",
+}
 
 
 def __getattr__(name):
     if name in _LAZY:
-        import importlib
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'labkit.widgets' has no attribute {name!r}")
 

@@ -1,17 +1,19 @@
 """Controls for a ParallelConfig: one ipywidget per field, offering only values that fit.
 
 Which values fit is not written down twice: a value is offered when setting it adds no
-problem that `labkit.config.problems` would report (degrees whose product exceeds the engines,
+problem that `labkit.validation.problems` would report (degrees whose product exceeds the engines,
 heads % tp, layers % (pp * virtual_stages), seq % 2cp, global_batch % (dp * ep * microbatches),
 ...). So the offered values follow the config's own arithmetic as it grows. Layouts that are
 arithmetically fine but not built yet stay selectable: `validate` refuses them and the
 dashboard shows why, and they light up when their strategy lands.
 """
+
 from __future__ import annotations
 
 import ipywidgets as W
 
-from labkit.config import IMPLS, PRECISIONS, SCHEDULES, SHARDINGS, ModelConfig, ParallelConfig, problems
+from labkit.config import IMPLS, PRECISIONS, SCHEDULES, SHARDINGS, ModelConfig, ParallelConfig
+from labkit.validation import problems
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 SLIDERS = DEGREES + ("microbatches", "virtual_stages", "global_batch")
@@ -25,12 +27,17 @@ LIMITS = {"microbatches": 64, "virtual_stages": 8, "global_batch": 64}
 FIELDS = SLIDERS + tuple(CHOICES) + FLAGS + ("bucket_mb", "order")
 """Every ParallelConfig field the dashboard controls."""
 HELP = {
-    "dp": "data-parallel replicas", "tp": "tensor-parallel ranks (heads, MLP width, vocab split)",
-    "pp": "pipeline stages", "cp": "context-parallel ranks (sequence split, ring attention)",
-    "ep": "expert-parallel ranks (MoE)", "microbatches": "microbatches per step",
+    "dp": "data-parallel replicas",
+    "tp": "tensor-parallel ranks (heads, MLP width, vocab split)",
+    "pp": "pipeline stages",
+    "cp": "context-parallel ranks (sequence split, ring attention)",
+    "ep": "expert-parallel ranks (MoE)",
+    "microbatches": "microbatches per step",
     "virtual_stages": "model chunks per pipeline rank (interleaved)",
-    "global_batch": "sequences per optimizer step", "bucket_mb": "gradient bucket size (MiB)",
-    "order": "mesh order, innermost first", "steps": "training steps per run",
+    "global_batch": "sequences per optimizer step",
+    "bucket_mb": "gradient bucket size (MiB)",
+    "order": "mesh order, innermost first",
+    "steps": "training steps per run",
 }
 
 
@@ -44,9 +51,15 @@ def offered(field: str, cfg: ParallelConfig, model: ModelConfig, engines: int) -
 
 
 def _slider(field: str, value, options) -> W.SelectionSlider:
-    return W.SelectionSlider(options=options, value=value, description=field, continuous_update=False,
-                             tooltip=HELP.get(field, ""), style={"description_width": "90px"},
-                             layout=W.Layout(width="310px"))
+    return W.SelectionSlider(
+        options=options,
+        value=value,
+        description=field,
+        continuous_update=False,
+        tooltip=HELP.get(field, ""),
+        style={"description_width": "90px"},
+        layout=W.Layout(width="310px"),
+    )
 
 
 def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: int = 3) -> dict[str, W.Widget]:
@@ -55,18 +68,35 @@ def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: 
     for f in SLIDERS:
         c[f] = _slider(f, getattr(cfg, f), offered(f, cfg, model, engines))
     for f, opts in CHOICES.items():
-        c[f] = W.ToggleButtons(options=list(opts), value=getattr(cfg, f), description=f,
-                               style={"description_width": "90px", "button_width": f"{9 * max(map(len, opts)) + 30}px"})
+        c[f] = W.ToggleButtons(
+            options=list(opts),
+            value=getattr(cfg, f),
+            description=f,
+            style={"description_width": "90px", "button_width": f"{9 * max(map(len, opts)) + 30}px"},
+        )
     for f in FLAGS:
         c[f] = W.Checkbox(value=getattr(cfg, f), description=f, indent=False)
     c["bucket_mb"] = _slider("bucket_mb", cfg.bucket_mb, sorted(set(BUCKETS_MB) | {cfg.bucket_mb}))
-    c["order"] = W.Combobox(value=cfg.order, options=list(ORDERS), description="order", ensure_option=False,
-                            continuous_update=False, style={"description_width": "90px"},
-                            layout=W.Layout(width="310px"))
-    c["steps"] = W.IntSlider(value=steps, min=1, max=20, description="steps", continuous_update=False,
-                             style={"description_width": "90px"}, layout=W.Layout(width="310px"))
+    c["order"] = W.Combobox(
+        value=cfg.order,
+        options=list(ORDERS),
+        description="order",
+        ensure_option=False,
+        continuous_update=False,
+        style={"description_width": "90px"},
+        layout=W.Layout(width="310px"),
+    )
+    c["steps"] = W.IntSlider(
+        value=steps,
+        min=1,
+        max=20,
+        description="steps",
+        continuous_update=False,
+        style={"description_width": "90px"},
+        layout=W.Layout(width="310px"),
+    )
     for f, w in c.items():
-        w.add_class(f"labkit-{f.replace('_', '-')}")   # stable handles for the browser test and CSS
+        w.add_class(f"labkit-{f.replace('_', '-')}")  # stable handles for the browser test and CSS
     return c
 
 

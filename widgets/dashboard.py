@@ -13,6 +13,7 @@ is the only caller and runs are serialised; the kernel's thread only reads contr
 draws the mesh, so the notebook stays responsive while a run is in flight. The figures are
 rebuilt from the result by the pure builders in figures.py and shown in place (batch_update).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,16 +24,25 @@ import time
 import ipywidgets as W
 
 from labkit import theory
-from labkit.config import DIMS, ConfigError, ModelConfig, ParallelConfig, problems, validate
-from labkit.errors import Cancelled
+from labkit.config import DIMS, ConfigError, ModelConfig, ParallelConfig
+from labkit.errors import Cancelled, LabError
 from labkit.plans.mesh import COMBINED, MeshLayout
+from labkit.reference import reference
+from labkit.validation import problems, validate
 from labkit.widgets import figures
 from labkit.widgets.controls import DEGREES, config_of, make_controls, sync_options
+from labkit.widgets.device import total_memory
 from labkit.widgets.live import UI, figure_widget, refresh
 
 NAMES = ("memory", "comm", "traffic", "timeline", "mesh", "loss")
-TITLES = {"memory": "Memory per rank", "comm": "Communication per rank", "traffic": "Traffic rank → rank",
-          "timeline": "Timeline", "mesh": "Mesh", "loss": "Loss per step"}
+TITLES = {
+    "memory": "Memory per rank",
+    "comm": "Communication per rank",
+    "traffic": "Traffic rank → rank",
+    "timeline": "Timeline",
+    "mesh": "Mesh",
+    "loss": "Loss per step",
+}
 SIZE = dict(height=360, width=540)
 """Fixed figure size: plotly's autosize measures its cell before the notebook has laid it out."""
 
@@ -41,8 +51,19 @@ def describe(cfg: ParallelConfig) -> str:
     """One line for the status: the mesh, then whatever differs from the defaults."""
     base = ParallelConfig()
     parts = [MeshLayout.of(cfg).describe()]
-    for f in ("sharding", "microbatches", "schedule", "virtual_stages", "global_batch", "impl", "precision",
-              "sequence_parallel", "checkpoint_activations", "order", "bucket_mb"):
+    for f in (
+        "sharding",
+        "microbatches",
+        "schedule",
+        "virtual_stages",
+        "global_batch",
+        "impl",
+        "precision",
+        "sequence_parallel",
+        "checkpoint_activations",
+        "order",
+        "bucket_mb",
+    ):
         if getattr(cfg, f) != getattr(base, f):
             parts.append(f"{f}={getattr(cfg, f)}")
     return ", ".join(parts)
@@ -67,9 +88,17 @@ class Dashboard:
     the smallest GPU's memory when the engines have GPUs, none on CPU).
     """
 
-    def __init__(self, lab, cfg: ParallelConfig | None = None, model: ModelConfig | None = None,
-                 steps: int = 3, seed: int = 0, debounce: float = 0.15, run: bool = True,
-                 capacity_bytes: float | None = None):
+    def __init__(
+        self,
+        lab,
+        cfg: ParallelConfig | None = None,
+        model: ModelConfig | None = None,
+        steps: int = 3,
+        seed: int = 0,
+        debounce: float = 0.15,
+        run: bool = True,
+        capacity_bytes: float | None = None,
+    ):
         self.lab = lab
         self.model = model or ModelConfig()
         self.engines = lab.world
@@ -79,13 +108,11 @@ class Dashboard:
         cfg = cfg or default_config(self.model, self.engines)
         self.controls = make_controls(cfg, self.model, self.engines, steps)
         dims = list(DIMS) + ["-".join(c) for c in COMBINED if len(c) < len(DIMS)]
-        self.mesh_dim = W.Dropdown(options=dims, value="dp", description="colour by",
-                                   layout=W.Layout(width="220px"))
+        self.mesh_dim = W.Dropdown(options=dims, value="dp", description="colour by", layout=W.Layout(width="220px"))
         self.ui = UI()
         self.figures = {n: self.ui.watch(figure_widget(figures.empty_figure(TITLES[n]), **SIZE)) for n in NAMES}
         self.status = W.HTML(layout=W.Layout(width="640px")).add_class("labkit-status")
-        self.progress = W.IntProgress(value=0, min=0, max=steps, description="step",
-                                      layout=W.Layout(width="260px"))
+        self.progress = W.IntProgress(value=0, min=0, max=steps, description="step", layout=W.Layout(width="260px"))
         self.cancel_button = W.Button(description="cancel", icon="stop", disabled=True, button_style="warning")
         self.error_box = W.HTML().add_class("labkit-error")
         self.result = None
@@ -113,22 +140,32 @@ class Dashboard:
     def _assemble(self) -> W.Widget:
         c = self.controls
         col = lambda *ws: W.VBox(list(ws), layout=W.Layout(margin="0 12px 0 0", flex="0 0 auto"))  # noqa: E731
-        knobs = W.HBox(layout=W.Layout(flex_flow="row wrap"), children=[
-            col(*(c[d] for d in DEGREES)),
-            col(c["microbatches"], c["virtual_stages"], c["global_batch"], c["bucket_mb"], c["steps"]),
-            col(c["schedule"], c["sharding"], c["impl"], c["precision"], c["order"]),
-            col(c["sequence_parallel"], c["checkpoint_activations"], c["reshard_after_forward"]),
-        ])
+        knobs = W.HBox(
+            layout=W.Layout(flex_flow="row wrap"),
+            children=[
+                col(*(c[d] for d in DEGREES)),
+                col(c["microbatches"], c["virtual_stages"], c["global_batch"], c["bucket_mb"], c["steps"]),
+                col(c["schedule"], c["sharding"], c["impl"], c["precision"], c["order"]),
+                col(c["sequence_parallel"], c["checkpoint_activations"], c["reshard_after_forward"]),
+            ],
+        )
         hosts = sorted(set(self.lab.hosts))
-        head = W.HTML(f"<b>labkit</b> · {self.engines} engines on {', '.join(map(html.escape, hosts))} "
-                      f"· {html.escape(str(self.lab.devices[0]))} · model Ψ = {theory.num_params(self.model):,}")
+        head = W.HTML(
+            f"<b>labkit</b> · {self.engines} engines on {', '.join(map(html.escape, hosts))} "
+            f"· {html.escape(str(self.lab.devices[0]))} · model Ψ = {theory.num_params(self.model):,}"
+        )
         f = self.figures
         cell = lambda *ws: W.VBox(list(ws))  # noqa: E731
-        grid = W.VBox([W.HBox([cell(f["memory"]), cell(f["comm"])]),
-                       W.HBox([cell(f["timeline"]), cell(f["traffic"])]),
-                       W.HBox([cell(self.mesh_dim, f["mesh"]), cell(f["loss"])])])
-        return W.VBox([head, knobs, W.HBox([self.status, self.progress, self.cancel_button]),
-                       self.error_box, grid]).add_class("labkit-dashboard")
+        grid = W.VBox(
+            [
+                W.HBox([cell(f["memory"]), cell(f["comm"])]),
+                W.HBox([cell(f["timeline"]), cell(f["traffic"])]),
+                W.HBox([cell(self.mesh_dim, f["mesh"]), cell(f["loss"])]),
+            ]
+        )
+        return W.VBox(
+            [head, knobs, W.HBox([self.status, self.progress, self.cancel_button]), self.error_box, grid]
+        ).add_class("labkit-dashboard")
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
@@ -141,8 +178,12 @@ class Dashboard:
         self._set(self.status, value=f"<span>{html.escape(text)}</span>")
 
     def _show_error(self, text: str) -> None:
-        self._set(self.error_box, value=(f"<pre style='color:#B00020;white-space:pre-wrap;margin:4px 0'>"
-                                         f"{html.escape(text)}</pre>") if text else "")
+        self._set(
+            self.error_box,
+            value=(f"<pre style='color:#B00020;white-space:pre-wrap;margin:4px 0'>{html.escape(text)}</pre>")
+            if text
+            else "",
+        )
 
     # -- controls -> validated layout -> pending run ----------------------------------------
     @contextlib.contextmanager
@@ -180,7 +221,7 @@ class Dashboard:
 
     def _draw_mesh(self, cfg: ParallelConfig) -> None:
         if cfg.order.count("-") != len(DIMS) - 1 or sorted(cfg.order.split("-")) != sorted(DIMS):
-            return   # an order still being typed; validate() explains it
+            return  # an order still being typed; validate() explains it
         layout = MeshLayout.of(cfg)
         hosts, devices = self.lab.hosts[: layout.world], self.lab.devices[: layout.world]
         if layout.world > self.engines:
@@ -199,7 +240,7 @@ class Dashboard:
                 self._busy = True
             try:
                 self._run(cfg, steps, asked)
-            except Exception as e:   # noqa: BLE001 - shown in the notebook, never lost in a thread
+            except Exception as e:  # noqa: BLE001 - shown in the notebook, never lost in a thread
                 self.error = e
                 self._show_error(f"{type(e).__name__}: {e}")
             finally:
@@ -208,8 +249,6 @@ class Dashboard:
                     self._cv.notify_all()
 
     def _run(self, cfg: ParallelConfig, steps: int, asked: float) -> None:
-        from labkit.errors import LabError
-
         self._set(self.progress, max=steps, value=0)
         self._set(self.cancel_button, disabled=False)
         self._say(f"{describe(cfg)}: running")
@@ -217,8 +256,9 @@ class Dashboard:
         if self.capacity_bytes is None and self.runs == 0:
             self.capacity_bytes = device_capacity(self.lab)
         try:
-            res = self.lab.run(cfg, model=self.model, steps=steps, seed=self.seed,
-                               progress=lambda p: self._step(cfg, p))
+            res = self.lab.run(
+                cfg, model=self.model, steps=steps, seed=self.seed, progress=lambda p: self._step(cfg, p)
+            )
         except Cancelled:
             self._say(f"{describe(cfg)}: cancelled")
             return
@@ -237,22 +277,28 @@ class Dashboard:
         t3 = time.perf_counter()
         self.result = res
         self.runs += 1
-        self.timings = {"debounce_and_queue": t0 - asked, "run": t1 - t0, "reference": t2 - t1, "figures": t3 - t2,
-                        "total": t3 - asked}
-        self._say(f"{describe(cfg)}: done, {steps} steps in {res.wall_seconds:.2f} s, loss {res.losses[-1]:.4f} "
-                  f"(figures {t3 - t2:.2f} s)")
+        self.timings = {
+            "debounce_and_queue": t0 - asked,
+            "run": t1 - t0,
+            "reference": t2 - t1,
+            "figures": t3 - t2,
+            "total": t3 - asked,
+        }
+        self._say(
+            f"{describe(cfg)}: done, {steps} steps in {res.wall_seconds:.2f} s, loss {res.losses[-1]:.4f} "
+            f"(figures {t3 - t2:.2f} s)"
+        )
 
     def _step(self, cfg: ParallelConfig, p: dict) -> None:
         self._set(self.progress, value=p["step"] + 1)
         self._say(f"{describe(cfg)}: step {p['step'] + 1}/{p['steps']}, loss {p['loss']:.4f}, {p['seconds']:.2f} s")
 
     def _reference(self, cfg: ParallelConfig, steps: int):
-        from labkit.reference import reference
-
         key = (self.model, steps, self.seed, cfg.global_batch, cfg.precision)
         if key not in self._refs:
-            self._refs[key] = reference(self.model, steps=steps, seed=self.seed, global_batch=cfg.global_batch,
-                                        precision=cfg.precision)
+            self._refs[key] = reference(
+                self.model, steps=steps, seed=self.seed, global_batch=cfg.global_batch, precision=cfg.precision
+            )
         return self._refs[key]
 
     def _draw(self, res) -> None:
@@ -260,9 +306,13 @@ class Dashboard:
             est = theory.estimate(res.config, res.model)
         except ConfigError:
             est = None
-        new = {"memory": figures.memory_figure(res, est, self.capacity_bytes),
-               "comm": figures.comm_figure(res, est), "traffic": figures.traffic_figure(res),
-               "timeline": figures.timeline_figure(res), "loss": figures.loss_figure(res, self.reference)}
+        new = {
+            "memory": figures.memory_figure(res, est, self.capacity_bytes),
+            "comm": figures.comm_figure(res, est),
+            "traffic": figures.traffic_figure(res),
+            "timeline": figures.timeline_figure(res),
+            "loss": figures.loss_figure(res, self.reference),
+        }
         self.ui.call(self._show, new, res.config)
 
     def _show(self, new: dict, cfg: ParallelConfig) -> None:
@@ -282,7 +332,7 @@ class Dashboard:
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             if self.ui.here:
-                self.ui.flush()   # the kernel's thread is blocked here: run the updates it owes
+                self.ui.flush()  # the kernel's thread is blocked here: run the updates it owes
             with self._cv:
                 if self._pending is None and not self._busy and not self.ui.pending:
                     return self.result
@@ -324,5 +374,4 @@ def device_capacity(lab) -> float | None:
     """Bytes of the smallest GPU among the engines, or None on CPU (no line is drawn)."""
     if not any(str(d).startswith("cuda") for d in lab.devices):
         return None
-    from labkit.widgets.device import total_memory
     return float(min(lab.apply(total_memory)))

@@ -1,5 +1,6 @@
 """Run on an engine (through Lab.apply): facts about its device. Imports torch only when called,
 and never torch.distributed."""
+
 from __future__ import annotations
 
 

@@ -8,15 +8,27 @@ gloo's own traffic.
 The mesh view (`mesh_figure`) is a pure function of a MeshLayout, so it draws any layout
 without a cluster.
 """
+
 from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
 
 from labkit.widgets.mesh_figure import mesh_figure  # noqa: F401  (re-exported)
-from labkit.widgets.timeline import simulated_timeline_figure, timeline_comparison_figure, timeline_figure
-
-from labkit.widgets.style import CATEGORIES, CATEGORY_COLORS, KIB, OP_COLORS, _figure, _layout, _level
+from labkit.widgets.style import (
+    CATEGORIES,
+    CATEGORY_COLORS,
+    KIB,
+    OP_COLORS,
+    _figure,
+    _layout,
+    _level,
+)
+from labkit.widgets.timeline import (
+    simulated_timeline_figure,
+    timeline_comparison_figure,
+    timeline_figure,
+)
 
 
 def _rank_label(rk) -> str:
@@ -46,20 +58,42 @@ def memory_figure(result, estimate=None, capacity_bytes: float | None = None) ->
     ranks = [f"r{r}" for r, _ in rows]
     fig = _figure()
     for cat in CATEGORIES:
-        fig.add_bar(name=cat, x=ranks, y=[m.get(cat, 0) / KIB for _, m in rows],
-                    marker_color=CATEGORY_COLORS[cat],
-                    hovertemplate=f"{cat}: %{{y:,.1f}} KiB<extra>%{{x}}</extra>")
+        fig.add_bar(
+            name=cat,
+            x=ranks,
+            y=[m.get(cat, 0) / KIB for _, m in rows],
+            marker_color=CATEGORY_COLORS[cat],
+            hovertemplate=f"{cat}: %{{y:,.1f}} KiB<extra>%{{x}}</extra>",
+        )
     extra = sorted({k for _, m in rows for k in m} - set(CATEGORIES) - {"peak"})
-    for cat in extra:   # transient categories a strategy tracks (e.g. ZeRO-3's gathered params)
-        fig.add_scatter(name=f"{cat} (peak)", x=ranks, y=[m.get(cat, 0) / KIB for _, m in rows],
-                        mode="markers", marker_symbol="triangle-up", marker_size=10)
-    fig.add_scatter(name="peak", x=ranks, y=[m.get("peak", 0) / KIB for _, m in rows],
-                    mode="markers", marker=dict(symbol="line-ew-open", size=26, color="black"))
+    for cat in extra:  # transient categories a strategy tracks (e.g. ZeRO-3's gathered params)
+        fig.add_scatter(
+            name=f"{cat} (peak)",
+            x=ranks,
+            y=[m.get(cat, 0) / KIB for _, m in rows],
+            mode="markers",
+            marker_symbol="triangle-up",
+            marker_size=10,
+        )
+    fig.add_scatter(
+        name="peak",
+        x=ranks,
+        y=[m.get("peak", 0) / KIB for _, m in rows],
+        mode="markers",
+        marker=dict(symbol="line-ew-open", size=26, color="black"),
+    )
     if estimate is not None:
-        totals = [sum(estimate.memory[r].get(c, 0) for c in CATEGORIES) / KIB if r < len(estimate.memory) else None
-                  for r, _ in rows]
-        fig.add_scatter(name="theory", x=ranks, y=totals, mode="markers",
-                        marker=dict(symbol="diamond", size=11, color="white", line=dict(width=2, color="black")))
+        totals = [
+            sum(estimate.memory[r].get(c, 0) for c in CATEGORIES) / KIB if r < len(estimate.memory) else None
+            for r, _ in rows
+        ]
+        fig.add_scatter(
+            name="theory",
+            x=ranks,
+            y=totals,
+            mode="markers",
+            marker=dict(symbol="diamond", size=11, color="white", line=dict(width=2, color="black")),
+        )
     if capacity_bytes:
         _level(fig, capacity_bytes / KIB, "device capacity")
     return _layout(fig, "Memory per rank (KiB)", barmode="stack", yaxis_title="KiB")
@@ -78,23 +112,30 @@ def comm_figure(result, estimate=None) -> go.Figure:
     fig = _figure()
     for dim, op in keys:
         by_rank = {row["rank"]: row for row in rows if row["dim"] == dim and row["op"] == op}
-        fig.add_bar(name=f"{op} [{dim}]", x=ranks,
-                    y=[by_rank.get(r, {}).get("wire_bytes", 0) / KIB for r in rank_ids],
-                    marker_color=OP_COLORS.get(op),
-                    customdata=[by_rank.get(r, {}).get("calls", 0) for r in rank_ids],
-                    hovertemplate=f"{op} on {dim}: %{{y:,.1f}} KiB in %{{customdata}} calls<extra>%{{x}}</extra>")
+        fig.add_bar(
+            name=f"{op} [{dim}]",
+            x=ranks,
+            y=[by_rank.get(r, {}).get("wire_bytes", 0) / KIB for r in rank_ids],
+            marker_color=OP_COLORS.get(op),
+            customdata=[by_rank.get(r, {}).get("calls", 0) for r in rank_ids],
+            hovertemplate=f"{op} on {dim}: %{{y:,.1f}} KiB in %{{customdata}} calls<extra>%{{x}}</extra>",
+        )
     if estimate is not None:
         pred: dict[int, float] = {}
         for row in estimate.comm_table():
             pred[row["rank"]] = pred.get(row["rank"], 0.0) + row["wire_bytes"]
-        fig.add_scatter(name="theory", x=ranks, y=[pred.get(r, 0.0) / KIB for r in rank_ids],
-                        mode="markers", marker=dict(symbol="diamond", size=11, color="white",
-                                                    line=dict(width=2, color="black")))
+        fig.add_scatter(
+            name="theory",
+            x=ranks,
+            y=[pred.get(r, 0.0) / KIB for r in rank_ids],
+            mode="markers",
+            marker=dict(symbol="diamond", size=11, color="white", line=dict(width=2, color="black")),
+        )
     if not keys:
-        fig.add_annotation(text="no communication in this layout", showarrow=False, x=0.5, y=0.5,
-                           xref="paper", yref="paper")
-    return _layout(fig, "Communication per rank, one step (KiB sent, ring model)", barmode="stack",
-                   yaxis_title="KiB")
+        fig.add_annotation(
+            text="no communication in this layout", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper"
+        )
+    return _layout(fig, "Communication per rank, one step (KiB sent, ring model)", barmode="stack", yaxis_title="KiB")
 
 
 def traffic_matrix(result, step: int = -1) -> tuple[list[int], np.ndarray]:
@@ -135,10 +176,19 @@ def traffic_figure(result, step: int = -1) -> go.Figure:
     """Rank x rank heatmap of the bytes one rank sends another in one step (see traffic_matrix)."""
     ranks, m = traffic_matrix(result, step)
     labels = [f"r{r}" for r in ranks]
-    fig = _figure(go.Heatmap(
-        z=m / KIB, x=labels, y=labels, colorscale="Blues", zmin=0, zmax=max(float(m.max()) / KIB, 1.0), colorbar=dict(title="KiB"),
-        texttemplate="%{z:,.0f}" if len(ranks) <= 16 else None,
-        hovertemplate="%{y} → %{x}: %{z:,.1f} KiB<extra></extra>"))
+    fig = _figure(
+        go.Heatmap(
+            z=m / KIB,
+            x=labels,
+            y=labels,
+            colorscale="Blues",
+            zmin=0,
+            zmax=max(float(m.max()) / KIB, 1.0),
+            colorbar=dict(title="KiB"),
+            texttemplate="%{z:,.0f}" if len(ranks) <= 16 else None,
+            hovertemplate="%{y} → %{x}: %{z:,.1f} KiB<extra></extra>",
+        )
+    )
     fig.update_yaxes(autorange="reversed", title="sender")
     fig.update_xaxes(title="receiver", side="bottom")
     return _layout(fig, "Traffic, one step (KiB rank → rank, ring model)")
@@ -150,21 +200,41 @@ def loss_figure(result, ref=None) -> go.Figure:
     fig = _figure()
     fig.add_scatter(x=steps, y=result.losses, name=f"{result.config.impl} layout", mode="lines+markers")
     if ref is not None:
-        fig.add_scatter(x=steps, y=ref.losses, name="reference (1 process)", mode="lines+markers",
-                        line=dict(dash="dot", color="black"), marker_symbol="x")
+        fig.add_scatter(
+            x=steps,
+            y=ref.losses,
+            name="reference (1 process)",
+            mode="lines+markers",
+            line=dict(dash="dot", color="black"),
+            marker_symbol="x",
+        )
     fig.update_xaxes(dtick=1)
     return _layout(fig, "Loss per step", xaxis_title="step", yaxis_title="loss")
 
 
 def report_figures(result, ref=None, estimate=None) -> dict[str, go.Figure]:
     """Every figure of a run, by name (the CLI's HTML report and the dashboard use this)."""
-    figs = {"memory": memory_figure(result, estimate), "comm": comm_figure(result, estimate),
-            "timeline": timeline_figure(result), "loss": loss_figure(result, ref)}
+    figs = {
+        "memory": memory_figure(result, estimate),
+        "comm": comm_figure(result, estimate),
+        "timeline": timeline_figure(result),
+        "loss": loss_figure(result, ref),
+    }
     if result.config.pp > 1:
         figs["pipeline"] = timeline_comparison_figure(result)
     return figs
 
 
-__all__ = ["memory_figure", "comm_figure", "traffic_matrix", "traffic_figure", "timeline_figure", "loss_figure",
-           "mesh_figure", "empty_figure", "report_figures",
-           "simulated_timeline_figure", "timeline_comparison_figure"]
+__all__ = [
+    "memory_figure",
+    "comm_figure",
+    "traffic_matrix",
+    "traffic_figure",
+    "timeline_figure",
+    "loss_figure",
+    "mesh_figure",
+    "empty_figure",
+    "report_figures",
+    "simulated_timeline_figure",
+    "timeline_comparison_figure",
+]

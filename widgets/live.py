@@ -5,8 +5,10 @@ object, and the browser receives one batch of changes (`batch_update`) per figur
 properties that changed are set: plotly validates every property it is given, and on a
 redraw most of a figure (its style, axes, colours) is what it was.
 """
+
 from __future__ import annotations
 
+import collections
 import threading
 from copy import deepcopy
 
@@ -30,8 +32,7 @@ def same(a, b) -> bool:
 
 def _changes(old: dict, new: dict) -> tuple[dict, list[str]]:
     """Top-level keys of `new` whose values differ from `old`'s, and keys only `old` has."""
-    return ({k: v for k, v in new.items() if k not in old or not same(old[k], v)},
-            [k for k in old if k not in new])
+    return ({k: v for k, v in new.items() if k not in old or not same(old[k], v)}, [k for k in old if k not in new])
 
 
 def _lines_up(old, new) -> bool:
@@ -107,10 +108,9 @@ class UI:
     """
 
     def __init__(self):
-        import collections
-
         try:
             from IPython import get_ipython
+
             kernel = getattr(get_ipython(), "kernel", None)
         except ImportError:
             kernel = None

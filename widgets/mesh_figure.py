@@ -1,12 +1,12 @@
 """The mesh as a figure: a pure function of a MeshLayout (and where its ranks run), re-exported
 by widgets/figures.py."""
+
 from __future__ import annotations
 
 import numpy as np
 import plotly.graph_objects as go
 
 from labkit.widgets.style import MICROBATCH_COLORS, _figure, _layout
-
 
 MESH_TEXT_MAX = 64
 """Up to this many ranks the mesh view writes each rank's coordinates in its cell."""
@@ -25,8 +25,7 @@ def _mesh_columns(layout) -> int:
     return cols
 
 
-def mesh_figure(layout, dim: str = "tp", hosts: list[str] | None = None,
-                devices: list[str] | None = None) -> go.Figure:
+def mesh_figure(layout, dim: str = "tp", hosts: list[str] | None = None, devices: list[str] | None = None) -> go.Figure:
     """The ranks of a MeshLayout as a grid (rank = row * columns + column: inner dims along a
     row), each cell coloured by its group along `dim` ('dp', or a combination such as 'dp-cp'),
     each group drawn as a ring through its members, host and device on hover. Groups whose
@@ -50,7 +49,7 @@ def mesh_figure(layout, dim: str = "tp", hosts: list[str] | None = None,
     label = layout.label(*dims)
     shown = [d for d in layout.inner_first[::-1] if layout.size(d) > 1]
     outer_first = layout.inner_first[::-1]
-    idx = np.unravel_index(ranks, layout.grid.shape)   # (world,) per axis, outermost first
+    idx = np.unravel_index(ranks, layout.grid.shape)  # (world,) per axis, outermost first
     coords = [dict(zip(outer_first, map(int, c))) for c in zip(*idx)]
     fig = _figure()
     if world <= MESH_LINES_MAX and len(groups[0]) > 1:
@@ -59,41 +58,68 @@ def mesh_figure(layout, dim: str = "tp", hosts: list[str] | None = None,
             ring = g + g[:1]
             lx += [int(xs[r]) for r in ring] + [None]
             ly += [int(ys[r]) for r in ring] + [None]
-        fig.add_scatter(x=lx, y=ly, mode="lines", line=dict(color="#888", width=1), hoverinfo="skip",
-                        name=f"{label} groups (rings)")
+        fig.add_scatter(
+            x=lx, y=ly, mode="lines", line=dict(color="#888", width=1), hoverinfo="skip", name=f"{label} groups (rings)"
+        )
     n = len(groups)
-    if n <= len(MICROBATCH_COLORS):   # a discrete scale: group i gets palette colour i
+    if n <= len(MICROBATCH_COLORS):  # a discrete scale: group i gets palette colour i
         scale = [[(k + e) / n, MICROBATCH_COLORS[k]] for k in range(n) for e in (0, 1)]
         cmin, cmax = -0.5, n - 0.5
     else:
         scale, cmin, cmax = "Turbo", 0, max(n - 1, 1)
-    text = np.array([f"r{r}<br>" + " ".join(f"{d}{coords[r][d]}" for d in shown) for r in range(world)]) \
-        if world <= MESH_TEXT_MAX else None
-    hover = np.array([f"rank {r}<br>{', '.join(f'{d}={coords[r][d]}' for d in outer_first)}"
-                      f"<br>host {hosts[r]}, {devices[r]}<br>{label} group {gid[r]}: {groups[gid[r]][:16]}"
-                      f"{' …' if len(groups[gid[r]]) > 16 else ''}"
-                      f"{'<br><b>this group spans hosts</b>' if gid[r] in spanning else ''}" for r in range(world)])
+    text = (
+        np.array([f"r{r}<br>" + " ".join(f"{d}{coords[r][d]}" for d in shown) for r in range(world)])
+        if world <= MESH_TEXT_MAX
+        else None
+    )
+    hover = np.array(
+        [
+            f"rank {r}<br>{', '.join(f'{d}={coords[r][d]}' for d in outer_first)}"
+            f"<br>host {hosts[r]}, {devices[r]}<br>{label} group {gid[r]}: {groups[gid[r]][:16]}"
+            f"{' …' if len(groups[gid[r]]) > 16 else ''}"
+            f"{'<br><b>this group spans hosts</b>' if gid[r] in spanning else ''}"
+            for r in range(world)
+        ]
+    )
     size = max(4, min(64, 420 // max(cols, rows)))
     crossing = np.isin(gid, list(spanning))
     # numeric colours on a shared scale, and one trace per outline: plotly validates a list of
     # colour strings element by element, which a 16k-rank mesh cannot afford
-    for part, name, outline in ((~crossing, "ranks", dict(color="white", width=1)),
-                                (crossing, f"{label} group spans hosts", dict(color="#D62728", width=3))):
+    for part, name, outline in (
+        (~crossing, "ranks", dict(color="white", width=1)),
+        (crossing, f"{label} group spans hosts", dict(color="#D62728", width=3)),
+    ):
         if not part.any():
             continue
         fig.add_scatter(
-            x=xs[part], y=ys[part], mode="markers+text" if text is not None else "markers",
-            text=None if text is None else text[part], textfont=dict(size=10, color="white"), hovertext=hover[part],
-            hovertemplate="%{hovertext}<extra></extra>", name=name, showlegend=name != "ranks",
+            x=xs[part],
+            y=ys[part],
+            mode="markers+text" if text is not None else "markers",
+            text=None if text is None else text[part],
+            textfont=dict(size=10, color="white"),
+            hovertext=hover[part],
+            hovertemplate="%{hovertext}<extra></extra>",
+            name=name,
+            showlegend=name != "ranks",
             customdata=ranks[part],
-            marker=dict(symbol="square", size=size, color=gid[part], colorscale=scale, cmin=cmin, cmax=cmax,
-                        line=outline))
+            marker=dict(
+                symbol="square", size=size, color=gid[part], colorscale=scale, cmin=cmin, cmax=cmax, line=outline
+            ),
+        )
     inner = [d for d in layout.inner_first if layout.size(d) > 1]
     fig.update_xaxes(visible=False, range=[-0.6, cols - 0.4])
     fig.update_yaxes(visible=False, autorange="reversed", scaleanchor="x", scaleratio=1)
-    title = (f"Mesh {layout.describe()} ({layout.order}): {len(groups)} {label} group(s) of {len(groups[0])}"
-             + (f", {len(spanning)} span hosts" if spanning else ""))
-    fig.add_annotation(text=f"rank = row·{cols} + column; inner dims first: {'-'.join(inner) or '-'}",
-                       showarrow=False, x=0, y=-0.08, xref="paper", yref="paper", xanchor="left",
-                       font=dict(size=10, color="#666"))
+    title = f"Mesh {layout.describe()} ({layout.order}): {len(groups)} {label} group(s) of {len(groups[0])}" + (
+        f", {len(spanning)} span hosts" if spanning else ""
+    )
+    fig.add_annotation(
+        text=f"rank = row·{cols} + column; inner dims first: {'-'.join(inner) or '-'}",
+        showarrow=False,
+        x=0,
+        y=-0.08,
+        xref="paper",
+        yref="paper",
+        xanchor="left",
+        font=dict(size=10, color="#666"),
+    )
     return _layout(fig, title)

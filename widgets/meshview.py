@@ -7,6 +7,7 @@ Pick a dim (or a combination such as dp-cp) to colour the ranks by its groups; t
 order string (innermost first) to see how it regroups the ranks. Everything is the pure
 arithmetic of labkit/plans/mesh.py (MeshLayout), so it draws a 16k-rank mesh as readily as 4.
 """
+
 from __future__ import annotations
 
 import html
@@ -35,23 +36,35 @@ class MeshView:
     def __init__(self, cfg: ParallelConfig | None = None, dim: str = "dp", ranks_per_host: int | None = None):
         cfg = cfg or ParallelConfig(dp=2, tp=2, pp=2)
         box = dict(style={"description_width": "110px"}, layout=W.Layout(width="200px"))
-        self.controls = {d: W.BoundedIntText(value=getattr(cfg, d), min=1, max=16384, description=d, **box)
-                         for d in DIMS}
-        self.controls["order"] = W.Text(value=cfg.order, description="order", continuous_update=False,
-                                        style={"description_width": "110px"}, layout=W.Layout(width="320px"))
-        self.controls["dim"] = W.Dropdown(options=list(DIMS) + ["-".join(c) for c in COMBINED], value=dim,
-                                          description="colour by", **box)
-        self.controls["ranks_per_host"] = W.BoundedIntText(value=ranks_per_host or 0, min=0, max=16384,
-                                                           description="ranks per host", **box)
+        self.controls = {
+            d: W.BoundedIntText(value=getattr(cfg, d), min=1, max=16384, description=d, **box) for d in DIMS
+        }
+        self.controls["order"] = W.Text(
+            value=cfg.order,
+            description="order",
+            continuous_update=False,
+            style={"description_width": "110px"},
+            layout=W.Layout(width="320px"),
+        )
+        self.controls["dim"] = W.Dropdown(
+            options=list(DIMS) + ["-".join(c) for c in COMBINED], value=dim, description="colour by", **box
+        )
+        self.controls["ranks_per_host"] = W.BoundedIntText(
+            value=ranks_per_host or 0, min=0, max=16384, description="ranks per host", **box
+        )
         self.figure = UI().watch(figure_widget(figures.empty_figure("Mesh", ""), height=520))
         self.text = W.HTML()
         self.groups: list[list[int]] = []
         for w in self.controls.values():
             w.observe(lambda _: self.update(), names="value")
         c = self.controls
-        self.widget = W.VBox([W.HBox([W.VBox([c[d] for d in DIMS]),
-                                      W.VBox([c["order"], c["dim"], c["ranks_per_host"]])]),
-                              self.figure, self.text]).add_class("labkit-meshview")
+        self.widget = W.VBox(
+            [
+                W.HBox([W.VBox([c[d] for d in DIMS]), W.VBox([c["order"], c["dim"], c["ranks_per_host"]])]),
+                self.figure,
+                self.text,
+            ]
+        ).add_class("labkit-meshview")
         self.update()
 
     @property
@@ -79,8 +92,10 @@ class MeshView:
         listed = " ".join(str(g) for g in self.groups[:GROUPS_LISTED])
         more = f" … and {len(self.groups) - GROUPS_LISTED} more" if len(self.groups) > GROUPS_LISTED else ""
         spans = f"; {len(layout.spans_hosts(dim.split('-'), hosts))} span hosts" if hosts else ""
-        self.text.value = (f"<b>{len(self.groups)} {html.escape(label)} group(s) of {len(self.groups[0])}"
-                           f"{spans}</b>: <code>{html.escape(listed)}{more}</code>")
+        self.text.value = (
+            f"<b>{len(self.groups)} {html.escape(label)} group(s) of {len(self.groups[0])}"
+            f"{spans}</b>: <code>{html.escape(listed)}{more}</code>"
+        )
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)

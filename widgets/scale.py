@@ -17,6 +17,7 @@ call count changes). A layout with many parameter tensors and ranks still comput
 rows in a background thread, stopped when the controls move on, and the comm figure follows
 when it is done (the rest updates at once).
 """
+
 from __future__ import annotations
 
 import html
@@ -29,9 +30,10 @@ import numpy as np
 import plotly.graph_objects as go
 
 from labkit import theory
-from labkit.config import ModelConfig, ParallelConfig, problems
+from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.mesh import MeshLayout
 from labkit.theory.presets import PRESETS
+from labkit.validation import problems
 from labkit.widgets import theory_figures as TF
 from labkit.widgets.live import UI, figure_widget, refresh
 
@@ -75,10 +77,16 @@ def at_scale(cfg: ParallelConfig, model: ModelConfig, comm: bool = True) -> AtSc
     stages = shown_stages(cfg.pp)
     ranks = [layout.rank(pp=s) for s in stages]
     psi = theory.num_params(model)
-    view = AtScale(cfg, model, psi, stages, ranks,
-                   memory=[theory.rank_memory(cfg, model, layout, r) for r in ranks],
-                   bubble=theory.pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
-                   states=theory.model_state_bytes(psi, cfg.dp, cfg.precision))
+    view = AtScale(
+        cfg,
+        model,
+        psi,
+        stages,
+        ranks,
+        memory=[theory.rank_memory(cfg, model, layout, r) for r in ranks],
+        bubble=theory.pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
+        states=theory.model_state_bytes(psi, cfg.dp, cfg.precision),
+    )
     if comm:
         view.comm = comm_at_scale(cfg, model)
     else:
@@ -90,8 +98,9 @@ _COMM: dict[tuple, list[list[dict]]] = {}
 COMM_CACHED = 128
 
 
-def comm_at_scale(cfg: ParallelConfig, model: ModelConfig,
-                  stale: threading.Event | None = None) -> list[list[dict]] | None:
+def comm_at_scale(
+    cfg: ParallelConfig, model: ModelConfig, stale: threading.Event | None = None
+) -> list[list[dict]] | None:
     """Rows {dim, op, wire_bytes, ...} of one step for one rank per shown stage (buckets merged),
     remembered for the last COMM_CACHED layouts; None if `stale` was set meanwhile."""
     if (cfg, model) in _COMM:
@@ -99,7 +108,7 @@ def comm_at_scale(cfg: ParallelConfig, model: ModelConfig,
     layout = MeshLayout.of(cfg)
     ranks = [layout.rank(pp=s) for s in shown_stages(cfg.pp)]
     one_bucket = cfg.replace(bucket_mb=theory.num_params(model) * 4 / 2**20 + 1.0)
-    try:   # the walk stops as soon as the controls move on (`stale` set)
+    try:  # the walk stops as soon as the controls move on (`stale` set)
         rows_of = theory.rank_comm(one_bucket, model, layout, ranks, stop=stale.is_set if stale else None)
     except theory.Stopped:
         return None
@@ -128,33 +137,60 @@ class ScaleExplorer:
     `.controls` (name -> widget), `.figures` (name -> FigureWidget), `.view` (the AtScale shown),
     `.timings` (seconds of the last update), `.wait()` (for a comm computation in the background)."""
 
-    def __init__(self, model: str = "llama-70b", gpus: int = 1024, tp: int = 8, pp: int = 1,
-                 microbatches: int = 1, precision: str = "bf16", sharding: str = "none"):
+    def __init__(
+        self,
+        model: str = "llama-70b",
+        gpus: int = 1024,
+        tp: int = 8,
+        pp: int = 1,
+        microbatches: int = 1,
+        precision: str = "bf16",
+        sharding: str = "none",
+    ):
         box = dict(style={"description_width": "120px"}, layout=W.Layout(width="330px"))
-        sel = lambda name, opts, v: W.SelectionSlider(options=opts, value=v, description=name,  # noqa: E731
-                                                      continuous_update=False, **box)
+        sel = lambda name, opts, v: W.SelectionSlider(
+            options=opts,
+            value=v,
+            description=name,  # noqa: E731
+            continuous_update=False,
+            **box,
+        )
         self.controls: dict[str, W.Widget] = {
             "model": W.Dropdown(options=list(PRESETS), value=model, description="model", **box),
             "gpus": sel("GPUs", _powers(16384), gpus),
-            "tp": sel("tp", [1], 1), "pp": sel("pp", [1], 1), "cp": sel("cp", [1], 1), "ep": sel("ep", [1], 1),
+            "tp": sel("tp", [1], 1),
+            "pp": sel("pp", [1], 1),
+            "cp": sel("cp", [1], 1),
+            "ep": sel("ep", [1], 1),
             "microbatches": sel("microbatches", _powers(128), microbatches),
-            "micro_batch": W.IntSlider(value=1, min=1, max=16, description="seqs / microbatch",
-                                       continuous_update=False, **box),
+            "micro_batch": W.IntSlider(
+                value=1, min=1, max=16, description="seqs / microbatch", continuous_update=False, **box
+            ),
             "virtual_stages": sel("virtual stages", [1, 2, 4, 8], 1),
-            "schedule": W.ToggleButtons(options=["gpipe", "1f1b", "interleaved"], value="1f1b",
-                                        description="schedule", style={"button_width": "70px"}),
-            "sharding": W.ToggleButtons(options=["none", "zero1", "zero2", "zero3", "fsdp"], value=sharding,
-                                        description="sharding", style={"button_width": "56px"}),
-            "precision": W.ToggleButtons(options=["fp32", "bf16"], value=precision, description="precision",
-                                         style={"button_width": "56px"}),
+            "schedule": W.ToggleButtons(
+                options=["gpipe", "1f1b", "interleaved"],
+                value="1f1b",
+                description="schedule",
+                style={"button_width": "70px"},
+            ),
+            "sharding": W.ToggleButtons(
+                options=["none", "zero1", "zero2", "zero3", "fsdp"],
+                value=sharding,
+                description="sharding",
+                style={"button_width": "56px"},
+            ),
+            "precision": W.ToggleButtons(
+                options=["fp32", "bf16"], value=precision, description="precision", style={"button_width": "56px"}
+            ),
             "sequence_parallel": W.Checkbox(value=False, description="sequence_parallel", indent=False),
             "checkpoint_activations": W.Checkbox(value=False, description="checkpoint_activations", indent=False),
             "capacity": W.Dropdown(options=list(CAPACITIES), value=list(CAPACITIES)[0], description="GPU", **box),
         }
         self._degree_options(tp=tp, pp=pp)
         self.ui = UI()
-        self.figures = {n: self.ui.watch(figure_widget(go.Figure(), height=340))
-                        for n in ("memory", "zero", "comm", "bubble")}
+        self.figures = {
+            n: self.ui.watch(figure_widget(go.Figure(), height=340)) for n in ("memory", "zero", "comm", "bubble")
+        }
         self.status = W.HTML().add_class("labkit-scale-status")
         self.error_box = W.HTML()
         self.view: AtScale | None = None
@@ -167,17 +203,34 @@ class ScaleExplorer:
             w.observe(self._model_changed if name == "model" else self._changed, names="value")
         c, f = self.controls, self.figures
         col = lambda *ws: W.VBox(list(ws))  # noqa: E731
-        self.widget = W.VBox([
-            W.HBox([col(c["model"], c["gpus"], c["capacity"], c["micro_batch"]),
-                    col(c["tp"], c["pp"], c["cp"], c["ep"]),
-                    col(c["microbatches"], c["virtual_stages"], c["sequence_parallel"], c["checkpoint_activations"])]),
-            col(c["schedule"], c["sharding"], c["precision"]),
-            self.status, self.error_box,
-            W.HBox([W.VBox([f["memory"]], layout=W.Layout(width="50%")),
-                    W.VBox([f["zero"]], layout=W.Layout(width="50%"))]),
-            W.HBox([W.VBox([f["comm"]], layout=W.Layout(width="50%")),
-                    W.VBox([f["bubble"]], layout=W.Layout(width="50%"))]),
-        ]).add_class("labkit-scale")
+        self.widget = W.VBox(
+            [
+                W.HBox(
+                    [
+                        col(c["model"], c["gpus"], c["capacity"], c["micro_batch"]),
+                        col(c["tp"], c["pp"], c["cp"], c["ep"]),
+                        col(
+                            c["microbatches"], c["virtual_stages"], c["sequence_parallel"], c["checkpoint_activations"]
+                        ),
+                    ]
+                ),
+                col(c["schedule"], c["sharding"], c["precision"]),
+                self.status,
+                self.error_box,
+                W.HBox(
+                    [
+                        W.VBox([f["memory"]], layout=W.Layout(width="50%")),
+                        W.VBox([f["zero"]], layout=W.Layout(width="50%")),
+                    ]
+                ),
+                W.HBox(
+                    [
+                        W.VBox([f["comm"]], layout=W.Layout(width="50%")),
+                        W.VBox([f["bubble"]], layout=W.Layout(width="50%")),
+                    ]
+                ),
+            ]
+        ).add_class("labkit-scale")
         self.update()
 
     def _repr_mimebundle_(self, **kwargs):
@@ -190,9 +243,12 @@ class ScaleExplorer:
     def _degree_options(self, **values) -> None:
         """Offer the degrees the model allows: tp | heads, pp | layers, 2cp | seq, ep | experts."""
         m, c = self.model, self.controls
-        opts = {"tp": _powers(128, m.heads), "pp": [p for p in range(1, min(m.layers, 128) + 1) if m.layers % p == 0],
-                "cp": [x for x in _powers(64) if m.seq % (2 * x) == 0],
-                "ep": [x for x in range(1, max(m.experts, 1) + 1) if max(m.experts, 1) % x == 0]}
+        opts = {
+            "tp": _powers(128, m.heads),
+            "pp": [p for p in range(1, min(m.layers, 128) + 1) if m.layers % p == 0],
+            "cp": [x for x in _powers(64) if m.seq % (2 * x) == 0],
+            "ep": [x for x in range(1, max(m.experts, 1) + 1) if max(m.experts, 1) % x == 0],
+        }
         for d, o in opts.items():
             want = values.get(d, c[d].value)
             c[d].options = o
@@ -217,24 +273,34 @@ class ScaleExplorer:
         if c["gpus"] % rest:
             return None, [f"GPUs ({c['gpus']}) are not divisible by tp·pp·cp·ep = {rest}: dp would not be whole"]
         dp = c["gpus"] // rest
-        cfg = ParallelConfig(dp=dp, tp=c["tp"], pp=c["pp"], cp=c["cp"], ep=c["ep"], sharding=c["sharding"],
-                             microbatches=c["microbatches"], schedule=c["schedule"],
-                             virtual_stages=c["virtual_stages"], precision=c["precision"],
-                             sequence_parallel=c["sequence_parallel"],
-                             checkpoint_activations=c["checkpoint_activations"],
-                             global_batch=dp * c["ep"] * c["microbatches"] * c["micro_batch"])
+        cfg = ParallelConfig(
+            dp=dp,
+            tp=c["tp"],
+            pp=c["pp"],
+            cp=c["cp"],
+            ep=c["ep"],
+            sharding=c["sharding"],
+            microbatches=c["microbatches"],
+            schedule=c["schedule"],
+            virtual_stages=c["virtual_stages"],
+            precision=c["precision"],
+            sequence_parallel=c["sequence_parallel"],
+            checkpoint_activations=c["checkpoint_activations"],
+            global_batch=dp * c["ep"] * c["microbatches"] * c["micro_batch"],
+        )
         return cfg, problems(cfg, self.model)
 
     def update(self) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
         cfg, found = self.config()
         if found:
-            self.error_box.value = ("<pre style='color:#B00020;white-space:pre-wrap'>"
-                                    + html.escape("\n".join(found)) + "</pre>")
+            self.error_box.value = (
+                "<pre style='color:#B00020;white-space:pre-wrap'>" + html.escape("\n".join(found)) + "</pre>"
+            )
             return
         self.error_box.value = ""
         model = self.model
-        self._stale.set()   # a comm walk still running for an older layout stops
+        self._stale.set()  # a comm walk still running for an older layout stops
         self._stale = threading.Event()
         now = comm_work(cfg, model) <= SYNC_WORK or (cfg, model) in _COMM
         view = at_scale(cfg, model, comm=now)
@@ -250,7 +316,7 @@ class ScaleExplorer:
         comm = comm_at_scale(view.config, view.model, stale)
         with self._lock:
             if comm is None or self.view is not view:
-                return   # the controls moved on; their own update draws
+                return  # the controls moved on; their own update draws
             view.comm, view.comm_pending = comm, False
         self.ui.call(refresh, self.figures["comm"], TF.stage_comm_figure(view), height=340)
 
@@ -261,9 +327,14 @@ class ScaleExplorer:
         self.status.value = (
             f"Ψ = {view.psi / 1e9:,.2f} B parameters · {cfg.world:,} GPUs = dp {cfg.dp} × tp {cfg.tp} × pp {cfg.pp}"
             f" × cp {cfg.cp} × ep {cfg.ep} · global batch {cfg.global_batch:,} sequences ({tokens / 1e6:,.1f} M tokens)"
-            f" · max {view.peak / 1e9:,.1f} GB per GPU · bubble {view.bubble:.1%}")
-        figs = {"memory": TF.stage_memory_figure(view, cap), "zero": TF.zero_figure(view, cap),
-                "comm": TF.stage_comm_figure(view), "bubble": TF.bubble_figure(view)}
+            f" · max {view.peak / 1e9:,.1f} GB per GPU · bubble {view.bubble:.1%}"
+        )
+        figs = {
+            "memory": TF.stage_memory_figure(view, cap),
+            "zero": TF.zero_figure(view, cap),
+            "comm": TF.stage_comm_figure(view),
+            "bubble": TF.bubble_figure(view),
+        }
         for name, fig in figs.items():
             refresh(self.figures[name], fig, height=340)
 
@@ -275,4 +346,3 @@ class ScaleExplorer:
         if self.ui.here:
             self.ui.flush()
         return self.view
-

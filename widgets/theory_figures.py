@@ -1,10 +1,20 @@
 """Figures of the theory at scale (pure: an AtScale prediction in, a go.Figure out), for the
 ScaleExplorer. Bytes in GB (1e9), as GPU memory is sold."""
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
 
-from labkit.widgets.style import CATEGORIES, CATEGORY_COLORS, MICROBATCH_COLORS, OP_COLORS, _figure, _layout, _level
+from labkit.theory import pipeline_bubble
+from labkit.widgets.style import (
+    CATEGORIES,
+    CATEGORY_COLORS,
+    MICROBATCH_COLORS,
+    OP_COLORS,
+    _figure,
+    _layout,
+    _level,
+)
 
 GB = 1e9
 STAGES = ("none", "zero1", "zero2", "zero3")
@@ -20,13 +30,17 @@ def stage_memory_figure(view, capacity: float | None = 80e9) -> go.Figure:
     x = [f"stage {s}" for s in view.stages]
     fig = _figure()
     for cat in CATEGORIES:
-        fig.add_bar(name=cat, x=x, y=[m.get(cat, 0) / GB for m in view.memory], marker_color=CATEGORY_COLORS[cat],
-                    hovertemplate=f"{cat}: %{{y:,.1f}} GB<extra>%{{x}}</extra>")
+        fig.add_bar(
+            name=cat,
+            x=x,
+            y=[m.get(cat, 0) / GB for m in view.memory],
+            marker_color=CATEGORY_COLORS[cat],
+            hovertemplate=f"{cat}: %{{y:,.1f}} GB<extra>%{{x}}</extra>",
+        )
     _capacity_line(fig, capacity)
     worst = view.peak / GB
     verdict = "" if not capacity else (" — fits" if view.peak <= capacity else " — does not fit")
-    return _layout(fig, f"Memory per GPU, predicted (max {worst:,.1f} GB{verdict})", barmode="stack",
-                   yaxis_title="GB")
+    return _layout(fig, f"Memory per GPU, predicted (max {worst:,.1f} GB{verdict})", barmode="stack", yaxis_title="GB")
 
 
 def zero_figure(view, capacity: float | None = 80e9) -> go.Figure:
@@ -34,13 +48,22 @@ def zero_figure(view, capacity: float | None = 80e9) -> go.Figure:
     Rajbhandari et al. 2020, figure 1), the layout's own stage marked."""
     fig = _figure()
     for cat in ("params", "grads", "optimizer"):
-        fig.add_bar(name=cat, x=list(STAGES), y=[view.states[s][cat] / GB for s in STAGES],
-                    marker_color=CATEGORY_COLORS[cat], hovertemplate=f"{cat}: %{{y:,.1f}} GB<extra>%{{x}}</extra>")
-    mine = view.config.sharding if view.config.sharding in STAGES else "zero3"   # FSDP shards like ZeRO-3
+        fig.add_bar(
+            name=cat,
+            x=list(STAGES),
+            y=[view.states[s][cat] / GB for s in STAGES],
+            marker_color=CATEGORY_COLORS[cat],
+            hovertemplate=f"{cat}: %{{y:,.1f}} GB<extra>%{{x}}</extra>",
+        )
+    mine = view.config.sharding if view.config.sharding in STAGES else "zero3"  # FSDP shards like ZeRO-3
     fig.add_annotation(x=mine, y=view.states[mine]["total"] / GB, text="this layout", showarrow=True, arrowhead=2)
     _capacity_line(fig, capacity)
-    return _layout(fig, f"Model states per GPU by ZeRO stage (N_d = {view.config.dp}, {view.config.precision})",
-                   barmode="stack", yaxis_title="GB")
+    return _layout(
+        fig,
+        f"Model states per GPU by ZeRO stage (N_d = {view.config.dp}, {view.config.precision})",
+        barmode="stack",
+        yaxis_title="GB",
+    )
 
 
 def stage_comm_figure(view) -> go.Figure:
@@ -50,8 +73,13 @@ def stage_comm_figure(view) -> go.Figure:
     fig = _figure()
     for dim, op in keys:
         y = [sum(r["wire_bytes"] for r in rows if (r["dim"], r["op"]) == (dim, op)) / GB for rows in view.comm]
-        fig.add_bar(name=f"{op} [{dim}]", x=x, y=y, marker_color=OP_COLORS.get(op),
-                    hovertemplate=f"{op} on {dim}: %{{y:,.2f}} GB<extra>%{{x}}</extra>")
+        fig.add_bar(
+            name=f"{op} [{dim}]",
+            x=x,
+            y=y,
+            marker_color=OP_COLORS.get(op),
+            hovertemplate=f"{op} on {dim}: %{{y:,.2f}} GB<extra>%{{x}}</extra>",
+        )
     if view.comm_pending:
         note = "computing…"
     elif not keys:
@@ -60,23 +88,28 @@ def stage_comm_figure(view) -> go.Figure:
         note = ""
     if note:
         fig.add_annotation(text=note, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
-    return _layout(fig, "Communication per GPU per step, predicted (GB sent, ring model)", barmode="stack",
-                   yaxis_title="GB")
+    return _layout(
+        fig, "Communication per GPU per step, predicted (GB sent, ring model)", barmode="stack", yaxis_title="GB"
+    )
 
 
 def bubble_figure(view, most: int = 64) -> go.Figure:
     """The pipeline bubble (p - 1) / (v·m + p - 1) against microbatches m, for this pp and
     virtual stages (and v = 1 for comparison), with the layout's own point marked."""
-    from labkit.theory import pipeline_bubble
-
     cfg = view.config
     ms = list(range(1, max(most, cfg.microbatches) + 1))
     fig = _figure()
     for v, color in sorted({(1, MICROBATCH_COLORS[0]), (cfg.virtual_stages, MICROBATCH_COLORS[1])}):
-        fig.add_scatter(x=ms, y=[pipeline_bubble(cfg.pp, m, v) for m in ms], mode="lines", name=f"v = {v}",
-                        line=dict(color=color))
-    fig.add_scatter(x=[cfg.microbatches], y=[view.bubble], mode="markers", name="this layout",
-                    marker=dict(size=12, color="black", symbol="diamond"))
+        fig.add_scatter(
+            x=ms, y=[pipeline_bubble(cfg.pp, m, v) for m in ms], mode="lines", name=f"v = {v}", line=dict(color=color)
+        )
+    fig.add_scatter(
+        x=[cfg.microbatches],
+        y=[view.bubble],
+        mode="markers",
+        name="this layout",
+        marker=dict(size=12, color="black", symbol="diamond"),
+    )
     fig.update_xaxes(type="log", title="microbatches m")
     fig.update_yaxes(range=[0, 1], tickformat=".0%")
     return _layout(fig, f"Pipeline bubble, pp = {cfg.pp}: {view.bubble:.1%}")

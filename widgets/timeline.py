@@ -1,10 +1,20 @@
 """Timelines as pure functions of a RunResult or a simulation: the measured Gantt chart of one
 step, the simulator's ideal one, and the two on one axis (re-exported by widgets/figures.py)."""
+
 from __future__ import annotations
 
 import plotly.graph_objects as go
+from plotly.subplots import make_subplots
 
-from labkit.widgets.style import KIND_COLORS, KIND_PATTERNS, MICROBATCH_COLORS, OP_COLORS, _figure, _layout
+from labkit.theory import pipeline as pipeline_theory
+from labkit.widgets.style import (
+    KIND_COLORS,
+    KIND_PATTERNS,
+    MICROBATCH_COLORS,
+    OP_COLORS,
+    _figure,
+    _layout,
+)
 
 
 def timeline_figure(result, step: int = -1) -> go.Figure:
@@ -18,8 +28,9 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
     traces: dict[str, dict] = {}
 
     def bar(name: str, color: str, y: str, start: float, end: float, text: str, hover: str, pattern: str = ""):
-        t = traces.setdefault(name, {"color": color, "y": [], "x": [], "base": [], "text": [], "hover": [],
-                                     "pattern": []})
+        t = traces.setdefault(
+            name, {"color": color, "y": [], "x": [], "base": [], "text": [], "hover": [], "pattern": []}
+        )
         t["y"].append(y)
         t["x"].append(max((end - start) * 1e3, 1e-3))
         t["base"].append((start - t0) * 1e3)
@@ -34,29 +45,55 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
                 continue
             mb = e.microbatch if e.microbatch is not None else -1
             color = MICROBATCH_COLORS[mb % len(MICROBATCH_COLORS)] if mb >= 0 else KIND_COLORS.get(e.kind, "#BAB0AC")
-            bar(f"mb {mb}" if mb >= 0 else e.kind, color, y, e.start, e.end, f"{e.kind}{'' if mb < 0 else mb}{f'.{e.chunk}' if e.chunk else ''}",
+            bar(
+                f"mb {mb}" if mb >= 0 else e.kind,
+                color,
+                y,
+                e.start,
+                e.end,
+                f"{e.kind}{'' if mb < 0 else mb}{f'.{e.chunk}' if e.chunk else ''}",
                 f"{e.kind} mb={e.microbatch} chunk={e.chunk}<br>{(e.start - t0) * 1e3:.2f}–"
-                f"{(e.end - t0) * 1e3:.2f} ms<br>{y}", KIND_PATTERNS.get(e.kind, ""))
+                f"{(e.end - t0) * 1e3:.2f} ms<br>{y}",
+                KIND_PATTERNS.get(e.kind, ""),
+            )
         for c in rk.comm:
             if c.step != wanted or c.end is None:
                 continue
-            bar(f"{c.op} [{c.dim}]", OP_COLORS.get(c.op, "#BAB0AC"), f"{y} comm", c.start, c.end, "",
-                f"{c.op} on {c.dim} {c.group}<br>{c.payload_bytes:,} B<br>{y}")
+            bar(
+                f"{c.op} [{c.dim}]",
+                OP_COLORS.get(c.op, "#BAB0AC"),
+                f"{y} comm",
+                c.start,
+                c.end,
+                "",
+                f"{c.op} on {c.dim} {c.group}<br>{c.payload_bytes:,} B<br>{y}",
+            )
     fig = _figure()
     for name, t in traces.items():
-        fig.add_bar(y=t["y"], x=t["x"], base=t["base"], orientation="h", name=name, text=t["text"],
-                    textposition="inside", hovertext=t["hover"], hovertemplate="%{hovertext}<extra></extra>",
-                    marker=dict(color=t["color"], pattern_shape=t["pattern"], line=dict(width=0.5, color="white")))
+        fig.add_bar(
+            y=t["y"],
+            x=t["x"],
+            base=t["base"],
+            orientation="h",
+            name=name,
+            text=t["text"],
+            textposition="inside",
+            hovertext=t["hover"],
+            hovertemplate="%{hovertext}<extra></extra>",
+            marker=dict(color=t["color"], pattern_shape=t["pattern"], line=dict(width=0.5, color="white")),
+        )
     bubble = result.bubble_fraction(step)["overall"]
     used = {y for t in traces.values() for y in t["y"]}
     lanes = [y for rk in result.ranks for y in (f"rank {rk.rank}", f"rank {rk.rank} comm") if y in used]
     fig.update_yaxes(autorange="reversed", type="category", categoryorder="array", categoryarray=lanes)
-    return _layout(fig, f"Timeline, step {wanted + 1} (bubble {bubble:.0%})", barmode="overlay",
-                   xaxis_title="ms", bargap=0.25)
+    return _layout(
+        fig, f"Timeline, step {wanted + 1} (bubble {bubble:.0%})", barmode="overlay", xaxis_title="ms", bargap=0.25
+    )
 
 
-def _gantt(fig: go.Figure, spans: list[dict], row: int | None = None, unit: str = "ms",
-           seen: set | None = None) -> None:
+def _gantt(
+    fig: go.Figure, spans: list[dict], row: int | None = None, unit: str = "ms", seen: set | None = None
+) -> None:
     """Bars for spans {'y', 'kind', 'microbatch', 'chunk', 'start', 'end'} (times in `unit`):
     F/B/W coloured by microbatch and hatched by kind; send/recv grey on the rank's comm lane."""
     seen = set() if seen is None else seen
@@ -68,13 +105,25 @@ def _gantt(fig: go.Figure, spans: list[dict], row: int | None = None, unit: str 
         y = e["y"] if compute else f"{e['y']} comm"
         chunk = f".{e['chunk']}" if e.get("chunk") else ""
         color = MICROBATCH_COLORS[mb % len(MICROBATCH_COLORS)] if compute else OP_COLORS.get(kind, "#BAB0AC")
-        fig.add_trace(go.Bar(
-            y=[y], x=[max(e["end"] - e["start"], 1e-6)], base=[e["start"]], orientation="h", name=name,
-            legendgroup=name, showlegend=name not in seen, text=f"{kind}{mb}{chunk}" if compute else "",
-            textposition="inside", marker=dict(color=color, pattern_shape=KIND_PATTERNS.get(kind, ""),
-                                               line=dict(width=0.5, color="white")),
-            hovertemplate=f"{kind} mb={mb} chunk={e.get('chunk')}<br>%{{base:.3g}}–{e['end']:.3g} {unit}"
-                          f"<extra>{e['y']}</extra>"), **where)
+        fig.add_trace(
+            go.Bar(
+                y=[y],
+                x=[max(e["end"] - e["start"], 1e-6)],
+                base=[e["start"]],
+                orientation="h",
+                name=name,
+                legendgroup=name,
+                showlegend=name not in seen,
+                text=f"{kind}{mb}{chunk}" if compute else "",
+                textposition="inside",
+                marker=dict(
+                    color=color, pattern_shape=KIND_PATTERNS.get(kind, ""), line=dict(width=0.5, color="white")
+                ),
+                hovertemplate=f"{kind} mb={mb} chunk={e.get('chunk')}<br>%{{base:.3g}}–{e['end']:.3g} {unit}"
+                f"<extra>{e['y']}</extra>",
+            ),
+            **where,
+        )
         seen.add(name)
 
 
@@ -84,18 +133,27 @@ def simulated_timeline_figure(sim, unit: str = "units", title: str | None = None
     lane below; the predicted bubble in the title, or why the plan would deadlock.
     unit: 'units' for unit costs; 'ms' for a simulation with measured costs (in seconds)."""
     scale = 1e3 if unit == "ms" else 1.0
-    spans = [{**e, "y": f"rank {e['rank']}", "start": e["start"] * scale, "end": e["end"] * scale}
-             for e in sim.events]
+    spans = [{**e, "y": f"rank {e['rank']}", "start": e["start"] * scale, "end": e["end"] * scale} for e in sim.events]
     fig = go.Figure()
     _gantt(fig, spans, unit=unit)
     pl = sim.plan
     if sim.problems:
-        fig.add_annotation(text="<br>".join(sim.problems[:6]), showarrow=False, x=0.5, y=0.5,
-                           xref="paper", yref="paper", font=dict(color="#E45756"))
+        fig.add_annotation(
+            text="<br>".join(sim.problems[:6]),
+            showarrow=False,
+            x=0.5,
+            y=0.5,
+            xref="paper",
+            yref="paper",
+            font=dict(color="#E45756"),
+        )
         head = f"{pl.schedule}: would deadlock"
     else:
-        head = f"{pl.schedule}, simulated: p={pl.p}, m={pl.m}" + (f", v={pl.v}" if pl.v > 1 else "") + \
-               f" (bubble {sim.bubble:.0%})"
+        head = (
+            f"{pl.schedule}, simulated: p={pl.p}, m={pl.m}"
+            + (f", v={pl.v}" if pl.v > 1 else "")
+            + f" (bubble {sim.bubble:.0%})"
+        )
     fig.update_yaxes(autorange="reversed", type="category")
     return _layout(fig, title or head, barmode="overlay", xaxis_title=unit, bargap=0.25)
 
@@ -105,32 +163,51 @@ def timeline_comparison_figure(result, sim=None, step: int = -1) -> go.Figure:
     default the simulation replays the run's schedule with its own measured mean t_F, t_B
     and fastest receive per stage (labkit.theory.pipeline.costs_from_result), so what differs
     is what the ideal model leaves out: jitter, contention for cores, Python overhead."""
-    from plotly.subplots import make_subplots
-
-    from labkit.theory import pipeline as pipeline_theory
 
     wanted = step % result.steps
     if sim is None:
         sim = pipeline_theory.simulated(result.config, pipeline_theory.costs_from_result(result, step))
     spans = [e for rk in result.ranks for e in rk.timeline if e.step == wanted]
     t0 = min((e.start for e in spans if e.kind in ("F", "B", "W")), default=0.0)
-    measured = [{"y": f"rank {rk.rank}", "kind": e.kind, "microbatch": e.microbatch, "chunk": e.chunk,
-                 "start": (e.start - t0) * 1e3, "end": (e.end - t0) * 1e3}
-                for rk in result.ranks for e in rk.timeline
-                if e.step == wanted and e.kind in ("F", "B", "W", "send", "recv")]
+    measured = [
+        {
+            "y": f"rank {rk.rank}",
+            "kind": e.kind,
+            "microbatch": e.microbatch,
+            "chunk": e.chunk,
+            "start": (e.start - t0) * 1e3,
+            "end": (e.end - t0) * 1e3,
+        }
+        for rk in result.ranks
+        for e in rk.timeline
+        if e.step == wanted and e.kind in ("F", "B", "W", "send", "recv")
+    ]
     # the simulated pipeline rank r stands for every rank with pp coordinate r (dp replicas alike)
     first = {}
     for rk in result.ranks:
         first.setdefault(rk.coords["pp"], rk.rank)
-    simulated = [{**e, "y": f"rank {first[e['rank']]} (sim)", "start": e["start"] * 1e3, "end": e["end"] * 1e3}
-                 for e in sim.events]
+    simulated = [
+        {**e, "y": f"rank {first[e['rank']]} (sim)", "start": e["start"] * 1e3, "end": e["end"] * 1e3}
+        for e in sim.events
+    ]
     bubble = result.bubble_fraction(step)["overall"]
-    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
-                        subplot_titles=(f"measured (bubble {bubble:.0%})", f"simulated (bubble {sim.bubble:.0%})"))
+    fig = make_subplots(
+        rows=2,
+        cols=1,
+        shared_xaxes=True,
+        vertical_spacing=0.08,
+        subplot_titles=(f"measured (bubble {bubble:.0%})", f"simulated (bubble {sim.bubble:.0%})"),
+    )
     seen: set = set()
     _gantt(fig, measured, row=1, seen=seen)
     _gantt(fig, simulated, row=2, seen=seen)
     fig.update_yaxes(autorange="reversed", type="category")
     cfg = result.config
-    return _layout(fig, f"Pipeline {cfg.schedule}, pp={cfg.pp}, m={cfg.microbatches}: measured vs simulated",
-                   barmode="overlay", xaxis2_title="ms", bargap=0.25, height=220 + 90 * len(result.ranks))
+    return _layout(
+        fig,
+        f"Pipeline {cfg.schedule}, pp={cfg.pp}, m={cfg.microbatches}: measured vs simulated",
+        barmode="overlay",
+        xaxis2_title="ms",
+        bargap=0.25,
+        height=220 + 90 * len(result.ranks),
+    )

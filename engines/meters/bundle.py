@@ -1,4 +1,5 @@
 """One object that carries a rank's three meters through a step, and their report."""
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -42,7 +43,7 @@ class Meters:
         self.comm = job_log or CommMeter({})
         self.comm.dims_by_ranks.update(dims_by_ranks(mesh))
         self._own_comm = comm_log and job_log is None
-        self._span = [0, None]   # the report's slice of self.comm.events
+        self._span = [0, None]  # the report's slice of self.comm.events
         self.memory = MemoryMeter()
         self.timeline = Timeline(device)
         self.cuda = device.type == "cuda"
@@ -63,8 +64,11 @@ class Meters:
         """The collectives of the steps, as CommEvent dicts (group creation and the log-only
         process-group name left out)."""
         first, last = self._span
-        return [{k: v for k, v in e.items() if k not in ("pg", "members", "error")}
-                for e in self.comm.events[first:last] if e["op"] != "new_group"]
+        return [
+            {k: v for k, v in e.items() if k not in ("pg", "members", "error")}
+            for e in self.comm.events[first:last]
+            if e["op"] != "new_group"
+        ]
 
     @contextmanager
     def step(self, step: int, model_state_bytes: int):

@@ -26,6 +26,7 @@ per process group, so the diagnosis compares ranks' ops only within one group.
 The meter of a Lab job is the job's collective log (engines/runtime.py): on from the job's first
 line to its last. `uninstall()` takes the kernels out again (the overhead benchmark only).
 """
+
 from __future__ import annotations
 
 import threading
@@ -79,20 +80,21 @@ _C10D = {
     "monitored_barrier_": ("barrier", None, None, None),
 }
 
+
 class CommMeter:
     """Collects CommEvents for one run on one rank. `CommMeter.current` is the active one
     (a class attribute, not a thread-local: DDP's reducer may issue from autograd threads)."""
 
-    current: "CommMeter | None" = None
+    current: CommMeter | None = None
 
     def __init__(self, dims_by_ranks: dict[tuple[int, ...], str], clock=time.perf_counter):
-        self.dims_by_ranks = dims_by_ranks   # group ranks -> mesh dim name ('dp', 'cp-dp', ...)
+        self.dims_by_ranks = dims_by_ranks  # group ranks -> mesh dim name ('dp', 'cp-dp', ...)
         self.clock = clock
         self.events: list[dict] = []
         self.phase = "setup"
         self.step = -1
         self._seq: dict[str, int] = {}
-        self._pending: list[tuple[object, dict]] = []   # works with no future: polled
+        self._pending: list[tuple[object, dict]] = []  # works with no future: polled
         self._lock = threading.Lock()
 
     def __enter__(self):
@@ -153,13 +155,13 @@ class CommMeter:
             return
         try:
             work.get_future().add_done_callback(lambda f: self._done(ev, f))
-        except Exception:   # e.g. gloo's reduce-scatter has no future: poll it
+        except Exception:  # e.g. gloo's reduce-scatter has no future: poll it
             self._pending.append((work, ev))
 
     def _done(self, ev: dict, fut) -> None:
         try:
             fut.value()
-        except Exception as e:   # the op failed: it was never left
+        except Exception as e:  # the op failed: it was never left
             ev["error"] = (str(e).splitlines() or [""])[0][:300]
             return
         self.end(ev)
@@ -248,7 +250,7 @@ def _c10d_kernel(name: str):
         else:
             ts = read_tensors(args, kwargs)
             tensor = _first(ts)
-            payload = _total(ts) * (pg.size() if rule == "n*" else 1)   # n*: one chunk of the full tensor
+            payload = _total(ts) * (pg.size() if rule == "n*" else 1)  # n*: one chunk of the full tensor
         peer, root = None, True
         if peer_arg is not None:
             local = read_peer(args, kwargs)
@@ -263,7 +265,7 @@ def _c10d_kernel(name: str):
     return kernel
 
 
-_LIBS: list = []   # the registrations live as long as these Library objects
+_LIBS: list = []  # the registrations live as long as these Library objects
 
 
 def install() -> None:
@@ -291,7 +293,9 @@ class CommAudit:
     desugars them first and the mode sees the collectives they turn into."""
 
     def __init__(self):
-        from torch.distributed.tensor import DTensor   # deferred: the DTensor package is heavy, tests only
+        from torch.distributed.tensor import (
+            DTensor,  # deferred: the DTensor package is heavy, tests only
+        )
 
         counts: dict[str, int] = {}
 

@@ -8,6 +8,7 @@ graph releases the saved tensor, and the peak over the step is kept — so GPipe
 microbatches in flight and 1F1B's at most p show up. Saved tensors that are parameters (a
 Linear saves its weight) are not activations and are skipped.
 """
+
 from __future__ import annotations
 
 import torch
@@ -63,8 +64,8 @@ class MemoryMeter:
         self.peak_of: dict[str, int] = {}
         self.states = 0
         self.peak = 0
-        self._refs: dict[int, list] = {}   # storage -> [bytes, count]
-        self._exclude: set[int] = set()   # storage objects (_cdata)
+        self._refs: dict[int, list] = {}  # storage -> [bytes, count]
+        self._exclude: set[int] = set()  # storage objects (_cdata)
 
     def exclude(self, tensors) -> None:
         """Add storages that are not activations (parameters, their flat buffers). Keyed by the

@@ -7,6 +7,7 @@ adds each host's offset, measured at start-up. On CUDA, spans are CUDA events re
 stream without blocking and resolved to seconds once, at the end of the step (STYLE.md habit
 9: no synchronize() per op just to time it).
 """
+
 from __future__ import annotations
 
 import time
@@ -22,12 +23,12 @@ class Timeline:
         self.step = -1
         self._cuda = device is not None and device.type == "cuda"
         self._pending: list[tuple[dict, object, object]] = []
-        self._anchor = None   # (cuda event, clock time) taken at the start of a step
+        self._anchor = None  # (cuda event, clock time) taken at the start of a step
 
     def begin_step(self, step: int) -> None:
         self.step = step
         if self._cuda:
-            torch.cuda.synchronize()   # once per step: pins the event clock to the host clock
+            torch.cuda.synchronize()  # once per step: pins the event clock to the host clock
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self._anchor = (ev, self.clock())

@@ -22,6 +22,7 @@ forward. Computed inside a graph-less forward it would carry no gradient, so the
 returns it as an output of its own (its gradient recomputes the block like the block's) and
 puts it back on the layer for `aux_loss` to collect.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -38,16 +39,16 @@ class Recompute(torch.autograd.Function):
     def forward(ctx, run, meter, x):
         ctx.run, ctx.meter = run, meter
         ctx.save_for_backward(x)
-        return run(x)                        # grad mode is off inside a Function's forward
+        return run(x)  # grad mode is off inside a Function's forward
 
     @staticmethod
     def backward(ctx, dy, daux):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_()
         with torch.enable_grad(), ctx.meter.saved_tensors():
-            y, aux = ctx.run(x)              # (b, s, h) -> (b, s, h), the block's graph rebuilt
+            y, aux = ctx.run(x)  # (b, s, h) -> (b, s, h), the block's graph rebuilt
         outs, grads = ([y, aux], [dy, daux]) if aux.requires_grad else ([y], [dy])
-        torch.autograd.backward(outs, grads)   # parameter grads accumulate as usual (hooks fire)
+        torch.autograd.backward(outs, grads)  # parameter grads accumulate as usual (hooks fire)
         return None, None, x.grad
 
 
@@ -64,7 +65,7 @@ def _with_aux(block: nn.Module, forward, x: torch.Tensor):
 
 def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor) -> torch.Tensor:
     y, aux = Recompute.apply(run, meter, x)
-    if hasattr(block.mlp, "aux_loss"):       # an MoE block: its loss, now with a gradient path
+    if hasattr(block.mlp, "aux_loss"):  # an MoE block: its loss, now with a gradient path
         block.mlp.aux_loss = aux
     return y
 
@@ -73,6 +74,6 @@ def apply_ac(model: nn.Module, memory_meter) -> tuple[nn.Module, dict]:
     """Checkpoint every transformer block of `model` (slot 4 of parallelize); the recomputation's
     saved tensors are counted by `memory_meter`. Returns (model, {}): nothing to report."""
     for block in model.blocks:
-        run = partial(_with_aux, block, block.forward)   # block.forward: the bound original
+        run = partial(_with_aux, block, block.forward)  # block.forward: the bound original
         block.forward = partial(_checkpointed, block, run, memory_meter)
     return model, {}

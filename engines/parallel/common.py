@@ -12,6 +12,7 @@ later steps (gradient reduction, clipping, checking) need not know which strateg
   _lk_replicas    mesh dims over which other ranks hold the same values (a TP-replicated
                   LayerNorm: ('tp',)); the global gradient norm counts it on one of them only
 """
+
 from __future__ import annotations
 
 import weakref
@@ -63,8 +64,13 @@ def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> d
     """A part of a full parameter: `box` is [start, stop) per tensor dim, `flat` a [start, stop)
     range of the flattened tensor, both a flat range of the box (a ZeRO shard of a TP slice);
     neither means the whole tensor."""
-    return {"name": name, "shape": list(full_shape), "box": box, "flat": flat,
-            "values": values.detach().float().cpu().numpy().copy()}
+    return {
+        "name": name,
+        "shape": list(full_shape),
+        "box": box,
+        "flat": flat,
+        "values": values.detach().float().cpu().numpy().copy(),
+    }
 
 
 def param_piece(name: str, p: torch.Tensor, values: torch.Tensor | None = None) -> dict:

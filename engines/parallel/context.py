@@ -20,6 +20,7 @@ global log-sum-exp and delta = rowsum(dO * O) are known locally, so each block's
 exact on their own; the K/V blocks go round the ring again and each block's dK/dV accumulator
 travels behind it, hop by hop, until it arrives back at the block's owner.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,7 +28,7 @@ import math
 import torch
 import torch.distributed as dist
 
-KV_TAG, DKV_TAG = 0, 1   # K/V and dK/dV messages travel the same link at once: tags keep them apart
+KV_TAG, DKV_TAG = 0, 1  # K/V and dK/dV messages travel the same link at once: tags keep them apart
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -51,13 +52,19 @@ def ring_plan(rank: int, cp: int) -> list[list[tuple[int, int, str]]]:
     plan = []
     for t in range(cp):
         theirs = zigzag_chunks((rank - t) % cp, cp)
-        plan.append([(qa, kb, "causal" if kc == qc else "full")
-                     for qa, qc in enumerate(mine) for kb, kc in enumerate(theirs) if kc <= qc])
+        plan.append(
+            [
+                (qa, kb, "causal" if kc == qc else "full")
+                for qa, qc in enumerate(mine)
+                for kb, kc in enumerate(theirs)
+                if kc <= qc
+            ]
+        )
     return plan
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
-    s = (q @ k.transpose(-2, -1)) * scale        # (b, nh, c, hd) @ (b, nh, hd, c) -> (b, nh, c, c)
+    s = (q @ k.transpose(-2, -1)) * scale  # (b, nh, c, hd) @ (b, nh, hd, c) -> (b, nh, c, c)
     if causal:
         keep = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).tril()
         s = s.masked_fill(~keep, float("-inf"))
@@ -67,23 +74,23 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
 def _block(q, k, v, causal: bool, scale: float):
     """Softmax attention of one chunk pair: out (b, nh, c, hd) and its log-sum-exp (b, nh, c)."""
     s = _scores(q, k, causal, scale)
-    lse = torch.logsumexp(s, dim=-1)                          # (b, nh, c)
-    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse          # (b, nh, c, c) @ (b, nh, c, hd)
+    lse = torch.logsumexp(s, dim=-1)  # (b, nh, c)
+    return torch.exp(s - lse.unsqueeze(-1)) @ v, lse  # (b, nh, c, c) @ (b, nh, c, hd)
 
 
 def _merge(out, lse, o, l):
     """Online-softmax merge of a partial result (o, l) into (out, lse), same queries."""
-    new = torch.logaddexp(lse, l)                             # (b, nh, c)
+    new = torch.logaddexp(lse, l)  # (b, nh, c)
     return out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(l - new).unsqueeze(-1), new
 
 
 def _block_grads(q, k, v, do, lse, delta, causal: bool, scale: float):
     """One chunk pair's gradients from the queries' global lse and delta (FlashAttention-2, alg. 2):
     P = exp(S - lse); dV = P^T dO; dP = dO V^T; dS = P (dP - delta); dQ = dS K s; dK = dS^T Q s."""
-    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))   # (b, nh, c, c)
-    dv = p.transpose(-2, -1) @ do                                     # (b, nh, c, hd)
-    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))         # (b, nh, c, c)
-    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv       # dq, dk, dv
+    p = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))  # (b, nh, c, c)
+    dv = p.transpose(-2, -1) @ do  # (b, nh, c, hd)
+    ds = p * (do @ v.transpose(-2, -1) - delta.unsqueeze(-1))  # (b, nh, c, c)
+    return ds @ k * scale, ds.transpose(-2, -1) @ q * scale, dv  # dq, dk, dv
 
 
 class Ring:
@@ -98,8 +105,10 @@ class Ring:
         """Start sending `send` to the next rank and receiving its like from the previous one;
         returns (received buffer, works to wait on)."""
         recv = torch.empty_like(send)
-        works = [dist.irecv(recv, group=self.group, group_src=self.prev, tag=tag),
-                 dist.isend(send, group=self.group, group_dst=self.next, tag=tag)]
+        works = [
+            dist.irecv(recv, group=self.group, group_src=self.prev, tag=tag),
+            dist.isend(send, group=self.group, group_dst=self.next, tag=tag),
+        ]
         return recv, works
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -122,10 +131,10 @@ class _RingAttention(torch.autograd.Function):
         b, nh, s_local, hd = q.shape
         scale = 1.0 / math.sqrt(hd)
         acc = torch.promote_types(q.dtype, torch.float32)
-        qh = q.to(acc).chunk(2, dim=2)                                 # 2 x (b, nh, c, hd)
+        qh = q.to(acc).chunk(2, dim=2)  # 2 x (b, nh, c, hd)
         out = [torch.zeros_like(x) for x in qh]
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
-        kv = torch.stack([k, v])                                       # (2, b, nh, s/cp, hd): one message per hop
+        kv = torch.stack([k, v])  # (2, b, nh, s/cp, hd): one message per hop
         for t, pairs in enumerate(ring.plan):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
             kh, vh = kv[0].to(acc).chunk(2, dim=2), kv[1].to(acc).chunk(2, dim=2)
@@ -137,7 +146,7 @@ class _RingAttention(torch.autograd.Function):
         # laid out (b, s/cp, nh, hd) like PyTorch's CPU flash attention, so the caller's
         # transpose(1, 2).reshape(b, s/cp, h) is a view, not a copy
         y = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        lse = torch.cat(lse, dim=2)                                    # (b, nh, s/cp)
+        lse = torch.cat(lse, dim=2)  # (b, nh, s/cp)
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.ring, ctx.scale = ring, scale
         return y
@@ -148,12 +157,12 @@ class _RingAttention(torch.autograd.Function):
         ring, scale = ctx.ring, ctx.scale
         acc = lse.dtype
         do = dy.to(acc)
-        delta = (do * y.to(acc)).sum(-1)                               # (b, nh, s/cp)
+        delta = (do * y.to(acc)).sum(-1)  # (b, nh, s/cp)
         qh, doh = q.to(acc).chunk(2, dim=2), do.chunk(2, dim=2)
         lseh, deltah = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
         dq = [torch.zeros_like(x) for x in qh]
-        kv = torch.stack([k, v])                                       # (2, b, nh, s/cp, hd)
-        own = None                                                     # this rank's part of its own dK/dV
+        kv = torch.stack([k, v])  # (2, b, nh, s/cp, hd)
+        own = None  # this rank's part of its own dK/dV
         incoming, pending, sent = None, [], []
         for t, pairs in enumerate(ring.plan):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
@@ -161,25 +170,26 @@ class _RingAttention(torch.autograd.Function):
             dk = [torch.zeros_like(x) for x in kh]
             dv = [torch.zeros_like(x) for x in vh]
             for qa, kb, mask in pairs:
-                gq, gk, gv = _block_grads(qh[qa], kh[kb], vh[kb], doh[qa], lseh[qa], deltah[qa],
-                                          mask == "causal", scale)
+                gq, gk, gv = _block_grads(
+                    qh[qa], kh[kb], vh[kb], doh[qa], lseh[qa], deltah[qa], mask == "causal", scale
+                )
                 dq[qa] += gq
                 dk[kb] += gk
                 dv[kb] += gv
-            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])   # (2, b, nh, s/cp, hd)
+            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])  # (2, b, nh, s/cp, hd)
             if t == 0:
                 own = dkv
             else:
-                if incoming is not None:                               # the accumulator of the block held now
+                if incoming is not None:  # the accumulator of the block held now
                     _wait(pending)
                     dkv = dkv + incoming
-                incoming, pending = ring.hop(dkv, DKV_TAG)             # on to the next holder (last hop: home)
+                incoming, pending = ring.hop(dkv, DKV_TAG)  # on to the next holder (last hop: home)
                 sent.append(dkv)
             _wait(works)
             kv = nxt
         if incoming is not None:
             _wait(pending)
-            own = own + incoming                                       # everyone else's part, back home
+            own = own + incoming  # everyone else's part, back home
         dq = torch.cat(dq, dim=2).to(q.dtype)
         return dq, own[0].to(k.dtype), own[1].to(v.dtype), None
 
@@ -207,6 +217,6 @@ def zigzag_inputs(seq: int, mesh):
 
     def inputs(tokens: torch.Tensor, targets: torch.Tensor):
         idx = index.to(tokens.device)
-        return tokens[:, idx], targets[:, idx], idx              # (b, s) -> (b, s/cp), positions (s/cp,)
+        return tokens[:, idx], targets[:, idx], idx  # (b, s) -> (b, s/cp), positions (s/cp,)
 
     return inputs

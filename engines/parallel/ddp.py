@@ -8,6 +8,7 @@ communication overlaps the rest of backward; buckets are launched strictly in or
 replica issues the same sequence of collectives. With microbatches > 1 (and pp == 1) the
 gradients accumulate locally and are reduced once, after the last microbatch (`no_sync`).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
@@ -15,6 +16,9 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel
+
+from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, torch_adamw
 from labkit.engines.parallel.common import (
@@ -24,9 +28,6 @@ from labkit.engines.parallel.common import (
     weak_method,
 )
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
-from torch.nn.parallel import DistributedDataParallel
-
-from labkit.config import OptimConfig
 from labkit.plans.buckets import plan_groups
 
 
@@ -38,14 +39,14 @@ class _Bucket:
         self.buffer = torch.zeros(numel, dtype=params[0].dtype, device=params[0].device)
         offset = 0
         self.slots = {}
-        for p in params:   # each grad is a view into the flat buffer: no copy before the all-reduce
-            p.grad = self.buffer[offset:offset + p.numel()].view_as(p)
+        for p in params:  # each grad is a view into the flat buffer: no copy before the all-reduce
+            p.grad = self.buffer[offset : offset + p.numel()].view_as(p)
             self.slots[id(p)] = (offset, offset + p.numel())
             offset += p.numel()
         self.pending = len(params)
         self.work = None
-        self.reduced = None   # what the all-reduce runs on: the buffer, or its fp32 copy under bf16
-        self.acc = None       # bf16 with microbatches: the fp32 sum of their gradients
+        self.reduced = None  # what the all-reduce runs on: the buffer, or its fp32 copy under bf16
+        self.acc = None  # bf16 with microbatches: the fp32 sum of their gradients
 
 
 def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
@@ -75,8 +76,16 @@ class DDP:
     precision.py says why those are fp32 (Megatron-LM accumulates into fp32 main_grad likewise).
     """
 
-    def __init__(self, chunks: list[nn.Module], mesh, loss_shards: int, bucket_bytes: int, optim: OptimConfig,
-                 pol: Policy | None = None, meters=None):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        mesh,
+        loss_shards: int,
+        bucket_bytes: int,
+        optim: OptimConfig,
+        pol: Policy | None = None,
+        meters=None,
+    ):
         named_params = [(n, p) for c in chunks for n, p in c.named_parameters()]
         self.modules = chunks
         pol = pol or policy("fp32")
@@ -87,13 +96,15 @@ class DDP:
         self.loss_shards = loss_shards
         self.optim_cfg = optim
         self.norm_group, self.counted = norm_plan(self.params, mesh)
-        self.buckets = [_Bucket([self.params[i] for i in idx], mesh.group(*reduce_dims(self.params[idx[0]])))
-                        for idx in plan(self.params, bucket_bytes)]
+        self.buckets = [
+            _Bucket([self.params[i] for i in idx], mesh.group(*reduce_dims(self.params[idx[0]])))
+            for idx in plan(self.params, bucket_bytes)
+        ]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.next_launch = 0
         self.sync = True
         self.accumulate = False
-        for p in self.params:   # held weakly: see common.weak_method
+        for p in self.params:  # held weakly: see common.weak_method
             p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready"))
         self.opt = AdamW(self.masters, optim, [decays(n, p) for n, p in named_params])
 
@@ -107,10 +118,11 @@ class DDP:
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         bucket = self.bucket_of[id(p)]
-        if self.accumulate:   # bf16 microbatches: into the bucket's fp32 sum, the bf16 view back to 0
+        if self.accumulate:  # bf16 microbatches: into the bucket's fp32 sum, the bf16 view back to 0
             if bucket.acc is None:
-                bucket.acc = self._track(torch.zeros(bucket.buffer.numel(), dtype=self.reduce,
-                                                     device=bucket.buffer.device))
+                bucket.acc = self._track(
+                    torch.zeros(bucket.buffer.numel(), dtype=self.reduce, device=bucket.buffer.device)
+                )
             lo, hi = bucket.slots[id(p)]
             bucket.acc[lo:hi].add_(p.grad.reshape(-1))
             p.grad.zero_()
@@ -130,8 +142,9 @@ class DDP:
             elif dist.get_world_size(b.group) > 1 and b.buffer.dtype != self.reduce:
                 b.reduced = self._track(b.buffer.to(self.reduce))
             if dist.get_world_size(b.group) > 1:
-                b.work = dist.all_reduce(b.buffer if b.reduced is None else b.reduced, group=b.group,
-                                         async_op=True)   # (numel,) summed
+                b.work = dist.all_reduce(
+                    b.buffer if b.reduced is None else b.reduced, group=b.group, async_op=True
+                )  # (numel,) summed
             self.next_launch += 1
 
     def _track(self, buf: torch.Tensor, sign: int = 1) -> torch.Tensor:
@@ -141,7 +154,7 @@ class DDP:
         return buf
 
     def finish(self) -> None:
-        self._launch_ready(all_remaining=True)   # buckets with unused params still go, in order
+        self._launch_ready(all_remaining=True)  # buckets with unused params still go, in order
         for b in self.buckets:
             if b.work is not None:
                 b.work.wait()
@@ -149,7 +162,7 @@ class DDP:
             out = b.buffer if b.reduced is None else b.reduced
             if self.loss_shards > 1:
                 out.div_(self.loss_shards)
-            if out is not b.buffer:   # the fp32 mean, rounded once into the bf16 gradients
+            if out is not b.buffer:  # the fp32 mean, rounded once into the bf16 gradients
                 b.buffer.copy_(out)
                 self._track(out, -1)
             b.reduced = None
@@ -165,10 +178,13 @@ class DDP:
         return float(norm)
 
     def memory(self) -> dict[str, int]:
-        return {"params": unique_bytes(self.params),
-                "grads": unique_bytes(b.buffer for b in self.buckets),
-                "optimizer": unique_bytes(self.opt.state_tensors()
-                                          + [m for m, p in zip(self.masters, self.params) if m is not p])}
+        return {
+            "params": unique_bytes(self.params),
+            "grads": unique_bytes(b.buffer for b in self.buckets),
+            "optimizer": unique_bytes(
+                self.opt.state_tensors() + [m for m, p in zip(self.masters, self.params) if m is not p]
+            ),
+        }
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p, values=m) for n, p, m in zip(self.names, self.params, self.masters)]
@@ -183,8 +199,9 @@ class TorchDDP:
     def __init__(self, module: nn.Module, group, bucket_mb: float, optim: OptimConfig):
         self.names = [n for n, _ in module.named_parameters()]
         self.params = [p for _, p in module.named_parameters()]
-        self.ddp = DistributedDataParallel(module, process_group=group, bucket_cap_mb=bucket_mb,
-                                           gradient_as_bucket_view=True, broadcast_buffers=False)
+        self.ddp = DistributedDataParallel(
+            module, process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, broadcast_buffers=False
+        )
         self.modules = [self.ddp]
         self.clip = optim.clip
         self.opt = torch_adamw(self.names, self.params, optim)
@@ -193,7 +210,7 @@ class TorchDDP:
         return nullcontext() if index == count - 1 else self.ddp.no_sync()
 
     def finish(self) -> None:
-        pass   # DDP's reducer waits for its all-reduces at the end of backward
+        pass  # DDP's reducer waits for its all-reduces at the end of backward
 
     def step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf"))
@@ -203,9 +220,11 @@ class TorchDDP:
 
     def memory(self) -> dict[str, int]:
         state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-        return {"params": unique_bytes(self.params),
-                "grads": unique_bytes(p.grad for p in self.params),
-                "optimizer": unique_bytes(state)}
+        return {
+            "params": unique_bytes(self.params),
+            "grads": unique_bytes(p.grad for p in self.params),
+            "optimizer": unique_bytes(state),
+        }
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]

@@ -14,11 +14,13 @@ them), so it is reduced over dp x cp only (`_lk_reduce`). Under tensor paralleli
 layer is replicated over tp (plans/tensor.py): each tp rank runs this all-to-all with the ep
 ranks of its own tp coordinate, and the experts keep TP's replica mark for the norm.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
 from labkit.engines.moe import MoE
 
 
@@ -29,14 +31,14 @@ class _AllToAll(torch.autograd.Function):
     def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
         ctx.splits, ctx.group = (out_splits, in_splits), group
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
-        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)   # (N, h) -> (R, h)
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)  # (N, h) -> (R, h)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         out_splits, in_splits = ctx.splits
         back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
-        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)   # (R, h) -> (N, h)
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)  # (R, h) -> (N, h)
         return back, None, None, None
 
 
@@ -50,17 +52,18 @@ class ExpertParallel:
         ep, local = self.ep, self.local
         # rows (N, h) sorted by global expert e; expert e lives on ep rank e // local
         got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=self.group)      # (E,) -> (ep * local,): [source, my expert]
+        dist.all_to_all_single(got, counts, group=self.group)  # (E,) -> (ep * local,): [source, my expert]
         got = got.view(ep, local)
-        send = counts.view(ep, local).sum(dim=1).tolist()          # rows to each ep rank
-        recv = got.sum(dim=1).tolist()                             # rows from each ep rank
-        arrived = _AllToAll.apply(rows, recv, send, self.group)    # (N, h) -> (R, h), by source, then expert
-        pieces = arrived.split(got.flatten().tolist())            # ep * local blocks, (source, expert) order
-        outs = [moe.expert(e, torch.cat([pieces[src * local + e] for src in range(ep)]))
-                for e in range(local)]                             # each expert once, on all its rows
+        send = counts.view(ep, local).sum(dim=1).tolist()  # rows to each ep rank
+        recv = got.sum(dim=1).tolist()  # rows from each ep rank
+        arrived = _AllToAll.apply(rows, recv, send, self.group)  # (N, h) -> (R, h), by source, then expert
+        pieces = arrived.split(got.flatten().tolist())  # ep * local blocks, (source, expert) order
+        outs = [
+            moe.expert(e, torch.cat([pieces[src * local + e] for src in range(ep)])) for e in range(local)
+        ]  # each expert once, on all its rows
         parts = [o.split(got[:, e].tolist()) for e, o in enumerate(outs)]
-        back = torch.cat([parts[e][src] for src in range(ep) for e in range(local)])   # (R, h), arrival order
-        return _AllToAll.apply(back, send, recv, self.group)      # (R, h) -> (N, h)
+        back = torch.cat([parts[e][src] for src in range(ep) for e in range(local)])  # (R, h), arrival order
+        return _AllToAll.apply(back, send, recv, self.group)  # (R, h) -> (N, h)
 
 
 def apply_ep(model: nn.Module, mesh) -> tuple[nn.Module, dict]:
@@ -76,15 +79,15 @@ def apply_ep(model: nn.Module, mesh) -> tuple[nn.Module, dict]:
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
         for name in ("w1", "w2"):
             full = getattr(moe, name)
-            part = nn.Parameter(full.detach()[lo:hi].clone())      # (E, h, f) -> (E/ep, h, f)
+            part = nn.Parameter(full.detach()[lo:hi].clone())  # (E, h, f) -> (E/ep, h, f)
             part._lk_full_shape = tuple(full.shape)
             part._lk_box = [[lo, hi]] + [[0, n] for n in full.shape[1:]]
             part._lk_reduce = ("dp", "cp")
-            part._lk_replicas = tuple(getattr(full, "_lk_replicas", ()))   # e.g. ('tp',): MoE replicated over tp
+            part._lk_replicas = tuple(getattr(full, "_lk_replicas", ()))  # e.g. ('tp',): MoE replicated over tp
             setattr(moe, name, part)
             sharded.add(id(part))
         moe.dispatch = dispatch
-    for p in model.parameters():   # everything else is the same on every ep rank: count it once in the norm
+    for p in model.parameters():  # everything else is the same on every ep rank: count it once in the norm
         if id(p) not in sharded:
             p._lk_replicas = tuple(getattr(p, "_lk_replicas", ())) + ("ep",)
     return model, {"experts": [lo, hi]}

@@ -13,27 +13,29 @@ PyTorch's FSDP2: `fully_shard` on each block, then on the model, on a DeviceMesh
 the mesh's own dp process group (no new groups), with `MixedPrecisionPolicy` for bf16
 (bf16 parameters for compute, bf16 reduce-scatter, fp32 sharded masters; see precision.py).
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import piece
 from labkit.engines.parallel.tensor_torch import device_mesh_2d
-from labkit.engines.parallel.zero import ZeRO3
+from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
-from torch.distributed.device_mesh import DeviceMesh
-
-from labkit.config import OptimConfig
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.tensor import shard_box
 
 
-def apply_fsdp(model: nn.Module, mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters,
-               loss_shards: int) -> ZeRO3:
+def apply_fsdp(
+    model: nn.Module, mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters, loss_shards: int
+) -> ZeRO3:
     """sharding='fsdp', impl='lab': our units (a ZeRO-3 per block plus the root), as this rank's GradSync."""
     return ZeRO3(model, mesh, "fsdp", reshard, pol, optim, meters, loss_shards)
 
@@ -61,14 +63,18 @@ class TorchFSDP:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device_type = next(model.parameters()).device.type
-        if mesh.size("tp") > 1:   # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
+        if mesh.size("tp") > 1:  # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
             dm = device_mesh_2d(mesh, device_type)["dp"]
         else:
             dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)
-        mp = MixedPrecisionPolicy(param_dtype=pol.compute, reduce_dtype=pol.reduce) if pol.mixed else MixedPrecisionPolicy()
+        mp = (
+            MixedPrecisionPolicy(param_dtype=pol.compute, reduce_dtype=pol.reduce)
+            if pol.mixed
+            else MixedPrecisionPolicy()
+        )
         self.meters = meters
         self.dp, self.dp_rank = dm.size(), dm.get_local_rank()
-        self.tp_box = {n: _tp_box(p, mesh) for n, p in model.named_parameters()}   # before FSDP2 wraps them
+        self.tp_box = {n: _tp_box(p, mesh) for n, p in model.named_parameters()}  # before FSDP2 wraps them
         for unit in [*model.blocks, model]:
             fully_shard(unit, mesh=dm, reshard_after_forward=reshard, mp_policy=mp)
             unit.register_forward_pre_hook(self._exclude_unsharded)
@@ -111,10 +117,10 @@ class TorchFSDP:
         group._to_unsharded, group._to_sharded = unsharded, sharded
 
     def microbatch(self, index: int, count: int):
-        return nullcontext()   # FSDP2 reduce-scatters every microbatch by default, as ours does
+        return nullcontext()  # FSDP2 reduce-scatters every microbatch by default, as ours does
 
     def finish(self) -> None:
-        pass   # FSDP2 waits for its reduce-scatters at the end of backward
+        pass  # FSDP2 waits for its reduce-scatters at the end of backward
 
     def step(self) -> float:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf"))
@@ -125,9 +131,11 @@ class TorchFSDP:
     @torch.no_grad()
     def memory(self) -> dict[str, int]:
         state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-        return {"params": unique_bytes(p.to_local() for p in self.params),
-                "grads": unique_bytes(p.grad.to_local() for p in self.params if p.grad is not None),
-                "optimizer": unique_bytes(t.to_local() for t in state)}
+        return {
+            "params": unique_bytes(p.to_local() for p in self.params),
+            "grads": unique_bytes(p.grad.to_local() for p in self.params if p.grad is not None),
+            "optimizer": unique_bytes(t.to_local() for t in state),
+        }
 
     @torch.no_grad()
     def param_pieces(self) -> list[dict]:

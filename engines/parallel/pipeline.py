@@ -16,13 +16,14 @@ needs it. Then the only waits are receives, and a set of lists completes iff the
 that would hang is refused with the ranks' stuck actions (ScheduleDeadlock) before anything
 runs.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from labkit.engines.model import aux_loss
 
+from labkit.engines.model import aux_loss
 from labkit.plans.schedules import Plan, chunk_layers, plan, stage_of
 from labkit.plans.simulator import ScheduleDeadlock, check
 
@@ -39,21 +40,22 @@ class Chunk(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         self.head = model.head if last else None
 
-    def forward(self, x: torch.Tensor, targets: torch.Tensor | None = None,
-                positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """First stage: (b, s) tokens in; others: (b, s, h) activations. Last stage: the mean
         loss with targets, else the logits (torch.distributed.pipelining applies its loss_fn)."""
         if self.embed is not None:
             if positions is None:
                 positions = torch.arange(x.shape[1], device=x.device)
-            x = self.embed(x, positions)                       # (b, s) -> (b, s, h)
+            x = self.embed(x, positions)  # (b, s) -> (b, s, h)
         for block in self.blocks.values():
-            x = block(x)                                       # (b, s, h) -> (b, s, h)
+            x = block(x)  # (b, s, h) -> (b, s, h)
         if self.head is None:
             return x
         if targets is None:
-            return self.head.proj(self.head.norm(x))           # (b, s, h) -> (b, s, V)
-        return self.head(x, targets)                           # scalar
+            return self.head.proj(self.head.norm(x))  # (b, s, h) -> (b, s, V)
+        return self.head(x, targets)  # scalar
 
 
 def split_model(model: nn.Module, p: int, v: int, rank: int) -> list[Chunk]:
@@ -75,17 +77,18 @@ def apply_pipeline(model: nn.Module, mesh, *, virtual_stages: int) -> tuple[list
     """Slot 5 of parallelize: (this pp rank's chunks, its stage and layers as data for the report).
     The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule."""
     p, v, r = mesh.size("pp"), virtual_stages, mesh.coord("pp")
-    info = {"p": p, "v": v, "stage": r,
-            "layers": [list(chunk_layers(len(model.blocks), p, v, r, c)) for c in range(v)]}
+    info = {"p": p, "v": v, "stage": r, "layers": [list(chunk_layers(len(model.blocks), p, v, r, c)) for c in range(v)]}
     return split_model(model, p, v, r), info
 
 
-def pipeline_executor(mesh, *, schedule: str, microbatches: int, virtual_stages: int, hidden: int,
-                      dtype: torch.dtype, seq_split: int) -> PipelineExecutor:
+def pipeline_executor(
+    mesh, *, schedule: str, microbatches: int, virtual_stages: int, hidden: int, dtype: torch.dtype, seq_split: int
+) -> PipelineExecutor:
     """Our executor of `schedule` ('gpipe', '1f1b', 'interleaved') for this pp rank: the plan is built
     (schedules.plan), simulated and refused if it would hang, then run as is."""
-    return PipelineExecutor(plan(schedule, mesh.size("pp"), microbatches, virtual_stages), mesh, hidden, dtype,
-                            seq_split)
+    return PipelineExecutor(
+        plan(schedule, mesh.size("pp"), microbatches, virtual_stages), mesh, hidden, dtype, seq_split
+    )
 
 
 class PipelineExecutor:
@@ -101,10 +104,10 @@ class PipelineExecutor:
         self.rank = mesh.coord("pp")
         self.actions = pl.actions[self.rank]
         self.group = mesh.group("pp")
-        self.peers = mesh.ranks("pp")          # pipeline rank -> global rank (sorted = by pp coordinate)
+        self.peers = mesh.ranks("pp")  # pipeline rank -> global rank (sorted = by pp coordinate)
         self.hidden = hidden
-        self.dtype = dtype                     # what stages pass: activations and gradients in the compute dtype
-        self.seq_split = seq_split             # sequence parallelism: each tp rank passes its s/tp rows
+        self.dtype = dtype  # what stages pass: activations and gradients in the compute dtype
+        self.seq_split = seq_split  # sequence parallelism: each tp rank passes its s/tp rows
 
     def _tag(self, a) -> int:
         """One tag per message, the same on both sides: (microbatch, receiving stage, kind)."""
@@ -115,14 +118,18 @@ class PipelineExecutor:
 
     def _recv(self, a, meters, shape) -> torch.Tensor:
         buf = torch.empty(shape, dtype=self.dtype, device=meters.device)
-        with meters.phase("forward" if a.op == "recv_act" else "backward"), \
-                meters.span("recv", a.mb, a.chunk, peer=self.peers[a.peer]):
-            dist.irecv(buf, src=self.peers[a.peer], group=self.group, tag=self._tag(a)).wait()   # (b, s, h)
+        with (
+            meters.phase("forward" if a.op == "recv_act" else "backward"),
+            meters.span("recv", a.mb, a.chunk, peer=self.peers[a.peer]),
+        ):
+            dist.irecv(buf, src=self.peers[a.peer], group=self.group, tag=self._tag(a)).wait()  # (b, s, h)
         return buf
 
     def _send(self, a, t: torch.Tensor, meters):
-        with meters.phase("forward" if a.op == "send_act" else "backward"), \
-                meters.span("send", a.mb, a.chunk, peer=self.peers[a.peer]):
+        with (
+            meters.phase("forward" if a.op == "send_act" else "backward"),
+            meters.span("send", a.mb, a.chunk, peer=self.peers[a.peer]),
+        ):
             work = dist.isend(t.contiguous(), dst=self.peers[a.peer], group=self.group, tag=self._tag(a))
         return work, t
 
@@ -132,7 +139,7 @@ class PipelineExecutor:
             raise ValueError(f"the plan is for {self.plan.m} microbatches, the step has {m}")
         mbs = [rank_model.inputs(tokens, targets) for tokens, targets in microbatches]
         b, s = mbs[0][0].shape
-        shape = (b, s // self.seq_split, self.hidden)          # (b/m, s, h) crosses each boundary (s/tp under SP)
+        shape = (b, s // self.seq_split, self.hidden)  # (b/m, s, h) crosses each boundary (s/tp under SP)
         inputs, outputs, grads, sends = {}, {}, {}, []
         backwards_done = [0] * self.plan.v
         share = torch.zeros((), device=meters.device)
@@ -166,8 +173,11 @@ class PipelineExecutor:
                     if isinstance(aux, torch.Tensor):
                         tensors, seeds = tensors + [aux / m], seeds + [None]
                 # the chunk's last backward (by count, whatever the order) lets DDP reduce it
-                with meters.phase("backward"), meters.span("B", a.mb, a.chunk), \
-                        rank_model.grads.microbatch(backwards_done[a.chunk], m):
+                with (
+                    meters.phase("backward"),
+                    meters.span("B", a.mb, a.chunk),
+                    rank_model.grads.microbatch(backwards_done[a.chunk], m),
+                ):
                     torch.autograd.backward(tensors, seeds)
                 backwards_done[a.chunk] += 1
             elif a.op == "send_grad":

@@ -11,6 +11,7 @@ What we measure: F / B spans come from wrapping the stage's forward_one_chunk an
 backward_one_chunk; activations from the saved-tensor hooks around them and around the loss;
 the comm meter sees the schedule's batched isend/irecv at the dispatcher.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
@@ -19,12 +20,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import param_piece
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import OptimConfig
+from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.optim import torch_adamw
+from labkit.engines.parallel.common import param_piece
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of
 
@@ -65,18 +66,19 @@ class TorchSchedule:
         self.first = any(st.is_first for st in stages)
         self.last = any(st.is_last for st in stages)
 
-        def loss_fn(logits, targets):   # model.Head's loss: (b, s, V) logits -> scalar, in fp32
+        def loss_fn(logits, targets):  # model.Head's loss: (b, s, V) logits -> scalar, in fp32
             with meters.memory.saved_tensors():
                 return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
         cls = _schedule_class(self.schedule)
-        self.sched = cls(stages if self.schedule == "interleaved" else stages[0],
-                         n_microbatches=self.microbatches, loss_fn=loss_fn)
+        self.sched = cls(
+            stages if self.schedule == "interleaved" else stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn
+        )
 
     def __call__(self, rank_model, microbatches, meters) -> float:
         if self.sched is None:
             self._build(rank_model, meters)
-        tokens = torch.cat([t for t, _ in microbatches])      # m x (b/m, s) -> (b, s); the schedule splits it again
+        tokens = torch.cat([t for t, _ in microbatches])  # m x (b/m, s) -> (b, s); the schedule splits it again
         targets = torch.cat([y for _, y in microbatches])
         losses: list[torch.Tensor] = []
         args = (tokens,) if self.first else ()
@@ -115,24 +117,31 @@ class TorchStageGrads:
             # find_unused_parameters: DDP otherwise rebuilds its buckets from the first synced
             # backward, which under the stage's no_sync + prepare_for_backward sees every
             # microbatch's gradients (2m x the parameters) and trips an internal assert.
-            self.modules = [DistributedDataParallel(c, process_group=mesh.group(*DATA_DIMS), bucket_cap_mb=bucket_mb,
-                                                    gradient_as_bucket_view=True, broadcast_buffers=False,
-                                                    find_unused_parameters=True)
-                            for c in chunks]
+            self.modules = [
+                DistributedDataParallel(
+                    c,
+                    process_group=mesh.group(*DATA_DIMS),
+                    bucket_cap_mb=bucket_mb,
+                    gradient_as_bucket_view=True,
+                    broadcast_buffers=False,
+                    find_unused_parameters=True,
+                )
+                for c in chunks
+            ]
         self.pp_group = mesh.group("pp")
         self.clip = optim.clip
         self.opt = torch_adamw(self.names, self.params, optim)
 
     def microbatch(self, index: int, count: int):
-        return nullcontext()   # the pipelining schedule drives DDP's no_sync itself
+        return nullcontext()  # the pipelining schedule drives DDP's no_sync itself
 
     def finish(self) -> None:
         pass
 
     def step(self) -> float:
         grads = [p.grad for p in self.params if p.grad is not None]
-        sq = torch.nn.utils.get_total_norm(grads).pow(2)       # this stage's share of ||g||^2
-        dist.all_reduce(sq, group=self.pp_group)               # () summed over the pipeline
+        sq = torch.nn.utils.get_total_norm(grads).pow(2)  # this stage's share of ||g||^2
+        dist.all_reduce(sq, group=self.pp_group)  # () summed over the pipeline
         norm = sq.sqrt()
         if self.clip:
             torch.nn.utils.clip_grads_with_norm_(self.params, self.clip, norm)
@@ -142,8 +151,11 @@ class TorchStageGrads:
 
     def memory(self) -> dict[str, int]:
         state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-        return {"params": unique_bytes(self.params), "grads": unique_bytes(p.grad for p in self.params),
-                "optimizer": unique_bytes(state)}
+        return {
+            "params": unique_bytes(self.params),
+            "grads": unique_bytes(p.grad for p in self.params),
+            "optimizer": unique_bytes(state),
+        }
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]

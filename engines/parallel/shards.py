@@ -1,13 +1,14 @@
 """The optimizer side of sharded data parallelism (ZeRO, FSDP): flat buffers as tensors, and the
 master slice, AdamW, global norm and pieces of the slice a rank owns (layout: plans/flat.py)."""
+
 from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
-from labkit.engines.parallel.common import full_name, norm_plan, piece, reduce_dims
 
 from labkit.config import OptimConfig
+from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
+from labkit.engines.parallel.common import full_name, norm_plan, piece, reduce_dims
 from labkit.plans.flat import FlatPlan
 
 
@@ -53,14 +54,22 @@ class ShardedOptimizer:
     parameter: whether this rank counts it in the norm (norm_plan), and where its local tensor
     sits in the full one (a TP or EP slice: `_lk_box`)."""
 
-    def __init__(self, plans: list[FlatPlan], indices: list[int], masters: list[torch.Tensor], mesh,
-                 params: dict[str, nn.Parameter], optim: OptimConfig):
+    def __init__(
+        self,
+        plans: list[FlatPlan],
+        indices: list[int],
+        masters: list[torch.Tensor],
+        mesh,
+        params: dict[str, nn.Parameter],
+        optim: OptimConfig,
+    ):
         self.plans, self.indices, self.masters = plans, indices, masters
         names = list(params)
         self.norm_group, counted = norm_plan([params[n] for n in names], mesh, sharded=True)
         self.counted = dict(zip(names, counted))
-        self.where = {n: (getattr(p, "_lk_full_shape", tuple(p.shape)), getattr(p, "_lk_box", None))
-                      for n, p in params.items()}
+        self.where = {
+            n: (getattr(p, "_lk_full_shape", tuple(p.shape)), getattr(p, "_lk_box", None)) for n, p in params.items()
+        }
         self.clip = optim.clip
         runs = [(m[lo:hi], d) for p, i, m in zip(plans, indices, masters) for lo, hi, d in p.runs(i)]
         self.opt = AdamW([r for r, _ in runs], optim, [d for _, d in runs])
@@ -69,8 +78,12 @@ class ShardedOptimizer:
         """Clip by the global norm and update the masters. Within a buffer's group the slices are
         disjoint, so the norm is the sum of every rank's squares (one scalar all-reduce) over the
         parameters this rank counts (not a TP replica another rank counts); padding is left out."""
-        mine = [g[at:at + hi - lo] for p, i, g in zip(self.plans, self.indices, grads)
-                for name, _, lo, hi, at in p.pieces(i) if self.counted[name]]
+        mine = [
+            g[at : at + hi - lo]
+            for p, i, g in zip(self.plans, self.indices, grads)
+            for name, _, lo, hi, at in p.pieces(i)
+            if self.counted[name]
+        ]
         norm = grad_norm(mine, None, self.norm_group)
         runs = [g[lo:hi] for p, i, g in zip(self.plans, self.indices, grads) for lo, hi, _ in p.runs(i)]
         self.opt.step(runs, clip_coefficient(norm, self.clip))
@@ -80,7 +93,7 @@ class ShardedOptimizer:
         """A flat range of each (possibly TP / EP sliced) local tensor; `box` places it in the full one."""
         out = []
         for p, i, m in zip(self.plans, self.indices, self.masters):
-            for name, shape, lo, hi, at in p.pieces(i):
+            for name, _shape, lo, hi, at in p.pieces(i):
                 full, box = self.where[name]
-                out.append(piece(name, full, m[at:at + hi - lo], box=box, flat=[lo, hi]))
+                out.append(piece(name, full, m[at : at + hi - lo], box=box, flat=[lo, hi]))
         return out

@@ -30,6 +30,7 @@ SP an all-gather in (`GatherReplicated`) and a slice out (`Split`).
 
 The plan (plans/tensor.py) is data; `apply_tp` walks it.
 """
+
 from __future__ import annotations
 
 import torch
@@ -47,7 +48,7 @@ def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
     t = dist.get_world_size(group)
     b, n, h = x.shape
     chunks = x.new_empty(t * b, n, h)
-    dist.all_gather_into_tensor(chunks, x.contiguous(), group=group)   # (b, s/t, h) -> (t*b, s/t, h)
+    dist.all_gather_into_tensor(chunks, x.contiguous(), group=group)  # (b, s/t, h) -> (t*b, s/t, h)
     return chunks.view(t, b, n, h).transpose(0, 1).reshape(b, t * n, h)  # (t, b, s/t, h) -> (b, s, h)
 
 
@@ -55,9 +56,9 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     """(b, s, h) partial sums per rank -> (b, s/t, h): this rank's chunk of their sum."""
     t = dist.get_world_size(group)
     b, s, h = x.shape
-    chunks = x.reshape(b, t, s // t, h).transpose(0, 1).contiguous()    # (b, s, h) -> (t, b, s/t, h)
+    chunks = x.reshape(b, t, s // t, h).transpose(0, 1).contiguous()  # (b, s, h) -> (t, b, s/t, h)
     out = x.new_empty(b, s // t, h)
-    dist.reduce_scatter_tensor(out, chunks.view(t * b, s // t, h), group=group)   # -> (b, s/t, h)
+    dist.reduce_scatter_tensor(out, chunks.view(t * b, s // t, h), group=group)  # -> (b, s/t, h)
     return out
 
 
@@ -73,7 +74,7 @@ class Copy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)                     # (b, s, h) partial -> summed over tp
+        dist.all_reduce(grad, group=ctx.group)  # (b, s, h) partial -> summed over tp
         return grad, None
 
 
@@ -82,8 +83,8 @@ class Reduce(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group):
-        ctx.mark_dirty(x)                                          # summed in place: no copy
-        dist.all_reduce(x, group=group)                            # (b, s, h) partial -> summed over tp
+        ctx.mark_dirty(x)  # summed in place: no copy
+        dist.all_reduce(x, group=group)  # (b, s, h) partial -> summed over tp
         return x
 
     @staticmethod
@@ -97,11 +98,11 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return all_gather_seq(x, group)                            # (b, s/t, h) -> (b, s, h)
+        return all_gather_seq(x, group)  # (b, s/t, h) -> (b, s, h)
 
     @staticmethod
     def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.group), None           # (b, s, h) -> (b, s/t, h)
+        return reduce_scatter_seq(grad, ctx.group), None  # (b, s, h) -> (b, s/t, h)
 
 
 class Scatter(torch.autograd.Function):
@@ -110,11 +111,11 @@ class Scatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        return reduce_scatter_seq(x, group)                        # (b, s, h) partial -> (b, s/t, h)
+        return reduce_scatter_seq(x, group)  # (b, s, h) partial -> (b, s/t, h)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.group), None               # (b, s/t, h) -> (b, s, h)
+        return all_gather_seq(grad, ctx.group), None  # (b, s/t, h) -> (b, s, h)
 
 
 class GatherReplicated(torch.autograd.Function):
@@ -125,11 +126,11 @@ class GatherReplicated(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.rank, ctx.t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
-        return all_gather_seq(x, group)                            # (b, s/t, h) -> (b, s, h)
+        return all_gather_seq(x, group)  # (b, s/t, h) -> (b, s, h)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad.chunk(ctx.t, dim=1)[ctx.rank].contiguous(), None   # (b, s, h) -> (b, s/t, h)
+        return grad.chunk(ctx.t, dim=1)[ctx.rank].contiguous(), None  # (b, s, h) -> (b, s/t, h)
 
 
 class Split(torch.autograd.Function):
@@ -140,11 +141,11 @@ class Split(torch.autograd.Function):
     def forward(ctx, x, group):
         ctx.group = group
         rank, t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
-        return x.chunk(t, dim=1)[rank].contiguous()                # (b, s, h) -> (b, s/t, h)
+        return x.chunk(t, dim=1)[rank].contiguous()  # (b, s, h) -> (b, s/t, h)
 
     @staticmethod
     def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.group), None               # (b, s/t, h) -> (b, s, h)
+        return all_gather_seq(grad, ctx.group), None  # (b, s/t, h) -> (b, s, h)
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
@@ -154,25 +155,25 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, targets, start, group):
-        n, v = logits.shape                                        # this rank: vocabulary [start, start + v)
-        top = logits.max(dim=-1).values                            # (N,)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)    # (N,) max over the whole vocabulary
-        shifted = logits - top[:, None]                            # (N, V/t)
-        outside = (targets < start) | (targets >= start + v)       # (N,) target held by another rank
-        local = (targets - start).masked_fill(outside, 0)          # (N,)
+        n, v = logits.shape  # this rank: vocabulary [start, start + v)
+        top = logits.max(dim=-1).values  # (N,)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # (N,) max over the whole vocabulary
+        shifted = logits - top[:, None]  # (N, V/t)
+        outside = (targets < start) | (targets >= start + v)  # (N,) target held by another rank
+        local = (targets - start).masked_fill(outside, 0)  # (N,)
         target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
-        exp = shifted.exp_()                                       # (N, V/t)
-        sums = torch.stack([exp.sum(dim=-1), target_logit])        # (2, N)
-        dist.all_reduce(sums, group=group)                         # (2, N) summed over tp
+        exp = shifted.exp_()  # (N, V/t)
+        sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
+        dist.all_reduce(sums, group=group)  # (2, N) summed over tp
         loss = (sums[0].log() - sums[1]).mean()
-        ctx.save_for_backward(exp.div_(sums[0][:, None]), local, outside)   # softmax (N, V/t)
+        ctx.save_for_backward(exp.div_(sums[0][:, None]), local, outside)  # softmax (N, V/t)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
         softmax, local, outside = ctx.saved_tensors
         n = softmax.shape[0]
-        g = softmax * (grad / n)                                   # (N, V/t)
+        g = softmax * (grad / n)  # (N, V/t)
         g[torch.arange(n, device=g.device), local] -= (~outside).to(g.dtype) * (grad / n)
         return g, None, None, None
 
@@ -188,7 +189,7 @@ class RowParallelLinear(nn.Module):
         self.leave = leave
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.leave(F.linear(x, self.weight))                # (b, s, in/t) -> (b, s, out) partial -> summed
+        return self.leave(F.linear(x, self.weight))  # (b, s, in/t) -> (b, s, out) partial -> summed
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -199,16 +200,16 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, tok: nn.Embedding, pos: nn.Embedding, start: int, leave, seq_chunk=None):
         super().__init__()
         self.tok, self.pos, self.start, self.leave = tok, pos, start, leave
-        self.seq_chunk = seq_chunk   # (tp rank, tp) under SP, else None
+        self.seq_chunk = seq_chunk  # (tp rank, tp) under SP, else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         v = self.tok.weight.shape[0]
-        outside = (tokens < self.start) | (tokens >= self.start + v)                       # (b, s)
-        x = F.embedding((tokens - self.start).masked_fill(outside, 0), self.tok.weight)   # (b, s, h)
-        x = self.leave(x.masked_fill(outside[..., None], 0.0))     # (b, s, h) partial -> summed (or s/t rows)
+        outside = (tokens < self.start) | (tokens >= self.start + v)  # (b, s)
+        x = F.embedding((tokens - self.start).masked_fill(outside, 0), self.tok.weight)  # (b, s, h)
+        x = self.leave(x.masked_fill(outside[..., None], 0.0))  # (b, s, h) partial -> summed (or s/t rows)
         if self.seq_chunk is not None:
             r, t = self.seq_chunk
-            positions = positions.reshape(t, -1)[r]                # (s,) -> (s/t,) this rank's rows
+            positions = positions.reshape(t, -1)[r]  # (s,) -> (s/t,) this rank's rows
         return x + self.pos(positions)
 
 
@@ -220,11 +221,10 @@ class VocabParallelHead(nn.Module):
         self.norm, self.proj, self.start, self.enter, self.group = norm, proj, start, enter, group
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.enter(self.norm(x))                               # (b, s, h) on every tp rank
-        logits = self.proj(x)                                      # (b, s, h) -> (b, s, V/t)
+        x = self.enter(self.norm(x))  # (b, s, h) on every tp rank
+        logits = self.proj(x)  # (b, s, h) -> (b, s, V/t)
         # the loss is taken in fp32 whatever the compute precision
-        return VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(),
-                                               self.start, self.group)
+        return VocabParallelCrossEntropy.apply(logits.float().flatten(0, 1), targets.flatten(), self.start, self.group)
 
 
 # -- applying the plan ----------------------------------------------------------------------
@@ -241,10 +241,14 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Mod
     and under SP `_lk_reduce` gains 'tp' (each rank saw s/t positions: partial gradients)."""
     group, t, r = mesh.group("tp"), mesh.size("tp"), mesh.coord("tp")
     plan = tp_plan(model.cfg, sequence_parallel)
-    ops = {"copy": lambda x: Copy.apply(x, group), "all-gather": lambda x: Gather.apply(x, group),
-           "all-reduce": lambda x: Reduce.apply(x, group), "reduce-scatter": lambda x: Scatter.apply(x, group),
-           "all-gather-replicated": lambda x: GatherReplicated.apply(x, group),
-           "split": lambda x: Split.apply(x, group)}
+    ops = {
+        "copy": lambda x: Copy.apply(x, group),
+        "all-gather": lambda x: Gather.apply(x, group),
+        "all-reduce": lambda x: Reduce.apply(x, group),
+        "reduce-scatter": lambda x: Scatter.apply(x, group),
+        "all-gather-replicated": lambda x: GatherReplicated.apply(x, group),
+        "split": lambda x: Split.apply(x, group),
+    }
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
 
     for name, style in plan.items():
@@ -262,16 +266,18 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Mod
         elif kind == "vocab" and isinstance(module, nn.Embedding):
             module.weight, module.num_embeddings = weight, weight.shape[0]
             chunk = (r, t) if plan[parent_name + ".pos"]["style"] == "sequence" else None
-            model.set_submodule(parent_name, VocabParallelEmbedding(module, parent.pos, box[0][0],
-                                                                    ops[style["output"]], chunk))
+            model.set_submodule(
+                parent_name, VocabParallelEmbedding(module, parent.pos, box[0][0], ops[style["output"]], chunk)
+            )
         elif kind == "vocab":
             module.weight, module.out_features = weight, weight.shape[0]
-            model.set_submodule(parent_name, VocabParallelHead(parent.norm, module, box[0][0],
-                                                               ops[style["input"]], group))
+            model.set_submodule(
+                parent_name, VocabParallelHead(parent.norm, module, box[0][0], ops[style["input"]], group)
+            )
         elif kind == "input":
             enter = ops[style["input"]]
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
-        elif kind == "replicate" and "input" in style:   # an MoE layer under SP (plans/tensor.py)
+        elif kind == "replicate" and "input" in style:  # an MoE layer under SP (plans/tensor.py)
             enter, leave = ops[style["input"]], ops[style["output"]]
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
             module.register_forward_hook(lambda _m, _args, out, leave=leave: leave(out))

@@ -22,15 +22,13 @@ Choices, all of which run on gloo (torch 2.13):
   one parent mesh. DDP over dp is not composed with DTensor TP (PyTorch composes TP with FSDP2;
   its DDP + TP path is a private transform): labkit.config refuses that, and TP with pp, cp, ep.
 """
+
 from __future__ import annotations
 
 from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
-from labkit.engines.meters.memory import local, unique_bytes
-from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import piece
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
@@ -44,12 +42,15 @@ from torch.distributed.tensor.parallel import (
 )
 
 from labkit.config import OptimConfig
+from labkit.engines.meters.memory import local, unique_bytes
+from labkit.engines.optim import torch_adamw
+from labkit.engines.parallel.common import piece
 from labkit.plans.tensor import shard_box, tp_plan
 
 
 def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:
     """labkit's plan in DTensor's ParallelStyles (modules outside it are replicated)."""
-    between = Shard(1) if sequence_parallel else Replicate()   # layout of the residual stream (b, s, h)
+    between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream (b, s, h)
     out = {}
     for name, style in plan.items():
         kind = style["style"]
@@ -66,8 +67,9 @@ def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:
         elif kind == "vocab":
             out[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
             if sequence_parallel:
-                out[name.rpartition(".")[0]] = PrepareModuleOutput(output_layouts=Replicate(),
-                                                                   desired_output_layouts=Shard(1))
+                out[name.rpartition(".")[0]] = PrepareModuleOutput(
+                    output_layouts=Replicate(), desired_output_layouts=Shard(1)
+                )
     return out
 
 
@@ -76,8 +78,9 @@ def _replicate_rest(model: nn.Module, tp_mesh) -> None:
     local tensors in and out."""
 
     def to_dtensor(_mod, inputs, mesh):
-        return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
-                     for x in inputs)
+        return tuple(
+            x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs
+        )
 
     def to_local(_mod, out, _mesh):
         return out.to_local() if isinstance(out, DTensor) else out
@@ -93,10 +96,12 @@ def device_mesh_2d(mesh, device_type: str):
     process group), built once per Mesh: DTensor TP takes its ["tp"] slice, FSDP2 its ["dp"]."""
     if getattr(mesh, "_lk_device_mesh", None) is None:
         lay, here = mesh.layout, mesh.coords
-        ranks = [[lay.rank(**{**here, "dp": d, "tp": t}) for t in range(lay.size("tp"))]
-                 for d in range(lay.size("dp"))]                                  # (dp, tp) global ranks
-        mesh._lk_device_mesh = DeviceMesh.from_group([mesh.group("dp"), mesh.group("tp")], device_type,
-                                                     torch.tensor(ranks), mesh_dim_names=("dp", "tp"))
+        ranks = [
+            [lay.rank(**{**here, "dp": d, "tp": t}) for t in range(lay.size("tp"))] for d in range(lay.size("dp"))
+        ]  # (dp, tp) global ranks
+        mesh._lk_device_mesh = DeviceMesh.from_group(
+            [mesh.group("dp"), mesh.group("tp")], device_type, torch.tensor(ranks), mesh_dim_names=("dp", "tp")
+        )
     return mesh._lk_device_mesh
 
 
@@ -142,7 +147,7 @@ class TorchTP:
         self.opt = torch_adamw(self.names, self.params, optim)
 
     def microbatch(self, index: int, count: int):
-        return nullcontext()   # no data parallelism: gradients simply accumulate
+        return nullcontext()  # no data parallelism: gradients simply accumulate
 
     def finish(self) -> None:
         pass
@@ -155,9 +160,11 @@ class TorchTP:
 
     def memory(self) -> dict[str, int]:
         state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-        return {"params": unique_bytes(local(p) for p in self.params),
-                "grads": unique_bytes(local(p.grad) for p in self.params if p.grad is not None),
-                "optimizer": unique_bytes(local(t) for t in state)}
+        return {
+            "params": unique_bytes(local(p) for p in self.params),
+            "grads": unique_bytes(local(p.grad) for p in self.params if p.grad is not None),
+            "optimizer": unique_bytes(local(t) for t in state),
+        }
 
     def param_pieces(self) -> list[dict]:
         out = []

@@ -23,14 +23,16 @@ With microbatches, stage 1 reduces once, after the last (as DDP's no_sync); stag
 reduce-scatter every microbatch and add into their gradient slices, since they keep no full
 gradient to accumulate into. Reduce-scatters run asynchronously, one in flight.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
-from functools import partial
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.parallel.common import full_name, weak_method
 from labkit.engines.parallel.shards import (
@@ -41,10 +43,9 @@ from labkit.engines.parallel.shards import (
     group_sizes,
     plan_group,
 )
+from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
-
-from labkit.config import OptimConfig
-from labkit.plans.flat import FlatPlan, bucket_plans, unit_plans
+from labkit.plans.flat import bucket_plans
 
 
 class ZeRO12:
@@ -61,15 +62,24 @@ class ZeRO12:
     microbatches sums their gradients in the bucket's fp32 buffer as they arrive, as DDP does
     (ddp.py says why)."""
 
-    def __init__(self, chunks: list[nn.Module], mesh, stage: int, pol: Policy, bucket_bytes: int,
-                 optim: OptimConfig, meters, loss_shards: int):
+    def __init__(
+        self,
+        chunks: list[nn.Module],
+        mesh,
+        stage: int,
+        pol: Policy,
+        bucket_bytes: int,
+        optim: OptimConfig,
+        meters,
+        loss_shards: int,
+    ):
         self.modules = chunks
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {full_name(p, n): p for n, p in named}
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
         elem = torch.tensor([], dtype=pol.compute).element_size()
         self.plans = bucket_plans(entries(named), group_sizes(mesh, named), bucket_bytes, elem)
-        self.groups = [plan_group(mesh, plan) for plan in self.plans]   # (group, N, shard index) per bucket
+        self.groups = [plan_group(mesh, plan) for plan in self.plans]  # (group, N, shard index) per bucket
         self.flats, masters, self.grads, self.grad_full = [], [], [], []
         for k, plan in enumerate(self.plans):
             full32 = flatten(plan, params)
@@ -78,24 +88,25 @@ class ZeRO12:
             masters.append(full32[a:b].clone() if pol.mixed else flat[a:b])
             bind(plan, params, flat)
             self.flats.append(flat)
-            if stage == 1:   # full gradients; the parameters' .grad are views of them, as in DDP
+            if stage == 1:  # full gradients; the parameters' .grad are views of them, as in DDP
                 full = torch.zeros_like(flat)
                 bind(plan, params, full, grads=True)
                 self.grad_full.append(full)
                 self.grads.append(full[a:b])
             else:
                 self.grads.append(torch.zeros(plan.shard, dtype=pol.compute, device=flat.device))
-        self.bucket_of = {id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans)
-                          for name, _, lo, hi in p.offsets()}
+        self.bucket_of = {
+            id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans) for name, _, lo, hi in p.offsets()
+        }
         self.optimizer = ShardedOptimizer(self.plans, [g[2] for g in self.groups], masters, mesh, params, optim)
         self.pending = [0] * len(self.plans)
-        self.filling: dict[int, torch.Tensor] = {}   # stage 2: bucket -> its buffer, until launched
-        self.acc: dict[int, torch.Tensor] = {}       # stage 1, bf16, microbatches: bucket -> fp32 sum
+        self.filling: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its buffer, until launched
+        self.acc: dict[int, torch.Tensor] = {}  # stage 1, bf16, microbatches: bucket -> fp32 sum
         self.accumulate = False
-        self.in_flight = None                        # (bucket, buffer, work): one reduce-scatter at a time
+        self.in_flight = None  # (bucket, buffer, work): one reduce-scatter at a time
         self.next_launch = 0
         self.sync = True
-        for p in params.values():   # held weakly: see common.weak_method
+        for p in params.values():  # held weakly: see common.weak_method
             p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready"))
 
     @contextmanager
@@ -104,24 +115,26 @@ class ZeRO12:
         self.accumulate = self.stage == 1 and count > 1 and self.pol.reduce != self.pol.compute
         self.pending = [len(p.names) for p in self.plans]
         yield
-        if self.stage == 2:   # buckets whose gradients did not all arrive (unused parameters) go too, in order
+        if self.stage == 2:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
             self._launch_ready(all_remaining=True)
             self.next_launch = 0
 
     def _grad_ready(self, p: nn.Parameter) -> None:
         k, lo, hi = self.bucket_of[id(p)]
-        if self.accumulate:   # bf16 microbatches: into the bucket's fp32 sum, the bf16 view back to 0
+        if self.accumulate:  # bf16 microbatches: into the bucket's fp32 sum, the bf16 view back to 0
             if k not in self.acc:
-                self.acc[k] = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
-                                                      device=self.flats[k].device))
+                self.acc[k] = self._track(
+                    torch.zeros(self.plans[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
+                )
             self.acc[k][lo:hi].add_(p.grad.reshape(-1))
             p.grad.zero_()
         if not self.sync:
             return
-        if self.stage == 2:   # into the bucket's buffer; the parameter's own gradient is dropped
+        if self.stage == 2:  # into the bucket's buffer; the parameter's own gradient is dropped
             if k not in self.filling:
-                self.filling[k] = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
-                                                          device=self.flats[k].device))
+                self.filling[k] = self._track(
+                    torch.zeros(self.plans[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
+                )
             self.filling[k][lo:hi].copy_(p.grad.reshape(-1))
             p.grad = None
         self.pending[k] -= 1
@@ -140,9 +153,10 @@ class ZeRO12:
                 return
             if self.stage == 2:
                 buf = self.filling.pop(k, None)
-                if buf is None:   # no gradient of this bucket arrived
-                    buf = self._track(torch.zeros(self.plans[k].padded, dtype=self.pol.reduce,
-                                                  device=self.flats[k].device))
+                if buf is None:  # no gradient of this bucket arrived
+                    buf = self._track(
+                        torch.zeros(self.plans[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
+                    )
             elif k in self.acc:
                 buf = self.acc.pop(k)
             elif self.pol.reduce != self.pol.compute:
@@ -152,8 +166,9 @@ class ZeRO12:
             self._drain()
             group, n, index = self.groups[k]
             a, b = self.plans[k].owned(index)
-            work = (dist.reduce_scatter_single(buf[a:b], buf, group=group, async_op=True)
-                    if n > 1 else None)        # (padded,) summed over ranks -> its slice a:b, in place
+            work = (
+                dist.reduce_scatter_single(buf[a:b], buf, group=group, async_op=True) if n > 1 else None
+            )  # (padded,) summed over ranks -> its slice a:b, in place
             self.in_flight = (k, buf, work)
             self.next_launch += 1
 
@@ -166,16 +181,16 @@ class ZeRO12:
         if work is not None:
             work.wait()
         if self.stage == 1 and buf is self.grad_full[k]:
-            return                                   # reduced in place
+            return  # reduced in place
         a, b = self.plans[k].owned(self.groups[k][2])
         if self.stage == 1:
-            self.grads[k].copy_(buf[a:b])            # fp32 sum rounded once into the bf16 slice
+            self.grads[k].copy_(buf[a:b])  # fp32 sum rounded once into the bf16 slice
         else:
-            self.grads[k].add_(buf[a:b])             # accumulates over microbatches
+            self.grads[k].add_(buf[a:b])  # accumulates over microbatches
         self._track(buf, -1)
 
     def finish(self) -> None:
-        if self.stage == 1:   # buckets whose gradients did not all arrive (unused parameters) go too, in order
+        if self.stage == 1:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
             self._launch_ready(all_remaining=True)
             self.next_launch = 0
         self._drain()
@@ -189,8 +204,8 @@ class ZeRO12:
         for plan, (group, n, index), flat, m in zip(self.plans, self.groups, self.flats, self.optimizer.masters):
             a, b = plan.owned(index)
             if self.pol.mixed:
-                flat[a:b].copy_(m)     # round the updated masters into this rank's bf16 slice
-            if n > 1:                  # (shard,) from every rank -> (padded,), in place
+                flat[a:b].copy_(m)  # round the updated masters into this rank's bf16 slice
+            if n > 1:  # (shard,) from every rank -> (padded,), in place
                 dist.all_gather_single(flat, flat[a:b], group=group)
         for g in self.grad_full or self.grads:
             g.zero_()
@@ -198,174 +213,27 @@ class ZeRO12:
 
     def memory(self) -> dict[str, int]:
         masters = self.optimizer.masters if self.pol.mixed else []
-        return {"params": unique_bytes(self.flats),
-                "grads": unique_bytes(self.grad_full or self.grads),
-                "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors())}
+        return {
+            "params": unique_bytes(self.flats),
+            "grads": unique_bytes(self.grad_full or self.grads),
+            "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors()),
+        }
 
     def param_pieces(self) -> list[dict]:
         return self.optimizer.param_pieces()
 
 
-class _Unit:
-    """One ZeRO-3 / FSDP unit: a module's flat buffer of parameters, gathered only while needed.
-
-    `full` is the gathered buffer (padded,); the module's parameters are views of it, made once.
-    Freeing it shrinks its storage to 0 bytes (storage.resize_, as PyTorch's FSDP does), which keeps
-    every view, including the ones autograd saved in forward, valid for the next gather."""
-
-    def __init__(self, plan: FlatPlan, module: nn.Module, params: dict[str, nn.Parameter], mesh,
-                 pol: Policy):
-        self.plan, self.module = plan, module
-        self.group, self.n, self.index = plan_group(mesh, plan)   # the ranks that shard this buffer
-        self.params = [params[n] for n in plan.names]
-        self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in plan.offsets()}
-        full32 = flatten(plan, params)
-        a, b = plan.owned(self.index)
-        self.full = full32.to(pol.compute) if pol.mixed else full32
-        self.shard = self.full[a:b].clone()                                # what this rank all-gathers
-        self.master = full32[a:b].clone() if pol.mixed else self.shard     # what its optimizer updates
-        self.grad = torch.zeros_like(self.shard)                          # its reduced gradient slice
-        bind(plan, params, self.full)
-        self.nbytes = self.full.untyped_storage().nbytes()
-        self.full.untyped_storage().resize_(0)
-        self.gathered = False
-        self.grad_full: torch.Tensor | None = None
-        self.pending = 0
-
-
-class ZeRO3:
-    """ZeRO stage 3 / FSDP (ours; GradSync): parameters, gradients and optimizer state sharded, a
-    unit's parameters gathered just before it runs. `kind` picks the units (plans/flat.py): 'zero3' the
-    embedding, each block and the head; 'fsdp' each block plus the root. With reshard=False
-    (FSDP's reshard_after_forward off) forward's gather is kept for backward: one all-gather per
-    unit instead of two (ZeRO-2's traffic), the whole model gathered at the end of forward.
-
-    Composed with tp / ep / cp, a unit holds this rank's slices, and a module whose parameters
-    are reduced over different groups (experts over dp-cp, SP LayerNorms over dp-ep-cp-tp) has
-    one unit per group, each sharded over its own group (plans/flat.py)."""
-
-    def __init__(self, model: nn.Module, mesh, kind: str, reshard: bool, pol: Policy, optim: OptimConfig,
-                 meters, loss_shards: int):
-        self.modules = [model]
-        named = list(model.named_parameters())
-        params = {full_name(p, n): p for n, p in named}
-        self.pol, self.reshard, self.meters, self.loss_shards = pol, reshard, meters, loss_shards
-        self.plans = unit_plans(entries(named), group_sizes(mesh, named), kind)
-        self.units = [_Unit(p, model.get_submodule(p.unit), params, mesh, pol) for p in self.plans]
-        for u in self.units:
-            u.module.register_forward_pre_hook(partial(self._pre_forward, u))
-            u.module.register_forward_hook(partial(self._post_forward, u))
-            for p in u.params:
-                p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
-        self.optimizer = ShardedOptimizer(self.plans, [u.index for u in self.units], [u.master for u in self.units],
-                                          mesh, params, optim)
-        self.in_flight = None   # (unit, buffer, work): one reduce-scatter in flight
-
-    # -- gather / free ----------------------------------------------------------------------
-    def _gather(self, u: _Unit) -> None:
-        if u.gathered:
-            return
-        u.full.untyped_storage().resize_(u.nbytes)
-        self.meters.memory.track("gathered", u.nbytes)
-        if u.n > 1:   # (shard,) from every rank -> (padded,)
-            dist.all_gather_single(u.full, u.shard, group=u.group)
-        else:
-            u.full.copy_(u.shard)
-        u.gathered = True
-
-    def _free(self, u: _Unit) -> None:
-        if u.gathered:
-            u.full.untyped_storage().resize_(0)
-            self.meters.memory.track("gathered", -u.nbytes)
-            u.gathered = False
-
-    # -- hooks ------------------------------------------------------------------------------
-    def _pre_forward(self, u: _Unit, module, args) -> None:
-        self._gather(u)
-
-    def _post_forward(self, u: _Unit, module, args, out) -> None:
-        if self.reshard:
-            self._free(u)
-        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
-            out.register_hook(partial(self._pre_backward, u))   # fires as backward reaches the unit
-
-    def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> None:
-        """Gather the unit again (if freed) and give its gradients a buffer in the reduce dtype:
-        under fp32 the parameters' .grad are views of it, under bf16 each is copied in on arrival."""
-        self._gather(u)
-        u.grad_full = torch.zeros(u.plan.padded, dtype=self.pol.reduce, device=u.shard.device)
-        self.meters.memory.track("reduce_buffers", u.grad_full.nbytes)
-        if self.pol.reduce == self.pol.compute:
-            bind(u.plan, dict(zip(u.plan.names, u.params)), u.grad_full, grads=True)
-        u.pending = len(u.params)
-
-    def _grad_ready(self, u: _Unit, p: nn.Parameter) -> None:
-        if self.pol.reduce != self.pol.compute:
-            lo, hi = u.slot[id(p)]
-            u.grad_full[lo:hi].copy_(p.grad.reshape(-1))
-            p.grad = None
-        u.pending -= 1
-        if u.pending == 0:
-            self._reduce(u)
-
-    def _reduce(self, u: _Unit) -> None:
-        """The unit's backward is over: free its parameters, reduce-scatter its gradient."""
-        for p in u.params:
-            p.grad = None
-        self._free(u)
-        self._drain()
-        buf, u.grad_full = u.grad_full, None
-        a, b = u.plan.owned(u.index)
-        work = (dist.reduce_scatter_single(buf[a:b], buf, group=u.group, async_op=True)
-                if u.n > 1 else None)      # (padded,) summed over ranks -> its slice a:b, in place
-        self.in_flight = (u, buf, work)
-
-    def _drain(self) -> None:
-        if self.in_flight is None:
-            return
-        u, buf, work = self.in_flight
-        if work is not None:
-            work.wait()
-        a, b = u.plan.owned(u.index)
-        u.grad.add_(buf[a:b])                        # fp32 sum rounded into the bf16 slice under bf16
-        self.meters.memory.track("reduce_buffers", -buf.nbytes)
-        self.in_flight = None
-
-    # -- GradSync -----------------------------------------------------------------------------
-    @contextmanager
-    def microbatch(self, index: int, count: int):
-        yield
-        for u in self.units:   # a unit whose gradients did not all arrive (unused parameters)
-            if u.grad_full is not None:
-                self._reduce(u)
-
-    def finish(self) -> None:
-        self._drain()
-        if self.loss_shards > 1:
-            for u in self.units:
-                u.grad.div_(self.loss_shards)
-
-    @torch.no_grad()
-    def step(self) -> float:
-        norm = self.optimizer.step([u.grad for u in self.units])
-        for u in self.units:
-            if self.pol.mixed:
-                u.shard.copy_(u.master)   # round the updated masters into the bf16 slice
-            u.grad.zero_()
-        return norm
-
-    def memory(self) -> dict[str, int]:
-        masters = [u.master for u in self.units] if self.pol.mixed else []
-        return {"params": unique_bytes(u.shard for u in self.units),
-                "grads": unique_bytes(u.grad for u in self.units),
-                "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors())}
-
-    def param_pieces(self) -> list[dict]:
-        return self.optimizer.param_pieces()
-
-
-def apply_zero(chunks: list[nn.Module], mesh, *, stage: int, bucket_bytes: int, pol: Policy, optim: OptimConfig,
-               meters, loss_shards: int):
+def apply_zero(
+    chunks: list[nn.Module],
+    mesh,
+    *,
+    stage: int,
+    bucket_bytes: int,
+    pol: Policy,
+    optim: OptimConfig,
+    meters,
+    loss_shards: int,
+):
     """ZeRO stage 1, 2 or 3 (impl='lab'): this rank's GradSync. ZeRO-1 takes every pipeline chunk's
     parameters; ZeRO-2/3 run without a pipeline (labkit.config says why); ZeRO-3 shards by module
     units and has no buckets."""

@@ -7,6 +7,7 @@ their gradients — packed greedily into buckets of at most `cap_bytes` (a param
 the cap gets a bucket of its own). This is PyTorch DDP's rule (Li et al., "PyTorch
 Distributed", VLDB 2020, section 3.2.3) without its smaller first bucket.
 """
+
 from __future__ import annotations
 
 

@@ -12,6 +12,7 @@ dims and is sharded over exactly that group (`FlatPlan.dims`); ARCHITECTURE.md s
 Entries are (name, shape) — whole-model data parallelism, dims dp-ep-cp — or
 (name, shape, dims) or (name, shape, dims, chunk); `n` is one group size or {dims: size}.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class FlatPlan:
     """Mesh dims of the n ranks that share the buffer, shard it and reduce its gradients."""
 
     @classmethod
-    def of(cls, unit: str, named_shapes, n: int, dims: tuple[str, ...] = DATA_DIMS) -> "FlatPlan":
+    def of(cls, unit: str, named_shapes, n: int, dims: tuple[str, ...] = DATA_DIMS) -> FlatPlan:
         ordered = [x for x in named_shapes if is_matrix(x[1])] + [x for x in named_shapes if not is_matrix(x[1])]
         return cls(unit, tuple(a for a, _ in ordered), tuple(tuple(s) for _, s in ordered), n, tuple(dims))
 
@@ -106,8 +107,7 @@ class FlatPlan:
 
 def _entries(named) -> list[tuple[str, tuple[int, ...], tuple[str, ...], int]]:
     """(name, shape, reduce dims, pipeline chunk) of each entry (module docstring)."""
-    return [(e[0], tuple(e[1]), tuple(e[2]) if len(e) > 2 else DATA_DIMS, e[3] if len(e) > 3 else 0)
-            for e in named]
+    return [(e[0], tuple(e[1]), tuple(e[2]) if len(e) > 2 else DATA_DIMS, e[3] if len(e) > 3 else 0) for e in named]
 
 
 def _size(n, dims) -> int:
@@ -120,8 +120,10 @@ def bucket_plans(named, n, cap_bytes: int, elem_bytes: int) -> list[FlatPlan]:
     entries = _entries(named)
     sizes = [prod(s) * elem_bytes for _, s, _, _ in entries]
     keys = [(dims, chunk) for _, _, dims, chunk in entries]
-    return [FlatPlan.of(f"bucket{k}", [entries[i][:2] for i in idx], _size(n, key[0]), key[0])
-            for k, (key, idx) in enumerate(plan_groups(sizes, keys, cap_bytes))]
+    return [
+        FlatPlan.of(f"bucket{k}", [entries[i][:2] for i in idx], _size(n, key[0]), key[0])
+        for k, (key, idx) in enumerate(plan_groups(sizes, keys, cap_bytes))
+    ]
 
 
 def unit_of(name: str, kind: str) -> str:
@@ -141,7 +143,14 @@ def unit_plans(named, n, kind: str) -> list[FlatPlan]:
     for name, shape, dims, _ in _entries(named):
         units.setdefault((unit_of(name, kind), dims), []).append((name, shape))
     first = {key: i for i, key in enumerate(units)}
-    order = sorted(units, key=lambda k: (k[0] != "", k[0] != "embed", k[0] == "head",
-                                         int(k[0].split(".")[1]) if k[0].startswith("blocks.") else -1,
-                                         first[k]))
+    order = sorted(
+        units,
+        key=lambda k: (
+            k[0] != "",
+            k[0] != "embed",
+            k[0] == "head",
+            int(k[0].split(".")[1]) if k[0].startswith("blocks.") else -1,
+            first[k],
+        ),
+    )
     return [FlatPlan.of(u, units[u, dims], _size(n, dims), dims) for u, dims in order]

@@ -8,6 +8,7 @@ in tp, so a TP group holds neighbouring ranks (one node's fast links).
 Pure arithmetic (numpy, no torch): the engines' `Mesh` (engines/mesh.py) creates a process
 group for each group listed here, the theory prices them, the mesh view draws them.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -36,11 +37,11 @@ class MeshLayout:
     order: str = "tp-cp-ep-dp-pp"
 
     @classmethod
-    def of(cls, cfg: ParallelConfig) -> "MeshLayout":
+    def of(cls, cfg: ParallelConfig) -> MeshLayout:
         return cls(tuple((d, getattr(cfg, d)) for d in DIMS), cfg.order)
 
     @classmethod
-    def from_sizes(cls, order: str = "tp-cp-ep-dp-pp", **sizes: int) -> "MeshLayout":
+    def from_sizes(cls, order: str = "tp-cp-ep-dp-pp", **sizes: int) -> MeshLayout:
         return cls(tuple((d, int(sizes.get(d, 1))) for d in DIMS), order)
 
     @property
@@ -85,8 +86,8 @@ class MeshLayout:
         dims = self.canonical(dims)
         axes = [self._axis(d) for d in dims]
         rest = [a for a in range(self.grid.ndim) if a not in axes]
-        moved = np.transpose(self.grid, rest + axes)   # (other dims..., dims...)
-        flat = moved.reshape(-1, self.size(*dims))     # one row per group
+        moved = np.transpose(self.grid, rest + axes)  # (other dims..., dims...)
+        flat = moved.reshape(-1, self.size(*dims))  # one row per group
         return sorted(sorted(int(r) for r in row) for row in flat)
 
     def group_of(self, rank: int, *dims: str) -> list[int]:
@@ -127,10 +128,11 @@ class MeshLayout:
             across = self.spans_hosts((d,), hosts) if hosts is not None and self.size(d) > 1 else []
             warning = None
             if across and d in AXIS_WARNINGS:
-                warning = (f"{d}={self.size(d)} groups span hosts ({len(across)} of {len(groups)}, e.g. ranks "
-                           f"{across[0]} on {sorted({hosts[r] for r in across[0]})}): {AXIS_WARNINGS[d]}")
-            out.append({"dim": d, "size": self.size(d), "groups": groups, "spans_hosts": across,
-                        "warning": warning})
+                warning = (
+                    f"{d}={self.size(d)} groups span hosts ({len(across)} of {len(groups)}, e.g. ranks "
+                    f"{across[0]} on {sorted({hosts[r] for r in across[0]})}): {AXIS_WARNINGS[d]}"
+                )
+            out.append({"dim": d, "size": self.size(d), "groups": groups, "spans_hosts": across, "warning": warning})
         return out
 
     def warnings(self, hosts: list[str]) -> list[str]:
@@ -140,8 +142,8 @@ class MeshLayout:
 
 AXIS_WARNINGS = {
     "tp": "tensor parallelism talks after every layer (two all-reduces of the (b, s, h) activations per "
-          "layer forward and two backward, on the critical path) and needs the fast intra-node links "
-          "(NVLink); keep tp within a host (tp <= ranks per host, tp innermost in `order`)",
+    "layer forward and two backward, on the critical path) and needs the fast intra-node links "
+    "(NVLink); keep tp within a host (tp <= ranks per host, tp innermost in `order`)",
 }
 """Why a group of a dim should not span hosts; dims without an entry tolerate it (dp's gradient
 reduction overlaps backward, pp sends one activation per microbatch)."""

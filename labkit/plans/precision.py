@@ -1,6 +1,7 @@
 """Bytes per element in each precision, as the engines lay tensors out (engines/precision.py
 holds the torch dtypes of the same choice): the theory multiplies element counts by these.
 """
+
 from __future__ import annotations
 
 ELEM = {"fp32": 4, "bf16": 2}

@@ -16,6 +16,7 @@ is defined by its *compute order* (F/B/W per rank); the sends and receives are d
 it (`with_comm`): a receive right before the compute that needs it, a send right after the
 compute that produced it.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -56,13 +57,19 @@ class Plan:
         return [a for a in self.actions[rank] if a.op in COMPUTE]
 
     def to_dict(self) -> dict:
-        return {"schedule": self.schedule, "p": self.p, "m": self.m, "v": self.v,
-                "actions": [[list(a) for a in acts] for acts in self.actions]}
+        return {
+            "schedule": self.schedule,
+            "p": self.p,
+            "m": self.m,
+            "v": self.v,
+            "actions": [[list(a) for a in acts] for acts in self.actions],
+        }
 
     @classmethod
-    def from_dict(cls, d: dict) -> "Plan":
-        return cls(d["schedule"], d["p"], d["m"], d["v"],
-                   tuple(tuple(Action(*a) for a in acts) for acts in d["actions"]))
+    def from_dict(cls, d: dict) -> Plan:
+        return cls(
+            d["schedule"], d["p"], d["m"], d["v"], tuple(tuple(Action(*a) for a in acts) for acts in d["actions"])
+        )
 
 
 # -- where the layers live ---------------------------------------------------------------------
@@ -94,10 +101,10 @@ def one_f_one_b_order(p: int, m: int, rank: int) -> list[tuple]:
     forwards, then alternate one forward and one backward, then drain the backwards. The same
     bubble as GPipe, but at most p - rank microbatches in flight."""
     warm = min(p - rank - 1, m)
-    order = [("F", i, 0) for i in range(warm)]                        # warmup
-    for i in range(m - warm):                                           # steady state
+    order = [("F", i, 0) for i in range(warm)]  # warmup
+    for i in range(m - warm):  # steady state
         order += [("F", warm + i, 0), ("B", i, 0)]
-    order += [("B", i, 0) for i in range(m - warm, m)]                 # cooldown
+    order += [("B", i, 0) for i in range(m - warm, m)]  # cooldown
     return order
 
 
@@ -123,7 +130,7 @@ def interleaved_order(p: int, m: int, v: int, rank: int) -> list[tuple]:
     order = f[:warm]
     for k in range(total - warm):
         order += [f[warm + k], b[k]]
-    return order + b[total - warm:]
+    return order + b[total - warm :]
 
 
 def zb_h1_order(p: int, m: int, rank: int) -> list[tuple]:
@@ -140,10 +147,10 @@ def zb_h1_order(p: int, m: int, rank: int) -> list[tuple]:
     w = 0
     for i in range(m - warm):
         order += [("F", warm + i, 0), ("B", i, 0)]
-        if i >= rank:                        # W of an older microbatch, `rank` slots late
+        if i >= rank:  # W of an older microbatch, `rank` slots late
             order.append(("W", w, 0))
             w += 1
-    for i in range(m - warm, m):             # cooldown: each B, then the oldest W pending
+    for i in range(m - warm, m):  # cooldown: each B, then the oldest W pending
         order += [("B", i, 0), ("W", w, 0)]
         w += 1
     return order + [("W", i, 0) for i in range(w, m)]
@@ -207,8 +214,15 @@ def local_problems(pl: Plan) -> list[str]:
             key = (a.mb, a.chunk)
             have = done.setdefault(key, set())
             s = pl.stage(r, a.chunk)
-            need = {"F": {"recv_act"} if s > 0 else set(), "B": {"F"} | ({"recv_grad"} if s < last else set()),
-                    "W": {"B"}, "send_act": {"F"}, "send_grad": {"B"}, "recv_act": set(), "recv_grad": {"F"}}
+            need = {
+                "F": {"recv_act"} if s > 0 else set(),
+                "B": {"F"} | ({"recv_grad"} if s < last else set()),
+                "W": {"B"},
+                "send_act": {"F"},
+                "send_grad": {"B"},
+                "recv_act": set(),
+                "recv_grad": {"F"},
+            }
             if a.op not in need:
                 out.append(f"rank {r}: unknown action {a}")
                 continue

@@ -12,6 +12,7 @@ asynchronously. When no rank can move and some have actions left, the plan would
 result lists what each stuck rank waits for, and nothing is run. `check` is what the executor
 asks before it runs a plan: the plan's local mistakes (schedules.local_problems), then this.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -73,7 +74,7 @@ def _key(pl: Plan, rank: int, a) -> tuple:
         return ("act", a.mb, s)
     if a.op == "send_grad":
         return ("grad", a.mb, s - 1)
-    return ("grad", a.mb, s)   # recv_grad
+    return ("grad", a.mb, s)  # recv_grad
 
 
 def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False) -> Simulation:
@@ -81,9 +82,9 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
     p = pl.p
     pos = [0] * p
     clock = [0.0] * p
-    arrived: dict[tuple, float] = {}           # message -> arrival time (posted sends)
+    arrived: dict[tuple, float] = {}  # message -> arrival time (posted sends)
     parked: dict[tuple, tuple[int, float]] = {}  # rendezvous: message -> (sender, ready time)
-    waiting: dict[tuple, int] = {}             # message -> rank blocked on it
+    waiting: dict[tuple, int] = {}  # message -> rank blocked on it
     events: list[dict] = []
     alive = [0] * p
     peak = [0] * p
@@ -119,12 +120,12 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
                 if not blocking_sends:
                     emit(r, "send", a, t, t + cost[r]["comm"])
                     deliver(key, t + cost[r]["comm"])
-                elif key in waiting:               # the receiver is already there: meet
+                elif key in waiting:  # the receiver is already there: meet
                     end = t + cost[r]["comm"]
                     emit(r, "send", a, t, end)
                     clock[r] = end
                     deliver(key, end)
-                else:                              # rendezvous: wait for the receiver
+                else:  # rendezvous: wait for the receiver
                     parked[key] = (r, t)
                     break
             else:
@@ -132,8 +133,16 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
                 if blocking_sends and key in parked:
                     sender, ts = parked.pop(key)
                     end = max(t, ts) + cost[sender]["comm"]
-                    events.append({"rank": sender, "kind": "send", "microbatch": a.mb,
-                                   "chunk": pl.actions[sender][pos[sender]].chunk, "start": ts, "end": end})
+                    events.append(
+                        {
+                            "rank": sender,
+                            "kind": "send",
+                            "microbatch": a.mb,
+                            "chunk": pl.actions[sender][pos[sender]].chunk,
+                            "start": ts,
+                            "end": end,
+                        }
+                    )
                     clock[sender] = end
                     pos[sender] += 1
                     arrived[key] = end
@@ -181,5 +190,6 @@ class ScheduleDeadlock(RuntimeError):
 
     def __init__(self, problems: list[str]):
         self.problems = problems
-        super().__init__("pipeline schedule refused, it would not complete:\n" +
-                         "\n".join(f"  - {p}" for p in problems[:20]))
+        super().__init__(
+            "pipeline schedule refused, it would not complete:\n" + "\n".join(f"  - {p}" for p in problems[:20])
+        )

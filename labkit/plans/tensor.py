@@ -4,6 +4,7 @@ tensor_torch.py), the theory (labkit/theory/params.py, tensor.py) and the notebo
 one table. The styles are listed at `tp_plan`; why an MoE layer is replicated over tp, and what
 its 'all-gather-replicated' input and 'split' output are, is in ARCHITECTURE.md.
 """
+
 from __future__ import annotations
 
 from labkit.config import ModelConfig
@@ -35,20 +36,27 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, di
         plan[b + "ln1"] = dict(norm)
         plan[b + "attn"] = dict(enter)
         for w in ("wq", "wk", "wv"):
-            plan[b + f"attn.{w}"] = {"style": "colwise", "shard_dim": 0}   # whole heads per rank
+            plan[b + f"attn.{w}"] = {"style": "colwise", "shard_dim": 0}  # whole heads per rank
         plan[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
         plan[b + "ln2"] = dict(norm)
-        if model.experts:   # replicated over tp, split by ep instead (ARCHITECTURE.md)
-            plan[b + "mlp"] = ({"style": "replicate", "input": "all-gather-replicated", "output": "split"}
-                               if sequence_parallel else {"style": "replicate"})
+        if model.experts:  # replicated over tp, split by ep instead (ARCHITECTURE.md)
+            plan[b + "mlp"] = (
+                {"style": "replicate", "input": "all-gather-replicated", "output": "split"}
+                if sequence_parallel
+                else {"style": "replicate"}
+            )
             plan[b + "mlp.router"] = {"style": "replicate"}
             continue
         plan[b + "mlp"] = dict(enter)
         plan[b + "mlp.fc1"] = {"style": "colwise", "shard_dim": 0}
         plan[b + "mlp.fc2"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
     plan["head.norm"] = dict(norm)
-    plan["head.proj"] = {"style": "vocab", "shard_dim": 0, "input": enter["input"],
-                         "output": "vocab-parallel cross-entropy"}
+    plan["head.proj"] = {
+        "style": "vocab",
+        "shard_dim": 0,
+        "input": enter["input"],
+        "output": "vocab-parallel cross-entropy",
+    }
     return plan
 
 

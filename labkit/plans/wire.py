@@ -5,6 +5,7 @@ B is the bytes of the full (logical) tensor, n the group size. Gloo runs some of
 differently on the wire (reduce-scatter as an all-reduce); labkit counts the algorithm, as
 the papers do (ARCHITECTURE.md).
 """
+
 from __future__ import annotations
 
 WIRE = {
@@ -14,10 +15,10 @@ WIRE = {
     "all_to_all": lambda B, n: (n - 1) / n * B,
     "broadcast": lambda B, n: (n - 1) / n * B,
     "reduce": lambda B, n: (n - 1) / n * B,
-    "scatter": lambda B, n: (n - 1) / n * B,    # at the root; the others send nothing
-    "gather": lambda B, n: B / n,               # from each non-root; the root sends nothing
+    "scatter": lambda B, n: (n - 1) / n * B,  # at the root; the others send nothing
+    "gather": lambda B, n: B / n,  # from each non-root; the root sends nothing
     "send": lambda B, n: B,
     "recv": lambda B, n: 0,
     "barrier": lambda B, n: 0,
-    "new_group": lambda B, n: 0,    # group creation, logged by the runtime (not a transfer)
+    "new_group": lambda B, n: 0,  # group creation, logged by the runtime (not a transfer)
 }

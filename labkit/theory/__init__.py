@@ -8,20 +8,26 @@
 For labkit's own implementations the predicted wire bytes and model-state bytes equal the
 measured ones exactly, and activations match the saved-tensor meter; tests hold it to that.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from labkit.config import ConfigError, ModelConfig, ParallelConfig, problems
+from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import DATA_DIMS, MeshLayout
 from labkit.theory.comm import Stopped
-from labkit.theory.memory import activation_bytes, korthikanti_layer_bytes, model_state_bytes
+from labkit.theory.memory import (
+    activation_bytes,
+    korthikanti_layer_bytes,
+    model_state_bytes,
+)
 from labkit.theory.model import active_params, num_params, param_shapes
 from labkit.theory.per_rank import rank_comm, rank_memory
 from labkit.theory.pipeline import bubble_fraction as pipeline_bubble
 from labkit.theory.timing import H100, step_time
+from labkit.validation import problems
 
 
 @dataclass
@@ -62,8 +68,16 @@ class Estimate:
         rows = self.rank_rows(rank)
         groups = {r["dim"]: layout.group_of(rank, *r["dim"].split("-")) for r in rows}
         tokens = self.config.global_batch * self.model.seq
-        return step_time(rows, groups, active_params(self.model), tokens, layout.world, hw or H100,
-                         self.bubble, self.config.checkpoint_activations)
+        return step_time(
+            rows,
+            groups,
+            active_params(self.model),
+            tokens,
+            layout.world,
+            hw or H100,
+            self.bubble,
+            self.config.checkpoint_activations,
+        )
 
 
 def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -73,7 +87,7 @@ def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.nd
     idx = np.unravel_index(np.arange(layout.world), layout.grid.shape)
     coord = {d: idx[layout._axis(d)] for d in layout.inner_first}
     shard, stride = np.zeros(layout.world, dtype=np.int64), 1
-    for d in layout.canonical(DATA_DIMS):   # sorted group ranks: inner dims vary fastest
+    for d in layout.canonical(DATA_DIMS):  # sorted group ranks: inner dims vary fastest
         shard += coord[d] * stride
         stride *= layout.size(d)
     return coord["pp"], shard
@@ -94,7 +108,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     layout = MeshLayout.of(cfg)
     stage, shard = _classes(cfg, layout)
     if not (cfg.sharding == "fsdp" and cfg.impl == "torch"):
-        shard = np.zeros_like(shard)   # only FSDP2's uneven dim-0 chunks differ by shard index
+        shard = np.zeros_like(shard)  # only FSDP2's uneven dim-0 chunks differ by shard index
     keys = list(zip(stage.tolist(), shard.tolist()))
     first: dict[tuple, int] = {}
     for r, k in enumerate(keys):
@@ -107,10 +121,28 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
         stage_rep.setdefault(s, r)
     representative = [stage_rep[s] for s in stage.tolist()]
     rows_of = rank_comm(cfg, model, layout, stage_rep.values())
-    return Estimate(cfg, model, world or layout.world, memory, rows_of, representative,
-                    pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages))
+    return Estimate(
+        cfg,
+        model,
+        world or layout.world,
+        memory,
+        rows_of,
+        representative,
+        pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
+    )
 
 
-__all__ = ["estimate", "Estimate", "model_state_bytes", "activation_bytes", "korthikanti_layer_bytes",
-           "num_params", "active_params", "param_shapes", "pipeline_bubble", "rank_memory", "rank_comm",
-           "Stopped"]
+__all__ = [
+    "estimate",
+    "Estimate",
+    "model_state_bytes",
+    "activation_bytes",
+    "korthikanti_layer_bytes",
+    "num_params",
+    "active_params",
+    "param_shapes",
+    "pipeline_bubble",
+    "rank_memory",
+    "rank_comm",
+    "Stopped",
+]

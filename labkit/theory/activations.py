@@ -4,6 +4,7 @@ SP, experts.py an MoE layer, with s/cp positions under CP); this module adds the
 pipeline chunk, with recomputation, and walks the schedule (pipeline.peak_in_flight). The peak
 of that walk is what the saved-tensor meter reports; the rules of the walk: ARCHITECTURE.md.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -23,10 +24,10 @@ def _bytes(cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: b
     act = ELEM[cfg.precision]
     seq = model.seq // cfg.cp
     if cfg.tp == 1:
-        return memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed,
-                                       act_bytes=act)
-    return tensor.activation_bytes(model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act,
-                                   head=head, embed=embed)
+        return memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act)
+    return tensor.activation_bytes(
+        model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act, head=head, embed=embed
+    )
 
 
 @dataclass(frozen=True)
@@ -46,7 +47,7 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     b = microbatch_rows(cfg)
     if not cfg.checkpoint_activations:
         return Chunk(_bytes(cfg, model, b, layers, head, embed))
-    x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden    # a block's input, all it keeps
+    x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
     block = _bytes(cfg, model, b, 1, False, False)
     head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
     kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
@@ -61,8 +62,10 @@ def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int
     freed by their backward): the backward adds max_l(block_l + l·x) - L·x - head."""
     b, act = microbatch_rows(cfg), ELEM[cfg.precision]
     seq = model.seq // cfg.cp
-    delta = [layer_activation_bytes(model, b, seq, act, received=r) - layer_activation_bytes(model, b, seq, act)
-             for r in received]
+    delta = [
+        layer_activation_bytes(model, b, seq, act, received=r) - layer_activation_bytes(model, b, seq, act)
+        for r in received
+    ]
     if not cfg.checkpoint_activations:
         return Chunk(c.forward + sum(delta))
     rebuilt = max((c.block + d + l * c.x for l, d in enumerate(delta)), default=0)
@@ -101,7 +104,7 @@ def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict 
     def per(mb: int, c: int) -> Chunk:
         return base[c] if received is None else routed(cfg, model, base[c], received[mb, c])
 
-    if cfg.pp == 1:   # accumulation: each microbatch's graph is freed before the next forward
+    if cfg.pp == 1:  # accumulation: each microbatch's graph is freed before the next forward
         return max(per(mb, 0).forward + per(mb, 0).backward_extra for mb in range(cfg.microbatches))
     v = cfg.virtual_stages
     first = tuple(c for c in range(v) if stage_of(pp_rank, c, cfg.pp) == 0)
@@ -109,5 +112,10 @@ def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict 
     # tensor for every microbatch: counted once however many are in flight (the meter counts storages)
     shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first else 0
     actions = plan(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
-    return peak_in_flight(actions, kept=lambda mb, c: per(mb, c).forward - (shared if c in first else 0),
-                          extra=lambda mb, c: per(mb, c).backward_extra, shared=shared, first=first)
+    return peak_in_flight(
+        actions,
+        kept=lambda mb, c: per(mb, c).forward - (shared if c in first else 0),
+        extra=lambda mb, c: per(mb, c).backward_extra,
+        shared=shared,
+        first=first,
+    )

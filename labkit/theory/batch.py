@@ -1,5 +1,6 @@
 """One rank's microbatch: how many sequences, and how many positions of each its residual stream
 holds. Every strategy's theory sizes its tensors and messages from these two numbers."""
+
 from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig

@@ -1,9 +1,10 @@
 """Predicted collectives, accumulated as rows like the comm meter's: {rank, dim, op, calls,
 payload_bytes, wire_bytes}, wire bytes by the ring model (labkit/plans/wire.py). Each strategy's
 theory adds its ops to a `Comm`; theory/per_rank.py gathers them for one step."""
+
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from labkit.plans.wire import WIRE
 
@@ -29,8 +30,9 @@ class Comm:
         return range(layout.world) if self.only is None else self.only
 
     def _row(self, rank: int, dim: str, op: str) -> dict:
-        return self.rows.setdefault((rank, dim, op), {"rank": rank, "dim": dim, "op": op, "calls": 0,
-                                                      "payload_bytes": 0, "wire_bytes": 0.0})
+        return self.rows.setdefault(
+            (rank, dim, op), {"rank": rank, "dim": dim, "op": op, "calls": 0, "payload_bytes": 0, "wire_bytes": 0.0}
+        )
 
     def add(self, rank: int, dim: str, op: str, payload: int, n: int, calls: int = 1) -> None:
         if self.stop is not None and self.stop():
@@ -39,12 +41,12 @@ class Comm:
             return
         row = self._row(rank, dim, op)
         wire = WIRE[op](payload, n)
-        if calls > 64:   # at scale (thousands of calls): one multiplication
+        if calls > 64:  # at scale (thousands of calls): one multiplication
             row["calls"] += calls
             row["payload_bytes"] += payload * calls
             row["wire_bytes"] += wire * calls
             return
-        for _ in range(calls):   # summed call by call, as the meter does, so the floats agree exactly
+        for _ in range(calls):  # summed call by call, as the meter does, so the floats agree exactly
             row["calls"] += 1
             row["payload_bytes"] += payload
             row["wire_bytes"] += wire

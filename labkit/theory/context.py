@@ -2,6 +2,7 @@
 sends per step (Liu et al. 2023, zigzag layout). Activations need nothing of their own: a cp
 rank keeps those of its s/cp tokens (theory/activations.py). The derivation: ARCHITECTURE.md.
 """
+
 from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
@@ -23,13 +24,13 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     if cfg.cp == 1:
         return
     micro = microbatch_rows(cfg)
-    passes = model.layers // cfg.pp * cfg.microbatches        # attention layers run per step on a rank
+    passes = model.layers // cfg.pp * cfg.microbatches  # attention layers run per step on a rank
     forwards = 2 if cfg.checkpoint_activations else 1
     kv = kv_message_bytes(cfg, model, micro, ELEM[cfg.precision])
     dkv = kv_message_bytes(cfg, model, micro, 4)
     label = layout.label("cp")
     for rank in comm.ranks(layout):
-        for op in ("send", "recv"):   # K/V in each forward and again in backward, then dK/dV
+        for op in ("send", "recv"):  # K/V in each forward and again in backward, then dK/dV
             comm.add(rank, label, op, kv, cfg.cp, (forwards + 1) * (cfg.cp - 1) * passes)
             comm.add(rank, label, op, dkv, cfg.cp, (cfg.cp - 1) * passes)
         if model.experts:

@@ -3,6 +3,7 @@ which experts an ep rank holds, the dims their gradients are reduced over, what 
 keeps for backward and its all-to-alls per step (dropless top-k, MegaBlocks-style; balanced
 routing, R = N, where the real R depends on the router). The accounting: ARCHITECTURE.md.
 """
+
 from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
@@ -29,8 +30,9 @@ def reduce_dims(name: str, cfg: ParallelConfig) -> tuple[str, ...]:
     return EXPERT_DIMS if cfg.ep > 1 and is_expert(name) else DATA_DIMS
 
 
-def layer_activation_bytes(model: ModelConfig, batch: int, seq: int, act_bytes: int = 4,
-                           received: int | None = None) -> int:
+def layer_activation_bytes(
+    model: ModelConfig, batch: int, seq: int, act_bytes: int = 4, received: int | None = None
+) -> int:
     """Bytes one MoE layer keeps for backward on a rank with `batch` sequences of `seq` tokens:
     with T = b·s tokens, N = T·k assignments and R rows received by this rank's experts,
     4·T·E (router probabilities, fp32) + 3·8·N (top-k ids, the two gathers' indices, int64)
@@ -56,5 +58,5 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     label = layout.label("ep")
     for rank in comm.ranks(layout):
         for _ in range(passes):
-            comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep, forwards)   # split sizes
-            comm.add(rank, label, "all_to_all", rows, cfg.ep, 2 * forwards + 2)     # dispatch, combine, and back
+            comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep, forwards)  # split sizes
+            comm.add(rank, label, "all_to_all", rows, cfg.ep, 2 * forwards + 2)  # dispatch, combine, and back

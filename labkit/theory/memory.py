@@ -3,6 +3,7 @@
 for backward, and Korthikanti et al.'s published per-layer activation table. What one rank of
 a composed layout holds is theory/per_rank.py's roll-up of every strategy's rules.
 """
+
 from __future__ import annotations
 
 from labkit.config import ModelConfig
@@ -33,8 +34,9 @@ def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str
     return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in stages.items()}
 
 
-def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head: bool = True,
-                     embed: bool = True, act_bytes: int = 4) -> int:
+def activation_bytes(
+    m: ModelConfig, batch: int, layers: int | None = None, head: bool = True, embed: bool = True, act_bytes: int = 4
+) -> int:
     """Bytes the lab model saves for backward for one (batch, seq) microbatch, counted from what
     each op keeps (pre-LN block, no dropout, PyTorch's CPU/flash attention):
 
@@ -63,8 +65,9 @@ def activation_bytes(m: ModelConfig, batch: int, layers: int | None = None, head
     return total
 
 
-def korthikanti_layer_bytes(s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False,
-                            recompute: str = "none") -> float:
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
     """Activation bytes per transformer layer, Korthikanti et al., "Reducing Activation
     Recomputation in Large Transformer Models" (MLSys 2023), table 2 (16-bit activations):
       no parallelism                 sbh (34 + 5as/h)

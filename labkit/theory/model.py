@@ -2,6 +2,7 @@
 
 Must list exactly what labkit.engines.model.GPT registers, in the same order; a test checks it.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -21,8 +22,11 @@ def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
         out += [(b + "ln2.weight", (h,)), (b + "ln2.bias", (h,))]
         if m.experts:
             # a module's own parameters come before its submodules' (nn.Module.named_parameters)
-            out += [(b + "mlp.w1", (m.experts, h, f)), (b + "mlp.w2", (m.experts, f, h)),
-                    (b + "mlp.router.weight", (m.experts, h))]
+            out += [
+                (b + "mlp.w1", (m.experts, h, f)),
+                (b + "mlp.w2", (m.experts, f, h)),
+                (b + "mlp.router.weight", (m.experts, h)),
+            ]
         else:
             out += [(b + "mlp.fc1.weight", (f, h)), (b + "mlp.fc2.weight", (h, f))]
     out += [("head.norm.weight", (h,)), ("head.norm.bias", (h,)), ("head.proj.weight", (v, h))]

@@ -5,6 +5,7 @@ rule, in the order engines/parallelize.py applies the strategies.
     experts (ep)    E/ep experts of every MoE layer            theory/experts.py local_shapes
     tensor (tp)     the plan's slice of each matrix            labkit/plans/tensor.py local_param
 """
+
 from __future__ import annotations
 
 from functools import lru_cache

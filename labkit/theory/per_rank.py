@@ -2,10 +2,11 @@
 and what it sends in one step (`comm_rows`, `rank_comm`). The rules live below, one module per
 strategy; `theory.estimate` and the ScaleExplorer read these.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
-from typing import Callable
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.theory import activations, context, experts, pipeline, sharding, tensor
@@ -24,7 +25,7 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     backward (theory/activations.py: TP/SP, CP, MoE, checkpointing, the schedule's microbatches
     in flight)."""
     coords = layout.coords(rank)
-    index = coords["dp"] if cfg.impl == "torch" else 0   # FSDP2's uneven rows depend on the dp index
+    index = coords["dp"] if cfg.impl == "torch" else 0  # FSDP2's uneven rows depend on the dp index
     return dict(_rank_memory(cfg, model, coords["pp"], index))
 
 
@@ -52,8 +53,9 @@ def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout) -> No
     sharding.comm_rows(comm, cfg, model, layout)
 
 
-def rank_comm(cfg: ParallelConfig, model: ModelConfig, layout, ranks,
-              stop: Callable[[], bool] | None = None) -> dict[int, list[dict]]:
+def rank_comm(
+    cfg: ParallelConfig, model: ModelConfig, layout, ranks, stop: Callable[[], bool] | None = None
+) -> dict[int, list[dict]]:
     """The comm rows {rank, dim, op, calls, payload_bytes, wire_bytes} of one step of each rank in
     `ranks`, and of those ranks only (the theory's loops skip the others). `stop`: see Comm; the
     walk raises theory.Stopped once it returns True."""

@@ -4,11 +4,12 @@ are plans (labkit/plans/schedules.py, simulator.py); this module reads them. The
 GPipe's and 1F1B's (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al., SC 2021, section 2.1),
 interleaved 1F1B's (p-1)/(v·m+p-1) (ibid., section 2.2). The derivations: ARCHITECTURE.md.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from math import prod
-from typing import Callable
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.precision import ELEM
@@ -26,15 +27,20 @@ def bubble_fraction(p: int, m: int, v: int = 1) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
-def peak_in_flight(actions, kept: Callable[[int, int], int], extra: Callable[[int, int], int] | None = None,
-                   shared: int = 0, first: tuple[int, ...] = ()) -> int:
+def peak_in_flight(
+    actions,
+    kept: Callable[[int, int], int],
+    extra: Callable[[int, int], int] | None = None,
+    shared: int = 0,
+    first: tuple[int, ...] = (),
+) -> int:
     """Peak of what a rank's microbatches keep alive while it runs `actions` in order: each F of
     (microbatch, chunk) adds kept(mb, chunk), the action that ends its backward (W if backward
     is split, else B) frees it, and a B adds extra(mb, chunk) on top for as long as it runs.
     `shared` bytes are one tensor for every microbatch of the chunks in `first`: counted once
     while any of them is in flight (theory/activations.py: the zigzag positions)."""
     frees = "W" if any(a.op == "W" for a in actions) else "B"
-    alive = top = holding = 0            # holding: microbatches of a `first` chunk in flight
+    alive = top = holding = 0  # holding: microbatches of a `first` chunk in flight
     for a in actions:
         if a.op == "F":
             alive += kept(a.mb, a.chunk)
@@ -72,9 +78,15 @@ def chunk_full_shapes(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> 
     for c in range(v):
         s = stage_of(pp_rank, c, p)
         blocks = {str(i) for i in chunk_layers(model.layers, p, v, pp_rank, c)}
-        out.append([(n, sh) for n, sh in shapes
-                    if (n.startswith("embed.") and s == 0) or (n.startswith("head.") and s == p * v - 1)
-                    or (n.startswith("blocks.") and n.split(".", 2)[1] in blocks)])
+        out.append(
+            [
+                (n, sh)
+                for n, sh in shapes
+                if (n.startswith("embed.") and s == 0)
+                or (n.startswith("head.") and s == p * v - 1)
+                or (n.startswith("blocks.") and n.split(".", 2)[1] in blocks)
+            ]
+        )
     return out
 
 
@@ -107,10 +119,10 @@ def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         r = layout.coords(rank)["pp"]
         for c in range(v):
             s = stage_of(r, c, p)
-            if s < p * v - 1:    # activation out, its gradient back in
+            if s < p * v - 1:  # activation out, its gradient back in
                 comm.add(rank, label, "send", nbytes, p, calls=m)
                 comm.add(rank, label, "recv", nbytes, p, calls=m)
-            if s > 0:            # activation in, its gradient back out
+            if s > 0:  # activation in, its gradient back out
                 comm.add(rank, label, "recv", nbytes, p, calls=m)
                 comm.add(rank, label, "send", nbytes, p, calls=m)
 

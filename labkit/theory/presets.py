@@ -12,6 +12,7 @@ block at the published width, so they are an approximation for these models.
 Each preset cites its source; `PUBLISHED_PARAMS` holds the count the source reports and a test
 checks Ψ against it.
 """
+
 from __future__ import annotations
 
 from labkit.config import ModelConfig
@@ -40,8 +41,7 @@ LLAMA_405B = ModelConfig(layers=126, hidden=16384, heads=128, ffn=64512, vocab=1
 126 layers, 128 heads with 8 KV heads, FFN 53248, vocab 128256, pre-training sequence 8192).
 ffn = (2h² + 2h·1024 + 3h·53248 - 4h²) / 2h = 64512."""
 
-MIXTRAL_8X7B = ModelConfig(layers=32, hidden=4096, heads=32, ffn=21120, vocab=32000, seq=32768,
-                           experts=8, top_k=2)
+MIXTRAL_8X7B = ModelConfig(layers=32, hidden=4096, heads=32, ffn=21120, vocab=32000, seq=32768, experts=8, top_k=2)
 """Mixtral 8x7B: Jiang et al., "Mixtral of Experts" (2024), table 1 (h 4096, 32 layers,
 32 heads with 8 KV heads, expert width 14336, 8 experts, top-2, context 32768).
 ffn = (2h² + 2h·1024 + 8 · 3h·14336 - 4h²) / (8 · 2h) = 21120."""
@@ -56,7 +56,7 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 PUBLISHED_PARAMS: dict[str, float] = {
-    "gpt2-124m": 124e6,      # tied head; the lab's untied head adds vocab * hidden
+    "gpt2-124m": 124e6,  # tied head; the lab's untied head adds vocab * hidden
     "llama-7b": 6.74e9,
     "llama-13b": 13.0e9,
     "llama-70b": 69.0e9,

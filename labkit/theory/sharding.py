@@ -6,6 +6,7 @@ ZeRO-3 / FSDP 3Ψ(N-1)/N), here exactly as the lab lays its flat buffers out
 (labkit/plans/flat.py); PyTorch's FSDP2 pads each parameter on dim 0 instead. ARCHITECTURE.md
 derives every case.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -45,8 +46,9 @@ def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
     return chunk, max(0, min(chunk, d0 - index * chunk))
 
 
-def state_bytes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0,
-                pp_rank: int = 0) -> dict[str, int]:
+def state_bytes(
+    cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0, pp_rank: int = 0
+) -> dict[str, int]:
     """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
     `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `plans`."""
     e, k = ELEM[cfg.precision], 8 + (4 if cfg.precision == "bf16" else 0)
@@ -57,7 +59,7 @@ def state_bytes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, i
     if cfg.sharding == "fsdp" and cfg.impl == "torch":
         n_dp = n if n is not None else cfg.dp
         padded_local = held = 0
-        for _, shape, _, _ in entries:   # TP-local tensors, dim 0 over dp
+        for _, shape, _, _ in entries:  # TP-local tensors, dim 0 over dp
             chunk, rows = fsdp2_rows(shape[0], n_dp, index)
             rest = prod(shape[1:])
             padded_local += chunk * rest
@@ -66,9 +68,11 @@ def state_bytes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, i
         return {"params": 4 * padded_local, "grads": 4 * padded_local, "optimizer": 8 * held}
     ps = plans(cfg, model, n, pp_rank)
     P, S = sum(p.padded for p in ps), sum(p.shard for p in ps)
-    return {"params": e * (P if cfg.sharding in ("zero1", "zero2") else S),
-            "grads": e * (P if cfg.sharding == "zero1" else S),
-            "optimizer": k * S}
+    return {
+        "params": e * (P if cfg.sharding in ("zero1", "zero2") else S),
+        "grads": e * (P if cfg.sharding == "zero1" else S),
+        "optimizer": k * S,
+    }
 
 
 def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, int]:
@@ -81,7 +85,7 @@ def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp
         return out
     n_dp = n if n is not None else cfg.dp
     sizes: dict[str, int] = {}
-    for name, shape, _, _ in rank_entries(cfg, model, pp_rank):   # FSDP2: each parameter padded on dim 0
+    for name, shape, _, _ in rank_entries(cfg, model, pp_rank):  # FSDP2: each parameter padded on dim 0
         unit = unit_of(name, "fsdp")
         sizes[unit] = sizes.get(unit, 0) + fsdp2_rows(shape[0], n_dp, 0)[0] * n_dp * prod(shape[1:])
     return {u: sizes[u] for u in sorted(sizes, key=lambda u: (u != "", len(u), u))}
@@ -101,7 +105,7 @@ def unit_peaks(size: dict[str, int], reshard: bool) -> dict[str, int]:
     blocks = [u for u in size if u != ""]
     root = [""] if "" in size else []
     live = peak = 0
-    for u in root + blocks:                      # forward
+    for u in root + blocks:  # forward
         live += size[u]
         peak = max(peak, live)
         if reshard and u != "":
@@ -110,7 +114,7 @@ def unit_peaks(size: dict[str, int], reshard: bool) -> dict[str, int]:
         live -= sum(size[u] for u in root)
     grads = gpeak = 0
     in_flight = None
-    for u in root + blocks[::-1]:                # backward
+    for u in root + blocks[::-1]:  # backward
         if reshard:
             live += size[u]
             peak = max(peak, live)
@@ -138,13 +142,16 @@ def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = Non
             return {}
         # every bucket's fp32 copy (its microbatches' sum, with several) lives until finish();
         # with one microbatch, buckets whose group has one rank need none
-        reduced = sum(prod(s) for _, s, d, _ in rank_entries(cfg, model, pp_rank)
-                      if cfg.microbatches > 1 or (n if n is not None else group_size(cfg, d)) > 1)
+        reduced = sum(
+            prod(s)
+            for _, s, d, _ in rank_entries(cfg, model, pp_rank)
+            if cfg.microbatches > 1 or (n if n is not None else group_size(cfg, d)) > 1
+        )
         return {"reduce_buffers": REDUCE * reduced} if reduced else {}
     if cfg.sharding in ("zero1", "zero2"):
         if cfg.sharding == "zero1" and cfg.precision == "fp32":
-            return {}                                          # reduced in place
-        if cfg.sharding == "zero1" and cfg.microbatches > 1:   # every bucket's fp32 sum from the first microbatch
+            return {}  # reduced in place
+        if cfg.sharding == "zero1" and cfg.microbatches > 1:  # every bucket's fp32 sum from the first microbatch
             return {"reduce_buffers": REDUCE * sum(p.padded for p in plans(cfg, model, n, pp_rank))}
         # a buffer lives from its first gradient (zero2) or its launch (zero1) to the end of its
         # reduce-scatter, one in flight: two neighbours at most, as backward fills them in order
@@ -189,7 +196,7 @@ def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         for chunk in chunk_local_params(cfg, model, pp_rank):
             numels = [prod(s) for _, s, _ in chunk]
             sizes = [k * elem for k in numels]
-            if cfg.impl == "torch":   # PyTorch's DDP: one process group
+            if cfg.impl == "torch":  # PyTorch's DDP: one process group
                 groups = [(DATA_DIMS, b) for b in torch_ddp_buckets(sizes, cap)]
             else:
                 groups = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
@@ -213,14 +220,14 @@ def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[t
     """(dim, op, payload bytes, group size, calls) of our ZeRO / FSDP on one rank, one step."""
     e, m = ELEM[cfg.precision], cfg.microbatches
     norm = norm_dims(layout)
-    the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)     # the global norm
+    the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)  # the global norm
     out = []
     for p in plans(cfg, model, None, pp_rank):
         dim = layout.label(*p.dims)
         if cfg.sharding in ("zero1", "zero2"):
             out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m if cfg.sharding == "zero2" else 1))
             out.append((dim, "all_gather", p.padded * e, p.n, 1))
-        else:   # gathered before its forward, and again before its backward unless kept
+        else:  # gathered before its forward, and again before its backward unless kept
             reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
             out.append((dim, "all_gather", p.padded * e, p.n, (2 if reshard else 1) * m))
             out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m))

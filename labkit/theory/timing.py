@@ -15,6 +15,7 @@ about 2/3 of the compute; tensor-, context- and expert-parallel collectives sit 
 critical path. The pipeline bubble stretches the compute by 1 / (1 − bubble). This is a model
 for comparing layouts, not a simulator: it says which axis dominates, not the exact seconds.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -46,11 +47,23 @@ class Hardware:
 
 # NVIDIA H100 SXM5: 989 TFLOP/s dense bf16, 80 GB HBM3, NVLink 4 at 900 GB/s bidirectional
 # (450 GB/s each way) inside an 8-GPU node, one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s).
-H100 = Hardware("H100 SXM (8/node, NVLink + 400G IB)", 989e12, 80e9, 8,
-                intra=Link(alpha=3e-6, beta=450e9), inter=Link(alpha=8e-6, beta=50e9))
+H100 = Hardware(
+    "H100 SXM (8/node, NVLink + 400G IB)",
+    989e12,
+    80e9,
+    8,
+    intra=Link(alpha=3e-6, beta=450e9),
+    inter=Link(alpha=8e-6, beta=50e9),
+)
 # NVIDIA A100 SXM4 80GB: 312 TFLOP/s bf16, NVLink 3 at 600 GB/s (300 each way), 200 Gb/s HDR per GPU.
-A100 = Hardware("A100 SXM 80GB (8/node, NVLink + 200G IB)", 312e12, 80e9, 8,
-                intra=Link(alpha=3e-6, beta=300e9), inter=Link(alpha=8e-6, beta=25e9))
+A100 = Hardware(
+    "A100 SXM 80GB (8/node, NVLink + 200G IB)",
+    312e12,
+    80e9,
+    8,
+    intra=Link(alpha=3e-6, beta=300e9),
+    inter=Link(alpha=8e-6, beta=25e9),
+)
 HARDWARE = {"h100": H100, "a100": A100}
 
 
@@ -91,8 +104,16 @@ OVERLAPPABLE = ("dp",)
 """Dims whose traffic (gradient reduction, ZeRO gathers) can hide behind backward."""
 
 
-def step_time(rows: list[dict], groups: dict[str, list[int]], params: float, tokens: float, world: int,
-              hw: Hardware = H100, bubble: float = 0.0, recompute: bool = False) -> StepTime:
+def step_time(
+    rows: list[dict],
+    groups: dict[str, list[int]],
+    params: float,
+    tokens: float,
+    world: int,
+    hw: Hardware = H100,
+    bubble: float = 0.0,
+    recompute: bool = False,
+) -> StepTime:
     """Time of one step from one rank's comm rows ({dim, op, calls, wire_bytes}) and, per dim, one
     of its groups (global ranks: decides intra- vs inter-node)."""
     flops = compute_flops(params, tokens, recompute) / world
@@ -108,7 +129,8 @@ def step_time(rows: list[dict], groups: dict[str, list[int]], params: float, tok
     exposed = {}
     for dim, t in comm.items():
         hideable = any(d in OVERLAPPABLE for d in dim.split("-")) and not any(
-            d in ("tp", "cp", "ep") for d in dim.split("-"))
+            d in ("tp", "cp", "ep") for d in dim.split("-")
+        )
         exposed[dim] = max(0.0, t - backward) if hideable else t
     total = compute + sum(exposed.values())
     dominant = max(exposed, key=exposed.get) if exposed and max(exposed.values()) > compute else "compute"

@@ -1,0 +1,198 @@
+"""ZeRO stage 3 / FSDP units, labkit's own: parameters, gradients and optimizer state sharded, a
+unit's parameters all-gathered just before it runs and freed after (Rajbhandari et al., SC 2020,
+section 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, section 3). engines/parallel/zero.py has the
+stages 1 and 2 and the overview; ARCHITECTURE.md the derivations.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from labkit.config import OptimConfig
+from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.parallel.common import full_name, weak_method
+from labkit.engines.parallel.shards import (
+    ShardedOptimizer,
+    bind,
+    entries,
+    flatten,
+    group_sizes,
+    plan_group,
+)
+from labkit.engines.precision import Policy
+from labkit.plans.flat import FlatPlan, unit_plans
+
+
+class _Unit:
+    """One ZeRO-3 / FSDP unit: a module's flat buffer of parameters, gathered only while needed.
+
+    `full` is the gathered buffer (padded,); the module's parameters are views of it, made once.
+    Freeing it shrinks its storage to 0 bytes (storage.resize_, as PyTorch's FSDP does), which keeps
+    every view, including the ones autograd saved in forward, valid for the next gather."""
+
+    def __init__(self, plan: FlatPlan, module: nn.Module, params: dict[str, nn.Parameter], mesh, pol: Policy):
+        self.plan, self.module = plan, module
+        self.group, self.n, self.index = plan_group(mesh, plan)  # the ranks that shard this buffer
+        self.params = [params[n] for n in plan.names]
+        self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in plan.offsets()}
+        full32 = flatten(plan, params)
+        a, b = plan.owned(self.index)
+        self.full = full32.to(pol.compute) if pol.mixed else full32
+        self.shard = self.full[a:b].clone()  # what this rank all-gathers
+        self.master = full32[a:b].clone() if pol.mixed else self.shard  # what its optimizer updates
+        self.grad = torch.zeros_like(self.shard)  # its reduced gradient slice
+        bind(plan, params, self.full)
+        self.nbytes = self.full.untyped_storage().nbytes()
+        self.full.untyped_storage().resize_(0)
+        self.gathered = False
+        self.grad_full: torch.Tensor | None = None
+        self.pending = 0
+
+
+class ZeRO3:
+    """ZeRO stage 3 / FSDP (ours; GradSync): parameters, gradients and optimizer state sharded, a
+    unit's parameters gathered just before it runs. `kind` picks the units (plans/flat.py): 'zero3' the
+    embedding, each block and the head; 'fsdp' each block plus the root. With reshard=False
+    (FSDP's reshard_after_forward off) forward's gather is kept for backward: one all-gather per
+    unit instead of two (ZeRO-2's traffic), the whole model gathered at the end of forward.
+
+    Composed with tp / ep / cp, a unit holds this rank's slices, and a module whose parameters
+    are reduced over different groups (experts over dp-cp, SP LayerNorms over dp-ep-cp-tp) has
+    one unit per group, each sharded over its own group (plans/flat.py)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh,
+        kind: str,
+        reshard: bool,
+        pol: Policy,
+        optim: OptimConfig,
+        meters,
+        loss_shards: int,
+    ):
+        self.modules = [model]
+        named = list(model.named_parameters())
+        params = {full_name(p, n): p for n, p in named}
+        self.pol, self.reshard, self.meters, self.loss_shards = pol, reshard, meters, loss_shards
+        self.plans = unit_plans(entries(named), group_sizes(mesh, named), kind)
+        self.units = [_Unit(p, model.get_submodule(p.unit), params, mesh, pol) for p in self.plans]
+        for u in self.units:
+            u.module.register_forward_pre_hook(partial(self._pre_forward, u))
+            u.module.register_forward_hook(partial(self._post_forward, u))
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
+        self.optimizer = ShardedOptimizer(
+            self.plans, [u.index for u in self.units], [u.master for u in self.units], mesh, params, optim
+        )
+        self.in_flight = None  # (unit, buffer, work): one reduce-scatter in flight
+
+    # -- gather / free ----------------------------------------------------------------------
+    def _gather(self, u: _Unit) -> None:
+        if u.gathered:
+            return
+        u.full.untyped_storage().resize_(u.nbytes)
+        self.meters.memory.track("gathered", u.nbytes)
+        if u.n > 1:  # (shard,) from every rank -> (padded,)
+            dist.all_gather_single(u.full, u.shard, group=u.group)
+        else:
+            u.full.copy_(u.shard)
+        u.gathered = True
+
+    def _free(self, u: _Unit) -> None:
+        if u.gathered:
+            u.full.untyped_storage().resize_(0)
+            self.meters.memory.track("gathered", -u.nbytes)
+            u.gathered = False
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _pre_forward(self, u: _Unit, module, args) -> None:
+        self._gather(u)
+
+    def _post_forward(self, u: _Unit, module, args, out) -> None:
+        if self.reshard:
+            self._free(u)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(partial(self._pre_backward, u))  # fires as backward reaches the unit
+
+    def _pre_backward(self, u: _Unit, grad: torch.Tensor) -> None:
+        """Gather the unit again (if freed) and give its gradients a buffer in the reduce dtype:
+        under fp32 the parameters' .grad are views of it, under bf16 each is copied in on arrival."""
+        self._gather(u)
+        u.grad_full = torch.zeros(u.plan.padded, dtype=self.pol.reduce, device=u.shard.device)
+        self.meters.memory.track("reduce_buffers", u.grad_full.nbytes)
+        if self.pol.reduce == self.pol.compute:
+            bind(u.plan, dict(zip(u.plan.names, u.params)), u.grad_full, grads=True)
+        u.pending = len(u.params)
+
+    def _grad_ready(self, u: _Unit, p: nn.Parameter) -> None:
+        if self.pol.reduce != self.pol.compute:
+            lo, hi = u.slot[id(p)]
+            u.grad_full[lo:hi].copy_(p.grad.reshape(-1))
+            p.grad = None
+        u.pending -= 1
+        if u.pending == 0:
+            self._reduce(u)
+
+    def _reduce(self, u: _Unit) -> None:
+        """The unit's backward is over: free its parameters, reduce-scatter its gradient."""
+        for p in u.params:
+            p.grad = None
+        self._free(u)
+        self._drain()
+        buf, u.grad_full = u.grad_full, None
+        a, b = u.plan.owned(u.index)
+        work = (
+            dist.reduce_scatter_single(buf[a:b], buf, group=u.group, async_op=True) if u.n > 1 else None
+        )  # (padded,) summed over ranks -> its slice a:b, in place
+        self.in_flight = (u, buf, work)
+
+    def _drain(self) -> None:
+        if self.in_flight is None:
+            return
+        u, buf, work = self.in_flight
+        if work is not None:
+            work.wait()
+        a, b = u.plan.owned(u.index)
+        u.grad.add_(buf[a:b])  # fp32 sum rounded into the bf16 slice under bf16
+        self.meters.memory.track("reduce_buffers", -buf.nbytes)
+        self.in_flight = None
+
+    # -- GradSync -----------------------------------------------------------------------------
+    @contextmanager
+    def microbatch(self, index: int, count: int):
+        yield
+        for u in self.units:  # a unit whose gradients did not all arrive (unused parameters)
+            if u.grad_full is not None:
+                self._reduce(u)
+
+    def finish(self) -> None:
+        self._drain()
+        if self.loss_shards > 1:
+            for u in self.units:
+                u.grad.div_(self.loss_shards)
+
+    @torch.no_grad()
+    def step(self) -> float:
+        norm = self.optimizer.step([u.grad for u in self.units])
+        for u in self.units:
+            if self.pol.mixed:
+                u.shard.copy_(u.master)  # round the updated masters into the bf16 slice
+            u.grad.zero_()
+        return norm
+
+    def memory(self) -> dict[str, int]:
+        masters = [u.master for u in self.units] if self.pol.mixed else []
+        return {
+            "params": unique_bytes(u.shard for u in self.units),
+            "grads": unique_bytes(u.grad for u in self.units),
+            "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors()),
+        }
+
+    def param_pieces(self) -> list[dict]:
+        return self.optimizer.param_pieces()
