@@ -139,8 +139,8 @@ def test_sequence_parallel_pipeline_passes_its_rows(run):
 
 def test_tp_group_across_hosts_warns(lab):
     """Lab.run warns when the layout puts a TP group on two hosts (hosts as the Lab sees them)."""
-    real = lab.hosts
-    lab.hosts = ["a", "a", "b", "b"]
+    real = lab.engines.hosts
+    lab.engines.hosts = ["a", "a", "b", "b"]
     try:
         with pytest.warns(UserWarning, match="tensor parallelism talks after every layer"):
             lab.run(P(tp=2, dp=2, order="dp-tp-cp-ep-pp"), model=TINY, steps=1)
@@ -150,7 +150,7 @@ def test_tp_group_across_hosts_warns(lab):
             warnings.simplefilter("error")
             lab.run(P(tp=2, dp=2), model=TINY, steps=1)  # tp innermost: each group on one host
     finally:
-        lab.hosts = real
+        lab.engines.hosts = real
 
 
 # -- without a cluster ------------------------------------------------------------------------
