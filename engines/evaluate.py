@@ -96,7 +96,7 @@ def _pipeline_forward(chunks, mesh, mbs, hidden: int, precision: str, seq_split:
     p, r, v = mesh.size("pp"), mesh.coord("pp"), len(chunks)
     group, peers, last = mesh.group("pp"), mesh.ranks("pp"), p * v - 1
     b, s = mbs[0][0].shape
-    device = mbs[0][0].device
+    device, dtype = mbs[0][0].device, policy(precision).compute
     shape = (b, s // seq_split, hidden)  # (b/m, s, h) crosses each boundary
     total, sends = 0.0, []
     for mb, (tokens, targets, positions) in enumerate(mbs):
@@ -104,7 +104,7 @@ def _pipeline_forward(chunks, mesh, mbs, hidden: int, precision: str, seq_split:
             chunk, stage = _unwrap(chunk), stage_of(r, c, p)
             x = tokens
             if stage > 0:  # tag: (microbatch, receiving stage), unique per message
-                x = torch.empty(shape, dtype=policy(precision).compute, device=device)
+                x = torch.empty(shape, dtype=dtype, device=device)
                 src = peers[rank_chunk_of(stage - 1, p)[0]]
                 dist.irecv(x, src=src, group=group, tag=mb * (last + 1) + stage).wait()
             if stage == last:

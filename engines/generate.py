@@ -58,7 +58,7 @@ def generate(
         for name, p in net.named_parameters():
             p.copy_(torch.from_numpy(np.asarray(params[name], dtype=np.float32)))
     # the whole model as one pipeline chunk: without targets its last stage returns the logits
-    whole = Chunk(net, range(model.layers), first=True, last=True).eval()
+    whole = Chunk(net, range(model.layers), first=True, last=True)
     gen = torch.Generator().manual_seed(seed)
     ids, out = text.encode(prompt), []
     with torch.no_grad():
