@@ -62,7 +62,7 @@ class ModelConfig(_Dict):
     ffn: int = 256
     """MLP inner width (4h, as in GPT-2); tp must divide it."""
     vocab: int = 256
-    """Vocabulary size; tp must divide it (vocab-parallel embedding and loss). Text (bytes) needs 256."""
+    """Vocabulary size; tp must divide it (vocab-parallel embedding and loss); data="text" needs >= 256 (bytes)."""
     seq: int = 64
     """Sequence length s; 2 * cp must divide it (ring attention's zigzag halves)."""
     experts: int = 0

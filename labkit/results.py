@@ -106,7 +106,7 @@ class RunResult:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wall_seconds: float = 0.0
     params: dict[str, np.ndarray] | None = field(default=None, repr=False)
-    """Final full parameters, assembled from every rank's pieces (run with return_params=True)."""
+    """Final full parameters, assembled from every rank's pieces (return_params=True, or data='text')."""
     audit: list[dict] | None = field(default=None, repr=False)
     data: str = "synthetic"
     """What the run trained on: 'synthetic' or 'text' (labkit/plans/text.py)."""
