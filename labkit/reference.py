@@ -22,6 +22,12 @@ class Reference:
     """Global gradient norm per step, before clipping."""
     params: dict[str, np.ndarray] = field(repr=False)
     """Final parameters, full tensors, by name (fp32)."""
+    first_grads: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """The first step's gradient of every parameter, by name (fp32): the mean over the global
+    batch (over the shards' fp32 sum), before clipping and the update — what a layout's reduced
+    gradient must equal (labkit/checks.py, gradient parity)."""
+    precision: str = "fp32"
+    """The precision it computed in (checks.py holds every layout to the fp32 one)."""
 
 
 def reference(
@@ -73,7 +79,7 @@ def reference(
     names, params = zip(*net.named_parameters())
     opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
     compute = compute_copy(net, precision)  # the module that runs forward/backward
-    losses, norms = [], []
+    losses, norms, first = [], [], {}
     for step in range(steps):
         tokens, targets = data.global_batch(step, seed, global_batch, model.seq, model.vocab)
         loss, grads = 0.0, None
@@ -87,8 +93,11 @@ def reference(
         if shards > 1:
             loss, grads = loss / shards, [g / shards for g in grads]
         norm = grad_norm(grads)
+        if step == 0:
+            first = {n: g.detach().float().numpy().copy() for n, g in zip(names, grads)}
         opt.step(grads, clip_coefficient(norm, optim.clip))
         compute.after_step()
         losses.append(loss.item())
         norms.append(float(norm))
-    return Reference(losses, norms, {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()})
+    final = {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()}
+    return Reference(losses, norms, final, first, precision)
