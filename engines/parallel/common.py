@@ -82,9 +82,9 @@ def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> d
         "shape": list(full_shape),
         "box": box,
         "flat": flat,
-        # a copy made on the host: no device memory, and no numpy view of the tensor's storage
-        # (one would leave it unresizable, and ZeRO-3 frees a gathered unit by resizing it)
-        "values": values.detach().to("cpu", torch.float32, copy=True).numpy(),
+        # to the host in its own dtype (no device memory), then a fresh fp32 copy: a numpy view of
+        # the tensor's own storage would leave it unresizable, and ZeRO-3 frees units by resizing
+        "values": values.detach().cpu().to(torch.float32, copy=True).numpy(),
     }
 
 
