@@ -81,7 +81,7 @@ def test_layout_trains_like_one_process_and_as_predicted(lab8, oracle8, name):
 def test_four_dims_above_one_on_16_engines(oracle8):
     """dp2 x tp2 x pp2 x cp2: every data-parallel replica a pipeline of two stages, each stage a
     2 x 2 grid of tensor and ring-attention ranks; trains like one process and as predicted.
-    Its own 16-engine Lab (about 3.5 minutes on 2 CPU cores, most of it starting the engines)."""
+    Its own 16-engine Lab (66 s on 2 shared CPU cores, starting the engines included)."""
     from labkit import Lab
 
     cfg = ParallelConfig(dp=2, tp=2, pp=2, cp=2, microbatches=2)
