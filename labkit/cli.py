@@ -17,7 +17,7 @@ import sys
 import typing
 
 from labkit import reference, theory
-from labkit.checks import loss_errors, reference_shards
+from labkit.checks import loss_errors, mismatches
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import MeshLayout
 from labkit.theory.presets import PRESETS
@@ -88,15 +88,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     print(f"starting {engines} engines ...", flush=True)
     with Lab(engines=engines, backend=ns.backend, timeout=ns.timeout) as lab:
         print(lab, flush=True)
-        res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed)
-    ref = reference(
-        model,
-        steps=ns.steps,
-        seed=ns.seed,
-        global_batch=cfg.global_batch,
-        precision=cfg.precision,
-        shards=reference_shards(cfg),
-    )
+        res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed, return_params=True)
+    ref = reference(model, steps=ns.steps, seed=ns.seed, global_batch=cfg.global_batch)  # fp32: the oracle
     est = theory.estimate(cfg, model, world=engines)
     errs = loss_errors(res.losses, ref.losses)
     print(f"losses    {[f'{x:.5f}' for x in res.losses]}")
@@ -115,6 +108,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.trace:
         res.save_trace(ns.trace)
         print(f"trace written to {ns.trace} (open in ui.perfetto.dev)")
+    found = mismatches(res, ref)
+    if found:
+        lines = "\n".join(f"  {m}" for m in found)
+        print(f"labkit: the run does not train like the one-process reference:\n{lines}", file=sys.stderr)
+        return 1
+    print("matches the one-process reference (labkit/checks.py)")
     return 0
 
 

@@ -13,7 +13,7 @@ bytes); DTensor's own TP collectives are its implementation's, not compared here
 
 from __future__ import annotations
 
-from labkit import ParallelConfig, theory
+from labkit import theory
 from labkit.plans.mesh import MeshLayout
 from labkit.plans.schedules import plan
 from labkit.theory import activations
@@ -121,23 +121,6 @@ def format_table(name: str, res, ref_losses, table: list[dict]) -> str:
         coords = "".join(f"{d}{v}" for d, v in e["coords"].items())
         lines.append(f"  rank {e['rank']} ({coords}): " + "; ".join(cells) + f"; wire {wire}")
     return "\n".join(lines)
-
-
-def same_arithmetic(cfg: ParallelConfig) -> ParallelConfig:
-    """The layout's bf16 arithmetic on fewer ranks (tests/test_compose.py docstring): tp, cp and ep
-    kept, no pipeline and no ZeRO, dp folded into microbatches — unless ep > 1, whose experts see
-    the rows of one dp replica's ep ranks together, a pairing that only dp itself reproduces."""
-    fold = cfg.ep == 1
-    return ParallelConfig(
-        tp=cfg.tp,
-        cp=cfg.cp,
-        ep=cfg.ep,
-        dp=1 if fold else cfg.dp,
-        sequence_parallel=cfg.sequence_parallel,
-        precision=cfg.precision,
-        microbatches=cfg.microbatches * (cfg.dp if fold else 1),
-        global_batch=cfg.global_batch,
-    )
 
 
 def reference_gap(model, seed: int, steps: int = 3) -> float:

@@ -48,7 +48,20 @@ class GradSync(Protocol):
 
     def param_pieces(self) -> list[dict]:
         """This rank's part of every parameter after the step (see `piece`): the Lab assembles the full
-        parameters from every rank's, to check them against the reference."""
+        parameters from every rank's, to check them against the reference. The masters: the fp32
+        weights the optimizer updates."""
+
+    def grad_pieces(self) -> list[dict]:
+        """This rank's part of every parameter's gradient between `finish()` and `step()`: reduced
+        over its group and divided by the loss shards, before clipping (labkit/checks.py compares the
+        first step's with the reference's, tensor by tensor)."""
+
+    def compute_pieces(self) -> list[dict] | None:
+        """This rank's part of the weights forward reads, after the step, where they are not the
+        masters themselves (bf16 working copies; ZeRO's all-gathered buffers; ZeRO-3 / FSDP units
+        gathered once more); None where they are (fp32 DDP) or where PyTorch makes them inside its
+        own forward and frees them (FSDP2). Called on every rank in the same order: a ZeRO-3 / FSDP
+        unit is all-gathered here."""
 
 
 def full_name(p: torch.nn.Parameter, fallback: str) -> str:
@@ -69,7 +82,9 @@ def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> d
         "shape": list(full_shape),
         "box": box,
         "flat": flat,
-        "values": values.detach().float().cpu().numpy().copy(),
+        # to the host in its own dtype (no device memory), then a fresh fp32 copy: a numpy view of
+        # the tensor's own storage would leave it unresizable, and ZeRO-3 frees units by resizing
+        "values": values.detach().cpu().to(torch.float32, copy=True).numpy(),
     }
 
 

@@ -189,6 +189,15 @@ class DDP:
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p, values=m) for n, p, m in zip(self.names, self.params, self.masters)]
 
+    def grad_pieces(self) -> list[dict]:
+        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+
+    def compute_pieces(self) -> list[dict] | None:
+        """bf16: the parameters forward reads, the masters rounded; fp32: they are the masters."""
+        if all(m is p for m, p in zip(self.masters, self.params)):
+            return None
+        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+
 
 class TorchDDP:
     """PyTorch's DistributedDataParallel with torch.optim.AdamW and clip_grad_norm_, as a user
@@ -228,3 +237,9 @@ class TorchDDP:
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+
+    def grad_pieces(self) -> list[dict]:
+        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+
+    def compute_pieces(self) -> None:
+        return None  # fp32 only (labkit.config): forward reads the masters

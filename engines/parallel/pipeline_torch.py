@@ -159,3 +159,9 @@ class TorchStageGrads:
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+
+    def grad_pieces(self) -> list[dict]:
+        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+
+    def compute_pieces(self) -> None:
+        return None  # fp32 only (labkit.config): forward reads the masters

@@ -166,10 +166,25 @@ class TorchTP:
             "optimizer": unique_bytes(local(t) for t in state),
         }
 
-    def param_pieces(self) -> list[dict]:
+    def param_pieces(self, grads: bool = False) -> list[dict]:
+        """Each parameter's local DTensor shard (its gradient's, with `grads`), placed by its Shard dim."""
         out = []
         for name, p in zip(self.names, self.params):
             shards = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
             box = shard_box(tuple(p.shape), shards[0], self.tp, self.tp_rank) if shards else None
-            out.append(piece(name, tuple(p.shape), local(p), box=box))
+            out.append(piece(name, tuple(p.shape), local(_laid_out_like(p, p.grad) if grads else p), box=box))
         return out
+
+    def grad_pieces(self) -> list[dict]:
+        return self.param_pieces(grads=True)
+
+    def compute_pieces(self) -> None:
+        return None  # fp32 only (labkit.config): forward reads the masters
+
+
+def _laid_out_like(p: DTensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient placed as its parameter is (DTensor may leave it Replicate where the parameter
+    is a Shard): this rank's part of it is then the part of the parameter it holds."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad

@@ -222,6 +222,13 @@ class ZeRO12:
     def param_pieces(self) -> list[dict]:
         return self.optimizer.param_pieces()
 
+    def grad_pieces(self) -> list[dict]:
+        return self.optimizer.param_pieces(self.grads)
+
+    def compute_pieces(self) -> list[dict]:
+        """The whole buffers forward reads, as the step's all-gather left them on this rank."""
+        return [pc for plan, flat in zip(self.plans, self.flats) for pc in self.optimizer.whole_pieces(plan, flat)]
+
 
 def apply_zero(
     chunks: list[nn.Module],

@@ -196,3 +196,19 @@ class ZeRO3:
 
     def param_pieces(self) -> list[dict]:
         return self.optimizer.param_pieces()
+
+    def grad_pieces(self) -> list[dict]:
+        return self.optimizer.param_pieces([u.grad for u in self.units])
+
+    @torch.no_grad()
+    def compute_pieces(self) -> list[dict]:
+        """Each unit gathered as its next forward would gather it (a collective per unit, in plan
+        order on every rank), read whole, and freed."""
+        out = []
+        for u in self.units:
+            was = u.gathered
+            self._gather(u)
+            out += self.optimizer.whole_pieces(u.plan, u.full)
+            if not was:
+                self._free(u)
+        return out
