@@ -11,7 +11,7 @@ from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import ELEM
 from labkit.theory.batch import microbatch_rows
 
-EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2")
+EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2", "mlp.w3")
 EXPERT_DIMS = ("dp", "cp")
 """An expert's gradient is summed over dp x cp only: the ep ranks hold different experts."""
 
