@@ -212,7 +212,9 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     kv = model.n_kv_heads
     if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or model.heads % kv:
         return [f"kv_heads={model.kv_heads!r} must divide heads={model.heads}; {_try(_divisors(model.heads))}"]
-    if cfg.tp > kv and cfg.tp % kv:
+    if model.heads % cfg.tp or kv == model.heads:
+        pass  # the heads check says it (kv_heads = heads: the same split)
+    elif cfg.tp > kv and cfg.tp % kv:
         out.append(
             f"tp={cfg.tp} > kv_heads={kv} replicates each KV head on tp/kv_heads ranks, so kv_heads must "
             f"divide tp; {_try([t for t in _divisors(model.heads) if t <= kv or t % kv == 0])} for tp"

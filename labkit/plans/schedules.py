@@ -11,10 +11,10 @@ point-to-point op: `send_act` / `recv_act` (activations, forward direction) and 
 
 Layers are split into p·v virtual stages, of equal size or as `stage_layers` lists. Rank r
 holds chunks c = 0..v-1, which are virtual stages c·p + r (Megatron's interleaved assignment,
-Narayanan et al., SC 2021, section 2.2): activations go rank 0 -> 1 -> ... -> p-1 -> 0 (next chunk) -> ... Every schedule
-is defined by its *compute order* (F/B/W per rank); the sends and receives are derived from
-it (`with_comm`): a receive right before the compute that needs it, a send right after the
-compute that produced it.
+Narayanan et al., SC 2021, section 2.2): activations go rank 0 -> 1 -> ... -> p-1 -> 0 (next
+chunk) -> ... Every schedule is defined by its *compute order* (F/B/W per rank); the sends and
+receives are derived from it (`with_comm`): a receive right before the compute that needs it, a
+send right after the compute that produced it.
 """
 
 from __future__ import annotations
