@@ -147,4 +147,9 @@ def hf_fields(config, seq: int | None = None) -> tuple[dict, list[str]]:
         ]
     problems: list[str] = []
     fields = _gpt2(c, seq, problems) if cls == GPT2 else _llama(c, LLAMA_LIKE[cls], seq, problems)
+    # a value that is the family's default stays unset (None), as in a config written by hand
+    if fields.get("kv_heads") == fields["heads"]:
+        fields["kv_heads"] = None
+    if fields["tie_embeddings"] == (fields["arch"] == "gpt2"):
+        fields["tie_embeddings"] = None
     return fields, problems

@@ -13,9 +13,7 @@ from __future__ import annotations
 
 from labkit.config import ModelConfig, RopeScaling
 
-GPT2_124M = ModelConfig(
-    arch="gpt2", layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=1024, tie_embeddings=True
-)
+GPT2_124M = ModelConfig(arch="gpt2", layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=1024)
 """GPT-2 small: Radford et al., "Language Models are Unsupervised Multitask Learners" (2019),
 table 2; huggingface.co/openai-community/gpt2 config.json (n_embd 768, n_layer 12, n_head 12,
 n_positions 1024, vocab 50257, gelu_new, tied head). vocab 50257 is odd, so tp must be 1 (nanoGPT
