@@ -12,8 +12,8 @@ block of rows; `dispatch(moe, rows, counts)` runs the experts on them. Locally t
 over the experts; expert parallelism (engines/parallel/experts.py) swaps in an all-to-all to
 the ranks that hold them and back.
 
-Two families (ModelConfig.arch). gpt: GELU experts, w2(GELU(w1 x)), gates the top-k softmax
-probabilities as they are (Switch, GShard). llama (Mixtral, Jiang et al. 2024, section 2.1):
+Two kinds of expert (ModelConfig.arch). gpt, gpt2: GELU experts (gpt2's tanh GELU), w2(GELU(w1 x)),
+gates the top-k softmax probabilities as they are (Switch, GShard). llama (Mixtral, Jiang et al. 2024, section 2.1):
 SwiGLU experts, w2(SiLU(w1 x) * w3 x), and gates renormalised over the chosen k — the softmax
 of the top-k logits, as Mixtral's router computes them (HF MixtralSparseMoeBlock: softmax,
 top-k, divide by their sum).
@@ -47,6 +47,7 @@ class MoE(nn.Module):
         self.w1 = nn.Parameter(torch.empty(e, h, f))  # gpt: fc1; llama: the gate
         self.w2 = nn.Parameter(torch.empty(e, f, h))  # the down projection
         self.w3 = nn.Parameter(torch.empty(e, h, f)) if cfg.arch == "llama" else None  # llama: the up projection
+        self.approximate = "tanh" if cfg.arch == "gpt2" else "none"
         self.dispatch = local_experts
         """(moe, rows, counts) -> outputs; expert parallelism swaps in its all-to-all."""
         self.seq_split = (None, 1)
@@ -56,8 +57,8 @@ class MoE(nn.Module):
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e of the ones this rank holds: a GELU MLP, or SwiGLU (llama). (n, h) -> (n, f) -> (n, h)."""
-        if self.w3 is None:
-            return F.gelu(x @ self.w1[e]) @ self.w2[e]
+        if self.w3 is None:  # gpt2's experts use its tanh GELU
+            return F.gelu(x @ self.w1[e], approximate=self.approximate) @ self.w2[e]
         return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,11 +1,14 @@
 """Tensor and sequence parallelism, predicted (our implementation, engines/parallel/tensor.py):
 activations saved for backward and the tp collectives per step (Shoeybi et al. 2019;
 Korthikanti et al. 2022). Which parameters a tp rank holds is the plan's (plans/tensor.py,
-read by theory/params.py). Per block and microbatch, with s' = s/t under SP (else s):
+read by theory/params.py). Per block and microbatch, with s' = s/t under SP (else s), for the gpt
+family with multi-head attention:
     activations  act·(2bs'h + 2bsh + 4bsh/t + 2bsf/t + 4bs') + 4(a/t)bs
     comm         TP: 4L + 2 all-reduces of B = act·b·s·h; SP: as many all-gathers and
                  reduce-scatters of B, which cost on the wire what the all-reduce does
-What each term is, MoE layers (replicated over tp), pipelines and recomputation: ARCHITECTURE.md.
+                 (+ tp > kv_heads: the shared KV heads' gradient sums, `shared_kv`)
+What each term is, the llama family, GQA, MoE layers (replicated over tp), pipelines and
+recomputation: ARCHITECTURE.md.
 """
 
 from __future__ import annotations
