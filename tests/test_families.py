@@ -53,6 +53,7 @@ LAYOUTS = {
     "gpt2-tp2-torch": (P(tp=2, impl="torch"), GPT2),
     "gpt2-fsdp-torch": (P(dp=2, sharding="fsdp", impl="torch"), GPT2),
     "gpt2-pp2-torch": (P(pp=2, microbatches=2, impl="torch"), GPT2),
+    "gpt2-pp2-uneven-torch": (P(pp=2, microbatches=2, stage_layers=(2, 1), impl="torch"), GPT2_3),
     # Llama: GQA, RoPE (scaled), SwiGLU, RMSNorm
     "llama-dp2": (P(dp=2), LLAMA),
     "llama-zero1-dp2": (P(dp=2, sharding="zero1"), LLAMA),
