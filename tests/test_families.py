@@ -88,6 +88,7 @@ LAYOUTS = {
     # composed
     "tied-tp2sp-pp2": (P(tp=2, pp=2, microbatches=2, sequence_parallel=True), TIED_4),
     "gpt2-dp2-cp2-zero1": (P(dp=2, cp=2, sharding="zero1"), GPT2),
+    "llama-tp2sp-cp2": (P(tp=2, cp=2, sequence_parallel=True), LLAMA),  # RoPE on the gathered zigzag rows
     "mixtral-tp2sp-ep2-ac": (P(tp=2, ep=2, sequence_parallel=True, checkpoint_activations=True), MIXTRAL),
     "llama-cp2-pp2-uneven-ac": (
         P(cp=2, pp=2, microbatches=2, stage_layers=(2, 1), checkpoint_activations=True),
