@@ -26,13 +26,25 @@ from labkit.theory.timing import HARDWARE
 DEMO = {"dp": 4}
 
 
+def _ints(text: str) -> tuple[int, ...]:
+    """'15,16,16' -> (15, 16, 16): a tuple field on the command line (stage_layers)."""
+    return tuple(int(x) for x in text.split(","))
+
+
 def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
         flag = "--" + (prefix + f.name).replace("_", "-")
         kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is tuple:
+            kind = _ints
+        elif len(args) == 1:  # X | None: None is the family's default (ModelConfig)
+            kind = args[0]
         if kind is bool:
             parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif dataclasses.is_dataclass(kind):
+            continue  # a nested config (rope_scaling): from a preset or ModelConfig.from_hf, not a flag
         else:
             parser.add_argument(flag, dest=prefix + f.name, type=kind, default=None, metavar=f.name.upper())
 
@@ -41,7 +53,7 @@ def _pick(ns: argparse.Namespace, cls, prefix: str = "") -> dict:
     return {
         f.name: getattr(ns, prefix + f.name)
         for f in dataclasses.fields(cls)
-        if getattr(ns, prefix + f.name) is not None
+        if getattr(ns, prefix + f.name, None) is not None
     }
 
 
@@ -173,8 +185,7 @@ def parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--model",
         default=None,
-        help="a preset (labkit/theory/presets.py): gpt2-124m, llama-7b, "
-        "llama-13b, llama-70b, llama-405b, mixtral-8x7b; --model-* flags override its fields",
+        help="a preset (labkit/theory/presets.py): " + ", ".join(PRESETS) + "; --model-* flags override its fields",
     )
     est.add_argument("--gpu", default="h100", choices=["h100", "a100"], help="hardware of the time model")
     _add_fields(est, ParallelConfig)

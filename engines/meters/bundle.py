@@ -19,14 +19,16 @@ def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
     """Group ranks -> dim name, for every group of every (combined) dim of the layout.
 
     A single dim wins over a combination with the same ranks (with cp == 1 the dp-cp groups are
-    the dp groups, and are called 'dp'). Groups created by PyTorch itself (DTensor's or FSDP2's
-    DeviceMesh) map by their ranks too.
+    the dp groups, and are called 'dp'); groups below a dim (MeshLayout.subgroups) go by its
+    name. Groups created by PyTorch itself (DTensor's or FSDP2's DeviceMesh) map by their ranks too.
     """
     out: dict[tuple[int, ...], str] = {}
     for dims in [(d,) for d in DIMS] + [mesh.layout.canonical(c) for c in COMBINED]:
         for g in mesh.layout.groups(*dims):
             if len(g) > 1:
                 out.setdefault(tuple(g), mesh.layout.label(*dims))
+    for dim, g in mesh.layout.subgroups():  # a shared KV head's tp ranks, a tied embedding's stages
+        out.setdefault(tuple(g), dim)
     return out
 
 

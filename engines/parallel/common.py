@@ -11,6 +11,10 @@ later steps (gradient reduction, clipping, checking) need not know which strateg
                   an expert's: ('dp', 'cp'); a sequence-parallel LayerNorm's adds 'tp')
   _lk_replicas    mesh dims over which other ranks hold the same values (a TP-replicated
                   LayerNorm: ('tp',)); the global gradient norm counts it on one of them only
+  _lk_tp_share    k: the same slice is held by runs of k consecutive tp ranks (a KV head when
+                  tp > kv_heads); counted on the first of each run
+  _lk_tied        the copy of a tied embedding on the first or the last pipeline stage: its
+                  gradient is all-reduced over the two (`tied_params`, Megatron's embedding group)
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from labkit.plans.mesh import DATA_DIMS
 
@@ -110,10 +115,29 @@ def norm_plan(params: list[torch.Tensor], mesh, sharded: bool = False):
 
     def counts(p) -> bool:
         over = reduce_dims(p) if sharded else ()
-        return all(coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split and d not in over)
+        share = getattr(p, "_lk_tp_share", 1)  # a KV head held by `share` consecutive tp ranks
+        return coords["tp"] % share == 0 and all(
+            coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split and d not in over
+        )
 
     group = mesh.group(*split) if split else None
     return group, [counts(p) for p in params]
+
+
+def tied_params(params: list[torch.Tensor], mesh) -> tuple[object, set[int]]:
+    """(the group of the first and last pipeline stage, ids of the tied embedding copies among
+    `params`): engines/parallel/pipeline.py `split_model` marks them. (None, {}) without any."""
+    tied = {id(p) for p in params if getattr(p, "_lk_tied", False)}
+    return (mesh.ends_group("pp") if tied else None), tied
+
+
+def all_reduce_tied(grad: torch.Tensor, group) -> None:
+    """Sum a tied embedding's gradient over its two pipeline stages (Megatron-LM's embedding
+    group), in place, in fp32 (the reduce dtype: engines/precision.py)."""
+    total = grad if grad.dtype == torch.float32 else grad.float()
+    dist.all_reduce(total, group=group)  # (V/t, h): the embedding's part + the head's part
+    if total is not grad:
+        grad.copy_(total)
 
 
 def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -1,7 +1,8 @@
 """Pipeline parallelism (labkit's own): the layers split into stages that pass activations.
 
-The model's blocks are split evenly over pp·v virtual stages (plans.schedules.chunk_layers);
-the embedding lives on the first, the final norm, LM head and loss on the last. Each rank keeps
+The model's blocks are split over pp·v virtual stages, evenly or as ParallelConfig.stage_layers
+says (plans.schedules.chunk_layers); the embedding lives on the first, the final norm, LM head
+and loss on the last (a tied embedding on both: `split_model`). Each rank keeps
 its v chunks (`Chunk`), whose parameters keep their names in the full model (`_lk_name`), so
 DDP, clipping and the reference check work unchanged; `_lk_chunk` tells DDP which chunk a
 parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
@@ -39,18 +40,22 @@ class Chunk(nn.Module):
         self.embed = model.embed if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         self.head = model.head if last else None
+        self.rope = model.rope if layers else None  # llama: each chunk makes its blocks' tables
+        self.seq = model.cfg.seq
 
     def forward(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """First stage: (b, s) tokens in; others: (b, s, h) activations. Last stage: the mean
-        loss with targets, else the logits (torch.distributed.pipelining applies its loss_fn)."""
+        """First stage: (b, s) tokens in; others: (b, s, h) activations (s/tp rows under SP). Last
+        stage: the mean loss with targets, else the logits (torch.distributed.pipelining applies
+        its loss_fn). `positions`: of the sequence's tokens (a cp rank's zigzag ones), default all."""
+        if positions is None:
+            positions = torch.arange(self.seq, device=x.device)
         if self.embed is not None:
-            if positions is None:
-                positions = torch.arange(x.shape[1], device=x.device)
             x = self.embed(x, positions)  # (b, s) -> (b, s, h)
+        rope = self.rope(positions, x.dtype) if self.rope is not None else None  # 2 x (s, hd)
         for block in self.blocks.values():
-            x = block(x)  # (b, s, h) -> (b, s, h)
+            x = block(x, rope)  # (b, s, h) -> (b, s, h)
         if self.head is None:
             return x
         if targets is None:
@@ -58,27 +63,40 @@ class Chunk(nn.Module):
         return self.head(x, targets)  # scalar
 
 
-def split_model(model: nn.Module, p: int, v: int, rank: int) -> list[Chunk]:
-    """This pipeline rank's v chunks of the full (seeded) model."""
+def split_model(model: nn.Module, p: int, v: int, rank: int, stage_layers: tuple[int, ...] = ()) -> list[Chunk]:
+    """This pipeline rank's v chunks of the full (seeded) model.
+
+    A tied embedding (gpt2, Llama 3.2) has two copies: the embedding on the first stage and the
+    head on the last, each under the one full name; the last stage's is marked a replica over pp
+    (the norm counts the first's) and both `_lk_tied`: their gradients are all-reduced over the
+    two stages before the update (`tied_params`), so they stay equal, as in Megatron-LM."""
     for name, prm in model.named_parameters():
         if not hasattr(prm, "_lk_name"):
             prm._lk_name = name
     chunks = []
+    tied = model.head.proj.weight if model.cfg.tied and p > 1 else None
     for c in range(v):
         s = stage_of(rank, c, p)
-        chunk = Chunk(model, chunk_layers(len(model.blocks), p, v, rank, c), first=s == 0, last=s == p * v - 1)
+        layers = chunk_layers(len(model.blocks), p, v, rank, c, stage_layers)
+        chunk = Chunk(model, layers, first=s == 0, last=s == p * v - 1)
         for prm in chunk.parameters():
             prm._lk_chunk = c
+        if tied is not None and (chunk.embed is not None or chunk.head is not None):
+            tied._lk_tied = True
+            if chunk.head is not None:
+                tied._lk_replicas = tuple(getattr(tied, "_lk_replicas", ())) + ("pp",)
         chunks.append(chunk)
     return chunks
 
 
-def apply_pipeline(model: nn.Module, mesh, *, virtual_stages: int) -> tuple[list[Chunk], dict]:
+def apply_pipeline(
+    model: nn.Module, mesh, *, virtual_stages: int, stage_layers: tuple[int, ...] = ()
+) -> tuple[list[Chunk], dict]:
     """Slot 5 of parallelize: (this pp rank's chunks, its stage and layers as data for the report).
     The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule."""
     p, v, r = mesh.size("pp"), virtual_stages, mesh.coord("pp")
-    info = {"p": p, "v": v, "stage": r, "layers": [list(chunk_layers(len(model.blocks), p, v, r, c)) for c in range(v)]}
-    return split_model(model, p, v, r), info
+    layers = [list(chunk_layers(len(model.blocks), p, v, r, c, stage_layers)) for c in range(v)]
+    return split_model(model, p, v, r, stage_layers), {"p": p, "v": v, "stage": r, "layers": layers}
 
 
 def pipeline_executor(

@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import param_piece
+from labkit.engines.parallel.common import all_reduce_tied, param_piece, tied_params
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of
 
@@ -129,6 +129,7 @@ class TorchStageGrads:
                 for c in chunks
             ]
         self.pp_group = mesh.group("pp")
+        self.tied_group, self.tied = tied_params(self.params, mesh)
         self.clip = optim.clip
         self.opt = torch_adamw(self.names, self.params, optim)
 
@@ -136,10 +137,13 @@ class TorchStageGrads:
         return nullcontext()  # the pipelining schedule drives DDP's no_sync itself
 
     def finish(self) -> None:
-        pass
+        for p in self.params:  # a tied embedding's two copies: their gradients summed (after DDP's mean)
+            if id(p) in self.tied:
+                all_reduce_tied(p.grad, self.tied_group)
 
     def step(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        # a tied embedding's last-stage copy is the first stage's parameter again: counted there
+        grads = [p.grad for p in self.params if p.grad is not None and "pp" not in getattr(p, "_lk_replicas", ())]
         sq = torch.nn.utils.get_total_norm(grads).pow(2)  # this stage's share of ||g||^2
         dist.all_reduce(sq, group=self.pp_group)  # () summed over the pipeline
         norm = sq.sqrt()

@@ -9,12 +9,12 @@ input-gradient `B` and a weight-gradient `W`) of microbatch `mb` on local chunk 
 point-to-point op: `send_act` / `recv_act` (activations, forward direction) and `send_grad` /
 `recv_grad` (gradients of those activations, backward direction) with the `peer` rank.
 
-Layers are split into p·v virtual stages of equal size. Rank r holds chunks c = 0..v-1, which
-are virtual stages c·p + r (Megatron's interleaved assignment, Narayanan et al., SC 2021,
-section 2.2): activations go rank 0 -> 1 -> ... -> p-1 -> 0 (next chunk) -> ... Every schedule
-is defined by its *compute order* (F/B/W per rank); the sends and receives are derived from
-it (`with_comm`): a receive right before the compute that needs it, a send right after the
-compute that produced it.
+Layers are split into p·v virtual stages, of equal size or as `stage_layers` lists. Rank r
+holds chunks c = 0..v-1, which are virtual stages c·p + r (Megatron's interleaved assignment,
+Narayanan et al., SC 2021, section 2.2): activations go rank 0 -> 1 -> ... -> p-1 -> 0 (next
+chunk) -> ... Every schedule is defined by its *compute order* (F/B/W per rank); the sends and
+receives are derived from it (`with_comm`): a receive right before the compute that needs it, a
+send right after the compute that produced it.
 """
 
 from __future__ import annotations
@@ -82,11 +82,19 @@ def rank_chunk_of(stage: int, p: int) -> tuple[int, int]:
     return stage % p, stage // p
 
 
-def chunk_layers(layers: int, p: int, v: int, rank: int, chunk: int) -> range:
-    """Block indices of one chunk: `layers` split evenly over p·v virtual stages in order."""
-    per = layers // (p * v)
+def stage_sizes(layers: int, stages: int, stage_layers: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Blocks per virtual stage, in stage order: `stage_layers` when given (uneven stages,
+    ParallelConfig.stage_layers), else `layers` split evenly over `stages`."""
+    return tuple(stage_layers) if stage_layers else (layers // stages,) * stages
+
+
+def chunk_layers(layers: int, p: int, v: int, rank: int, chunk: int, stage_layers: tuple[int, ...] = ()) -> range:
+    """Block indices of one chunk: the blocks in order, virtual stage s taking the next
+    stage_sizes(...)[s] of them (an even split unless `stage_layers` says otherwise)."""
+    sizes = stage_sizes(layers, p * v, stage_layers)
     s = stage_of(rank, chunk, p)
-    return range(s * per, (s + 1) * per)
+    start = sum(sizes[:s])
+    return range(start, start + sizes[s])
 
 
 # -- compute orders (one list of (op, mb, chunk) per rank) --------------------------------------

@@ -30,6 +30,9 @@ class Costs:
     W: float | dict = 1.0
     comm: float | dict = 0.0
     """Latency of one point-to-point message, from the send to its arrival."""
+    scale: dict | None = None
+    """{(rank, chunk): factor} on that chunk's F/B/W: uneven stages (ParallelConfig.stage_layers)
+    cost in proportion to their layers (theory/pipeline.py `stage_scale`)."""
 
     def of(self, op: str, rank: int) -> float:
         c = getattr(self, op if op in COMPUTE else "comm")
@@ -107,7 +110,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
             a = acts[pos[r]]
             t = clock[r]
             if a.op in COMPUTE:
-                end = t + cost[r][a.op]
+                end = t + cost[r][a.op] * (costs.scale.get((r, a.chunk), 1.0) if costs.scale else 1.0)
                 emit(r, a.op, a, t, end)
                 clock[r] = end
                 if a.op == "F":
