@@ -61,6 +61,7 @@ def run_rank(spec: dict) -> dict:
                 loss = rank_model.schedule(rank_model, data.microbatches(tokens, targets, cfg.microbatches), meters)
                 with meters.phase("backward"), meters.span("sync"):
                     rank_model.grads.finish()
+                meters.wait_device()  # the gradients' collectives: step() reads their norm
                 with meters.phase("optimizer"), meters.span("opt"):
                     norm = rank_model.grads.step()
             step_times.append(time.perf_counter() - t0)
