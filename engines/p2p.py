@@ -27,8 +27,8 @@ class Exchange:
     `wait()` before the sent tensors may be changed or the step ends. Each work is waited for
     once: a gloo receive waited for twice waits for a second message."""
 
-    def __init__(self, works: list, ops: list, n_sends: int, copies: list):
-        self.works, self.ops, self.n_sends, self.copies = works, ops, n_sends, copies
+    def __init__(self, works: list, ops: list, n_recvs: int, copies: list):
+        self.works, self.ops, self.n_recvs, self.copies = works, ops, n_recvs, copies
         self._waited = [False] * len(works)
 
     def _wait(self, indices) -> None:
@@ -39,7 +39,7 @@ class Exchange:
 
     def wait_recvs(self) -> None:
         per_op = len(self.works) == len(self.ops)  # gloo: one work per op; NCCL: one for the group
-        self._wait(range(self.n_sends if per_op else 0, len(self.works)))
+        self._wait(range(self.n_recvs if per_op else len(self.works)))
         for device_buf, host_buf in self.copies:
             device_buf.copy_(host_buf)
         self.copies = []
@@ -57,22 +57,20 @@ class Link:
         self.group = group
         self.host_only = dist.get_backend(group) == "gloo"
 
-    def _staged(self, t: torch.Tensor) -> bool:
-        return self.host_only and t.device.type == "cuda"
-
     def batch(self, sends=(), recvs=()) -> Exchange:
-        """Post `sends` [(tensor, peer, tag)] and `recvs` [(buffer, peer, tag)] (peers are global
-        ranks; NCCL ignores tags, gloo matches by them) as one batch_isend_irecv."""
+        """Post `recvs` [(buffer, peer, tag)] and `sends` [(tensor, peer, tag)] (peers are global
+        ranks; NCCL ignores tags, gloo matches by them) as one batch_isend_irecv. The receives go
+        first, so that gloo has their buffers when the peers' data comes."""
         ops, copies = [], []
-        for t, peer, tag in sends:
-            if self._staged(t):  # gloo reads host memory only
-                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-                t = host.copy_(t)  # synchronous: the device's value, copied before it is posted
-            ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group, tag))
         for buf, peer, tag in recvs:
-            if self._staged(buf):
+            if self.host_only and buf.is_cuda:
                 host = torch.empty(buf.shape, dtype=buf.dtype, pin_memory=True)
                 copies.append((buf, host))
                 buf = host
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group, tag))
-        return Exchange(dist.batch_isend_irecv(ops), ops, len(sends), copies)
+        for t, peer, tag in sends:
+            if self.host_only and t.is_cuda:  # gloo reads host memory only
+                host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                t = host.copy_(t)  # synchronous: the device's value, copied before it is posted
+            ops.append(dist.P2POp(dist.isend, t.contiguous(), peer, self.group, tag))
+        return Exchange(dist.batch_isend_irecv(ops), ops, len(recvs), copies)
