@@ -62,6 +62,7 @@ def run_rank(spec: dict) -> dict:
                 loss = rank_model.schedule(rank_model, data.microbatches(tokens, targets, cfg.microbatches), meters)
                 with meters.phase("backward"), meters.span("sync"):
                     rank_model.grads.finish()
+                meters.wait_device()  # the gradients' collectives: step() reads their norm
                 if step == 0 and run.return_params:  # the reduced gradients, before clipping (checks.py)
                     grad_pieces = rank_model.grads.grad_pieces()
                 with meters.phase("optimizer"), meters.span("opt"):

@@ -48,7 +48,7 @@ def test_seeds_are_well_conditioned(model):
 def lab8():
     from labkit import Lab
 
-    with Lab(engines=8, timeout=180, progress=False) as lab:
+    with Lab(engines=8, timeout=180, progress=False, device="cpu") as lab:
         yield lab
 
 

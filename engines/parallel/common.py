@@ -28,6 +28,13 @@ import torch.distributed as dist
 
 from labkit.plans.mesh import DATA_DIMS
 
+# torch 2.13 names these all_gather_single / reduce_scatter_single and deprecates the old names,
+# which are all that torch 2.6 to 2.12 have (pyproject allows >= 2.6; torch 2.11 on an H100 had
+# no all_gather_single). Both names reach the same c10d ops (_allgather_base_,
+# _reduce_scatter_base_), which the comm meter calls all_gather and reduce_scatter.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
 
 class GradSync(Protocol):
     """Turns the gradients of every microbatch into one optimizer update on this rank: what every

@@ -33,7 +33,11 @@ import math
 import torch
 import torch.distributed as dist
 
-KV_TAG, DKV_TAG = 0, 1  # K/V and dK/dV messages travel the same link at once: tags keep them apart
+from labkit.engines.p2p import Link
+
+# K/V and dK/dV messages travel the same link at once: gloo keeps them apart by tag; NCCL
+# ignores tags and matches them by order, which is the same on every rank (K/V hop t, then dK/dV hop t)
+KV_TAG, DKV_TAG = 0, 1
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -123,16 +127,17 @@ class Ring:
         self.group, self.rank, self.cp = group, rank, cp
         self.plan = ring_plan(rank, cp)
         self.next, self.prev = (rank + 1) % cp, (rank - 1) % cp
+        self.link = Link(group)
+        self._next_global = dist.get_global_rank(group, self.next)
+        self._prev_global = dist.get_global_rank(group, self.prev)
 
     def hop(self, send: torch.Tensor, tag: int):
-        """Start sending `send` to the next rank and receiving its like from the previous one;
+        """Start sending `send` to the next rank and receiving its like from the previous one, as
+        one batch (engines/p2p.py: under NCCL two unbatched ops would wait on each other);
         returns (received buffer, works to wait on)."""
         recv = torch.empty_like(send)
-        works = [
-            dist.irecv(recv, group=self.group, group_src=self.prev, tag=tag),
-            dist.isend(send, group=self.group, group_dst=self.next, tag=tag),
-        ]
-        return recv, works
+        hop = self.link.batch([(send, self._next_global, tag)], [(recv, self._prev_global, tag)])
+        return recv, [hop]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's zigzag tokens against the whole sequence.

@@ -9,23 +9,27 @@ parameter is in, so each chunk's gradients form their own buckets and are reduce
 that chunk's last backward is over.
 
 The schedule is data (plans.schedules.plan): this rank's ordered list of F / B / send / recv
-actions. `PipelineExecutor` runs any such list. Deadlock freedom comes from two rules: (1) every
-send is posted asynchronously (isend) the moment its tensor exists and only waited for at the
-end of the step, so a send never blocks; (2) a receive blocks right before the compute that
-needs it. Then the only waits are receives, and a set of lists completes iff the simulator
-(which models exactly these rules) completes it — so the plan is simulated first, and a plan
-that would hang is refused with the ranks' stuck actions (ScheduleDeadlock) before anything
-runs.
+actions. `PipelineExecutor` runs any such list, as schedules.batches issues it: the computes in
+the list's order, and the sends and receives grouped into batches, one batch_isend_irecv each
+(engines/p2p.py), by the unit-time tick at which their message is sent, so that every rank's
+k-th batch meets only its peers' k-th batches (NCCL matches messages by order, not by tag, and
+runs each group's ops one after another). A send goes out right after the compute that made
+it and is waited for at the end of the step; a receive is posted with its sender's batch and
+waited for right before the compute that needs it. The plan is simulated first, under gloo's
+rules and under NCCL's (plans/simulator.py), and a plan that would hang on either is refused
+with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.engines.model import aux_loss
-from labkit.plans.schedules import Plan, chunk_layers, plan, stage_of
+from labkit.engines.p2p import Link
+from labkit.plans.schedules import Action, Plan, batches, chunk_layers, message, plan, stage_of
 from labkit.plans.simulator import ScheduleDeadlock, check
 
 
@@ -121,7 +125,8 @@ class PipelineExecutor:
         self.plan = pl
         self.rank = mesh.coord("pp")
         self.actions = pl.actions[self.rank]
-        self.group = mesh.group("pp")
+        self.items = batches(pl)[self.rank]  # computes, and the batches of sends and receives between them
+        self.link = Link(mesh.group("pp"))
         self.peers = mesh.ranks("pp")  # pipeline rank -> global rank (sorted = by pp coordinate)
         self.hidden = hidden
         self.dtype = dtype  # what stages pass: activations and gradients in the compute dtype
@@ -129,27 +134,46 @@ class PipelineExecutor:
 
     def _tag(self, a) -> int:
         """One tag per message, the same on both sides: (microbatch, receiving stage, kind)."""
-        pl, s = self.plan, stage_of(self.rank, a.chunk, self.plan.p)
-        kind = 0 if a.op.endswith("act") else 1
-        to = s + (1 if a.op == "send_act" else -1 if a.op == "send_grad" else 0)
-        return (a.mb * pl.p * pl.v + to) * 2 + kind
+        kind, mb, to = message(self.plan, self.rank, a)
+        return (mb * self.plan.p * self.plan.v + to) * 2 + (0 if kind == "act" else 1)
 
-    def _recv(self, a, meters, shape) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=self.dtype, device=meters.device)
+    def _post(self, batch: tuple, outputs: dict, inputs: dict, arriving: dict, shape, meters):
+        """Post one batch: the sends (the activation of a forward just run, or the input gradient
+        of a backward) and the receives, whose buffers wait in `arriving` until needed."""
+        sends, recvs, sending, receiving = [], [], [], []
+        for a in batch:
+            peer = self.peers[a.peer]
+            if a.op.startswith("recv"):
+                buf = torch.empty(shape, dtype=self.dtype, device=meters.device)  # (b, s, h)
+                recvs.append((buf, peer, self._tag(a)))
+                receiving.append((a, buf))
+            else:
+                key = (a.mb, a.chunk)
+                t = outputs[key][0].detach() if a.op == "send_act" else inputs.pop(key).grad
+                sends.append((t, peer, self._tag(a)))
+                sending.append(a)
+        # the batch is logged in one phase: that of what it sends (after F forward, after B backward)
+        first = (sending or batch)[0]
+        with meters.phase("forward" if first.op.endswith("act") else "backward"), ExitStack() as spans:
+            for a in sending:
+                spans.enter_context(meters.span("send", a.mb, a.chunk, peer=self.peers[a.peer]))
+            exchange = self.link.batch(sends, recvs)
+        for a, buf in receiving:
+            arriving[(a.op, a.mb, a.chunk)] = (a, buf, exchange)
+        return exchange
+
+    def _take(self, arriving: dict, op: str, mb: int, chunk: int, meters) -> torch.Tensor | None:
+        """The buffer of the receive `op` of (mb, chunk), waited for; None if there is none."""
+        got = arriving.pop((op, mb, chunk), None)
+        if got is None:
+            return None
+        a, buf, exchange = got
         with (
-            meters.phase("forward" if a.op == "recv_act" else "backward"),
-            meters.span("recv", a.mb, a.chunk, peer=self.peers[a.peer]),
+            meters.phase("forward" if op == "recv_act" else "backward"),
+            meters.span("recv", mb, chunk, peer=self.peers[a.peer]),
         ):
-            dist.irecv(buf, src=self.peers[a.peer], group=self.group, tag=self._tag(a)).wait()  # (b, s, h)
+            exchange.wait_recvs()
         return buf
-
-    def _send(self, a, t: torch.Tensor, meters):
-        with (
-            meters.phase("forward" if a.op == "send_act" else "backward"),
-            meters.span("send", a.mb, a.chunk, peer=self.peers[a.peer]),
-        ):
-            work = dist.isend(t.contiguous(), dst=self.peers[a.peer], group=self.group, tag=self._tag(a))
-        return work, t
 
     def __call__(self, rank_model, microbatches, meters) -> float:
         m = len(microbatches)
@@ -158,16 +182,20 @@ class PipelineExecutor:
         mbs = [rank_model.inputs(tokens, targets) for tokens, targets in microbatches]
         b, s = mbs[0][0].shape
         shape = (b, s // self.seq_split, self.hidden)  # (b/m, s, h) crosses each boundary (s/tp under SP)
-        inputs, outputs, grads, sends = {}, {}, {}, []
+        inputs, outputs, arriving, posted = {}, {}, {}, []
         backwards_done = [0] * self.plan.v
         share = torch.zeros((), device=meters.device)
-        for a in self.actions:
+        for a in self.items:
             meters.check_cancelled()
+            if not isinstance(a, Action):  # a batch of sends and receives
+                posted.append(self._post(a, outputs, inputs, arriving, shape, meters))
+                continue
             key = (a.mb, a.chunk)
             chunk = rank_model.chunks[a.chunk]
-            if a.op == "recv_act":
-                inputs[key] = self._recv(a, meters, shape).requires_grad_()
-            elif a.op == "F":
+            if a.op == "F":
+                x = self._take(arriving, "recv_act", a.mb, a.chunk, meters)
+                if x is not None:
+                    inputs[key] = x.requires_grad_()
                 tokens, targets, positions = mbs[a.mb]
                 with meters.phase("forward"), meters.span("F", a.mb, a.chunk), meters.memory.saved_tensors():
                     y = chunk(inputs.get(key, tokens), targets if chunk.head is not None else None, positions)
@@ -177,17 +205,13 @@ class PipelineExecutor:
                     share = share + aux.detach()
                 if chunk.head is not None:
                     share = share + y.detach().float()
-            elif a.op == "send_act":
-                sends.append(self._send(a, outputs[key][0].detach(), meters))
-            elif a.op == "recv_grad":
-                grads[key] = self._recv(a, meters, shape)
             elif a.op == "B":
                 y, aux = outputs.pop(key)
                 # the loss of the step is the mean over microbatches: each backward carries 1/m
                 if chunk.head is not None:
                     tensors, seeds = [(y + aux) / m], [None]
                 else:
-                    tensors, seeds = [y], [grads.pop(key)]
+                    tensors, seeds = [y], [self._take(arriving, "recv_grad", a.mb, a.chunk, meters)]
                     if isinstance(aux, torch.Tensor):
                         tensors, seeds = tensors + [aux / m], seeds + [None]
                 # the chunk's last backward (by count, whatever the order) lets DDP reduce it
@@ -198,11 +222,10 @@ class PipelineExecutor:
                 ):
                     torch.autograd.backward(tensors, seeds)
                 backwards_done[a.chunk] += 1
-            elif a.op == "send_grad":
-                sends.append(self._send(a, inputs.pop(key).grad, meters))
             else:
                 raise ScheduleDeadlock([f"the executor cannot run {a} (backward is not split here)"])
         with meters.phase("backward"):
-            for work, _ in sends:
-                work.wait()
+            for exchange in posted:
+                exchange.wait()
+        meters.wait_device()
         return float(share) / m

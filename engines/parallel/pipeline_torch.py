@@ -86,6 +86,7 @@ class TorchSchedule:
         self.sched.step(*args, **kwargs)
         if not self.last:
             return 0.0
+        meters.wait_device()
         return float(sum(l.detach().float() for l in losses)) / len(losses)
 
 

@@ -29,12 +29,18 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.parallel.common import all_reduce_tied, full_name, tied_params, weak_method
+from labkit.engines.parallel.common import (
+    all_gather_single,
+    all_reduce_tied,
+    full_name,
+    reduce_scatter_single,
+    tied_params,
+    weak_method,
+)
 from labkit.engines.parallel.shards import (
     ShardedOptimizer,
     bind,
@@ -169,7 +175,7 @@ class ZeRO12:
             group, n, index = self.groups[k]
             a, b = self.plans[k].owned(index)
             work = (
-                dist.reduce_scatter_single(buf[a:b], buf, group=group, async_op=True) if n > 1 else None
+                reduce_scatter_single(buf[a:b], buf, group=group, async_op=True) if n > 1 else None
             )  # (padded,) summed over ranks -> its slice a:b, in place
             self.in_flight = (k, buf, work)
             self.next_launch += 1
@@ -213,7 +219,7 @@ class ZeRO12:
             if self.pol.mixed:
                 flat[a:b].copy_(m)  # round the updated masters into this rank's bf16 slice
             if n > 1:  # (shard,) from every rank -> (padded,), in place
-                dist.all_gather_single(flat, flat[a:b], group=group)
+                all_gather_single(flat, flat[a:b], group=group)
         for g in self.grad_full or self.grads:
             g.zero_()
         return norm

@@ -207,6 +207,85 @@ def plan(schedule: str, p: int, m: int, v: int = 1) -> Plan:
     return Plan(schedule, p, m, v, acts)
 
 
+def message(pl: Plan, rank: int, a: Action) -> tuple:
+    """Which message a send or receive of `rank` carries: (kind, microbatch, receiving virtual
+    stage), the same on both sides (the executor's tag, the simulator's key)."""
+    s = stage_of(rank, a.chunk, pl.p)
+    if a.op == "send_act":
+        return ("act", a.mb, s + 1)
+    if a.op == "recv_act":
+        return ("act", a.mb, s)
+    if a.op == "send_grad":
+        return ("grad", a.mb, s - 1)
+    return ("grad", a.mb, s)  # recv_grad
+
+
+def batches(pl: Plan) -> tuple[list, ...]:
+    """Every rank's list as the executor issues it: its compute actions in the plan's order, and
+    between them its sends and receives grouped into batches (each one batch_isend_irecv, one
+    NCCL group call) by tick: the unit-time step (F = B = W = 1) at which the sending compute
+    ends. Tick t's batch on a rank holds the sends of the compute it ran at t and the receives of
+    every message its peers send at t, so the k-th batch of a rank meets only k-th batches of its
+    peers — torch.distributed.pipelining's lockstep (PipelineScheduleMulti issues each time
+    step's sends and receives as one batch_isend_irecv). Receives are thus posted as soon as
+    their message is sent, and waited for only before the compute that needs them; sends still go
+    right after the compute that produced them. (Batching only each run of neighbouring sends and
+    receives is not enough under NCCL: interleaved 1F1B then hangs, tests/test_schedules.py.)
+    An item is an Action (compute) or a tuple of Actions (a batch). Needs a plan that completes
+    (simulator.check)."""
+    p = pl.p
+    steps = []  # per rank: [compute, receives it waits for, sends it makes]
+    for acts in pl.actions:
+        mine, waiting = [], []
+        for a in acts:
+            if a.op in COMPUTE:
+                mine.append([a, waiting, []])
+                waiting = []
+            elif a.op.startswith("recv"):
+                waiting.append(a)
+            else:
+                mine[-1][2].append(a)
+        steps.append(mine)
+    sent: dict[tuple, int] = {}  # message -> tick of the compute that sent it
+    tick_of: list[list[int]] = [[] for _ in range(p)]
+    free = [0] * p  # the first tick at which each rank is free
+    moved = True
+    while moved:  # unit-cost dataflow: a compute starts once its rank is free and its inputs were sent
+        moved = False
+        for r in range(p):
+            while len(tick_of[r]) < len(steps[r]):
+                a, needs, sends = steps[r][len(tick_of[r])]
+                keys = [message(pl, r, x) for x in needs]
+                if any(k not in sent for k in keys):
+                    break
+                t = max([free[r]] + [sent[k] + 1 for k in keys])
+                tick_of[r].append(t)
+                free[r] = t + 1
+                for x in sends:
+                    sent[message(pl, r, x)] = t
+                moved = True
+    if any(len(tick_of[r]) < len(steps[r]) for r in range(p)):
+        raise ValueError(f"plan {pl.schedule} p={p} m={pl.m} does not complete; simulator.check says why")
+    out = []
+    for r in range(p):
+        recv_at: dict[int, list[Action]] = {}  # tick -> receives whose message is sent then
+        for _, needs, _ in steps[r]:
+            for x in needs:
+                recv_at.setdefault(sent[message(pl, r, x)], []).append(x)
+        computes = dict(zip(tick_of[r], steps[r]))
+        items: list = []
+        for t in range(max(free) + 1):
+            sends = []
+            if t in computes:
+                items.append(computes[t][0])
+                sends = computes[t][2]
+            batch = tuple(sends) + tuple(recv_at.get(t, ()))
+            if batch:
+                items.append(batch)
+        out.append(items)
+    return tuple(out)
+
+
 # -- checks -------------------------------------------------------------------------------------
 def local_problems(pl: Plan) -> list[str]:
     """What each rank's own list gets wrong: every (mb, chunk) has one F then one B (then one W
