@@ -53,8 +53,8 @@ class Chunk(nn.Module):
         """First stage: (b, s) tokens in; others: (b, s, h) activations (s/tp rows under SP). Last
         stage: the mean loss with targets, else the logits (torch.distributed.pipelining applies
         its loss_fn). `positions`: of the sequence's tokens (a cp rank's zigzag ones), default all."""
-        if positions is None:
-            positions = torch.arange(self.seq, device=x.device)
+        if positions is None:  # the first stage sees the tokens (a prompt may be shorter than seq)
+            positions = torch.arange(x.shape[1] if self.embed is not None else self.seq, device=x.device)
         if self.embed is not None:
             x = self.embed(x, positions)  # (b, s) -> (b, s, h)
         rope = self.rope(positions, x.dtype) if self.rope is not None else None  # 2 x (s, hd)
