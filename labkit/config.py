@@ -16,7 +16,10 @@ DIMS = ("tp", "cp", "ep", "dp", "pp")
 SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 IMPLS = ("lab", "torch")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
+CHECKPOINTING = (False, True, "full", "selective", "op")
+"""checkpoint_activations values: off; full recomputation (True is "full"); Korthikanti et al.'s
+selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 
 
 class ConfigError(ValueError):
@@ -115,15 +118,28 @@ class ParallelConfig(_Dict):
     impl: str = "lab"
     """'lab' runs labkit's readable implementations; 'torch' runs PyTorch's own (DDP, FSDP2, DTensor, pipelining)."""
     precision: str = "fp32"
-    """'fp32', or 'bf16': bf16 compute with fp32 master weights and optimizer state."""
-    checkpoint_activations: bool = False
-    """Recompute each block in backward instead of keeping its activations."""
+    """'fp32'; 'bf16': bf16 compute with fp32 master weights and optimizer state; 'fp8': as bf16,
+    with the linear layers' matmuls in fp8 (per-tensor scales, torchao's float8 training) and
+    FSDP's all-gather in fp8 (the theory only: the engines refuse it, validation says why)."""
+    checkpoint_activations: bool | str = False
+    """Recompute in backward instead of keeping: False; True or 'full' (each block keeps its input
+    only, Chen et al. 2016); 'selective' (the attention core only, Korthikanti et al. 2022, section
+    4.2); 'op' (torchtitan's per-op policy: every matmul's output but every second, and the
+    attention's, kept; the theory only)."""
     order: str = "tp-cp-ep-dp-pp"
     """Mesh order, innermost (fastest-varying rank) first. Neighbouring ranks share the inner dims."""
     bucket_mb: float = 25.0
     """Gradient bucket size in MiB for DDP-style reduction (PyTorch DDP's bucket_cap_mb)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3 traffic) or keep them (ZeRO-2-like)."""
+
+    @property
+    def recompute(self) -> str:
+        """'none', 'full', 'selective' or 'op': checkpoint_activations by name (True is 'full')."""
+        ac = self.checkpoint_activations
+        if isinstance(ac, bool):
+            return "full" if ac else "none"
+        return ac
 
     @property
     def world(self) -> int:

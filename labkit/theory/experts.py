@@ -54,7 +54,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         return
     passes = model.layers // cfg.pp * cfg.microbatches
     rows = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.top_k * model.hidden * ELEM[cfg.precision]
-    forwards = 2 if cfg.checkpoint_activations else 1
+    forwards = 2 if cfg.recompute in ("full", "op") else 1
     label = layout.label("ep")
     for rank in comm.ranks(layout):
         for _ in range(passes):

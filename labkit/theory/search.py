@@ -1,0 +1,179 @@
+"""The planner's search: every layout of a model on a number of GPUs, pruned by memory before it
+is timed, ranked by predicted tokens/s/GPU (theory/planner.py prices one layout).
+
+What is enumerated, and what is left out because another choice dominates it (same time, less
+memory, or the same memory in less time, in this model):
+  mesh          tp (powers of two within a node, dividing heads), cp (2·cp | seq), ep (| experts),
+                pp (| the GPUs left; uneven stages when the layers do not split), dp the rest
+  batch         the microbatch size b (a divisor of the sequences per data rank), m = the rest
+  pipeline      1F1B, interleaved with v = 2, 4 (m a multiple of pp, as Megatron needs); GPipe is
+                left out (1F1B's bubble with more activations in flight)
+  sharding      none, ZeRO-1, ZeRO-2, FSDP (ZeRO-3 is FSDP's traffic); under pp none, ZeRO-1, FSDP
+  SP            always on with tp: the same bytes on the wire as TP's all-reduces, less memory
+                (Korthikanti et al. 2022, section 4.2.2)
+  checkpointing none, selective, op, full in that order of recomputation: the first that fits is
+                the one timed (recomputation only adds time; memory only falls down the list)
+  precision     bf16, and fp8 where the hardware has it (or the one asked for)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.theory.hardware import Hardware, hardware_of
+from labkit.theory.planner import Plan, _evaluate, _over, fullest, layout_problems
+
+CHECKPOINTING = (False, "selective", "op", True)
+"""In order of recomputation (time added) and of memory kept (falling)."""
+NEAREST = 20
+"""Layouts that do not fit kept in `.rejected`, the nearest misses first."""
+
+
+@dataclass
+class Rejected:
+    config: ParallelConfig
+    reason: str
+
+
+class Plans(list):
+    """The best layouts, fastest first (a list of Plan), with what was left out:
+    `.rejected` (the nearest misses, each with its reason), `.counts` (reason -> layouts),
+    `.considered` (layouts priced for memory) and `.timed` (layouts that fit and were timed)."""
+
+    def __init__(self, plans, rejected, counts, considered: int, timed: int):
+        super().__init__(plans)
+        self.rejected: list[Rejected] = rejected
+        self.counts: dict[str, int] = counts
+        self.considered, self.timed = considered, timed
+
+
+def _pow2(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def stage_split(layers: int, stages: int) -> tuple[int, ...]:
+    """Uneven stages as Llama 3 lays them out (Llama Team 2024, section 3.3.2: one layer fewer on
+    the first and the last stage, which hold the embedding and the head): the remainder of
+    layers / stages goes to the middle stages first."""
+    q, r = divmod(layers, stages)
+    if r == 0:
+        return ()
+    sizes = [q] * stages
+    middle = list(range(1, stages - 1)) or list(range(stages))
+    for i in range(r):
+        sizes[middle[i % len(middle)]] += 1
+    return tuple(sizes)
+
+
+@dataclass
+class _Tally:
+    counts: dict[str, int] = field(default_factory=dict)
+    misses: list[tuple[float, Rejected]] = field(default_factory=list)
+
+    def invalid(self, reason: str, n: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + n
+
+    def too_big(self, cfg: ParallelConfig, peak: float, hw: Hardware) -> None:
+        self.invalid("does not fit in memory even with full checkpointing")
+        self.misses.append((peak, Rejected(cfg, f"does not fit: {_over(peak, hw)}")))
+
+
+def meshes(model: ModelConfig, gpus: int, hw: Hardware, tally: _Tally):
+    """(tp, cp, ep, pp, dp) whose product is `gpus` and whose degrees the model allows."""
+    tps = [t for t in _pow2(hw.gpus_per_node) if model.heads % t == 0]
+    cps = [c for c in _pow2(32) if model.seq % (2 * c) == 0]
+    eps = [e for e in _divisors(model.experts, 64)] if model.experts else [1]
+    for tp in tps:
+        for cp in cps:
+            for ep in eps:
+                rest, left = gpus // (tp * cp * ep), gpus % (tp * cp * ep)
+                if left:
+                    continue
+                for pp in _divisors(rest, min(rest, model.layers)):
+                    yield tp, cp, ep, pp, rest // pp
+
+
+def schedules(pp: int, m: int, layers: int, uneven_ok: bool, tally: _Tally):
+    """(schedule, virtual stages, stage_layers) for a pipeline of pp ranks and m microbatches."""
+    if pp == 1:
+        yield "1f1b", 1, ()
+        return
+    for v in (1, 2, 4):
+        if v > 1 and (m % pp or layers < pp * v):
+            tally.invalid("interleaved needs microbatches a multiple of pp and a layer per virtual stage")
+            continue
+        split = stage_split(layers, pp * v)
+        if split and not uneven_ok:
+            tally.invalid("uneven stages need ParallelConfig.stage_layers")
+            continue
+        yield ("interleaved" if v > 1 else "1f1b"), v, split
+
+
+def plan(
+    model: ModelConfig,
+    gpus: int,
+    hardware: str | Hardware = "h100",
+    global_batch: int | None = None,
+    top: int = 10,
+    precision: str | None = None,
+) -> Plans:
+    """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
+    tokens/s/GPU). global_batch: sequences per step (default: 4M tokens, Llama 3's batch at
+    8k, rounded to sequences); precision: 'bf16' or 'fp8' (default: both where the hardware has
+    fp8). The list's `.rejected` and `.counts` say what was left out and why."""
+    hw = hardware_of(hardware)
+    gb = global_batch or max(1, round(4 * 2**20 / model.seq))
+    precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
+    uneven_ok = "stage_layers" in ParallelConfig.__dataclass_fields__
+    tally, timed = _Tally(), []
+    considered = 0
+    for tp, cp, ep, pp, dp in meshes(model, gpus, hw, tally):
+        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=dp * ep, sequence_parallel=tp > 1)
+        found = layout_problems(mesh, model)
+        if found:
+            tally.invalid(found[0].split(";")[0])
+            continue
+        if gb % (dp * ep):
+            tally.invalid("global_batch is not divisible by dp·ep")
+            continue
+        per = gb // (dp * ep)
+        for b in _divisors(per, min(per, 64)):
+            m = per // b
+            for schedule, v, split in schedules(pp, m, model.layers, uneven_ok, tally):
+                for sharding in ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp"):
+                    for prec in precisions:
+                        cfg = mesh.replace(
+                            global_batch=gb,
+                            microbatches=m,
+                            schedule=schedule,
+                            virtual_stages=v,
+                            sharding=sharding,
+                            precision=prec,
+                        )
+                        if split:
+                            cfg = cfg.replace(stage_layers=split)
+                        considered += 1
+                        for ac in CHECKPOINTING:
+                            memory = fullest(cfg.replace(checkpoint_activations=ac), model, hw)
+                            if memory["peak"] <= hw.memory:
+                                timed.append(_evaluate(cfg.replace(checkpoint_activations=ac), model, hw, memory))
+                                break
+                        else:
+                            tally.too_big(cfg.replace(checkpoint_activations=True), memory["peak"], hw)
+    if not timed and not tally.counts:
+        raise ConfigError([f"no layout of this model on {gpus} GPUs: check the GPU count"])
+    timed.sort(key=lambda p: -p.tokens_per_second_per_gpu)
+    misses = [r for _, r in sorted(tally.misses, key=lambda x: x[0])[:NEAREST]]
+    return Plans(timed[:top], misses, tally.counts, considered, len(timed))
+
+
+__all__ = ["plan", "Plans", "Rejected", "Plan", "stage_split"]
