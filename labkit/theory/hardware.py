@@ -46,7 +46,9 @@ class Hardware:
     fp8_matmul_eff: float = 0.66
     """Fraction of `fp8_flops` a large fp8 product (torch._scaled_mm, per-tensor scales) reaches."""
     attention_eff: float = 0.51
-    """Fraction of `flops` causal flash attention (forward + backward, head dim 128) reaches."""
+    """Fraction of `flops` causal flash attention (forward + backward) reaches at head dim 128."""
+    attention_eff_64: float = 0.32
+    """The same at head dim 64 (linear in between, the nearer value outside)."""
     hbm_eff: float = 0.89
     """Fraction of `hbm` an elementwise kernel (copy, add) reaches."""
     context: float = 0.7e9
@@ -75,6 +77,7 @@ H100 = Hardware(
     matmul_eff=0.78,
     fp8_matmul_eff=0.66,
     attention_eff=0.51,
+    attention_eff_64=0.32,
     hbm_eff=0.89,
     context=0.72e9,
     allocator=0.21,
@@ -83,7 +86,8 @@ H100 = Hardware(
         "900 GB/s (450 each way), one 400 Gb/s NDR NIC per GPU. Measured here (" + MEASURED_H100 + "): "
         "bf16 products of 8B's shapes 761-769 TFLOP/s (0.77-0.78; the 8192^3 product 769-798 on "
         "other days), fp8 _scaled_mm 1,263-1,340 (0.64-0.68), SDPA causal flash attention head dim "
-        "128 forward + backward 508-518 TFLOP/s at s = 8192 (0.51-0.52; 355 at s = 2048), copy and add "
+        "128 forward + backward 508-518 TFLOP/s at s = 8192 (0.51-0.52; 355 at s = 2048; head dim 64: 320 "
+        "(0.32) at s = 4096; the kernel is cuDNN's), copy and add "
         "2.95-3.02 TB/s (0.88-0.90), CUDA context with cuBLAS 718 MB, reserved / allocated 1.19-1.25 "
         "over a Llama step with no, full and per-op checkpointing (mean 1.21)"
     ),
@@ -100,7 +104,8 @@ H100_GRAND_TETON = Hardware(
     fp8_flops=1824e12,
     matmul_eff=H100.matmul_eff,
     fp8_matmul_eff=H100.fp8_matmul_eff,
-    attention_eff=H100.attention_eff,
+    attention_eff=0.35,
+    attention_eff_64=0.35 * H100.attention_eff_64 / H100.attention_eff,
     hbm_eff=H100.hbm_eff,
     context=H100.context,
     allocator=H100.allocator,
@@ -108,7 +113,9 @@ H100_GRAND_TETON = Hardware(
         "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e at 2.4 TB/s, 500 W power "
         "limit, 400 Gb/s per GPU; its footnote puts the peak 'between SXM and NVL' (989 and 835 "
         "TFLOP/s dense bf16, the H100 and H100 NVL datasheets): the midpoint, 912 (fp8 twice that). "
-        "Efficiencies, context and allocator: the H100 SXM's, as measured here"
+        "Attention: PyTorch's SDPA of Dec 2024 ran FlashAttention-2 on Hopper, which reaches 35% of "
+        "H100 peak (Shah et al., FlashAttention-3, 2024, abstract); at head dim 64 the H100's measured "
+        "ratio. Matmul, copy, context and allocator: the H100 SXM's, as measured here"
     ),
 )
 
@@ -122,19 +129,27 @@ A100 = Hardware(
     hbm=2.039e12,
     matmul_eff=0.78,
     attention_eff=0.55,
+    attention_eff_64=0.55 * H100.attention_eff_64 / H100.attention_eff,
     hbm_eff=0.89,
     context=0.6e9,
     allocator=H100.allocator,
     source=(
         "NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 each "
         "way), 200 Gb/s HDR per GPU; no fp8. Attention: FlashAttention-2 (Dao 2023, section 4.1) "
-        "reaches 50-73% of A100 peak forward and backward, its lower half taken (0.55); the matmul, "
-        "copy and allocator fractions: the H100's measured ones (not measured on an A100)"
+        "reaches 50-73% of A100 peak forward and backward, its lower half taken (0.55; head dim 64: the "
+        "H100's measured ratio); the matmul, copy and allocator fractions: the H100's measured ones "
+        "(not measured on an A100)"
     ),
 )
 
 HARDWARE = {"h100": H100, "h100-96gb": H100_GRAND_TETON, "a100": A100}
 """Hardware by the names `evaluate`, `plan` and the CLI take."""
+
+
+def attention_rate(hw: Hardware, head_dim: int) -> float:
+    """FLOP/s of causal flash attention at `head_dim`."""
+    x = min(max((head_dim - 64) / 64, 0.0), 1.0)
+    return hw.flops * (hw.attention_eff_64 + x * (hw.attention_eff - hw.attention_eff_64))
 
 
 def hardware_of(name_or_hw) -> Hardware:

@@ -41,6 +41,8 @@ class Op:
     """What the backward costs, in forwards."""
     kept: bool = True
     """Its output is kept under torchtitan's per-op checkpointing (else recomputed)."""
+    head_dim: int = 0
+    """Attention only: the kernel's rate depends on it."""
 
 
 def _is_llama(model: ModelConfig) -> bool:
@@ -94,19 +96,25 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     hd = h // a
     attn_flops = 4.0 * b * s * model.seq * (a // tp) * hd / 2  # causal: half the products
     attn_bytes = e * tokens * (2 * h + 2 * _kv(model)) / tp
-    ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5))
-    # eager kernels, bytes per element (each reads its inputs and writes its output once):
-    #   LayerNorm 2e; RMSNorm upcast to fp32 as torch and torchtitan write it: x.float(), x², mean,
-    #   x·rsqrt, .type_as, ·weight = 20 + 4e; residual add 3e; RoPE through complex fp32 on q and k
-    #   2e + 16; GELU 2e; SwiGLU silu(gate)·up 5e
-    norm = 20 + 4 * e if llama else 2 * e
-    ops.append(Op("norms", "memory", 0, 2 * norm * rows * h, kept=False))
-    ops.append(Op("residual adds", "memory", 0, 2 * 3 * e * rows * h, kept=False))
+    ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5, head_dim=hd))
+    # eager kernels, bytes per element forward / backward (each reads its inputs and writes its
+    # output once; ARCHITECTURE.md counts them kernel by kernel):
+    #   RMSNorm upcast as torch and torchtitan write it (x.float(), x², mean, x·rsqrt, .type_as,
+    #   ·weight) 28 + 4e / 52 + 6e; LayerNorm (fused) 2e / 5e; residual add 3e / 3e; RoPE through
+    #   complex fp32, on q and k, 16 + 2e / 16 + 2e; k and v repeated to every head (GQA,
+    #   torchtitan's repeat_kv) e·(kv + h) each way; the attention output's transpose back to
+    #   (b, s, h) 2e each way; GELU 2e / 3e; SwiGLU silu(gate)·up 5e / 9e
+    norm, norm_back = (28 + 4 * e, 52 + 6 * e) if llama else (2 * e, 5 * e)
+    ops.append(Op("norms", "memory", 0, 2 * norm * rows * h, backward=norm_back / norm, kept=False))
+    ops.append(Op("residual adds", "memory", 0, 2 * 3 * e * rows * h, backward=1.0, kept=False))
+    kv = _kv(model)
     if llama:
-        ops.append(Op("rope", "memory", 0, (2 * e + 16) * tokens * (h + _kv(model)) / tp, kept=False))
+        ops.append(Op("rope", "memory", 0, (2 * e + 16) * tokens * (h + kv) / tp, backward=1.0, kept=False))
+    layout = 2 * e * tokens * h / tp + (2 * e * tokens * (kv + h) / tp if kv < h else 0)
+    ops.append(Op("attention layout", "memory", 0, layout, backward=1.0, kept=False))
     if not model.experts:
-        act = 5 * e if llama else 2 * e
-        ops.append(Op("activation", "memory", 0, act * tokens * f / tp, kept=False))
+        act, act_back = (5 * e, 9 * e) if llama else (2 * e, 3 * e)
+        ops.append(Op("activation", "memory", 0, act * tokens * f / tp, backward=act_back / act, kept=False))
     return tuple(ops)
 
 

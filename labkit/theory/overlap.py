@@ -44,16 +44,24 @@ def spans_nodes(group: list[int], gpus_per_node: int) -> bool:
 
 
 def link_of(cfg: ParallelConfig, dims: tuple[str, ...], hw: Hardware) -> Link:
-    """NVLink if a group of `dims` fits in a node, else the NIC: in the mesh order (innermost
-    first) a dim's ranks are `stride` apart, so its group spans stride · size consecutive ranks."""
+    """The link a group of `dims` runs on. In the mesh order (innermost first) a dim's ranks are
+    `stride` apart, so its group spans stride · size consecutive ranks: inside a node, NVLink;
+    across nodes, the NICs of the group's ranks on each node, k of them, since NCCL lays one ring
+    (channel) over each NIC (so k · the NIC's β, up to NVLink's; Jeaugey, "Massively Scale Your
+    Deep Learning Training with NCCL 2.4", NVIDIA 2019: rings per NIC on DGX nodes)."""
     order = cfg.order.split("-")
-    extent = 1
+    extent, inner = 1, hw.gpus_per_node
     for d in dims:
         stride = 1
-        for inner in order[: order.index(d)]:
-            stride *= getattr(cfg, inner)
+        for other in order[: order.index(d)]:
+            stride *= getattr(cfg, other)
         extent = max(extent, stride * getattr(cfg, d))
-    return hw.inter if extent > hw.gpus_per_node else hw.intra
+        if getattr(cfg, d) > 1:
+            inner = min(inner, stride)
+    if extent <= hw.gpus_per_node:
+        return hw.intra
+    k = max(1, hw.gpus_per_node // inner)
+    return Link(hw.inter.alpha, min(hw.intra.beta, k * hw.inter.beta))
 
 
 class DataParallel:
@@ -119,6 +127,19 @@ class DataParallel:
         rs = self._both("reduce_scatter", REDUCE, dense, expert)
         L = max(st.layers, 1)  # once per step, block by block behind the first forward and last backward
         return [(self.dim, gather, forward * (L - 1) / L), (self.dim, rs, backward * (L - 1) / L)]
+
+    def copy_bytes(self, st: Stage, per_step: bool) -> float:
+        """Bytes FSDP2 copies around its collectives on the compute device: per all-gather the
+        shard cast into the send buffer ((4 + e)/N per parameter) and the gathered buffer split
+        into the parameters (2e); per reduce-scatter the gradients packed in fp32 (e + 4) and the
+        shard added into the sharded gradient (12/N). Per microbatch (per step under pp)."""
+        if not self.sharded or (cfg := self.cfg).pp > 1 and not per_step or cfg.pp == 1 and per_step:
+            return 0.0
+        dense, expert = stage_params(self.model, cfg, st)
+        e = self.gather
+        gathers = 1 + (self.reshard and cfg.pp == 1)
+        per_param = gathers * (2 * e + (4 + e) / self.n) + (e + 4) + 12 / self.n
+        return per_param * (dense + expert)
 
     def optimizer_elements(self, st: Stage) -> float:
         """Parameter elements this rank's optimizer updates (its shard under ZeRO / FSDP)."""

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.precision import ELEM, REDUCE
-from labkit.theory.hardware import H100, HARDWARE, Hardware, Link
+from labkit.theory.hardware import H100, HARDWARE, Hardware, Link, attention_rate
 from labkit.theory.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
 from labkit.theory.overlap import DataParallel, collective_seconds, link_of, ring, spans_nodes
 from labkit.theory.stages import Stage, distinct
@@ -61,7 +61,7 @@ def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
     rate = {
         "matmul": hw.flops * hw.matmul_eff,
         "fp8-matmul": hw.fp8_flops * hw.fp8_matmul_eff,
-        "attention": hw.flops * hw.attention_eff,
+        "attention": attention_rate(hw, op.head_dim),
     }.get(op.kind)
     compute = scale * op.flops / rate if rate else 0.0
     memory = scale * op.bytes / (hw.hbm * hw.hbm_eff)
@@ -172,7 +172,9 @@ def microbatch(
         add("pp", st.chunks * 2 * ring("send", e * b * rows * h, 2, link_of(cfg, ("pp",), hw)))
     for dim, total, hidden in dp.per_microbatch(st, block):
         add(dim, total, hidden)
-    return Microbatch(compute, parts, comm, exposed)
+    copies = dp.copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
+    parts["memory-bound"] += copies
+    return Microbatch(compute + copies, parts, comm, exposed)
 
 
 def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, world: int | None = None) -> StepTime:
@@ -192,7 +194,7 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
     for dim, total, hidden in dp.per_step(st, phase(block_ops(*key), hw), m):
         comm[dim] = comm.get(dim, 0.0) + total
         exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
-    optimizer = dp.optimizer_elements(st) * OPTIMIZER_BYTES / (hw.hbm * hw.hbm_eff)
+    optimizer = (dp.optimizer_elements(st) * OPTIMIZER_BYTES + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
     total = m * mb.compute + bubble + optimizer + sum(exposed.values())
     flops = model_flops_per_token(model) * cfg.global_batch * model.seq / (world or cfg.world)
     parts = {k: m * x for k, x in mb.parts.items()}
