@@ -42,7 +42,9 @@ class Op:
     kept: bool = True
     """Its output is kept under torchtitan's per-op checkpointing (else recomputed)."""
     head_dim: int = 0
-    """Attention only: the kernel's rate depends on it."""
+    """Attention only: the kernel's rate depends on it and on `length`."""
+    length: int = 0
+    """Attention only: keys per kernel call (s, or s/cp per hop of ring attention)."""
 
 
 def _is_llama(model: ModelConfig) -> bool:
@@ -96,7 +98,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     hd = h // a
     attn_flops = 4.0 * b * s * model.seq * (a // tp) * hd / 2  # causal: half the products
     attn_bytes = e * tokens * (2 * h + 2 * _kv(model)) / tp
-    ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5, head_dim=hd))
+    ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5, head_dim=hd, length=s))
     # eager kernels, bytes per element forward / backward (each reads its inputs and writes its
     # output once; ARCHITECTURE.md counts them kernel by kernel):
     #   RMSNorm upcast as torch and torchtitan write it (x.float(), x², mean, x·rsqrt, .type_as,

@@ -61,7 +61,7 @@ def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
     rate = {
         "matmul": hw.flops * hw.matmul_eff,
         "fp8-matmul": hw.fp8_flops * hw.fp8_matmul_eff,
-        "attention": attention_rate(hw, op.head_dim),
+        "attention": attention_rate(hw, op.head_dim, op.length),
     }.get(op.kind)
     compute = scale * op.flops / rate if rate else 0.0
     memory = scale * op.bytes / (hw.hbm * hw.hbm_eff)
