@@ -84,11 +84,11 @@ H100 = Hardware(
     source=(
         "NVIDIA H100 datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8, 3.35 TB/s HBM3, NVLink 4 "
         "900 GB/s (450 each way), one 400 Gb/s NDR NIC per GPU. Measured here (" + MEASURED_H100 + "): "
-        "bf16 products of 8B's shapes 761-769 TFLOP/s (0.77-0.78; the 8192^3 product 769-798 on "
-        "other days), the device's total 85.0e9 bytes, fp8 _scaled_mm 1,263-1,340 (0.64-0.68), SDPA causal flash attention head dim "
-        "128 forward + backward 508-518 TFLOP/s at s = 8192 (0.51-0.52; 355 at s = 2048; head dim 64: 320 "
-        "(0.32) at s = 4096; the kernel is cuDNN's), copy and add "
-        "2.95-3.02 TB/s (0.88-0.90), CUDA context with cuBLAS 718 MB, reserved / allocated 1.19-1.25 "
+        "the device's total 85.0e9 bytes; bf16 products of Llama 3.1 8B's shapes 761-769 TFLOP/s "
+        "(0.77-0.78; the 8192^3 product 769-798 on other days); fp8 _scaled_mm 1,263-1,340 "
+        "(0.64-0.68); SDPA causal attention (cuDNN's kernel), head dim 128, forward + backward 508-518 "
+        "TFLOP/s over 8192 keys (0.51-0.52), 355 over 2048, head dim 64 320 over 4096; copy and add "
+        "2.95-3.02 TB/s (0.88-0.90); CUDA context with cuBLAS 718 MB; reserved / allocated 1.19-1.25 "
         "over a Llama step with no, full and per-op checkpointing (mean 1.21)"
     ),
 )

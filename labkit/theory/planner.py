@@ -52,23 +52,7 @@ class Plan:
         return self.breakdown["memory"]
 
     def layout(self) -> str:
-        """The layout in one line: 'fsdp 8 · tp 8 · pp 4 interleaved v2 · m 16 × 1 seq · SP · AC full · fp8'."""
-        c = self.config
-        dims = [f"{d} {getattr(c, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(c, d) > 1] or ["1 GPU"]
-        if c.sharding != "none":
-            dims[0] = f"{c.sharding} " + dims[0].split(" ", 1)[-1] if dims[0].startswith("dp") else dims[0]
-        if c.pp > 1:
-            dims.append(c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else ""))
-        b = c.global_batch // (c.dp * c.ep * c.microbatches)
-        dims.append(f"m {c.microbatches} × {b} seq")
-        if c.sequence_parallel:
-            dims.append("SP")
-        if c.recompute != "none":
-            dims.append(f"AC {c.recompute}")
-        dims.append(c.precision)
-        if getattr(c, "stage_layers", ()):
-            dims.append("stages " + "/".join(map(str, c.stage_layers)))
-        return " · ".join(dims)
+        return describe(self.config)
 
     def __str__(self) -> str:
         fit = "" if self.fits else f"  (does not fit: {self.why})"
@@ -76,6 +60,25 @@ class Plan:
             f"{self.layout()}: {self.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.1%}, "
             f"{self.peak_bytes / 2**30:,.1f} GiB, {self.bound}-bound{fit}"
         )
+
+
+def describe(c: ParallelConfig) -> str:
+    """A layout in one line: 'fsdp 8 · tp 8 · pp 4 · interleaved v2 · m 16 × 1 seq · SP · AC full · fp8'
+    (the data-parallel degree named by its sharding)."""
+    dims = [f"{d} {getattr(c, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(c, d) > 1] or ["1 GPU"]
+    if c.sharding != "none" and dims[0].startswith("dp"):
+        dims[0] = f"{c.sharding} {c.dp}"
+    if c.pp > 1:
+        dims.append(c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else ""))
+    dims.append(f"m {c.microbatches} × {c.global_batch // (c.dp * c.ep * c.microbatches)} seq")
+    if c.sequence_parallel:
+        dims.append("SP")
+    if c.recompute != "none":
+        dims.append(f"AC {c.recompute}")
+    dims.append(c.precision)
+    if getattr(c, "stage_layers", ()):
+        dims.append("stages " + "/".join(map(str, c.stage_layers)))
+    return " · ".join(dims)
 
 
 def layout_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
