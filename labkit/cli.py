@@ -199,9 +199,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         for reason, n in sorted(plans.counts.items(), key=lambda x: -x[1]):
             print(f"  {n:>7,}  {reason}")
         for r in plans.rejected[:3]:
-            print(
-                f"  e.g. {r.config.dp}x{r.config.tp}x{r.config.pp}x{r.config.cp}x{r.config.ep} (dp x tp x pp x cp x ep): {r.reason}"
-            )
+            print(f"  e.g. {describe(r.config)}: {r.reason}")
     return 0
 
 
