@@ -23,6 +23,7 @@ from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import MeshLayout
 from labkit.theory.gpu_memory import TERMS
 from labkit.theory.hardware import HARDWARE
+from labkit.theory.planner import describe
 from labkit.theory.presets import PRESETS
 
 DEMO = {"dp": 4}
