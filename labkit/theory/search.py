@@ -138,7 +138,11 @@ def plan(
     considered = 0
     for tp, cp, ep, pp, dp in meshes(model, gpus, hw, tally):
         mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=dp * ep, sequence_parallel=tp > 1)
+        split = stage_split(model.layers, pp) if pp > 1 else ()
+        if split and uneven_ok:  # the degrees' arithmetic, on the uneven split a pipeline would take
+            mesh = mesh.replace(stage_layers=split)
         found = layout_problems(mesh, model)
+        mesh = mesh.replace(stage_layers=()) if split and uneven_ok else mesh
         if found:
             tally.invalid(found[0].split(";")[0])
             continue
