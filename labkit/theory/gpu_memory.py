@@ -79,15 +79,15 @@ def _chunk_bytes(model: ModelConfig, tp: int, cp: int, sp: bool, precision: str,
     return one.forward, one.backward_extra, embed, chunk(cfg, model, 0, head=True, embed=False).forward
 
 
-def activation_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:
+def activation_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage, ac=None) -> dict[str, float]:
     """Saved activations of the microbatches in flight on this rank (interleaved: chunks in
-    flight, each the rank's mean chunk), and one block's rebuild in backward."""
+    flight, each the rank's mean chunk), and one block's rebuild in backward. `ac`: the
+    checkpointing to price (default the config's)."""
     p, v, m = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, cfg.microbatches
     flying = 1 if p == 1 else _in_flight(cfg.schedule, p, m, st.rank, v)
     b = cfg.global_batch // (cfg.dp * cfg.ep * m)
-    block, extra, embed, head = _chunk_bytes(
-        model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision, cfg.checkpoint_activations, b
-    )
+    ac = cfg.checkpoint_activations if ac is None else ac
+    block, extra, embed, head = _chunk_bytes(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision, ac, b)
     total = flying * block * st.layers / st.chunks + min(flying, m) * embed * st.embed + head * st.head
     return {"activations": total, "recompute": extra if st.layers else 0.0}
 
@@ -127,11 +127,11 @@ def communicators(cfg: ParallelConfig) -> int:
     return len(dims) + (1 if cfg.dp > 1 and (cfg.cp > 1 or cfg.ep > 1) else 0)
 
 
-def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage) -> dict[str, float]:
-    """Every term (TERMS) of what one GPU at pipeline rank `st` holds at its peak, in bytes."""
-    out = {**states(cfg, model, st), **activation_terms(cfg, model, st)}
-    out.update(buffer_terms(cfg, model, st))
-    out.update(transient_terms(cfg, model, st))
+def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, ac=None) -> dict[str, float]:
+    """Every term (TERMS) of what one GPU at pipeline rank `st` holds at its peak, in bytes
+    (`ac`: the checkpointing to price, default the config's)."""
+    out = {**_held(cfg, model, st), **activation_terms(cfg, model, st, ac), **transient_terms(cfg, model, st)}
+    del out["total"]
     allocated = allocated_bytes(out)
     out["cuda_context"] = hw.context
     out["nccl"] = communicators(cfg) * 2 * hw.nccl_channels * hw.nccl_buffer
@@ -139,17 +139,25 @@ def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stag
     return {k: float(out[k]) for k in TERMS}
 
 
-def allocated_bytes(terms: dict[str, float]) -> float:
-    """What PyTorch's allocator has handed out at the peak (torch.cuda.max_memory_allocated)."""
-    transient = max(terms["logits"], terms["recompute"] + terms["temporaries"])
-    return sum(terms[k] for k in ALLOCATED) + transient
+def peak(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, ac=None) -> float:
+    """peak_bytes(memory_terms(...)), as the planner's search asks it thousands of times."""
+    held = _held(cfg, model, st)
+    acts = activation_terms(cfg, model, st, ac)
+    trans = transient_terms(cfg, model, st)
+    allocated = held["total"] + acts["activations"] + max(trans["logits"], acts["recompute"] + trans["temporaries"])
+    return allocated * (1 + hw.allocator) + hw.context + communicators(cfg) * 2 * hw.nccl_channels * hw.nccl_buffer
 
 
-def reserved_bytes(terms: dict[str, float]) -> float:
-    """What the allocator holds from the device (torch.cuda.max_memory_reserved)."""
-    return allocated_bytes(terms) + terms["allocator"]
+def _held(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:
+    """States and buffers, which the microbatch, the schedule and the checkpointing leave alone."""
+    fields = (cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.virtual_stages, cfg.sharding, cfg.precision, cfg.bucket_mb)
+    return _held_cached(model, fields, getattr(cfg, "stage_layers", ()), st)
 
 
-def peak_bytes(terms: dict[str, float]) -> float:
-    """Everything the GPU holds: reserved, plus the CUDA context and NCCL's buffers."""
-    return reserved_bytes(terms) + terms["cuda_context"] + terms["nccl"]
+@lru_cache(maxsize=65536)
+def _held_cached(model: ModelConfig, fields: tuple, uneven: tuple, st: Stage) -> dict[str, float]:
+    names = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "sharding", "precision", "bucket_mb")
+    cfg = ParallelConfig(**dict(zip(names, fields)), **({"stage_layers": uneven} if uneven else {}))
+    out = {**states(cfg, model, st), **buffer_terms(cfg, model, st)}
+    out["total"] = sum(out.values())
+    return out

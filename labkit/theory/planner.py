@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.theory.gpu_memory import allocated_bytes, memory_terms, peak_bytes, reserved_bytes
+from labkit.theory.gpu_memory import allocated_bytes, memory_terms, peak, peak_bytes, reserved_bytes
 from labkit.theory.hardware import Hardware, hardware_of
 from labkit.theory.stages import fullest_candidates
 from labkit.theory.timing import StepTime, step_time
@@ -104,16 +104,17 @@ def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware =
 
 def fullest(cfg: ParallelConfig, model: ModelConfig, hw: Hardware) -> dict:
     """The memory terms of the rank that holds the most (over the pipeline's ranks)."""
-    best, best_peak = None, -1.0
-    for st in fullest_candidates(cfg, model):
-        terms = memory_terms(cfg, model, hw, st)
-        peak = peak_bytes(terms)
-        if peak > best_peak:
-            best, best_peak = {**terms, "pp_rank": st.rank}, peak
+    st = max(fullest_candidates(cfg, model), key=lambda st: peak(cfg, model, hw, st))
+    best = {**memory_terms(cfg, model, hw, st), "pp_rank": st.rank}
     best["allocated"] = allocated_bytes(best)
     best["reserved"] = reserved_bytes(best)
-    best["peak"] = best_peak
+    best["peak"] = peak_bytes(best)
     return best
+
+
+def fullest_peak(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac) -> float:
+    """The fullest rank's peak bytes under checkpointing `ac` (the search's question)."""
+    return max(peak(cfg, model, hw, st, ac) for st in fullest_candidates(cfg, model))
 
 
 def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dict | None = None) -> Plan:

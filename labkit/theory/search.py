@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.theory.hardware import Hardware, hardware_of
-from labkit.theory.planner import Plan, _evaluate, _over, fullest, layout_problems
+from labkit.theory.planner import Plan, _evaluate, _over, fullest_peak, layout_problems
 
 CHECKPOINTING = (False, "selective", "op", True)
 """In order of recomputation (time added) and of memory kept (falling)."""
@@ -167,12 +167,12 @@ def plan(
                             cfg = cfg.replace(stage_layers=split)
                         considered += 1
                         for ac in CHECKPOINTING:
-                            memory = fullest(cfg.replace(checkpoint_activations=ac), model, hw)
-                            if memory["peak"] <= hw.memory:
-                                timed.append(_evaluate(cfg.replace(checkpoint_activations=ac), model, hw, memory))
+                            need = fullest_peak(cfg, model, hw, ac)
+                            if need <= hw.memory:
+                                timed.append(_evaluate(cfg.replace(checkpoint_activations=ac), model, hw))
                                 break
                         else:
-                            tally.too_big(cfg.replace(checkpoint_activations=True), memory["peak"], hw)
+                            tally.too_big(cfg.replace(checkpoint_activations=True), need, hw)
     if not timed and not tally.counts:
         raise ConfigError([f"no layout of this model on {gpus} GPUs: check the GPU count"])
     timed.sort(key=lambda p: -p.tokens_per_second_per_gpu)
