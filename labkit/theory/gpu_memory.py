@@ -161,3 +161,19 @@ def _held_cached(model: ModelConfig, fields: tuple, uneven: tuple, st: Stage) ->
     out = {**states(cfg, model, st), **buffer_terms(cfg, model, st)}
     out["total"] = sum(out.values())
     return out
+
+
+def allocated_bytes(terms: dict[str, float]) -> float:
+    """What PyTorch's allocator has handed out at the peak (torch.cuda.max_memory_allocated)."""
+    transient = max(terms["logits"], terms["recompute"] + terms["temporaries"])
+    return sum(terms[k] for k in ALLOCATED) + transient
+
+
+def reserved_bytes(terms: dict[str, float]) -> float:
+    """What the allocator holds from the device (torch.cuda.max_memory_reserved)."""
+    return allocated_bytes(terms) + terms["allocator"]
+
+
+def peak_bytes(terms: dict[str, float]) -> float:
+    """Everything the GPU holds: reserved, plus the CUDA context and NCCL's buffers."""
+    return reserved_bytes(terms) + terms["cuda_context"] + terms["nccl"]
