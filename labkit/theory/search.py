@@ -18,11 +18,13 @@ memory, or the same memory in less time, in this model):
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.theory.hardware import Hardware, hardware_of
 from labkit.theory.planner import Plan, _evaluate, _over, fullest_peak, layout_problems
+from labkit.theory.timing import compute_floor
 
 CHECKPOINTING = (False, "selective", "op", True)
 """In order of recomputation (time added) and of memory kept (falling)."""
@@ -102,20 +104,20 @@ def meshes(model: ModelConfig, gpus: int, hw: Hardware, tally: _Tally):
                     yield tp, cp, ep, pp, rest // pp
 
 
-def schedules(pp: int, m: int, layers: int, uneven_ok: bool, tally: _Tally):
-    """(schedule, virtual stages, stage_layers) for a pipeline of pp ranks and m microbatches."""
-    if pp == 1:
-        yield "1f1b", 1, ()
-        return
-    for v in (1, 2, 4):
-        if v > 1 and (m % pp or layers < pp * v):
-            tally.invalid("interleaved needs microbatches a multiple of pp and a layer per virtual stage")
-            continue
-        split = stage_split(layers, pp * v)
-        if split and not uneven_ok:
-            tally.invalid("uneven stages need ParallelConfig.stage_layers")
-            continue
-        yield ("interleaved" if v > 1 else "1f1b"), v, split
+def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, uneven_ok: bool, tally):
+    """The layout of `mesh` with m microbatches, v chunks per pipeline rank (interleaved when
+    v > 1, uneven stages where the layers do not split), or None with the reason tallied."""
+    pp = mesh.pp
+    if v > 1 and (m % pp or model.layers < pp * v):
+        tally.invalid("interleaved needs microbatches a multiple of pp and a layer per virtual stage")
+        return None
+    split = stage_split(model.layers, pp * v) if pp > 1 else ()
+    if split and not uneven_ok:
+        tally.invalid("uneven stages need ParallelConfig.stage_layers")
+        return None
+    schedule = "interleaved" if v > 1 else "1f1b"
+    cfg = mesh.replace(microbatches=m, schedule=schedule, virtual_stages=v, sharding=sharding, precision=precision)
+    return cfg.replace(stage_layers=split) if split else cfg
 
 
 def plan(
@@ -134,14 +136,14 @@ def plan(
     gb = global_batch or max(1, round(4 * 2**20 / model.seq))
     precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
     uneven_ok = "stage_layers" in ParallelConfig.__dataclass_fields__
-    tally, timed = _Tally(), []
+    tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
     for tp, cp, ep, pp, dp in meshes(model, gpus, hw, tally):
-        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=dp * ep, sequence_parallel=tp > 1)
+        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=tp > 1)
         split = stage_split(model.layers, pp) if pp > 1 else ()
         if split and uneven_ok:  # the degrees' arithmetic, on the uneven split a pipeline would take
             mesh = mesh.replace(stage_layers=split)
-        found = layout_problems(mesh, model)
+        found = layout_problems(mesh.replace(global_batch=dp * ep), model)
         mesh = mesh.replace(stage_layers=()) if split and uneven_ok else mesh
         if found:
             tally.invalid(found[0].split(";")[0])
@@ -150,29 +152,33 @@ def plan(
             tally.invalid("global_batch is not divisible by dp·ep")
             continue
         per = gb // (dp * ep)
-        for b in _divisors(per, min(per, 64)):
-            m = per // b
-            for schedule, v, split in schedules(pp, m, model.layers, uneven_ok, tally):
-                for sharding in ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp"):
-                    for prec in precisions:
-                        cfg = mesh.replace(
-                            global_batch=gb,
-                            microbatches=m,
-                            schedule=schedule,
-                            virtual_stages=v,
-                            sharding=sharding,
-                            precision=prec,
-                        )
-                        if split:
-                            cfg = cfg.replace(stage_layers=split)
+        for sharding in ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp"):
+            for prec in precisions:
+                for v in (1, 2, 4) if pp > 1 else (1,):
+                    first = 0  # the lightest checkpointing that fit a smaller microbatch: a larger one needs as much
+                    for b in _divisors(per, min(per, 64)):  # ascending: memory only grows
+                        m = per // b
+                        cfg = _layout(mesh, m, v, sharding, prec, model, uneven_ok, tally)
+                        if cfg is None:
+                            continue
                         considered += 1
-                        for ac in CHECKPOINTING:
-                            need = fullest_peak(cfg, model, hw, ac)
+                        for i in range(first, len(CHECKPOINTING)):
+                            need = fullest_peak(cfg, model, hw, CHECKPOINTING[i])
                             if need <= hw.memory:
-                                timed.append(_evaluate(cfg.replace(checkpoint_activations=ac), model, hw))
+                                first = i
                                 break
                         else:
                             tally.too_big(cfg.replace(checkpoint_activations=True), need, hw)
+                            break  # larger microbatches hold more
+                        cfg = cfg.replace(checkpoint_activations=CHECKPOINTING[first])
+                        if len(floors) == top and compute_floor(cfg, model, hw) >= -floors[0]:
+                            tally.invalid(f"slower than the best {top} on its compute alone")
+                            continue
+                        plan_ = _evaluate(cfg, model, hw)
+                        timed.append(plan_)
+                        heapq.heappush(floors, -plan_.step_seconds)
+                        if len(floors) > top:
+                            heapq.heappop(floors)
     if not timed and not tally.counts:
         raise ConfigError([f"no layout of this model on {gpus} GPUs: check the GPU count"])
     timed.sort(key=lambda p: -p.tokens_per_second_per_gpu)
