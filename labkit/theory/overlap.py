@@ -16,6 +16,8 @@ Gradients are reduced in fp32, parameters gathered in the compute dtype (fp8 und
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import GATHER, REDUCE
@@ -49,14 +51,21 @@ def link_of(cfg: ParallelConfig, dims: tuple[str, ...], hw: Hardware) -> Link:
     across nodes, the NICs of the group's ranks on each node, k of them, since NCCL lays one ring
     (channel) over each NIC (so k · the NIC's β, up to NVLink's; Jeaugey, "Massively Scale Your
     Deep Learning Training with NCCL 2.4", NVIDIA 2019: rings per NIC on DGX nodes)."""
-    order = cfg.order.split("-")
+    return _link(cfg.order, tuple(getattr(cfg, d) for d in ("tp", "cp", "ep", "dp", "pp")), dims, hw)
+
+
+@lru_cache(maxsize=4096)
+def _link(order_text: str, sizes: tuple[int, ...], dims: tuple[str, ...], hw: Hardware) -> Link:
+    """link_of, memoised on the degrees (the search asks it for thousands of layouts)."""
+    size = dict(zip(("tp", "cp", "ep", "dp", "pp"), sizes))
+    order = order_text.split("-")
     extent, inner = 1, hw.gpus_per_node
     for d in dims:
         stride = 1
         for other in order[: order.index(d)]:
-            stride *= getattr(cfg, other)
-        extent = max(extent, stride * getattr(cfg, d))
-        if getattr(cfg, d) > 1:
+            stride *= size[other]
+        extent = max(extent, stride * size[d])
+        if size[d] > 1:
             inner = min(inner, stride)
     if extent <= hw.gpus_per_node:
         return hw.intra

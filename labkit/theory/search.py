@@ -162,6 +162,9 @@ def plan(
                         if cfg is None:
                             continue
                         considered += 1
+                        if len(floors) == top and compute_floor(cfg, model, hw, CHECKPOINTING[first]) >= -floors[0]:
+                            tally.invalid(f"slower than the best {top} on its compute alone")
+                            continue
                         for i in range(first, len(CHECKPOINTING)):
                             need = fullest_peak(cfg, model, hw, CHECKPOINTING[i])
                             if need <= hw.memory:
@@ -171,7 +174,7 @@ def plan(
                             tally.too_big(cfg.replace(checkpoint_activations=True), need, hw)
                             break  # larger microbatches hold more
                         cfg = cfg.replace(checkpoint_activations=CHECKPOINTING[first])
-                        if len(floors) == top and compute_floor(cfg, model, hw) >= -floors[0]:
+                        if len(floors) == top and compute_floor(cfg, model, hw, CHECKPOINTING[first]) >= -floors[0]:
                             tally.invalid(f"slower than the best {top} on its compute alone")
                             continue
                         plan_ = _evaluate(cfg, model, hw)

@@ -207,13 +207,14 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
     )
 
 
-def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware) -> float:
+def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None) -> float:
     """A lower bound on step_time's total: the slowest rank's blocks alone (no head, no
     communication, no optimizer), stretched by the bubble. The search skips a layout whose floor
-    is above the slowest of the best it has."""
+    is above the slowest of the best it has. `ac`: the checkpointing to price (default the config's)."""
     b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     block = phase(block_ops(model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision), hw)
     layers = max(st.layers for st in distinct(cfg, model))
     m, v = cfg.microbatches, cfg.virtual_stages if cfg.pp > 1 else 1
-    busy = m * layers * (block.forward + block.backward + block.recompute(cfg.recompute))
+    mode = cfg.replace(checkpoint_activations=ac).recompute if ac is not None else cfg.recompute
+    busy = m * layers * (block.forward + block.backward + block.recompute(mode))
     return busy * (1 + (cfg.pp - 1) / (m * v))
