@@ -22,6 +22,13 @@ CHECKPOINTING = (False, True, "full", "selective", "op")
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 
 
+def recompute_mode(checkpoint_activations: bool | str) -> str:
+    """'none', 'full', 'selective' or 'op' for a checkpoint_activations value (True is 'full')."""
+    if isinstance(checkpoint_activations, bool):
+        return "full" if checkpoint_activations else "none"
+    return checkpoint_activations
+
+
 class ConfigError(ValueError):
     """A layout, model or argument that cannot run; the message lists every problem and a fix."""
 
@@ -136,10 +143,7 @@ class ParallelConfig(_Dict):
     @property
     def recompute(self) -> str:
         """'none', 'full', 'selective' or 'op': checkpoint_activations by name (True is 'full')."""
-        ac = self.checkpoint_activations
-        if isinstance(ac, bool):
-            return "full" if ac else "none"
-        return ac
+        return recompute_mode(self.checkpoint_activations)
 
     @property
     def world(self) -> int:

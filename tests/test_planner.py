@@ -83,9 +83,9 @@ def test_plan_ranks_what_fits_and_explains_the_rest():
 def test_plan_405b_on_16k_gpus_quickly():
     from labkit.theory.presets import LLAMA_405B
 
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # CPU time: on a shared 2-core box wall time measures the neighbours
     plans = theory.plan(LLAMA_405B, 16384, global_batch=2048)
-    took = time.perf_counter() - t0
+    took = time.process_time() - t0
     assert plans and took < 2.0, took
     assert any(getattr(p.config, "stage_layers", ()) for p in plans) or plans[0].config.pp == 1
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from labkit.config import ModelConfig, ParallelConfig
+from labkit.config import ModelConfig, ParallelConfig, recompute_mode
 from labkit.plans.precision import ELEM, REDUCE
 from labkit.theory.hardware import H100, HARDWARE, Hardware, Link, attention_rate
 from labkit.theory.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
@@ -215,6 +215,6 @@ def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None
     block = phase(block_ops(model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision), hw)
     layers = max(st.layers for st in distinct(cfg, model))
     m, v = cfg.microbatches, cfg.virtual_stages if cfg.pp > 1 else 1
-    mode = cfg.replace(checkpoint_activations=ac).recompute if ac is not None else cfg.recompute
+    mode = recompute_mode(cfg.checkpoint_activations if ac is None else ac)
     busy = m * layers * (block.forward + block.backward + block.recompute(mode))
     return busy * (1 + (cfg.pp - 1) / (m * v))
