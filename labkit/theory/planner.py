@@ -77,8 +77,19 @@ def describe(c: ParallelConfig) -> str:
         dims.append(f"AC {c.recompute}")
     dims.append(c.precision)
     if getattr(c, "stage_layers", ()):
-        dims.append("stages " + "/".join(map(str, c.stage_layers)))
+        dims.append("stages " + _runs(c.stage_layers))
     return " · ".join(dims)
+
+
+def _runs(sizes: tuple[int, ...]) -> str:
+    """(15, 16, 16, 16, 15) -> '15/16x3/15'."""
+    out: list[list[int]] = []
+    for n in sizes:
+        if out and out[-1][0] == n:
+            out[-1][1] += 1
+        else:
+            out.append([n, 1])
+    return "/".join(f"{n}x{k}" if k > 1 else str(n) for n, k in out)
 
 
 def layout_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
