@@ -253,5 +253,20 @@ def _foundry(text: str, precision: str) -> list[Run]:
     return out
 
 
-RUNS: list[Run] = _torchtitan() + _foundry(FOUNDRY_BF16, "bf16") + _foundry(FOUNDRY_FP8, "fp8")
-"""Every published row, torchtitan's first."""
+def _measured_here() -> list[Run]:
+    """Not published: the Llama steps benchmarks/gpu_constants.py ran on this workplace's H100
+    (benchmarks/gpu_constants_h100.json; FSDP2 over one GPU, bf16 parameters, fp32 reduction,
+    fused AdamW, torch 2.11), the hardware constants' own check."""
+    model = dict(arch="llama", layers=16, hidden=2048, heads=32, kv_heads=8, ffn=8192, vocab=128256, seq=4096)
+    source = "benchmarks/gpu_constants_h100.json (measured here)"
+    out = []
+    for ac, step, reserved in ((False, 0.2156, 52.08), (True, 0.2582, 44.67), ("op", 0.3185, 53.32)):
+        layout = dict(dp=1, global_batch=2, sharding="fsdp", precision="bf16", checkpoint_activations=ac)
+        missing = OP_POLICY if ac == "op" else ""
+        name = f"here: Llama 1.5B, 1 H100, 2 x 4096, AC {ac}"
+        out.append(Run(name, source, model, layout, "h100", 2 * 4096 / step, reserved, missing=missing))
+    return out
+
+
+RUNS: list[Run] = _torchtitan() + _foundry(FOUNDRY_BF16, "bf16") + _foundry(FOUNDRY_FP8, "fp8") + _measured_here()
+"""Every row: torchtitan's, llm-foundry's, then the steps measured on this workplace's H100."""
