@@ -13,8 +13,8 @@ between the ops being timed.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
-import math
 import os
 import statistics
 import sys
@@ -251,6 +251,7 @@ def llama_step(dev, shape: dict, ac: str, steps: int) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU: checks the code runs")
+    p.add_argument("--llama-only", action="store_true", help="only the Llama steps")
     ns = p.parse_args()
     dev = "cpu" if ns.tiny or not torch.cuda.is_available() else "cuda"
     out: dict = {"torch": torch.__version__}
@@ -285,23 +286,26 @@ def main() -> None:
         ]
         n = 1 << 29
         llama = {"layers": 16, "h": 2048, "heads": 32, "kv": 8, "f": 8192, "vocab": 128256, "seq": 4096, "b": 2}
-    out["matmul"] = matmuls(dev, shapes)
-    print(json.dumps(out["matmul"]), flush=True)
-    out["attention"] = attention(dev, cases)
-    print(json.dumps(out["attention"]), flush=True)
-    out["bandwidth"] = bandwidth(dev, n)
+    if not ns.llama_only:
+        out["matmul"] = matmuls(dev, shapes)
+        print(json.dumps(out["matmul"]), flush=True)
+        out["attention"] = attention(dev, cases)
+        print(json.dumps(out["attention"]), flush=True)
+        out["bandwidth"] = bandwidth(dev, n)
     out["llama"] = []
     for ac in ("none", "full", "op"):
         out["llama"].append(llama_step(dev, llama, ac, steps=3 if ns.tiny else 8))
         print(json.dumps(out["llama"][-1]), flush=True)
+        gc.collect()  # FSDP's modules hold reference cycles: the last model's memory goes only now
         if dev == "cuda":
             torch.cuda.empty_cache()
     text = json.dumps(out, indent=1)
     print(text)
     if os.environ.get("OUT"):
-        with open(os.path.join(os.environ["OUT"], "gpu_constants.json"), "w") as f:
+        name = "gpu_llama.json" if ns.llama_only else "gpu_constants.json"
+        with open(os.path.join(os.environ["OUT"], name), "w") as f:
             f.write(text)
-    return 0 if math.isfinite(out["bandwidth"]["copy_TBps"]) else 1
+    return 0
 
 
 if __name__ == "__main__":

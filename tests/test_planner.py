@@ -36,7 +36,17 @@ def test_evaluate_prices_one_layout():
 def test_memory_terms():
     psi = theory.num_params(M)
     fsdp = theory.evaluate(ParallelConfig(dp=8, global_batch=16, sharding="fsdp", precision="bf16"), M).memory
-    assert fsdp["params"] + fsdp["grads"] + fsdp["optimizer"] == pytest.approx(16 * psi / 8)  # ZeRO-3: 16Ψ/N
+    # FSDP2: fp32 shards of parameters (4) and Adam's moments (8); no gradients yet at the peak (the
+    # loss's backward of the step's only microbatch); with accumulation they are there (4): 16Ψ/N
+    assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"]) == pytest.approx((4 * psi / 8, 0, 8 * psi / 8))
+    accum = theory.evaluate(ParallelConfig(dp=8, global_batch=16, microbatches=2, sharding="fsdp", precision="bf16"), M)
+    accum = accum.memory
+    assert accum["params"] + accum["grads"] + accum["optimizer"] == pytest.approx(16 * psi / 8)
+    zero1 = theory.evaluate(
+        ParallelConfig(dp=8, global_batch=16, microbatches=2, sharding="zero1", precision="bf16"), M
+    )
+    zero1 = zero1.memory
+    assert zero1["params"] + zero1["grads"] == 4 * psi and zero1["optimizer"] == pytest.approx(12 * psi / 8)
     tp = theory.evaluate(ParallelConfig(dp=4, tp=2, global_batch=8, sequence_parallel=True, precision="bf16"), M)
     assert tp.memory["logits"] == 8 * 2 * M.seq * M.vocab / 2  # b·s·V/tp: fp32 gradient and log_softmax's
     acts = {}

@@ -2,7 +2,8 @@
 and the activations saved for backward, the terms that decide an out-of-memory in practice. Each
 term is modelled and named; ARCHITECTURE.md ("What a GPU holds") gives the sources.
 
-  params, grads, optimizer  the ZeRO paper's accounting (Rajbhandari et al., SC 2020, figure 1)
+  params, grads, optimizer  the ZeRO paper's accounting (Rajbhandari et al., SC 2020, figure 1),
+                FSDP2's for FSDP; gradients only where they exist at the peak
   activations   saved for backward by the microbatches in flight (theory/activations.py's bytes
                 per chunk, the schedule's count in flight: pipeline.in_flight)
   recompute     one block rebuilt in backward (full / op checkpointing)
@@ -49,20 +50,23 @@ def _in_flight(schedule: str, p: int, m: int, rank: int, v: int) -> int:
 
 
 def states(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:
-    """Parameters, gradients and optimizer state per ZeRO stage: bf16 / fp8 training keeps 2 + 2
-    bytes of compute weights and gradients and 12 of fp32 master weights and Adam moments per
-    parameter, fp32 4 + 4 + 8; sharded over the gradients' reduce group (dense weights over
-    dp x ep x cp, experts over dp x cp)."""
+    """Parameters, gradients and optimizer state at the peak, sharded over the gradients' reduce
+    group (dense weights over dp x ep x cp, experts over dp x cp). ZeRO's accounting (bf16 and fp8:
+    2 + 2 + 12 bytes a parameter, fp32 4 + 4 + 8), except FSDP, which keeps fp32 shards of the
+    parameters and gradients beside Adam's moments (FSDP2's MixedPrecisionPolicy: 4 + 4 + 8).
+    Gradients exist at the peak only when another microbatch's backward came before it: the peak
+    is at the loss's backward, and zero_grad(set_to_none=True) frees them after every step."""
     dense, expert = stage_params(model, cfg, st)
     n = cfg.dp * cfg.ep * cfg.cp
     n_exp = cfg.dp * cfg.cp if cfg.ep > 1 else n
-    p, g, k = (4, 4, 8) if cfg.precision == "fp32" else (2, 2, 12)
+    p, g, k = (4, 4, 8) if cfg.precision == "fp32" or cfg.sharding == "fsdp" else (2, 2, 12)
     sharded = dense / n + expert / n_exp
     whole = dense + expert
     z = cfg.sharding
+    accumulated = cfg.pp > 1 or cfg.microbatches > 1
     return {
         "params": p * (sharded if z in ("zero3", "fsdp") else whole),
-        "grads": g * (sharded if z in ("zero2", "zero3", "fsdp") else whole),
+        "grads": g * (sharded if z in ("zero2", "zero3", "fsdp") else whole) * accumulated,
         "optimizer": k * (whole if z == "none" else sharded),
     }
 
@@ -151,12 +155,13 @@ def peak(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, ac=No
 def _held(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:
     """States and buffers, which the microbatch, the schedule and the checkpointing leave alone."""
     fields = (cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.virtual_stages, cfg.sharding, cfg.precision, cfg.bucket_mb)
+    fields += (min(cfg.microbatches, 2),)  # whether gradients accumulate (states)
     return _held_cached(model, fields, getattr(cfg, "stage_layers", ()), st)
 
 
 @lru_cache(maxsize=65536)
 def _held_cached(model: ModelConfig, fields: tuple, uneven: tuple, st: Stage) -> dict[str, float]:
-    names = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "sharding", "precision", "bucket_mb")
+    names = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "sharding", "precision", "bucket_mb", "microbatches")
     cfg = ParallelConfig(**dict(zip(names, fields)), **({"stage_layers": uneven} if uneven else {}))
     out = {**states(cfg, model, st), **buffer_terms(cfg, model, st)}
     out["total"] = sum(out.values())
