@@ -95,7 +95,7 @@ def summary(rows: list[dict], runs: list[Run], seconds: float) -> list[str]:
     if rows and "place" in rows[0]:
         ok = sum(1 for r in rows if r["place"] is not None or r["ratio"] >= 0.9)
         lines.append(f"{ok}/{len(rows)} runs' own layouts among the planner's top 5 or within 10% of its best")
-    misses = {run.missing for run, r in zip(runs, rows) if run.missing}
+    misses = {term for run in runs for term in run.missing}
     lines += ["", "Terms the model lacks, named by the rows that use them:"] + [f"- {m}" for m in sorted(misses)]
     return lines
 
