@@ -1,15 +1,21 @@
-"""A deterministic synthetic language that a small model can learn in a few dozen steps.
+"""The training data: a synthetic language, or real text (labkit/plans/text.py), batch by batch.
 
-The language: a fixed random permutation `succ` of the vocabulary; each next token is
+Both are deterministic per (seed, step), so every layout, and the reference, sees exactly the
+same global batch at every step. `batch(data, ...)` picks one by the run's `data` argument.
+
+The synthetic language: a fixed random permutation `succ` of the vocabulary; each next token is
 `succ[previous]` with probability 3/4, otherwise uniform noise. A model that learns `succ`
 lowers the loss from ln(V) toward the noise floor. The permutation comes from a fixed seed
-(the language never changes); the samples of step t come from (seed, t), so every layout,
-and the reference, sees exactly the same global batch at every step.
+(the language never changes).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+
+from labkit.config import ModelConfig
+from labkit.plans import text
 
 LANGUAGE_SEED = 1234
 FOLLOW_PROB = 0.75
@@ -30,6 +36,19 @@ def global_batch(step: int, seed: int, batch: int, seq: int, vocab: int) -> tupl
     for t in range(1, seq + 1):
         x[:, t] = torch.where(follow[:, t], succ[x[:, t - 1]], noise[:, t])
     return x[:, :-1].contiguous(), x[:, 1:].contiguous()
+
+
+def text_batch(offsets: np.ndarray, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, targets), each (len(offsets), seq) int64: the corpus windows starting at `offsets`."""
+    tokens, targets = text.windows(offsets, seq)
+    return torch.from_numpy(tokens), torch.from_numpy(targets)
+
+
+def batch(data: str, step: int, seed: int, size: int, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step `step`'s whole global batch of `size` sequences: data='synthetic' or 'text'."""
+    if data == "text":
+        return text_batch(text.train_offsets(step, seed, size, model.seq), model.seq)
+    return global_batch(step, seed, size, model.seq, model.vocab)
 
 
 def shard(t: torch.Tensor, index: int, count: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """A training run on one rank: the function Lab.run executes on every engine.
 
 It builds the mesh, the full model from the seed, this rank's share of it (parallelize), and
-runs `steps` steps on the same global batches the reference sees. It returns plain data: the
-rank's losses, memory, collective log and timeline — never tensors.
+runs `steps` steps on the same global batches the reference sees (then, on text, this rank's
+share of the validation loss). It returns plain data: the rank's losses, memory, collective log
+and timeline — never tensors.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from contextlib import nullcontext
 import torch
 
 from labkit.config import DIMS, RunSpec
-from labkit.engines import data, runtime
+from labkit.engines import data, evaluate, runtime
 from labkit.engines.mesh import Mesh
 from labkit.engines.meters.bundle import Meters
 from labkit.engines.meters.comm import CommAudit
@@ -53,7 +54,7 @@ def run_rank(spec: dict) -> dict:
     with meters, audit or nullcontext():
         for step in range(steps):
             runtime.check_cancelled()
-            tokens, targets = data.global_batch(step, seed, cfg.global_batch, model_cfg.seq, model_cfg.vocab)
+            tokens, targets = data.batch(run.data, step, seed, cfg.global_batch, model_cfg)
             tokens = data.shard(tokens, index, count).to(device)
             targets = data.shard(targets, index, count).to(device)
             t0 = time.perf_counter()
@@ -89,6 +90,8 @@ def run_rank(spec: dict) -> dict:
         "timeline": meters.timeline.events,
         "info": rank_model.info,
     }
+    if run.data == "text":  # after the steps, outside the meters: in no step's bytes or timeline
+        report["validation"] = evaluate.validation_share(rank_model, mesh, cfg, model_cfg, index, count, device)
     if audit is not None:
         report["audit"] = dict(audit.counts)
     if run.return_params:

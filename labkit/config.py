@@ -20,6 +20,9 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 CHECKPOINTING = (False, True, "full", "selective", "op")
 """checkpoint_activations values: off; full recomputation (True is "full"); Korthikanti et al.'s
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
+DATA = ("synthetic", "text")
+"""What a run trains on: the synthetic language (engines/data.py) or the Shakespeare corpus in bytes
+(labkit/plans/text.py; needs vocab >= 256)."""
 
 
 def recompute_mode(checkpoint_activations: bool | str) -> str:
@@ -69,7 +72,7 @@ class ModelConfig(_Dict):
     ffn: int = 256
     """MLP inner width (4h, as in GPT-2); tp must divide it."""
     vocab: int = 256
-    """Vocabulary size; tp must divide it (vocab-parallel embedding and loss)."""
+    """Vocabulary size; tp must divide it (vocab-parallel embedding and loss); data="text" needs >= 256 (bytes)."""
     seq: int = 64
     """Sequence length s; 2 * cp must divide it (ring attention's zigzag halves)."""
     experts: int = 0
@@ -185,7 +188,9 @@ class RunSpec(_Dict):
     steps: int = 3
     """Optimizer steps to train."""
     seed: int = 0
-    """Seeds the initial weights and the synthetic batches (the same on every rank and in the reference)."""
+    """Seeds the initial weights and the batches (the same on every rank and in the reference)."""
+    data: str = "synthetic"
+    """'synthetic' (the synthetic language) or 'text' (the corpus; the ranks also compute the validation loss)."""
     return_params: bool = False
     """Bring back every rank's part of the final parameters (res.params), to check against the reference."""
     audit: bool = False

@@ -35,7 +35,7 @@ from labkit.jobs import JobRunner
 from labkit.plans.mesh import MeshLayout
 from labkit.progress import StepProgress, print_progress
 from labkit.results import RunResult
-from labkit.validation import optim_problems, validate
+from labkit.validation import data_problems, optim_problems, validate
 
 DEFAULT_TIMEOUT_S = 300.0
 """A run or apply that takes longer is diagnosed as a hang. Generous for CPU demos; pass your own."""
@@ -194,6 +194,7 @@ class Lab:
         return_params: bool = False,
         audit: bool = False,
         *,
+        data: str = "synthetic",
         _comm_log: bool = True,
     ) -> RunResult:
         """Train `steps` steps of `model` laid out as `cfg` on the engines; returns a RunResult.
@@ -202,12 +203,16 @@ class Lab:
         run here, naming each problem and a fix. timeout: seconds (default: the Lab's).
         return_params brings back the final full parameters (res.params) for checking;
         audit runs a TorchDispatchMode beside the comm meter (slow; tests use it).
+        data: 'synthetic' (the synthetic language) or 'text' (the Shakespeare corpus in bytes,
+        labkit/plans/text.py; needs vocab >= 256): then the ranks also compute the validation loss
+        (res.validation_loss) and the parameters come back, so that res.generate(prompt, tokens) works.
         _comm_log=False runs without the collective log (only the overhead benchmark does).
         """
         cfg = ParallelConfig() if cfg is None else cfg
         model = ModelConfig() if model is None else model
         optim = OptimConfig() if optim is None else optim
         bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit)
+        bad += data_problems(data, model)
         if bad:
             raise ConfigError(bad)
         validate(cfg, model, self.world)
@@ -225,14 +230,15 @@ class Lab:
             optim=optim,
             steps=steps,
             seed=seed,
-            return_params=return_params,
+            data=data,
+            return_params=return_params or data == "text",  # generate() samples from them
             audit=audit,
             comm_log=bool(_comm_log),
         ).to_dict()  # plain data crosses to the engines
         t0 = time.perf_counter()
         self.last_config = cfg
         reports = self._execute(run_rank, (spec,), {}, timeout, progress if progress is not None else self.progress)
-        return RunResult.from_reports(cfg, model, optim, steps, seed, reports, time.perf_counter() - t0)
+        return RunResult.from_reports(cfg, model, optim, steps, seed, reports, time.perf_counter() - t0, data)
 
     def activate(self, cfg: ParallelConfig | None = None, suffix: str = ""):
         """Register ipyparallel's %px / %%px / %autopx magics on this Lab's engines, in rank order,

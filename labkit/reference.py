@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from labkit.config import ModelConfig, OptimConfig
+from labkit.config import ConfigError, ModelConfig, OptimConfig
+from labkit.validation import data_problems
 
 
 @dataclass
@@ -22,6 +23,20 @@ class Reference:
     """Global gradient norm per step, before clipping."""
     params: dict[str, np.ndarray] = field(repr=False)
     """Final parameters, full tensors, by name (fp32)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model trained (what generate builds)."""
+    data: str = "synthetic"
+    """What it trained on: 'synthetic' or 'text'."""
+    validation_loss: float | None = None
+    """data='text': the mean loss of the final model on the held-out validation windows (the same
+    windows, in the same global batches, as a run's RunResult.validation_loss); else None."""
+
+    def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
+        """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
+        RunResult.generate does (engines/generate.py)."""
+        from labkit.engines.generate import generate  # torch: loaded when sampling, not with the reference
+
+        return generate(self.model, self.params, prompt, tokens, temperature, seed)
 
 
 def reference(
@@ -33,8 +48,13 @@ def reference(
     optim: OptimConfig | None = None,
     shards: int = 1,
     threads: int | None = None,
+    data: str = "synthetic",
 ) -> Reference:
     """Train `steps` steps of `model` on one process and return losses and final parameters.
+
+    data='text' trains on the corpus (labkit/plans/text.py, the same batches as Lab.run(...,
+    data='text')) and computes the validation loss after the last step; steps=0 gives the
+    untrained model (its validation loss, its samples).
 
     precision='bf16' computes forward and backward on a bf16 copy of the fp32 master weights
     (engines/precision.py: the ZeRO paper's mixed precision). shards > 1 splits each step's batch
@@ -51,17 +71,20 @@ def reference(
     on how a kernel splits its work: the same bf16 run on 1 and on 2 threads differs by ~1e-2 in
     that LayerNorm bias. Give the engines' count to compute exactly their arithmetic.
     """
+    if data_problems(data, model or ModelConfig()):
+        raise ConfigError(data_problems(data, model or ModelConfig()))
     import torch
 
     if threads is not None:
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return reference(model, steps, seed, global_batch, precision, optim, shards)
+            return reference(model, steps, seed, global_batch, precision, optim, shards, data=data)
         finally:
             torch.set_num_threads(before)
 
-    from labkit.engines import data
+    from labkit.engines import data as batches
+    from labkit.engines.evaluate import reference_validation_loss
     from labkit.engines.model import build_model
     from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
     from labkit.engines.precision import compute_copy
@@ -75,10 +98,10 @@ def reference(
     compute = compute_copy(net, precision)  # the module that runs forward/backward
     losses, norms = [], []
     for step in range(steps):
-        tokens, targets = data.global_batch(step, seed, global_batch, model.seq, model.vocab)
+        tokens, targets = batches.batch(data, step, seed, global_batch, model)
         loss, grads = 0.0, None
         for i in range(shards):
-            part = compute.module(data.shard(tokens, i, shards), data.shard(targets, i, shards))
+            part = compute.module(batches.shard(tokens, i, shards), batches.shard(targets, i, shards))
             part.backward()
             loss = loss + part.detach()
             mine = compute.master_grads()
@@ -91,4 +114,6 @@ def reference(
         compute.after_step()
         losses.append(loss.item())
         norms.append(float(norm))
-    return Reference(losses, norms, {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()})
+    validation = reference_validation_loss(compute.module, model, global_batch) if data == "text" else None
+    params = {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()}
+    return Reference(losses, norms, params, model, data, validation)

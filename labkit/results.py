@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
-from labkit.config import ModelConfig, OptimConfig, ParallelConfig
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 
 COMPUTE_KINDS = ("F", "B", "W")
 
@@ -106,12 +106,19 @@ class RunResult:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wall_seconds: float = 0.0
     params: dict[str, np.ndarray] | None = field(default=None, repr=False)
-    """Final full parameters, assembled from every rank's pieces (run with return_params=True)."""
+    """Final full parameters, assembled from every rank's pieces (return_params=True, or data='text')."""
     audit: list[dict] | None = field(default=None, repr=False)
+    data: str = "synthetic"
+    """What the run trained on: 'synthetic' or 'text' (labkit/plans/text.py)."""
+    validation_loss: float | None = None
+    """data='text': the trained model's mean loss on the held-out validation windows, computed by
+    the ranks in the run's own layout after the last step (engines/evaluate.py); else None."""
 
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
-    def from_reports(cls, cfg, model, optim, steps, seed, reports: list[dict], wall: float) -> RunResult:
+    def from_reports(
+        cls, cfg, model, optim, steps, seed, reports: list[dict], wall: float, data: str = "synthetic"
+    ) -> RunResult:
         active = [r for r in reports if not r.get("idle")]
         starts = [e["start"] + r["clock_offset"] for r in active for e in r["timeline"]]
         t0 = min(starts) if starts else 0.0
@@ -137,7 +144,20 @@ class RunResult:
         if any("pieces" in r for r in active):
             params = assemble([pc for r in active for pc in r.get("pieces", [])])
         audit = [r["audit"] for r in active] if any("audit" in r for r in active) else None
-        return cls(cfg, model, steps, seed, losses, ranks, optim, wall, params, audit)
+        validation = None
+        if any("validation" in r for r in active):  # shares add up like the losses above
+            validation = sum(r["validation"] for r in active if r["coords"]["tp"] == 0) / shards
+        return cls(cfg, model, steps, seed, losses, ranks, optim, wall, params, audit, data, validation)
+
+    def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
+        """`tokens` bytes that continue `prompt`, sampled from the run's final parameters in this
+        process (engines/generate.py: temperature 0 is greedy; the same seed, the same text).
+        Needs the parameters: a run on data='text' brings them back, any other with return_params."""
+        if self.params is None:
+            raise ConfigError(["the run did not bring back its parameters; run with data='text' or return_params=True"])
+        from labkit.engines.generate import generate  # torch: loaded when sampling, not with the results
+
+        return generate(self.model, self.params, prompt, tokens, temperature, seed)
 
     # -- views ------------------------------------------------------------------------------
     def comm_table(self, step: int | None = -1) -> list[dict]:
@@ -197,6 +217,8 @@ class RunResult:
             "seed": self.seed,
             "losses": self.losses,
             "wall_seconds": self.wall_seconds,
+            "data": self.data,
+            "validation_loss": self.validation_loss,
             "ranks": [asdict(r) for r in self.ranks],
         }
         if self.params is not None:
@@ -226,6 +248,8 @@ class RunResult:
             OptimConfig.from_dict(d["optim"]),
             d.get("wall_seconds", 0.0),
             params,
+            data=d.get("data", "synthetic"),
+            validation_loss=d.get("validation_loss"),
         )
 
     def save(self, path) -> None:

@@ -12,6 +12,7 @@ import math
 
 from labkit.config import (
     CHECKPOINTING,
+    DATA,
     DIMS,
     IMPLS,
     PRECISIONS,
@@ -55,6 +56,20 @@ def field_problems(obj) -> list[str]:
         if not ok:
             out.append(f"{type(obj).__name__}.{f.name}={v!r} must be {_KINDS[f.type]}; the default is {f.default!r}")
     return out
+
+
+def data_problems(data, model) -> list[str]:
+    """What is wrong with a run's `data` for `model` (a model that is not a ModelConfig is someone
+    else's problem to report)."""
+    if data not in DATA:
+        return [f"data={data!r} is not one of {list(DATA)}; try 'text' (Shakespeare, in bytes) or 'synthetic'"]
+    vocab = getattr(model, "vocab", None)
+    if data == "text" and isinstance(vocab, int) and vocab < 256:  # one id per byte value
+        return [
+            f"data='text' reads bytes (ids 0-255) but ModelConfig.vocab={model.vocab}; "
+            f"use vocab >= 256, e.g. ModelConfig(..., vocab=256)"
+        ]
+    return []
 
 
 def optim_problems(optim: OptimConfig) -> list[str]:

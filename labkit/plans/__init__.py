@@ -9,4 +9,6 @@ labkit.config only); the engines and the theory both import it and never each ot
     flat        flat buffers of ZeRO / FSDP and their shards
     wire        the ring model's bytes per collective
     precision   bytes per element
+    text        the text corpus (package data), its byte tokenizer, the train / validation split
+                and the windows each step reads (shared by the engines, the reference, the notebook)
 """
