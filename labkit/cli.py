@@ -176,7 +176,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     plans = theory.plan(model, ns.gpus, hardware=hw, global_batch=ns.global_batch, top=ns.top, precision=ns.precision)
     print(
         f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters on {ns.gpus:,} x {hw.name}; "
-        f"{plans.considered:,} layouts priced, {plans.timed:,} fit"
+        f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
     )
     if not plans:
         print("nothing fits")

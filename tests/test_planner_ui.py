@@ -31,7 +31,7 @@ def test_scale_explorer_shows_every_term_and_opens_a_plan_on_a_click():
     assert [t.name for t in gpu.data] == list(TERMS)
     assert "tokens/s/GPU" in gpu.layout.title.text and "tokens/s/GPU" in x.status.value
     x.plans.search()
-    assert 0 < len(x.plans.buttons) <= 5 and "layouts fit" in x.plans.note.value
+    assert 0 < len(x.plans.buttons) <= 5 and "layouts priced" in x.plans.note.value
     best = x.plans.plans[0]
     x.plans.buttons[0].click()
     x.wait()

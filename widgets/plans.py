@@ -88,6 +88,6 @@ class PlanPanel:
         self.list.children = self.buttons
         misses = ", ".join(f"{n:,} {why}" for why, n in sorted(found.counts.items(), key=lambda x: -x[1])[:2])
         self.note.value = html.escape(
-            f"{found.timed:,} of {found.considered:,} layouts fit; {len(self.plans)} shown"
+            f"{found.considered:,} layouts priced, {found.timed:,} timed; {len(self.plans)} shown"
             + (f"; rejected: {misses}" if misses else "")
         )

@@ -14,6 +14,12 @@ memory, or the same memory in less time, in this model):
   checkpointing none, selective, op, full in that order of recomputation: the first that fits is
                 the one timed (recomputation only adds time; memory only falls down the list)
   precision     bf16, and fp8 where the hardware has it (or the one asked for)
+
+Pruned, and counted with their reason: microbatch sizes are tried in ascending order, each from the
+lightest checkpointing that fit the one before (memory grows with the microbatch), and stop at the
+first that does not fit even with full checkpointing; a layout whose compute alone (its slowest
+rank's blocks, stretched by the bubble: timing.compute_floor) is slower than the slowest of the
+best `top` so far is not timed.
 """
 
 from __future__ import annotations
@@ -41,7 +47,8 @@ class Rejected:
 class Plans(list):
     """The best layouts, fastest first (a list of Plan), with what was left out:
     `.rejected` (the nearest misses, each with its reason), `.counts` (reason -> layouts),
-    `.considered` (layouts priced for memory) and `.timed` (layouts that fit and were timed)."""
+    `.considered` (layouts priced for memory) and `.timed` (layouts that fit and were timed; the
+    others that fit were slower than the best on their compute alone)."""
 
     def __init__(self, plans, rejected, counts, considered: int, timed: int):
         super().__init__(plans)
@@ -89,7 +96,7 @@ class _Tally:
         self.misses.append((peak, Rejected(cfg, f"does not fit: {_over(peak, hw)}")))
 
 
-def meshes(model: ModelConfig, gpus: int, hw: Hardware, tally: _Tally):
+def meshes(model: ModelConfig, gpus: int, hw: Hardware):
     """(tp, cp, ep, pp, dp) whose product is `gpus` and whose degrees the model allows."""
     tps = [t for t in _pow2(hw.gpus_per_node) if model.heads % t == 0]
     cps = [c for c in _pow2(32) if model.seq % (2 * c) == 0]
@@ -133,12 +140,14 @@ def plan(
     8k, rounded to sequences); precision: 'bf16' or 'fp8' (default: both where the hardware has
     fp8). The list's `.rejected` and `.counts` say what was left out and why."""
     hw = hardware_of(hardware)
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError([f"gpus={gpus!r} must be a positive integer"])
     gb = global_batch or max(1, round(4 * 2**20 / model.seq))
     precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
     uneven_ok = "stage_layers" in ParallelConfig.__dataclass_fields__
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
-    for tp, cp, ep, pp, dp in meshes(model, gpus, hw, tally):
+    for tp, cp, ep, pp, dp in meshes(model, gpus, hw):
         mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=tp > 1)
         split = stage_split(model.layers, pp) if pp > 1 else ()
         if split and uneven_ok:  # the degrees' arithmetic, on the uneven split a pipeline would take
@@ -182,8 +191,6 @@ def plan(
                         heapq.heappush(floors, -plan_.step_seconds)
                         if len(floors) > top:
                             heapq.heappop(floors)
-    if not timed and not tally.counts:
-        raise ConfigError([f"no layout of this model on {gpus} GPUs: check the GPU count"])
     timed.sort(key=lambda p: -p.tokens_per_second_per_gpu)
     misses = [r for _, r in sorted(tally.misses, key=lambda x: x[0])[:NEAREST]]
     return Plans(timed[:top], misses, tally.counts, considered, len(timed))
