@@ -26,4 +26,5 @@ def accumulate(rank_model, microbatches: list[tuple[torch.Tensor, torch.Tensor]]
             with meters.phase("backward"), meters.span("B", i):
                 (loss / m).backward()
         total = total + loss.detach().float()
+    meters.wait_device()
     return float(total) / m

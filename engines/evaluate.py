@@ -16,7 +16,6 @@ from __future__ import annotations
 from contextlib import nullcontext
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
@@ -24,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.engines import data, runtime
 from labkit.engines.model import aux_loss
+from labkit.engines.p2p import Link
 from labkit.engines.precision import policy
 from labkit.plans import text
 from labkit.plans.schedules import rank_chunk_of, stage_of
@@ -98,6 +98,7 @@ def _pipeline_forward(chunks, mesh, mbs, hidden: int, precision: str, seq_split:
     b, s = mbs[0][0].shape
     device, dtype = mbs[0][0].device, policy(precision).compute
     shape = (b, s // seq_split, hidden)  # (b/m, s, h) crosses each boundary
+    link = Link(group)  # one batch per message: NCCL-safe, staged through host memory under gloo + CUDA
     total, sends = 0.0, []
     for mb, (tokens, targets, positions) in enumerate(mbs):
         for c, chunk in enumerate(chunks):
@@ -106,13 +107,13 @@ def _pipeline_forward(chunks, mesh, mbs, hidden: int, precision: str, seq_split:
             if stage > 0:  # tag: (microbatch, receiving stage), unique per message
                 x = torch.empty(shape, dtype=dtype, device=device)
                 src = peers[rank_chunk_of(stage - 1, p)[0]]
-                dist.irecv(x, src=src, group=group, tag=mb * (last + 1) + stage).wait()
+                link.batch(recvs=[(x, src, mb * (last + 1) + stage)]).wait()
             if stage == last:
                 total += float(lm_loss(chunk, x, targets, positions))
             else:
                 y = chunk(x, None, positions).contiguous()  # (b, s, h)
                 dst = peers[rank_chunk_of(stage + 1, p)[0]]
-                sends.append((dist.isend(y, dst=dst, group=group, tag=mb * (last + 1) + stage + 1), y))
+                sends.append((link.batch(sends=[(y, dst, mb * (last + 1) + stage + 1)]), y))
             aux_loss(chunk)  # take off the MoE balance terms this forward recorded
     for work, _ in sends:
         work.wait()

@@ -30,6 +30,7 @@ class Mesh:
         self._groups: dict[tuple[str, ...], object] = {}
         self._group_ranks: dict[tuple[str, ...], list[int]] = {}
         self.dim_of: dict[str, str] = {}  # process group name -> dim name (for the comm meter)
+        self._sub: dict[tuple, object] = {}  # (dim, run length | 'ends') -> group (MeshLayout.subgroups)
 
     @classmethod
     def build(cls, layout: MeshLayout, rank: int) -> Mesh:
@@ -67,6 +68,21 @@ class Mesh:
                 self._group_ranks[dims] = mine
                 if len(mine) > 1:
                     self.dim_of.setdefault(pg.group_name, dim_name(dims))
+        for dim, ranks in self.layout.subgroups():  # same order on every rank
+            key = tuple(ranks)
+            if key not in self._pg_cache:
+                self._pg_cache[key] = dist.new_group(ranks)
+            if self.rank in ranks:
+                self._sub[dim, len(ranks) if dim == "tp" else "ends"] = self._pg_cache[key]
+
+    def run_group(self, dim: str, k: int):
+        """This rank's run of k consecutive coordinates along `dim` (the tp ranks sharing a KV head)."""
+        return self.group(dim) if k == self.size(dim) else self._sub[dim, k]
+
+    def ends_group(self, dim: str):
+        """The group of the first and last rank along `dim`, for a rank that is one of them (the
+        pp stages holding a tied embedding's two copies)."""
+        return self.group(dim) if self.size(dim) == 2 else self._sub[dim, "ends"]
 
     @property
     def active(self) -> bool:

@@ -1,11 +1,16 @@
-"""A small GPT: token + position embedding, pre-LN blocks (causal attention, GELU MLP), final
-LayerNorm, untied LM head. Readable top to bottom, like nanoGPT.
+"""The model: embedding, pre-norm blocks, final norm and LM head, for three families
+(ModelConfig.arch), readable top to bottom like nanoGPT; the blocks' parts are in
+engines/layers.py.
+
+  gpt    labkit's toy: learned positions, LayerNorm, exact-GELU MLP, no biases, untied head
+  gpt2   GPT-2 (Radford et al. 2019): the same with biases everywhere, tanh GELU, tied head
+  llama  Llama 2/3 (Touvron et al. 2023; Llama Team 2024), Mistral: RMSNorm, rotary positions,
+         SwiGLU MLP, grouped-query attention, no biases; with experts, Mixtral (Jiang et al. 2024)
 
 The parts are separate modules so that strategies can work on them by function, never by
 subclassing: tensor parallelism swaps the Linear layers of `attn` and `mlp`, context
 parallelism swaps `attn.core` (the attention kernel), the pipeline splits `embed`, `blocks`
-and `head` across stages. Linear layers have no bias (as in Llama), so a row-parallel layer
-never has to decide which rank adds it.
+and `head` across stages.
 """
 
 from __future__ import annotations
@@ -17,85 +22,52 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config import ModelConfig
+from labkit.engines.layers import MLP, Attention, Rotary, SwiGLU, norm
 from labkit.engines.moe import MoE
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Dense causal softmax attention. q, k, v: (b, nh, s, hd) -> (b, nh, s, hd)."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-
-
 class Embedding(nn.Module):
-    """Token embedding plus learned absolute position embedding."""
+    """Token embedding, plus a learned absolute position embedding (gpt, gpt2; llama rotates q and
+    k instead: engines/layers.py)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Embedding(cfg.seq, cfg.hidden)
+        self.pos = nn.Embedding(cfg.seq, cfg.hidden) if cfg.arch != "llama" else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # (b, s) tokens, (s,) positions -> (b, s, h)
-        return self.tok(tokens) + self.pos(positions)
-
-
-class Attention(nn.Module):
-    """Multi-head causal self-attention; heads are read off wq's width, so a TP shard works as is."""
-
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        h = cfg.hidden
-        self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(h, h, bias=False)
-        self.wk = nn.Linear(h, h, bias=False)
-        self.wv = nn.Linear(h, h, bias=False)
-        self.wo = nn.Linear(h, h, bias=False)
-        self.core = causal_attention  # swapped for ring attention under context parallelism
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, _ = x.shape
-        # (b, s, h) -> (b, s, nh, hd) -> (b, nh, s, hd); nh is the local head count under TP
-        q = self.wq(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        y = self.core(q, k, v)  # (b, nh, s, hd)
-        y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd)
-        return self.wo(y)  # (b, s, h)
-
-
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.fc1 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
-        self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(F.gelu(self.fc1(x)))  # (b, s, h) -> (b, s, f) -> (b, s, h)
+        x = self.tok(tokens)
+        return x if self.pos is None else x + self.pos(positions)
 
 
 class Block(nn.Module):
-    """Pre-LN transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.hidden)
+        self.ln1 = norm(cfg)
         self.attn = Attention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.hidden)
+        self.ln2 = norm(cfg)
         if cfg.experts:
             self.mlp = MoE(cfg)
+        elif cfg.arch == "llama":
+            self.mlp = SwiGLU(cfg)
         else:
             self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), rope)
         return x + self.mlp(self.ln2(x))
 
 
 class Head(nn.Module):
-    """Final LayerNorm, LM head and the mean cross-entropy over every token."""
+    """Final norm, LM head and the mean cross-entropy over every token. A tied head's weight is
+    the token embedding's (GPT.__init__ ties it)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.norm = nn.LayerNorm(cfg.hidden)
+        self.norm = norm(cfg)
         self.proj = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -105,12 +77,18 @@ class Head(nn.Module):
 
 
 class GPT(nn.Module):
+    """The decoder of every family (ModelConfig.arch). Positions come with the tokens: the whole
+    sequence by default, a context-parallel rank's zigzag positions under CP."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg)
+        self.rope = Rotary(cfg) if cfg.arch == "llama" else None
+        if cfg.tied:  # one Parameter: named_parameters lists it once, as embed.tok.weight
+            self.head.proj.weight = self.embed.tok.weight
 
     def forward(
         self, tokens: torch.Tensor, targets: torch.Tensor, positions: torch.Tensor | None = None
@@ -119,8 +97,9 @@ class GPT(nn.Module):
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         x = self.embed(tokens, positions)
+        rope = self.rope(positions, x.dtype) if self.rope is not None else None  # 2 x (s, hd), shared by the blocks
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rope)
         return self.head(x, targets) + aux_loss(self)
 
 
@@ -140,8 +119,8 @@ def init_weights(model: GPT, seed: int) -> GPT:
     """Deterministic init from `seed`, in parameter-name order, independent of any global RNG.
 
     GPT-2's scheme: N(0, 0.02) for embeddings and matrices, residual output projections
-    (attn.wo, mlp.fc2 and the experts' second layer) scaled by 1/sqrt(2 * layers);
-    LayerNorm weight 1, bias 0. Every layout initialises the full model this way and then
+    (attn.wo, mlp.fc2 / mlp.down and the experts' second layer) scaled by 1/sqrt(2 * layers);
+    norm weights 1, biases 0. Every layout initialises the full model this way and then
     slices it, so every layout starts from the same weights.
     """
     gen = torch.Generator().manual_seed(seed)
@@ -150,8 +129,10 @@ def init_weights(model: GPT, seed: int) -> GPT:
         for name, p in model.named_parameters():
             if ".ln" in name or "norm." in name:
                 p.fill_(1.0 if name.endswith("weight") else 0.0)
+            elif name.endswith("bias"):  # gpt2's and Qwen2's Linear biases
+                p.zero_()
             else:
-                std = resid if name.endswith(("wo.weight", "fc2.weight", "w2")) else 0.02
+                std = resid if name.endswith(("wo.weight", "fc2.weight", "down.weight", "w2")) else 0.02
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     return model
 

@@ -12,7 +12,14 @@ block of rows; `dispatch(moe, rows, counts)` runs the experts on them. Locally t
 over the experts; expert parallelism (engines/parallel/experts.py) swaps in an all-to-all to
 the ranks that hold them and back.
 
-Parameters, as labkit/theory/model.py lists them: router.weight (E, h), w1 (E, h, f), w2 (E, f, h).
+Two kinds of expert (ModelConfig.arch). gpt, gpt2: GELU experts (gpt2's tanh GELU), w2(GELU(w1 x)),
+gates the top-k softmax probabilities as they are (Switch, GShard). llama (Mixtral, Jiang et al. 2024, section 2.1):
+SwiGLU experts, w2(SiLU(w1 x) * w3 x), and gates renormalised over the chosen k — the softmax
+of the top-k logits, as Mixtral's router computes them (HF MixtralSparseMoeBlock: softmax,
+top-k, divide by their sum).
+
+Parameters, as labkit/theory/model.py lists them: w1 (E, h, f), w2 (E, f, h), [w3 (E, h, f),]
+router.weight (E, h).
 """
 
 from __future__ import annotations
@@ -37,8 +44,10 @@ class MoE(nn.Module):
         self.cfg = cfg
         e, h, f = cfg.experts, cfg.hidden, cfg.ffn
         self.router = nn.Linear(h, e, bias=False)
-        self.w1 = nn.Parameter(torch.empty(e, h, f))
-        self.w2 = nn.Parameter(torch.empty(e, f, h))
+        self.w1 = nn.Parameter(torch.empty(e, h, f))  # gpt: fc1; llama: the gate
+        self.w2 = nn.Parameter(torch.empty(e, f, h))  # the down projection
+        self.w3 = nn.Parameter(torch.empty(e, h, f)) if cfg.arch == "llama" else None  # llama: the up projection
+        self.approximate = "tanh" if cfg.arch == "gpt2" else "none"
         self.dispatch = local_experts
         """(moe, rows, counts) -> outputs; expert parallelism swaps in its all-to-all."""
         self.seq_split = (None, 1)
@@ -47,14 +56,18 @@ class MoE(nn.Module):
         """The load-balancing loss of the last forward (engines/model.py aux_loss collects it)."""
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
-        """Expert e of the ones this rank holds: a GELU MLP. (n, h) -> (n, f) -> (n, h)."""
-        return F.gelu(x @ self.w1[e]) @ self.w2[e]
+        """Expert e of the ones this rank holds: a GELU MLP, or SwiGLU (llama). (n, h) -> (n, f) -> (n, h)."""
+        if self.w3 is None:  # gpt2's experts use its tanh GELU
+            return F.gelu(x @ self.w1[e], approximate=self.approximate) @ self.w2[e]
+        return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         k = self.cfg.top_k
         probs = self.router(x).float().softmax(dim=-1)  # (b, s, E)
         gate, expert = probs.topk(k, dim=-1)  # (b, s, k) each
+        if self.w3 is not None:  # Mixtral: the softmax of the top-k logits
+            gate = gate / gate.sum(dim=-1, keepdim=True)  # (b, s, k)
         self.aux_loss = self.balance_loss(probs, expert)
         flat = expert.reshape(-1)  # (b*s*k,): assignment a = token*k + slot
         order = flat.argsort(stable=True)  # assignments grouped by expert

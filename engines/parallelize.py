@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     # 5. pipeline parallelism: engines/parallel/pipeline.py; its schedule ours, or torch.distributed.pipelining's
     chunks = [model]
     if mesh.size("pp") > 1:
-        chunks, stages = apply_pipeline(model, mesh, virtual_stages=cfg.virtual_stages)
+        chunks, stages = apply_pipeline(model, mesh, virtual_stages=cfg.virtual_stages, stage_layers=cfg.stage_layers)
         info["pipeline"] = {"schedule": cfg.schedule, **stages}
         if cfg.impl == "torch":
             schedule = TorchSchedule(

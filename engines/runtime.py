@@ -38,7 +38,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from labkit.engines import group_log, sockets
+from labkit.engines import flight, group_log
 
 PG_MARGIN_S = 2.0
 """A job's process groups time out this much later than the Lab gives up on the job, so the Lab
@@ -97,25 +97,11 @@ class _State:
 _state = _State()
 
 
-# -- identity and rendezvous ----------------------------------------------------------------
-def engine_info() -> dict:
-    """Host, pid, address and GPUs of this engine (before it has a rank)."""
-    import torch  # engines only (see the module docstring)
-
-    if _state.runtime is None:  # before torch listens on anything: the engine's own sockets
-        sockets.remember_engine_listeners()
-    host = socket.gethostname()
-    try:
-        addr = socket.gethostbyname(host)
-    except OSError:
-        addr = "127.0.0.1"
-    return {
-        "host": host,
-        "pid": os.getpid(),
-        "addr": addr,
-        "gpus": torch.cuda.device_count() if torch.cuda.is_available() else 0,
-        "python": sys.executable,
-    }
+# -- rendezvous -----------------------------------------------------------------------------
+def in_world() -> bool:
+    """Whether this engine has joined a torch world (has a rank). engines/host.py says what it
+    is before that."""
+    return _state.runtime is not None
 
 
 def open_rendezvous(bind: str) -> int:
@@ -144,8 +130,10 @@ def init_distributed(
     generation: int,
     threads: int,
     loopback: bool,
+    env: dict | None = None,
 ) -> dict:
-    """Join the process group (tearing down an old one first). Returns this rank's Runtime."""
+    """Join the process group (tearing down an old one first). Returns this rank's Runtime.
+    env: variables to set first (the notebook's NCCL_* and GLOO_SOCKET_IFNAME, labkit/world.py)."""
     import torch  # engines only, like the comm meter that imports it
     import torch.distributed as dist
 
@@ -154,8 +142,13 @@ def init_distributed(
     if _state.job.alive:
         raise RuntimeError("a job is still running on this engine; it must end before the process group is rebuilt")
     shutdown_distributed()
+    os.environ.update(env or {})
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on 127.0.0.1
+    # On a timeout NCCL's watchdog aborts the communicators and leaves the process alive (2:
+    # CleanUpOnly; the default tears the process down), so the Lab can still read this rank's
+    # logs and the next call rebuilds the groups. Read by ProcessGroupNCCL when a group is made.
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
     torch.set_num_threads(max(1, threads))
     sys.setswitchinterval(GIL_SWITCH_S)
     timeout = datetime.timedelta(seconds=timeout_s)
@@ -196,7 +189,8 @@ def _clock_offset() -> float:
     if len(set(hosts)) == 1:
         return 0.0
     dist.barrier()
-    t = torch.tensor([time.perf_counter()], dtype=torch.float64)
+    # on the rank's device: an NCCL-only world has no backend for CPU tensors
+    t = torch.tensor([time.perf_counter()], dtype=torch.float64, device=rt.device)
     dist.broadcast(t, src=0)
     return float(t) - time.perf_counter()
 
@@ -275,7 +269,8 @@ def start(fn, args: tuple = (), kwargs: dict | None = None, timeout_s: float | N
     """Run fn(*args, **kwargs) in the job thread, under a fresh collective log; the process
     groups time out `PG_MARGIN_S` after `timeout_s`. Refuses if a job is still running.
     Returns how many jobs this engine has started (the Lab's tests count them)."""
-    from labkit.engines.meters.comm import CommMeter  # imports torch: engines only
+    from labkit.engines import device  # imports torch: engines only
+    from labkit.engines.meters.comm import CommMeter
 
     if _state.job.alive:
         raise RuntimeError("a job is still running on this engine; cancel it or wait for it")
@@ -287,8 +282,11 @@ def start(fn, args: tuple = (), kwargs: dict | None = None, timeout_s: float | N
     _state.job = job
     _state.jobs += 1
 
+    where = _state.runtime.device if _state.runtime is not None else "cpu"
+
     def body():
         try:
+            device.bind(where)  # CUDA's current device is per thread: this one starts on cuda:0
             with job.comm_meter:
                 job.result = fn(*args, **kwargs)
             job.state = "done"
@@ -308,7 +306,9 @@ def poll(since: int = 0, log_tail: int = 0) -> dict:
     """State of the job and the progress records after index `since`. With log_tail > 0 also
     the last `log_tail` collective-log entries, how far each of its groups got (`groups`:
     pg name -> [ops entered, ranks]), how many ops are open, the process groups this rank
-    holds (`registry`: name -> ranks) and, while it runs, where the job thread is (`stack`)."""
+    holds (`registry`: name -> ranks), on NCCL the ops the GPU has not completed (`gpu`: the
+    flight recorder's, engines/flight.py; the log's ends are enqueue times there) and, while
+    it runs, where the job thread is (`stack`)."""
     job = _state.job
     out = {"state": job.state, "progress": job.progress[since:], "error": job.error}
     if not log_tail:
@@ -321,6 +321,8 @@ def poll(since: int = 0, log_tail: int = 0) -> dict:
         out["groups"] = meter.group_counts()
         out["open"] = len(meter.open_events())
     out["registry"] = _registry()
+    if _state.runtime is not None and _state.runtime.backend == "nccl":  # what the GPU has not finished
+        out["gpu"] = flight.gpu_ops()
     if job.state == "running" and job.thread is not None:
         frame = sys._current_frames().get(job.thread.ident)
         if frame is not None:

@@ -1,7 +1,7 @@
 """Which sockets torch listens on in this engine process: gloo's pairs, and the TCPStore on rank 0.
 
 That is everything the process listens on, less what the engine itself opened before torch came
-(remembered by `remember_engine_listeners`, which runtime.engine_info calls before the first
+(remembered by `remember_engine_listeners`, which host.engine_info calls before the first
 process group). Releasing a rank (engines/release.py) shuts the connections made to these.
 """
 

@@ -50,7 +50,7 @@ def run_rank(spec: dict) -> dict:
     audit = CommAudit() if run.audit else None
 
     index, count = data_index(mesh)
-    losses, norms, step_times = [], [], []
+    losses, norms, step_times, grad_pieces = [], [], [], []
     with meters, audit or nullcontext():
         for step in range(steps):
             runtime.check_cancelled()
@@ -62,6 +62,9 @@ def run_rank(spec: dict) -> dict:
                 loss = rank_model.schedule(rank_model, data.microbatches(tokens, targets, cfg.microbatches), meters)
                 with meters.phase("backward"), meters.span("sync"):
                     rank_model.grads.finish()
+                meters.wait_device()  # the gradients' collectives: step() reads their norm
+                if step == 0 and run.return_params:  # the reduced gradients, before clipping (checks.py)
+                    grad_pieces = rank_model.grads.grad_pieces()
                 with meters.phase("optimizer"), meters.span("opt"):
                     norm = rank_model.grads.step()
             step_times.append(time.perf_counter() - t0)
@@ -96,4 +99,6 @@ def run_rank(spec: dict) -> dict:
         report["audit"] = dict(audit.counts)
     if run.return_params:
         report["pieces"] = rank_model.grads.param_pieces()
+        report["grad_pieces"] = grad_pieces
+        report["compute_pieces"] = rank_model.grads.compute_pieces()
     return report

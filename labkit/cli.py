@@ -18,7 +18,7 @@ import sys
 import typing
 
 from labkit import reference, theory
-from labkit.checks import loss_errors, reference_shards
+from labkit.checks import loss_errors, mismatches
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import MeshLayout
 from labkit.theory.gpu_memory import TERMS
@@ -27,6 +27,11 @@ from labkit.theory.planner import describe
 from labkit.theory.presets import PRESETS
 
 DEMO = {"dp": 4}
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    """'15,16,16' -> (15, 16, 16): a tuple field on the command line (stage_layers)."""
+    return tuple(int(x) for x in text.split(","))
 
 
 def _bool_or_str(text: str) -> bool | str:
@@ -38,10 +43,17 @@ def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
     for f in dataclasses.fields(cls):
         flag = "--" + (prefix + f.name).replace("_", "-")
         kind = hints[f.name]
+        args = [a for a in typing.get_args(kind) if a is not type(None)]
+        if typing.get_origin(kind) is tuple:
+            kind = _ints
+        elif len(args) == 1:  # X | None: None is the family's default (ModelConfig)
+            kind = args[0]
         if kind is bool:
             parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None)
         elif kind == bool | str:  # checkpoint_activations: true, false, full, selective, op
             parser.add_argument(flag, dest=prefix + f.name, type=_bool_or_str, default=None, metavar=f.name.upper())
+        elif dataclasses.is_dataclass(kind):
+            continue  # a nested config (rope_scaling): from a preset or ModelConfig.from_hf, not a flag
         else:
             parser.add_argument(flag, dest=prefix + f.name, type=kind, default=None, metavar=f.name.upper())
 
@@ -50,7 +62,7 @@ def _pick(ns: argparse.Namespace, cls, prefix: str = "") -> dict:
     return {
         f.name: getattr(ns, prefix + f.name)
         for f in dataclasses.fields(cls)
-        if getattr(ns, prefix + f.name) is not None
+        if getattr(ns, prefix + f.name, None) is not None
     }
 
 
@@ -97,15 +109,8 @@ def cmd_run(ns: argparse.Namespace) -> int:
     print(f"starting {engines} engines ...", flush=True)
     with Lab(engines=engines, backend=ns.backend, timeout=ns.timeout) as lab:
         print(lab, flush=True)
-        res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed)
-    ref = reference(
-        model,
-        steps=ns.steps,
-        seed=ns.seed,
-        global_batch=cfg.global_batch,
-        precision=cfg.precision,
-        shards=reference_shards(cfg),
-    )
+        res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed, return_params=True)
+    ref = reference(model, steps=ns.steps, seed=ns.seed, global_batch=cfg.global_batch)  # fp32: the oracle
     est = theory.estimate(cfg, model, world=engines)
     errs = loss_errors(res.losses, ref.losses)
     print(f"losses    {[f'{x:.5f}' for x in res.losses]}")
@@ -124,6 +129,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
     if ns.trace:
         res.save_trace(ns.trace)
         print(f"trace written to {ns.trace} (open in ui.perfetto.dev)")
+    found = mismatches(res, ref)
+    if found:
+        lines = "\n".join(f"  {m}" for m in found)
+        print(f"labkit: the run does not train like the one-process reference:\n{lines}", file=sys.stderr)
+        return 1
+    print("matches the one-process reference (labkit/checks.py)")
     return 0
 
 
@@ -223,8 +234,7 @@ def parser() -> argparse.ArgumentParser:
     est.add_argument(
         "--model",
         default=None,
-        help="a preset (labkit/theory/presets.py): gpt2-124m, llama-7b, "
-        "llama-13b, llama-70b, llama-405b, mixtral-8x7b; --model-* flags override its fields",
+        help="a preset (labkit/theory/presets.py): " + ", ".join(PRESETS) + "; --model-* flags override its fields",
     )
     est.add_argument("--gpu", default="h100", choices=list(HARDWARE), help="hardware of the time model")
     _add_fields(est, ParallelConfig)

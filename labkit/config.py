@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from labkit.hf import hf_fields
+
 DIMS = ("tp", "cp", "ep", "dp", "pp")
 """The mesh dimensions, in the default order (innermost first, Megatron's convention)."""
 
@@ -20,6 +22,7 @@ PRECISIONS = ("fp32", "bf16", "fp8")
 CHECKPOINTING = (False, True, "full", "selective", "op")
 """checkpoint_activations values: off; full recomputation (True is "full"); Korthikanti et al.'s
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
+ARCHS = ("gpt", "gpt2", "llama")
 DATA = ("synthetic", "text")
 """What a run trains on: the synthetic language (engines/data.py) or the Shakespeare corpus in bytes
 (labkit/plans/text.py; needs vocab >= 256)."""
@@ -45,7 +48,16 @@ class _Dict:
     """Round-trip a dataclass through a plain dict (the form that crosses to the engines)."""
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        """Field -> value, nested configs as dicts. Optional fields left unset (None, or an empty
+        stage_layers) stay out, so a default config is a dict of plain scalars; from_dict puts
+        their defaults back: the round trip is exact."""
+        out = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if v is None or v == ():
+                continue
+            out[f.name] = v.to_dict() if isinstance(v, _Dict) else v
+        return out
 
     @classmethod
     def from_dict(cls, d: dict):
@@ -60,43 +72,115 @@ class _Dict:
 
 
 @dataclass(frozen=True)
+class RopeScaling(_Dict):
+    """Llama 3.1's frequency-dependent RoPE scaling (Hugging Face rope_type 'llama3', Meta's
+    `apply_scaling` in llama-models): wavelengths longer than original_max_position / low_freq_factor
+    are slowed by `factor`, shorter than original_max_position / high_freq_factor kept, and the band
+    between interpolated smoothly (engines/layers.py `rope_frequencies`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    """The pre-training context the frequencies were tuned for (HF original_max_position_embeddings)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig(_Dict):
-    """A small GPT-style decoder (pre-LN, causal attention, GELU MLP, untied LM head)."""
+    """A decoder-only transformer of one of three families (`arch`), pre-norm, causal.
+
+    Fields whose default depends on the family are None by default and stay None in the config
+    (its dict round trip is exact, and `replace(arch=...)` carries no stale value); the properties
+    `n_kv_heads` and `tied` resolve them. `from_hf` reads a Hugging Face config.json."""
 
     layers: int = 4
-    """Transformer blocks. pp * virtual_stages must divide it (each pipeline chunk gets the same count)."""
+    """Transformer blocks. Split evenly over pp * virtual_stages, or as ParallelConfig.stage_layers says."""
     hidden: int = 64
     """Model width h. heads must divide it."""
     heads: int = 4
-    """Attention heads; tp must divide it (tensor parallelism splits attention by heads)."""
+    """Attention (query) heads; tp must divide it (tensor parallelism splits attention by heads)."""
     ffn: int = 256
-    """MLP inner width (4h, as in GPT-2); tp must divide it."""
+    """MLP inner width: fc1's outputs (gpt, gpt2: 4h), or each of SwiGLU's gate and up (llama); tp must divide it."""
     vocab: int = 256
     """Vocabulary size; tp must divide it (vocab-parallel embedding and loss); data="text" needs >= 256 (bytes)."""
     seq: int = 64
-    """Sequence length s; 2 * cp must divide it (ring attention's zigzag halves)."""
+    """Sequence length s; 2 * cp must divide it (ring attention's zigzag halves). gpt, gpt2: the
+    learned position table's size too."""
     experts: int = 0
-    """Experts per MoE layer; 0 keeps dense MLPs. ep must divide it."""
+    """Experts per MoE layer; 0 keeps dense MLPs. ep must divide it. With arch='llama': Mixtral."""
     top_k: int = 1
     """Experts each token is routed to (1 <= top_k <= experts)."""
     aux_loss_coef: float = 0.01
     """Weight of the Switch-Transformer load-balancing loss added to the LM loss (MoE only)."""
+    arch: str = "gpt"
+    """'gpt': labkit's toy (LayerNorm, learned positions, exact-GELU MLP, no biases, untied head);
+    'gpt2': GPT-2 as published (biases in every Linear and LayerNorm, tanh GELU, learned
+    positions, head tied to the token embedding); 'llama': RMSNorm, rotary positions, SwiGLU,
+    grouped-query attention, no biases (Llama 2/3, Mistral; Mixtral with experts > 0)."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention, Ainslie et al. 2023); must divide heads.
+    None: heads (multi-head attention)."""
+    tie_embeddings: bool | None = None
+    """The LM head shares the token embedding's weight. None: the family's (gpt2 ties; gpt and
+    llama do not — Llama 3.2 1B/3B tie, give True)."""
+    rope_theta: float = 10000.0
+    """RoPE base (llama only; Su et al. 2021). Llama 2: 1e4, Llama 3: 5e5, Mixtral: 1e6."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's RoPE scaling (llama only); None: plain RoPE."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections only (llama family: Qwen2). gpt2 has biases everywhere anyway."""
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+
+    @classmethod
+    def from_hf(cls, config, seq: int | None = None) -> ModelConfig:
+        """The exact architecture of a Hugging Face config.json (a dict, or the file's path):
+        LlamaForCausalLM (Llama 2, 3.1, 3.2), MistralForCausalLM, MixtralForCausalLM,
+        Qwen2ForCausalLM, GPT2LMHeadModel. No weights, no network. `seq`: the training sequence
+        (default the config's max_position_embeddings / n_positions). A field that changes the
+        architecture in a way labkit does not build is refused, by name (labkit/hf.py)."""
+        fields, found = hf_fields(config, seq)
+        if found:
+            raise ConfigError(found)
+        return cls(**fields)
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads: kv_heads, or heads when None."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head is the token embedding (tie_embeddings, or the family's default)."""
+        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+
     def num_params(self) -> int:
-        """Parameter count Ψ of the full model (every weight, counted once)."""
-        h, f, v, s = self.hidden, self.ffn, self.vocab, self.seq
-        ln = 2 * h
-        attn = 4 * h * h
-        if self.experts:
-            mlp = h * self.experts + self.experts * 2 * h * f
+        """Parameter count Ψ of the full model (every weight, counted once; a tied head is the
+        embedding). labkit.theory.num_params counts the same from the parameter list."""
+        h, f, v, s, e = self.hidden, self.ffn, self.vocab, self.seq, self.experts
+        kv = self.n_kv_heads * self.head_dim
+        llama, gpt2 = self.arch == "llama", self.arch == "gpt2"
+        norm = h if llama else 2 * h  # RMSNorm has no bias
+        attn = 2 * h * h + 2 * h * kv
+        if gpt2 or self.qkv_bias:
+            attn += h + 2 * kv  # q, k, v biases
+        if gpt2:
+            attn += h  # the output projection's bias
+        mats = 3 if llama else 2  # SwiGLU: gate, up, down
+        if e:
+            mlp = h * e + e * mats * h * f
         else:
-            mlp = 2 * h * f
-        block = 2 * ln + attn + mlp
-        return v * h + s * h + self.layers * block + ln + h * v
+            mlp = mats * h * f + (f + h if gpt2 else 0)
+        pos = 0 if llama else s * h
+        return v * h + pos + self.layers * (2 * norm + attn + mlp) + norm + (0 if self.tied else h * v)
 
 
 @dataclass(frozen=True)
@@ -123,6 +207,10 @@ class ParallelConfig(_Dict):
     """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved' (needs virtual_stages > 1)."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B)."""
+    stage_layers: tuple[int, ...] = ()
+    """Blocks of each virtual stage, in stage order (pp * virtual_stages entries summing to the
+    model's layers), for uneven stages: Llama 3.1 405B's 126 layers on 8 stages as
+    (15, 16, 16, 16, 16, 16, 16, 15). Empty: layers split evenly."""
     global_batch: int = 8
     """Sequences per optimizer step, over all data-parallel ranks and microbatches."""
     impl: str = "lab"
@@ -142,6 +230,10 @@ class ParallelConfig(_Dict):
     """Gradient bucket size in MiB for DDP-style reduction (PyTorch DDP's bucket_cap_mb)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3 traffic) or keep them (ZeRO-2-like)."""
+
+    def __post_init__(self):
+        if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable
+            object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
 
     @property
     def recompute(self) -> str:

@@ -14,6 +14,12 @@ rank's log (the engines still answer: work runs in a job thread) and this module
 Like with like: sequence numbers count per process group, so two ops are compared only when
 they ran on the same process group (same name *and* same ranks): rebuilt worlds reuse names,
 and a name can stand for different ranks on ranks that created groups in different orders.
+
+On NCCL the log's ends are enqueue times (a Work completes when the op is queued on the GPU), so
+a hung rank looks as if it left everything. There the ranks also send what PyTorch's flight
+recorder says the GPU has not completed (engines/flight.py, 'gpu'), with how far each group got
+on each rank by its own (collective) sequence numbers; the diagnosis names the op each rank's GPU
+is stuck in and the members that never enqueued it, beside what the log says.
 Pure Python: it reads plain dicts.
 """
 
@@ -48,7 +54,8 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
     'groups' {pg: [ops entered, ranks]}, 'state', 'stack', 'error'), or just the log list.
 
     Returns 'stuck' (rank -> open op or None), 'missing' (one entry per open op some members
-    never reached), 'divergence' (first mismatch of two ranks on one process group, or None),
+    never reached; from the flight records too, marked 'gpu'), 'gpu_stuck' (rank -> the op its
+    GPU has not completed, NCCL only), 'divergence' (first mismatch of two ranks on one process group, or None),
     'renamed' (groups whose members use different process-group names), 'cycle' (ranks that
     wait on each other in a ring, or None) and 'text' (the summary the error message shows)."""
     hosts = hosts or {}
@@ -138,6 +145,7 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
                 break
 
     cycle = _cycle(waits_for)
+    gpu_stuck, gpu_missing = _gpu(polls, logs, where)
 
     lines = []
     for r in sorted(logs):
@@ -147,6 +155,12 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
             others = sum(1 for x in logs[r] if x.get("end") is None) - 1
             more = f" (+{others} later op(s) also open)" if others > 0 else ""
             lines.append(f"rank {r}{at}: entered and never left {_fmt(e)}{more}")
+        elif r in gpu_stuck:
+            g = gpu_stuck[r]
+            lines.append(
+                f"rank {r}{at}: on the GPU (flight recorder) {_fmt_gpu(g)} is {g['state']}, never completed"
+                " (NCCL: the log's ends are enqueue times)"
+            )
         else:
             done = [x for x in logs[r] if x.get("end") is not None]
             last = f"; last completed {_fmt(done[-1])}" if done else "; no collective completed"
@@ -155,6 +169,12 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
         lines.append(
             f"ranks {m['ranks']} never reached {m['op']} seq {m['seq']} on {m['dim']} group {m['group']}"
             f" (pg {m['pg']}), where ranks {m['waiting']} wait: "
+            + "; ".join(f"rank {r} {w}" for r, w in m["where"].items())
+        )
+    for m in gpu_missing:
+        lines.append(
+            f"ranks {m['ranks']} never enqueued {m['op']} #{m['seq']} on {m['dim']} group {m['group']} (pg {m['pg']}),"
+            f" where the GPUs of ranks {m['waiting']} wait: "
             + "; ".join(f"rank {r} {w}" for r, w in m["where"].items())
         )
     for g in renamed:
@@ -175,16 +195,69 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
             + " (each waits in a collective the next one has not entered: collectives issued "
             "in different orders)"
         )
-    if not any(stuck.values()):
+    if not any(stuck.values()) and not gpu_stuck:
         lines.append("no rank is inside a collective: the run is slow or stuck in computation, not in communication")
     return {
         "stuck": stuck,
-        "missing": missing,
+        "missing": missing + gpu_missing,
+        "gpu_stuck": gpu_stuck,
         "divergence": divergence,
         "renamed": renamed,
         "cycle": cycle,
         "text": "\n".join(lines),
     }
+
+
+def _gpu(polls: dict, logs: dict, where) -> tuple[dict, list]:
+    """From the flight records ('gpu', NCCL only): rank -> the oldest op its GPU has not completed,
+    and one entry per such op that some members of its group never enqueued (flight.summary's
+    collective sequence numbers, which count per group on every rank alike)."""
+    stuck, missing, seen = {}, [], {}
+    for r, p in sorted(polls.items()):
+        g = p.get("gpu") or {}
+        if g.get("open"):
+            stuck[r] = dict(g["open"][0])
+    for r, e in stuck.items():
+        ranks = (polls[r].get("registry") or {}).get(e["pg"], [])
+        e["group"] = list(ranks)
+        e["dim"] = next((x["dim"] for x in logs[r] if str(x.get("pg")) == e["pg"]), "?")
+        if e["p2p"]:
+            continue  # p2p sequence numbers count per pair of ranks, not per group
+        absent = [
+            m
+            for m in ranks
+            if m != r and m in polls and (polls[m].get("gpu") or {}).get("entered", {}).get(e["pg"], 0) < e["seq"]
+        ]
+        if not absent:
+            continue
+        ident = (e["pg"], e["seq"])
+        if ident in seen:
+            seen[ident]["waiting"].append(r)
+            continue
+        seen[ident] = {
+            "group": list(ranks),
+            "pg": e["pg"],
+            "seq": e["seq"],
+            "op": e["op"],
+            "dim": e["dim"],
+            "ranks": absent,
+            "waiting": [r],
+            "where": {m: _gpu_where(m, stuck, where) for m in absent},
+            "gpu": True,
+        }
+        missing.append(seen[ident])
+    return stuck, missing
+
+
+def _gpu_where(m: int, stuck: dict, where) -> str:
+    if m in stuck:
+        return f"its GPU waits in {_fmt_gpu(stuck[m])}"
+    return where(m)
+
+
+def _fmt_gpu(e: dict) -> str:
+    sizes = "x".join(str(s) for s in (e.get("sizes") or [[]])[0]) if e.get("sizes") else ""
+    return f"{e['op']}({sizes}) #{e['seq']} on {e.get('dim', '?')} group {e.get('group', [])} (pg {e['pg']})"
 
 
 def _last_frame(stack: str) -> str:

@@ -13,14 +13,14 @@ import os
 import signal
 import threading
 import time
-from collections import Counter
 
 import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
-from labkit.engines import runtime
+from labkit.engines import host, runtime
 from labkit.errors import LabError
+from labkit.world import forwarded_env, plan_world
 
 START_TIMEOUT_S = 120.0
 """Bound on starting engines, building the process groups and bringing results back."""
@@ -123,38 +123,23 @@ class EngineSet:
         """Give each engine (self.ids, in rank order) a rank and a device and build the world."""
         self.world = len(self.ids)
         got = self.gather(
-            {r: self.client[e].apply_async(runtime.engine_info) for r, e in enumerate(self.ids)},
+            {r: self.client[e].apply_async(host.engine_info) for r, e in enumerate(self.ids)},
             START_TIMEOUT_S,
             watch=False,
         )  # pids are what this learns
         infos = [got[r] for r in range(self.world)]
         self.hosts = [i["host"] for i in infos]
         self.pids = [i["pid"] for i in infos]
-        per_host = Counter(self.hosts)
-        local_index, seen = [], Counter()
-        for h in self.hosts:
-            local_index.append(seen[h])
-            seen[h] += 1
-        own_gpu = all(i["gpus"] >= per_host[h] for i, h in zip(infos, self.hosts))
-        has_gpu = all(i["gpus"] > 0 for i in infos)
-        if self.device_choice == "cuda" and not has_gpu:
-            raise LabError(f"device='cuda' but the engines see {[i['gpus'] for i in infos]} GPUs; use device='cpu'")
-        if self.backend_choice == "auto":
-            nccl = own_gpu and has_gpu and self.device_choice != "cpu"
-            self.backend = "nccl" if nccl else "gloo"
-        else:
-            self.backend = self.backend_choice
-        if self.backend == "nccl" and not own_gpu:
-            raise LabError(
-                f"backend='nccl' needs one GPU per engine; hosts have {[i['gpus'] for i in infos]} GPUs "
-                f"for {dict(per_host)} engines. Use device='cuda' (gloo on shared GPUs) or the CPU"
-            )
-        use_gpu = self.backend == "nccl" or self.device_choice == "cuda"
-        self.devices = [f"cuda:{k % max(1, i['gpus'])}" if use_gpu else "cpu" for k, i in zip(local_index, infos)]
-        loopback = self.local and len(per_host) == 1
-        addr = self.master_addr or ("127.0.0.1" if loopback else infos[0]["addr"])
-        threads = [max(1, (os.cpu_count() or 1) // per_host[h]) for h in self.hosts]
-        self._rendezvous(addr, threads, loopback)
+        world = plan_world(
+            infos,
+            backend=self.backend_choice,
+            device=self.device_choice,
+            local=self.local,
+            master_addr=self.master_addr,
+            default_cpus=os.cpu_count() or 1,
+        )
+        self.backend, self.devices = world.backend, world.devices
+        self._rendezvous(world.addr, world.threads, world.loopback)
 
     def _rendezvous(self, addr: str, threads: list[int], loopback: bool) -> None:
         """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
@@ -174,6 +159,7 @@ class EngineSet:
                     self.generation,
                     threads[rank],
                     loopback,
+                    forwarded_env(os.environ),
                 )
                 for rank, eid in enumerate(self.ids)
             },

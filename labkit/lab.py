@@ -36,6 +36,7 @@ from labkit.plans.mesh import MeshLayout
 from labkit.progress import StepProgress, print_progress
 from labkit.results import RunResult
 from labkit.validation import data_problems, optim_problems, validate
+from labkit.world import layout_problems
 
 DEFAULT_TIMEOUT_S = 300.0
 """A run or apply that takes longer is diagnosed as a hang. Generous for CPU demos; pass your own."""
@@ -55,10 +56,12 @@ class Lab:
     """A local ipyparallel cluster (or a connection to one) ready to run parallel layouts.
 
     engines: how many engines (ranks) to start locally.
-    backend: 'auto' (nccl when every engine has its own GPU, else gloo), 'gloo' or 'nccl'.
+    backend: 'auto' (nccl when every engine has a GPU of its own, else gloo), 'gloo' or 'nccl'.
     device: 'auto' (a GPU each under nccl, else the CPU), 'cpu', or 'cuda': ranks on the GPUs
             even when several share one — NCCL refuses two ranks on one GPU, so with more engines
             than GPUs 'cuda' runs gloo on CUDA tensors (a classroom on one GPU server).
+            'auto' on a host with a GPU per engine is NCCL, where collectives take CUDA tensors
+            only: code that builds CPU tensors says device='cpu' (labkit/world.py decides).
     timeout: seconds a run or apply may take before it is diagnosed as a hang (default for the
              calls' own `timeout`; each job's process groups time out just after it).
     progress: print one line per step (True), stay quiet (False), or call progress(record).
@@ -218,6 +221,8 @@ class Lab:
         validate(cfg, model, self.world)
         if optim_problems(optim):
             raise ConfigError(optim_problems(optim))
+        if layout_problems(cfg, self.backend, self.devices[: cfg.world]):
+            raise ConfigError(layout_problems(cfg, self.backend, self.devices[: cfg.world]))
         for w in MeshLayout.of(cfg).warnings(self.hosts[: cfg.world]):  # a TP group across hosts: say so
             warnings.warn(w, stacklevel=2)
         from labkit.engines.train import (
@@ -248,7 +253,7 @@ class Lab:
 
             lab.activate()
             %%px -e                                   # -e: each engine's (= rank's) outputs together
-            t = torch.tensor([float(rank)]); dist.all_reduce(t); print(rank, t)
+            t = torch.tensor([float(rank)], device=device); dist.all_reduce(t); print(rank, t)
 
         The mesh's groups are created collectively through `apply` (bounded and logged like a run).
         Outputs show when the cell ends, grouped per engine in rank order (engine i is rank i in a

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
+from labkit.assembly import PieceIssue, assemble
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 
 COMPUTE_KINDS = ("F", "B", "W")
@@ -106,8 +107,16 @@ class RunResult:
     optim: OptimConfig = field(default_factory=OptimConfig)
     wall_seconds: float = 0.0
     params: dict[str, np.ndarray] | None = field(default=None, repr=False)
-    """Final full parameters, assembled from every rank's pieces (return_params=True, or data='text')."""
+    """Final full parameters (the fp32 masters), assembled from every rank's pieces (return_params=True,
+    or data='text')."""
     audit: list[dict] | None = field(default=None, repr=False)
+    grads: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    """The first step's reduced gradients, before clipping (return_params=True)."""
+    compute: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    """The final weights forward reads, where they are not the masters (return_params=True;
+    GradSync.compute_pieces)."""
+    piece_issues: list[PieceIssue] = field(default_factory=list, repr=False)
+    """What assembling found: copies of one element that differ between ranks, non-finite values."""
     data: str = "synthetic"
     """What the run trained on: 'synthetic' or 'text' (labkit/plans/text.py)."""
     validation_loss: float | None = None
@@ -140,14 +149,37 @@ class RunResult:
         ]
         shards = cfg.dp * cfg.ep * cfg.cp
         losses = [sum(rk.losses[s] for rk in ranks if rk.coords["tp"] == 0) / shards for s in range(steps)]
-        params = None
-        if any("pieces" in r for r in active):
-            params = assemble([pc for r in active for pc in r.get("pieces", [])])
+        found: dict[str, dict | None] = {}
+        issues: list[PieceIssue] = []
+        for key, what in (
+            ("pieces", "parameters"),
+            ("grad_pieces", "gradients"),
+            ("compute_pieces", "working weights"),
+        ):
+            mine = [{**pc, "rank": r["rank"]} for r in active for pc in r.get(key) or []]
+            found[key], more = assemble(mine, what) if mine else (None, [])
+            issues += more
         audit = [r["audit"] for r in active] if any("audit" in r for r in active) else None
         validation = None
         if any("validation" in r for r in active):  # shares add up like the losses above
             validation = sum(r["validation"] for r in active if r["coords"]["tp"] == 0) / shards
-        return cls(cfg, model, steps, seed, losses, ranks, optim, wall, params, audit, data, validation)
+        return cls(
+            cfg,
+            model,
+            steps,
+            seed,
+            losses,
+            ranks,
+            optim,
+            wall,
+            found["pieces"],
+            audit,
+            grads=found["grad_pieces"],
+            compute=found["compute_pieces"],
+            piece_issues=issues,
+            data=data,
+            validation_loss=validation,
+        )
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
         """`tokens` bytes that continue `prompt`, sampled from the run's final parameters in this
@@ -221,10 +253,12 @@ class RunResult:
             "validation_loss": self.validation_loss,
             "ranks": [asdict(r) for r in self.ranks],
         }
-        if self.params is not None:
-            d["params"] = {
-                k: {"shape": list(v.shape), "values": v.reshape(-1).tolist()} for k, v in self.params.items()
-            }
+        for key in ("params", "grads", "compute"):
+            if getattr(self, key) is not None:
+                d[key] = {
+                    k: {"shape": list(v.shape), "values": v.reshape(-1).tolist()} for k, v in getattr(self, key).items()
+                }
+        d["piece_issues"] = [i.to_dict() for i in self.piece_issues]
         return d
 
     @classmethod
@@ -235,9 +269,12 @@ class RunResult:
             r["comm"] = [CommEvent(**e) for e in r["comm"]]
             r["timeline"] = [Event(**e) for e in r["timeline"]]
             ranks.append(RankReport(**r))
-        params = None
-        if d.get("params"):
-            params = {k: np.asarray(v["values"], dtype=np.float32).reshape(v["shape"]) for k, v in d["params"].items()}
+        tensors = {
+            key: {k: np.asarray(v["values"], dtype=np.float32).reshape(v["shape"]) for k, v in d[key].items()}
+            if d.get(key)
+            else None
+            for key in ("params", "grads", "compute")
+        }
         return cls(
             ParallelConfig.from_dict(d["config"]),
             ModelConfig.from_dict(d["model"]),
@@ -247,7 +284,10 @@ class RunResult:
             ranks,
             OptimConfig.from_dict(d["optim"]),
             d.get("wall_seconds", 0.0),
-            params,
+            tensors["params"],
+            grads=tensors["grads"],
+            compute=tensors["compute"],
+            piece_issues=[PieceIssue.from_dict(i) for i in d.get("piece_issues", [])],
             data=d.get("data", "synthetic"),
             validation_loss=d.get("validation_loss"),
         )
@@ -310,28 +350,3 @@ class RunResult:
     def save_trace(self, path) -> None:
         with open(path, "w") as f:
             json.dump(self.trace(), f)
-
-
-def assemble(pieces: list[dict]) -> dict[str, np.ndarray]:
-    """Full parameters from every rank's pieces ({name, shape, box | flat | both | whole, values});
-    raises if any element of a parameter was never covered."""
-    out: dict[str, np.ndarray] = {}
-    for pc in pieces:
-        full = out.setdefault(pc["name"], np.full(pc["shape"], np.nan, dtype=np.float32))
-        if pc["flat"] is not None and pc["box"] is not None:  # a flat range of a sliced tensor (ZeRO x TP)
-            box = tuple(slice(a, b) for a, b in pc["box"])
-            local = full[box].copy()
-            a, b = pc["flat"]
-            local.reshape(-1)[a:b] = pc["values"].reshape(-1)
-            full[box] = local
-        elif pc["flat"] is not None:
-            a, b = pc["flat"]
-            full.reshape(-1)[a:b] = pc["values"].reshape(-1)
-        elif pc["box"] is not None:
-            full[tuple(slice(a, b) for a, b in pc["box"])] = pc["values"]
-        else:
-            full[...] = pc["values"]
-    missing = [n for n, a in out.items() if np.isnan(a).any()]
-    if missing:
-        raise ValueError(f"parameters not fully covered by any rank's pieces: {missing}")
-    return out

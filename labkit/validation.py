@@ -11,6 +11,7 @@ import dataclasses
 import math
 
 from labkit.config import (
+    ARCHS,
     CHECKPOINTING,
     DATA,
     DIMS,
@@ -154,15 +155,8 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
             f"vocab={model.vocab} is not divisible by tp={cfg.tp} (vocab-parallel embedding); "
             f"use a vocab that is a multiple of {cfg.tp}"
         )
-    chunks = cfg.pp * cfg.virtual_stages
-    if cfg.virtual_stages < 1:
-        out.append(f"virtual_stages={cfg.virtual_stages} must be >= 1; try 1")
-    elif model.layers % chunks:
-        fits = [p for p in _divisors(model.layers) if p * cfg.virtual_stages <= model.layers]
-        out.append(
-            f"layers={model.layers} cannot be split into pp({cfg.pp}) * virtual_stages("
-            f"{cfg.virtual_stages}) = {chunks} equal chunks; {_try(fits)} for pp"
-        )
+    out += family_problems(cfg, model)
+    out += stage_problems(cfg, model)
     if model.seq % (2 * cfg.cp):
         out.append(
             f"seq={model.seq} is not divisible by 2*cp={2 * cfg.cp} (ring attention's zigzag "
@@ -230,6 +224,76 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         out.append(f"bucket_mb={cfg.bucket_mb} must be > 0; try 25")
     out += _sharding_problems(cfg)
     return out
+
+
+def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
+    """What the model family (arch) and its attention allow, and how tp may split its KV heads."""
+    out = []
+    if model.arch not in ARCHS:
+        return [f"arch={model.arch!r} is not one of {list(ARCHS)}; pick one of those"]
+    kv = model.n_kv_heads
+    if not isinstance(kv, int) or isinstance(kv, bool) or kv < 1 or model.heads % kv:
+        return [f"kv_heads={model.kv_heads!r} must divide heads={model.heads}; {_try(_divisors(model.heads))}"]
+    if model.heads % cfg.tp or kv == model.heads:
+        pass  # the heads check says it (kv_heads = heads: the same split)
+    elif cfg.tp > kv and cfg.tp % kv:
+        out.append(
+            f"tp={cfg.tp} > kv_heads={kv} replicates each KV head on tp/kv_heads ranks, so kv_heads must "
+            f"divide tp; {_try([t for t in _divisors(model.heads) if t <= kv or t % kv == 0])} for tp"
+        )
+    elif kv % cfg.tp and cfg.tp < kv:
+        out.append(f"kv_heads={kv} is not divisible by tp={cfg.tp}; {_try(_divisors(kv))} for tp")
+    if cfg.impl == "torch" and cfg.tp > kv:
+        out.append(
+            f"impl='torch' with tp={cfg.tp} > kv_heads={kv}: DTensor's ColwiseParallel splits wk and wv by "
+            "rows and cannot replicate a KV head (torchtitan requires kv_heads % tp == 0); use impl='lab' "
+            f"or tp <= {kv}"
+        )
+    llama = model.arch == "llama"
+    if llama and model.head_dim % 2:
+        out.append(f"head_dim={model.head_dim} must be even for rotary embeddings (pairs of dimensions rotate)")
+    if not llama and (model.rope_scaling is not None or model.rope_theta != 10000.0):
+        out.append(f"rope_theta / rope_scaling apply to arch='llama' only (arch={model.arch!r} learns its positions)")
+    if not llama and model.qkv_bias:
+        out.append(
+            f"qkv_bias applies to arch='llama' (Qwen2); arch={model.arch!r} has "
+            + ("a bias on every projection already" if model.arch == "gpt2" else "no biases")
+        )
+    if not model.norm_eps > 0:
+        out.append(f"norm_eps={model.norm_eps} must be > 0; try 1e-5")
+    if model.tie_embeddings is not None and not isinstance(model.tie_embeddings, bool):
+        out.append(f"tie_embeddings={model.tie_embeddings!r} must be True, False or None (the family's)")
+    return out
+
+
+def stage_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
+    """How the blocks split over pp * virtual_stages pipeline stages: evenly, or as stage_layers says."""
+    chunks = cfg.pp * cfg.virtual_stages
+    if cfg.virtual_stages < 1:
+        return [f"virtual_stages={cfg.virtual_stages} must be >= 1; try 1"]
+    if cfg.stage_layers:
+        sl = cfg.stage_layers
+        out = []
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 0 for n in sl):
+            return [f"stage_layers={sl} must hold whole numbers >= 0"]
+        if len(sl) != chunks:
+            out.append(
+                f"stage_layers has {len(sl)} entries, but pp({cfg.pp}) * virtual_stages({cfg.virtual_stages}) "
+                f"= {chunks} stages; give one count per stage"
+            )
+        if sum(sl) != model.layers:
+            out.append(f"stage_layers={sl} sums to {sum(sl)}, but the model has layers={model.layers}")
+        return out
+    if model.layers % chunks:
+        fits = [p for p in _divisors(model.layers) if p * cfg.virtual_stages <= model.layers]
+        base, extra = divmod(model.layers, chunks)
+        even = (base + 1,) * extra + (base,) * (chunks - extra)
+        return [
+            f"layers={model.layers} cannot be split into pp({cfg.pp}) * virtual_stages("
+            f"{cfg.virtual_stages}) = {chunks} equal chunks; {_try(fits)} for pp, or uneven stages: "
+            f"stage_layers={even}"
+        ]
+    return []
 
 
 # What PyTorch offers for each sharding (impl='torch'), or why nothing: the reason in the refusal.

@@ -1,4 +1,5 @@
 """Shared fixtures: one real 4-engine ipyparallel cluster (gloo on CPU) for the whole session.
+(device="cpu": on a host with a GPU per engine, "auto" would be NCCL, where CPU tensors cannot go.)
 
 Starting engines costs ~15 s on two cores, so every cluster test shares this one; tests use
 tiny models so that the suite stays well inside CI's budget.
@@ -28,7 +29,7 @@ def pytest_collection_modifyitems(config, items):
 def lab():
     from labkit import Lab
 
-    with Lab(engines=4, timeout=120, progress=False) as lab:
+    with Lab(engines=4, timeout=120, progress=False, device="cpu") as lab:
         yield lab
 
 

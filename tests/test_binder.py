@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-import pytest
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
 try:
     import tomllib
-except ImportError:  # Python 3.10
-    tomllib = pytest.importorskip("tomli")
+except ImportError:  # Python 3.10: tomli, the same parser, is a test dependency there (pyproject.toml)
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 BINDER = ROOT / "binder"

@@ -68,3 +68,17 @@ def test_estimate_of_a_preset_says_what_dominates(capsys):
 def test_estimate_refuses_an_unknown_preset(capsys):
     assert main(["estimate", "--model", "llama-71b"]) == 2
     assert "llama-70b" in capsys.readouterr().err
+
+
+def test_a_run_that_does_not_match_exits_non_zero_saying_why(monkeypatch, capsys):
+    """The run checked against the real reference of another seed (a wrong oracle, no mock): the
+    command exits 1 and names the checks that failed."""
+    import labkit.cli as cli
+
+    real = cli.reference
+    monkeypatch.setattr(cli, "reference", lambda model, **kw: real(model, **{**kw, "seed": kw["seed"] + 1}))
+    tiny = ["--model-layers", "2", "--model-hidden", "32", "--model-ffn", "128", "--model-vocab", "128"]
+    assert main(["run", "--steps", "2", "--model-seq", "16", *tiny]) == 1
+    err = capsys.readouterr().err
+    assert "the run does not train like the one-process reference" in err
+    assert "[gradients]" in err and "[losses] the loss differs from the reference's beyond 1e-05 at step 0" in err

@@ -9,10 +9,10 @@ from math import prod
 
 import pytest
 from conftest import TINY
-from theory_match import compare, same_arithmetic
+from theory_match import compare
 
 from labkit import ConfigError, ParallelConfig, reference, validate
-from labkit.checks import FP32_RTOL, assert_matches, loss_errors, param_errors, reference_shards, rtol_for
+from labkit.checks import assert_matches
 from labkit.plans.mesh import MeshLayout
 
 M4 = TINY.replace(layers=4)
@@ -52,25 +52,14 @@ PAIRS = {
 
 
 @pytest.fixture(scope="module")
-def oracle(lab):
-    """References by (model, precision, shards), with the engines' thread count (bf16: reference.py)."""
-    import torch
-
-    threads = lab.apply(torch.get_num_threads)[0]
+def oracle():
+    """The fp32 reference of each model (its seed, 3 steps): the oracle of fp32 and bf16 layouts alike."""
     cache = {}
 
     def get(cfg, model):
-        key = (model, cfg.precision, reference_shards(cfg))
+        key = (model, cfg.global_batch)
         if key not in cache:
-            cache[key] = reference(
-                model,
-                steps=3,
-                seed=SEEDS[model],
-                global_batch=cfg.global_batch,
-                precision=cfg.precision,
-                shards=reference_shards(cfg),
-                threads=threads,
-            )
+            cache[key] = reference(model, steps=3, seed=SEEDS[model], global_batch=cfg.global_batch)
         return cache[key]
 
     return get
@@ -91,19 +80,11 @@ def run(lab):
 
 
 @pytest.mark.parametrize("name", list(PAIRS))
-def test_pair_trains_like_one_process_and_as_predicted(lab, run, oracle, name):
+def test_pair_trains_like_one_process_and_as_predicted(run, oracle, name):
     cfg, model = PAIRS[name]
     res = run(name)
-    ref = oracle(cfg, model)
-    if cfg.precision == "bf16" and cfg.tp * cfg.cp * cfg.ep > 1:  # bit for bit: test_compose.py says why
-        assert max(loss_errors(res.losses, ref.losses)) < rtol_for(cfg.precision)
-        alone = lab.run(same_arithmetic(cfg), model=model, steps=3, seed=SEEDS[model], return_params=True)
-        assert max(param_errors(res.params, alone.params).values()) < FP32_RTOL
-        ref.grad_norms = alone.ranks[0].grad_norms
-    else:
-        assert_matches(res, ref)
-    for rk in res.ranks:  # each parameter counted once: replicas over tp (MoE too), ep, sharded slices
-        assert rk.grad_norms == pytest.approx(ref.grad_norms, rel=rtol_for(cfg.precision))
+    # every rank's global norm too: each parameter counted once (replicas over tp, MoE too, ep; shards)
+    assert_matches(res, oracle(cfg, model))
     compare(res, cfg, model, world=4)
 
 
@@ -139,7 +120,7 @@ def test_sequence_parallel_pipeline_passes_its_rows(run):
 
 def test_tp_group_across_hosts_warns(lab):
     """Lab.run warns when the layout puts a TP group on two hosts (hosts as the Lab sees them)."""
-    real = lab.engines.hosts
+    real = lab.engines.hosts  # Lab.hosts reads the engine set's
     lab.engines.hosts = ["a", "a", "b", "b"]
     try:
         with pytest.warns(UserWarning, match="tensor parallelism talks after every layer"):

@@ -23,7 +23,8 @@ def test_default_is_valid():
     assert problems(ParallelConfig(dp=2, tp=2, pp=2, microbatches=2), M, 8) == []
 
 
-def test_unbuilt_strategies_are_refused_with_a_way_out():
+def test_built_strategies_are_not_refused():
+    """Every strategy alone is built: none of them is reported as not built, and each validates."""
     from labkit.validation import not_built_yet
 
     for cfg, model in [
@@ -35,10 +36,27 @@ def test_unbuilt_strategies_are_refused_with_a_way_out():
         (ParallelConfig(ep=2), ModelConfig(experts=2)),
         (ParallelConfig(pp=2), M),
     ]:
-        for line in not_built_yet(cfg, model):
-            assert "not built yet" in line and "use" in line or "set" in line
-            with pytest.raises(ConfigError, match="not built yet"):
-                validate(cfg, model, 8)
+        assert not_built_yet(cfg, model) == [], cfg
+        validate(cfg, model, 8)
+
+
+@pytest.mark.parametrize(
+    "cfg, model",
+    [
+        (ParallelConfig(tp=2, pp=2, microbatches=2, impl="torch"), M),
+        (ParallelConfig(tp=2, impl="torch"), ModelConfig(experts=2)),
+    ],
+    ids=["torch-tp-pp", "torch-tp-moe"],
+)
+def test_unbuilt_combinations_are_refused_with_a_way_out(cfg, model):
+    from labkit.validation import not_built_yet
+
+    lines = not_built_yet(cfg, model)
+    assert len(lines) == 1
+    for line in lines:
+        assert "not built yet" in line and ("use" in line or "set" in line), line
+    with pytest.raises(ConfigError, match="not built yet"):
+        validate(cfg, model, 8)
 
 
 @pytest.mark.parametrize(

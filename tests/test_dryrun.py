@@ -66,3 +66,16 @@ def test_composed_layouts_dry_run_as_predicted(cfg):
     model = TINY.replace(layers=4)
     d = dry_run(cfg, model, rank=cfg.world - 1)
     assert d.differences(activation_tolerance=0.10) == []
+
+
+@pytest.mark.slow
+def test_a_llama_70b_rank_of_1024_equals_theory():
+    """README's claim: Llama-2-70B on dp32 x tp8 x pp4 (1,024 ranks), the last rank (last stage: the
+    head and the loss; 20 of the 80 layers) measured with nothing allocated equals the theory
+    (under a minute on 2 CPU cores)."""
+    from labkit.theory.presets import LLAMA_70B
+
+    cfg = ParallelConfig(dp=32, tp=8, pp=4, microbatches=8, global_batch=256)
+    d = dry_run(cfg, LLAMA_70B, rank=1023)
+    assert d.report.coords == {"tp": 7, "cp": 0, "ep": 0, "dp": 31, "pp": 3}
+    assert d.differences() == []

@@ -30,7 +30,7 @@ SLACK = 6.0
 def flab():
     from labkit import Lab
 
-    with Lab(engines=4, timeout=60, progress=False) as lab:
+    with Lab(engines=4, timeout=60, progress=False, device="cpu") as lab:
         yield lab
 
 

@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.plans.schedules import Action, Plan, local_problems, plan, with_comm
-from labkit.plans.simulator import Costs, ScheduleDeadlock, check, simulate
+from labkit.plans.schedules import COMPUTE, Action, Plan, batches, local_problems, plan, with_comm
+from labkit.plans.simulator import Costs, ScheduleDeadlock, check, simulate, simulate_nccl
 from labkit.theory import pipeline as tp
 
 PS = (2, 3, 4, 5, 8, 16, 64)
@@ -226,3 +226,95 @@ def test_measured_bubble_means_what_the_formula_means():
     got = res.bubble_fraction()
     assert got["overall"] == pytest.approx(theory.pipeline_bubble(p, m), abs=1e-12)
     assert all(f == pytest.approx(theory.pipeline_bubble(p, m), abs=1e-12) for f in got["per_rank"].values())
+
+
+# -- NCCL's rules (plans/simulator.py: simulate_nccl) -------------------------------------------
+def every_plan():
+    """Every plan labkit runs or draws: GPipe, 1F1B, interleaved (v = 2..4), ZB-H1; p <= 8, m <= 16."""
+    for schedule, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3, 4)), ("zb-h1", (1,))):
+        for v in vs:
+            for p in range(1, 9):
+                for m in range(1, 17):
+                    if schedule != "interleaved" or m % p == 0:
+                        yield plan(schedule, p, m, v)
+
+
+def unbatched(pl: Plan) -> tuple[list, ...]:
+    """Each send and receive alone, in the plan's order: what isend / irecv one by one would issue."""
+    return tuple([a if a.op in COMPUTE else (a,) for a in acts] for acts in pl.actions)
+
+
+def neighbour_batches(pl: Plan) -> tuple[list, ...]:
+    """Each run of sends and receives between two computes as one batch (Megatron's 1F1B
+    send_forward_recv_backward, but per rank, without lining batches up across ranks)."""
+    out = []
+    for acts in pl.actions:
+        items = []
+        for a in acts:
+            if a.op in COMPUTE:
+                items.append(a)
+            elif items and not isinstance(items[-1], Action):
+                items[-1] = (*items[-1], a)
+            else:
+                items.append((a,))
+        out.append(items)
+    return tuple(out)
+
+
+def test_every_plan_completes_under_nccl_as_the_executor_issues_it():
+    """The executor's batches (schedules.batches) meet only their peers' batches of the same tick:
+    every plan completes under NCCL's rules, as fast as under gloo's with unit costs, and the
+    executor's check (both rules) accepts it."""
+    count = 0
+    for pl in every_plan():
+        nccl, gloo = simulate_nccl(pl), simulate(pl)
+        assert nccl.problems == [] == check(pl), (pl.schedule, pl.p, pl.m, pl.v, nccl.problems[:2])
+        assert nccl.makespan == gloo.makespan and nccl.in_flight == gloo.in_flight, (pl.schedule, pl.p, pl.m)
+        count += 1
+    assert count == 3 * 8 * 16 + 3 * sum(16 // p for p in range(1, 9))  # 510 plans
+
+
+def test_batches_keep_the_plans_computes_and_issue_each_message_once():
+    for pl in every_plan():
+        for r, items in enumerate(batches(pl)):
+            assert [a for a in items if isinstance(a, Action)] == pl.compute(r)
+            p2p = [a for it in items if not isinstance(it, Action) for a in it]
+            assert sorted(p2p) == sorted(a for a in pl.actions[r] if a.op not in COMPUTE)
+            assert all(it for it in items)  # no empty batch is posted
+
+
+def test_unbatched_sends_deadlock_1f1b_under_nccl_but_not_gpipe():
+    """The review's replay: with one queue per communicator and rendezvous sends, 1F1B p=2 m=2
+    hangs at its first steady step (rank 0 in send_act1->r1, rank 1 in send_grad0->r0)."""
+    sim = simulate_nccl(plan("1f1b", 2, 2), issued=unbatched(plan("1f1b", 2, 2)))
+    assert sim.deadlock
+    assert any("rank 0 stuck" in p and "send_act1->r1" in p for p in sim.problems)
+    assert any("rank 1 stuck" in p and "send_grad0->r0" in p for p in sim.problems)
+    for p in (2, 4, 8):
+        for m in (p, 2 * p):
+            assert simulate_nccl(plan("1f1b", p, m), issued=unbatched(plan("1f1b", p, m))).deadlock
+            assert not simulate_nccl(plan("gpipe", p, m), issued=unbatched(plan("gpipe", p, m))).deadlock
+            assert not simulate(plan("1f1b", p, m)).deadlock  # gloo's buffered sends hide it
+
+
+def test_batching_only_neighbouring_sends_and_receives_still_hangs_interleaved():
+    """Why the executor lines batches up by tick: 1F1B completes with per-rank neighbour batches,
+    interleaved 1F1B does not once it has a steady state (m >= 2p; its forward ring is cyclic)."""
+    for p in (2, 4):
+        for m in (2 * p, 3 * p):
+            assert not simulate_nccl(plan("1f1b", p, m), issued=neighbour_batches(plan("1f1b", p, m))).deadlock
+            pl = plan("interleaved", p, m, 2)
+            assert simulate_nccl(pl, issued=neighbour_batches(pl)).deadlock
+
+
+def test_nccl_ignores_tags_so_messages_out_of_order_are_refused():
+    """Rank 1 runs F1 before F0: under gloo the tags sort it out; NCCL would hand it microbatch 0's
+    activation as microbatch 1's. Issued one by one, the plan is refused; the executor's batches
+    post receives in the senders' order, so they are not."""
+    rank0 = with_comm([("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)], 2, 1, 0)
+    rank1 = with_comm([("F", 1, 0), ("F", 0, 0), ("B", 0, 0), ("B", 1, 0)], 2, 1, 1)
+    pl = Plan("swapped", 2, 2, 1, (tuple(rank0), tuple(rank1)))
+    assert local_problems(pl) == [] and not simulate(pl).problems
+    found = simulate_nccl(pl, issued=unbatched(pl)).problems
+    assert any("NCCL ignores tags" in p and "send_act0->r1" in p and "recv_act1<-r0" in p for p in found)
+    assert simulate_nccl(pl).problems == []

@@ -66,7 +66,7 @@ def test_the_client_connection_is_authenticated(lab):
 
 @pytest.fixture
 def second_lab():
-    with Lab(engines=2, timeout=120, progress=False) as other:
+    with Lab(engines=2, timeout=120, progress=False, device="cpu") as other:
         yield other
 
 

@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.checks import assert_matches, reference_shards, rtol_for
+from labkit.checks import assert_matches
 
 ODD = ModelConfig(layers=2, hidden=27, heads=3, ffn=81, vocab=125, seq=18)
 """Sizes that no flat buffer and no dim 0 divides by 4 (hidden 27, vocab 125, seq 18): padding everywhere."""
@@ -27,41 +27,60 @@ CASES = [(s, True, "lab") for s in ("zero1", "zero2", "zero3", "fsdp")] + [
 
 
 @pytest.fixture(scope="module")
-def oracle(lab):
-    """The reference with the engines' arithmetic: bf16 runs split the batch into the layout's
-    data shards and use the engines' thread count (labkit/reference.py says why)."""
-    import torch
-
+def oracle():
+    """The fp32 reference (3 steps) by model and global batch: the oracle of fp32 and bf16 runs alike
+    (labkit/bounds.py holds bf16 to bounds derived from its rounding)."""
     from labkit import reference
 
-    threads = lab.apply(torch.get_num_threads)[0]
     cache = {}
 
     def get(cfg: ParallelConfig, model=TINY):
-        shards = reference_shards(cfg)
-        key = (model, cfg.precision, shards, cfg.global_batch)
+        key = (model, cfg.global_batch)
         if key not in cache:
-            cache[key] = reference(
-                model, steps=3, global_batch=cfg.global_batch, precision=cfg.precision, shards=shards, threads=threads
-            )
+            cache[key] = reference(model, steps=3, global_batch=cfg.global_batch)
         return cache[key]
 
     return get
 
 
+def check_peak(rk, predicted: dict, cfg: ParallelConfig) -> None:
+    """The CPU peak (the meter's largest sum of model states and live transients) says when the
+    transients live. Each category's own peak equals the theory already, so that the peak lies
+    between states + activations and the sum of every category's peak holds by construction;
+    what can fail is which transients live beside the activations' peak:
+      none             nothing else lives on the rank: the peak is states + activations;
+      reshard off      FSDP keeps every unit gathered from its forward to its backward, so the
+                       whole model is gathered when the activations peak (at the end of forward);
+      otherwise        a transient lives beside the activations (ZeRO-2's first bucket, ZeRO-3 /
+                       FSDP's last unit gathered again for backward, bf16's fp32 copy of the
+                       first bucket), but they never all peak at once: units are freed after
+                       their forward, and reduce buffers appear as backward frees activations.
+    """
+    m = rk.memory
+    states = sum(m[k] for k in STATES)
+    transients = set(predicted) - {*STATES, "activations", "peak"}
+    if not transients:
+        assert m["peak"] == states + m["activations"], rk.rank
+        return
+    assert m["peak"] > states + m["activations"], rk.rank
+    if cfg.sharding == "fsdp" and not cfg.reshard_after_forward:
+        assert m["peak"] >= states + m["activations"] + m["gathered"], rk.rank
+    if transients == {"gathered"} and cfg.sharding == "fsdp" and not cfg.reshard_after_forward:
+        assert m["peak"] == predicted["peak"], rk.rank  # FSDP2's only tracked transient peaks there
+    else:
+        assert m["peak"] < predicted["peak"], rk.rank
+
+
 def check_against_theory(res, cfg: ParallelConfig, model) -> None:
     """Memory per rank and communication rows equal the theory (ours: calls included; FSDP2:
-    all-gather / reduce-scatter bytes)."""
+    all-gather / reduce-scatter bytes); the CPU peak as check_peak says."""
     est = theory.estimate(cfg, model, world=4)
     for rk in res.ranks:
         predicted = est.memory[rk.rank]
         assert {k: rk.memory[k] for k in predicted if k != "peak"} == {
             k: v for k, v in predicted.items() if k != "peak"
         }, rk.rank
-        states = sum(rk.memory[k] for k in STATES)
-        assert states + rk.memory["activations"] <= rk.memory["peak"] <= predicted["peak"]
-        if "gathered" in predicted:  # ZeRO-3's transient parameters are inside the peak, not beside it
-            assert rk.memory["peak"] >= states + rk.memory["gathered"]
+        check_peak(rk, predicted, cfg)
     if cfg.impl == "lab":
         assert res.comm_table() == est.comm_table()
     else:
@@ -75,10 +94,7 @@ def check_against_theory(res, cfg: ParallelConfig, model) -> None:
 def test_sharding_trains_like_one_process(lab, oracle, sharding, reshard, impl, precision):
     cfg = ParallelConfig(dp=4, sharding=sharding, reshard_after_forward=reshard, impl=impl, precision=precision)
     res = lab.run(cfg, model=TINY, steps=3, return_params=True)
-    ref = oracle(cfg)
-    assert_matches(res, ref)
-    for rk in res.ranks:  # the global norm, each element once: every rank clips by the reference's norm
-        assert rk.grad_norms == pytest.approx(ref.grad_norms, rel=rtol_for(precision))
+    assert_matches(res, oracle(cfg))  # on every rank the global norm, each element once: all clip alike
     check_against_theory(res, cfg, TINY)
 
 

@@ -48,7 +48,7 @@ leak of each run's model (the DDP hook cycle this test found) grows ~6 MB per 10
 def slab():
     from labkit import Lab
 
-    with Lab(engines=4, timeout=60, progress=False) as lab:
+    with Lab(engines=4, timeout=60, progress=False, device="cpu") as lab:
         yield lab
 
 

@@ -13,10 +13,11 @@ bytes); DTensor's own TP collectives are its implementation's, not compared here
 
 from __future__ import annotations
 
-from labkit import ParallelConfig, theory
+from labkit import theory
 from labkit.plans.mesh import MeshLayout
-from labkit.plans.schedules import plan
+from labkit.plans.schedules import chunk_layers, plan
 from labkit.theory import activations
+from labkit.theory.pipeline import stage_layers
 
 STATES = ("params", "grads", "optimizer")
 
@@ -39,17 +40,18 @@ def routing(rank_report, cfg, model) -> dict:
     """{(microbatch, chunk): [R of each MoE layer]} of this rank's last step: its forward combines
     in the order the rank ran its forwards (the schedule's F actions), layer by layer."""
     elem = 2 if cfg.precision == "bf16" else 4
-    layers = model.layers // (cfg.pp * (cfg.virtual_stages if cfg.pp > 1 else 1))
+    p, v, r = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, rank_report.coords["pp"]
+    layers = [len(chunk_layers(model.layers, p, v, r, c, cfg.stage_layers)) for c in range(v)]  # per chunk
     if cfg.pp == 1:
         order = [(mb, 0) for mb in range(cfg.microbatches)]
     else:
-        order = [
-            (a.mb, a.chunk)
-            for a in plan(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages).actions[rank_report.coords["pp"]]
-            if a.op == "F"
-        ]
-    rows = received_rows(rank_report, len(order) * layers, model.hidden, elem)
-    return {key: rows[i * layers : (i + 1) * layers] for i, key in enumerate(order)}
+        order = [(a.mb, a.chunk) for a in plan(cfg.schedule, p, cfg.microbatches, v).actions[r] if a.op == "F"]
+    rows = received_rows(rank_report, sum(layers[c] for _, c in order), model.hidden, elem)
+    out, at = {}, 0
+    for key in order:
+        out[key] = rows[at : at + layers[key[1]]]
+        at += layers[key[1]]
+    return out
 
 
 def compare(res, cfg, model, world: int) -> list[dict]:
@@ -59,7 +61,6 @@ def compare(res, cfg, model, world: int) -> list[dict]:
     elem = 2 if cfg.precision == "bf16" else 4
     b, s = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches), model.seq // cfg.cp
     n = b * s * model.top_k
-    passes = model.layers // cfg.pp * cfg.microbatches
     table = []
     for rk in res.ranks:
         want = est.memory[rk.rank]
@@ -91,6 +92,7 @@ def compare(res, cfg, model, world: int) -> list[dict]:
     assert sorted(got) == sorted(row)
     if routed(cfg, model):
         for rk in res.ranks:
+            passes = stage_layers(cfg, model, rk.coords["pp"])[0] * cfg.microbatches
             r = received_rows(rk, passes, model.hidden, elem)
             g, p = got[rk.rank], row[rk.rank]
             assert (g["dim"], g["calls"]) == (p["dim"], p["calls"])
@@ -121,23 +123,6 @@ def format_table(name: str, res, ref_losses, table: list[dict]) -> str:
         coords = "".join(f"{d}{v}" for d, v in e["coords"].items())
         lines.append(f"  rank {e['rank']} ({coords}): " + "; ".join(cells) + f"; wire {wire}")
     return "\n".join(lines)
-
-
-def same_arithmetic(cfg: ParallelConfig) -> ParallelConfig:
-    """The layout's bf16 arithmetic on fewer ranks (tests/test_compose.py docstring): tp, cp and ep
-    kept, no pipeline and no ZeRO, dp folded into microbatches — unless ep > 1, whose experts see
-    the rows of one dp replica's ep ranks together, a pairing that only dp itself reproduces."""
-    fold = cfg.ep == 1
-    return ParallelConfig(
-        tp=cfg.tp,
-        cp=cfg.cp,
-        ep=cfg.ep,
-        dp=1 if fold else cfg.dp,
-        sequence_parallel=cfg.sequence_parallel,
-        precision=cfg.precision,
-        microbatches=cfg.microbatches * (cfg.dp if fold else 1),
-        global_batch=cfg.global_batch,
-    )
 
 
 def reference_gap(model, seed: int, steps: int = 3) -> float:

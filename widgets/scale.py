@@ -179,10 +179,11 @@ class ScaleExplorer:
         return PRESETS[self.controls["model"].value]
 
     def _degree_options(self, **values) -> None:
-        """Offer the degrees the model allows: tp | heads, pp | layers, 2cp | seq, ep | experts."""
+        """Offer the degrees the model allows: tp | heads, vocab and ffn (GPT-2's vocab 50257 is odd:
+        tp 1), pp | layers, 2cp | seq, ep | experts."""
         m, c = self.model, self.controls
         opts = {
-            "tp": _powers(128, m.heads),
+            "tp": [t for t in _powers(128, m.heads) if m.vocab % t == 0 and m.ffn % t == 0],
             "pp": [p for p in range(1, min(m.layers, 128) + 1) if m.layers % p == 0],
             "cp": [x for x in _powers(64) if m.seq % (2 * x) == 0],
             "ep": [x for x in range(1, max(m.experts, 1) + 1) if max(m.experts, 1) % x == 0],

@@ -8,6 +8,7 @@ import torch
 
 from labkit.config import DIMS
 from labkit.engines import runtime
+from labkit.engines.device import wait
 from labkit.engines.mesh import Mesh
 from labkit.engines.meters.comm import CommMeter
 from labkit.engines.meters.memory import MemoryMeter
@@ -19,14 +20,16 @@ def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
     """Group ranks -> dim name, for every group of every (combined) dim of the layout.
 
     A single dim wins over a combination with the same ranks (with cp == 1 the dp-cp groups are
-    the dp groups, and are called 'dp'). Groups created by PyTorch itself (DTensor's or FSDP2's
-    DeviceMesh) map by their ranks too.
+    the dp groups, and are called 'dp'); groups below a dim (MeshLayout.subgroups) go by its
+    name. Groups created by PyTorch itself (DTensor's or FSDP2's DeviceMesh) map by their ranks too.
     """
     out: dict[tuple[int, ...], str] = {}
     for dims in [(d,) for d in DIMS] + [mesh.layout.canonical(c) for c in COMBINED]:
         for g in mesh.layout.groups(*dims):
             if len(g) > 1:
                 out.setdefault(tuple(g), mesh.layout.label(*dims))
+    for dim, g in mesh.layout.subgroups():  # a shared KV head's tp ranks, a tied embedding's stages
+        out.setdefault(tuple(g), dim)
     return out
 
 
@@ -45,7 +48,7 @@ class Meters:
         self._own_comm = comm_log and job_log is None
         self._span = [0, None]  # the report's slice of self.comm.events
         self.memory = MemoryMeter()
-        self.timeline = Timeline(device)
+        self.timeline = Timeline(device, check=runtime.check_cancelled)
         self.cuda = device.type == "cuda"
 
     def __enter__(self):
@@ -96,6 +99,11 @@ class Meters:
     @staticmethod
     def check_cancelled() -> None:
         runtime.check_cancelled()
+
+    def wait_device(self) -> None:
+        """Before the host reads a value the GPU computes (a loss, a norm): wait for the stream
+        by polling, so a cancel is seen and a hung collective does not block the thread in CUDA."""
+        wait(self.device, runtime.check_cancelled)
 
     def memory_report(self, states: dict[str, int]) -> dict[str, int]:
         """Bytes: params, grads, optimizer (persistent, after the step), activations (peak of the

@@ -17,11 +17,12 @@ What it records, per op (a plain dict, see labkit.results.CommEvent): op, dim (t
 dimension whose group it ran on), group ranks, numel, dtype, payload bytes (B: the logical full
 tensor), wire bytes this rank sends under the ring model (labkit/plans/wire.py), a sequence
 number per group, start/end on the run's clock, and the phase of the step. An op is 'left' when
-its Work completes (a future callback), or for works without a future (gloo's reduce-scatter),
-when the meter next finds it completed; entered-but-not-left ops are what the hang diagnosis
-reads. An op whose Work fails (a peer died, gloo's timeout) is never 'left': it keeps end None
-and gets an 'error'. Each event also names its process group ('pg'): the sequence numbers count
-per process group, so the diagnosis compares ranks' ops only within one group.
+its Work completes (a future callback), or for works without a future (gloo's reduce-scatter)
+and ops on CUDA tensors (see `watch`), when the meter next finds it completed; entered-but-not-
+left ops are what the hang diagnosis reads. An op whose Work fails (a peer died, gloo's timeout)
+is never 'left': it keeps end None and gets an 'error'. Each event also names its process group
+('pg'): the sequence numbers count per process group, so the diagnosis compares ranks' ops only
+within one group.
 
 The meter of a Lab job is the job's collective log (engines/runtime.py): on from the job's first
 line to its last. `uninstall()` takes the kernels out again (the overhead benchmark only).
@@ -94,7 +95,7 @@ class CommMeter:
         self.phase = "setup"
         self.step = -1
         self._seq: dict[str, int] = {}
-        self._pending: list[tuple[object, dict]] = []  # works with no future: polled
+        self._pending: list[tuple[object, dict]] = []  # works with no future, and CUDA ones: polled
         self._lock = threading.Lock()
 
     def __enter__(self):
@@ -148,14 +149,23 @@ class CommMeter:
         if ev["end"] is None:
             ev["end"] = self.clock()
 
-    def watch(self, work, ev: dict) -> None:
-        """Stamp `ev` when the op's Work completes."""
+    def watch(self, work, ev: dict, on_device: bool = False) -> None:
+        """Stamp `ev` when the op's Work completes: from its future's callback, or, for ops on
+        CUDA tensors (on_device) and works without a future, when a sweep finds it completed.
+        A CUDA future completes when the op is enqueued, and its callbacks run on a side stream
+        that records every output on it (recordStream semantics, which PyTorch's NCCL backend
+        avoids by default: TORCH_NCCL_AVOID_RECORD_STREAMS); Work.is_completed() reads the
+        GPU's progress instead, so a hung op stays open in the log on NCCL as on gloo."""
         if work is None:
             self.end(ev)
             return
-        try:
-            work.get_future().add_done_callback(lambda f: self._done(ev, f))
-        except Exception:  # e.g. gloo's reduce-scatter has no future: poll it
+        if not on_device:
+            try:
+                work.get_future().add_done_callback(lambda f: self._done(ev, f))
+                return
+            except Exception:  # e.g. gloo's reduce-scatter has no future: poll it
+                pass
+        with self._lock:  # the Lab's poll sweeps from another thread
             self._pending.append((work, ev))
 
     def _done(self, ev: dict, fut) -> None:
@@ -170,8 +180,10 @@ class CommMeter:
         """Stamp the polled works that have completed since the last look."""
         if not self._pending:
             return
+        with self._lock:
+            pending, self._pending = self._pending, []
         still = []
-        for work, ev in self._pending:
+        for work, ev in pending:
             if work.is_completed():
                 try:
                     ok = work.is_success()
@@ -183,7 +195,8 @@ class CommMeter:
                     ev["error"] = "failed"
             else:
                 still.append((work, ev))
-        self._pending = still
+        with self._lock:
+            self._pending[:0] = still
 
     def open_events(self) -> list[dict]:
         """Ops entered and not (yet) left: what a hung rank is waiting in."""
@@ -259,7 +272,7 @@ def _c10d_kernel(name: str):
         ev = meter.begin(our, pg, tensor, payload, peer if p2p else None, root)
         out = redispatch(below, *args, **kwargs)
         work = out[-1] if isinstance(out, tuple) else out
-        meter.watch(unbox_work(work) if work is not None else None, ev)
+        meter.watch(unbox_work(work) if work is not None else None, ev, tensor is not None and tensor.is_cuda)
         return out
 
     return kernel

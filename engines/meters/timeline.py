@@ -5,7 +5,8 @@ On the CPU the clock is `time.perf_counter` (CLOCK_MONOTONIC on Linux: one clock
 process on a host, so ranks on one host line up without any handshake). Across hosts the Lab
 adds each host's offset, measured at start-up. On CUDA, spans are CUDA events recorded on the
 stream without blocking and resolved to seconds once, at the end of the step (STYLE.md habit
-9: no synchronize() per op just to time it).
+9: no synchronize() per op just to time it); the waits for the stream poll an event
+(engines/device.py), so a cancel is seen while the GPU works.
 """
 
 from __future__ import annotations
@@ -15,10 +16,14 @@ from contextlib import contextmanager
 
 import torch
 
+from labkit.engines import device as devices
+
 
 class Timeline:
-    def __init__(self, device: torch.device | None = None, clock=time.perf_counter):
+    def __init__(self, device: torch.device | None = None, clock=time.perf_counter, check=None):
         self.clock = clock
+        self.device = device
+        self.check = check  # called while waiting for the GPU (runtime.check_cancelled raises)
         self.events: list[dict] = []
         self.step = -1
         self._cuda = device is not None and device.type == "cuda"
@@ -28,7 +33,7 @@ class Timeline:
     def begin_step(self, step: int) -> None:
         self.step = step
         if self._cuda:
-            torch.cuda.synchronize()  # once per step: pins the event clock to the host clock
+            devices.wait(self.device, self.check)  # once per step: pins the event clock to the host clock
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self._anchor = (ev, self.clock())
@@ -55,10 +60,10 @@ class Timeline:
                 self.events.append(ev)
 
     def end_step(self) -> None:
-        """Resolve CUDA events to host-clock seconds (one synchronize per step)."""
+        """Resolve CUDA events to host-clock seconds (one wait for the stream per step)."""
         if not self._pending:
             return
-        torch.cuda.synchronize()
+        devices.wait(self.device, self.check)
         anchor, t0 = self._anchor
         for ev, start, end in self._pending:
             ev["start"] = t0 + anchor.elapsed_time(start) / 1e3

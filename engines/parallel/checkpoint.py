@@ -77,10 +77,11 @@ class RecomputeCore(torch.autograd.Function):
         return None, None, q.grad, k.grad, v.grad
 
 
-def _with_aux(block: nn.Module, forward, x: torch.Tensor):
+def _with_aux(block: nn.Module, forward, x: torch.Tensor, rope=None):
     """The block's output and the sum of its MoE layers' balance losses (0 without any), taken
-    off the layers so that only the returned one is collected."""
-    y = forward(x)
+    off the layers so that only the returned one is collected. `rope`: the rotary tables (llama),
+    constants of the forward that the recomputation reuses."""
+    y = forward(x, rope)
     moes = [m for m in block.modules() if getattr(m, "aux_loss", None) is not None]
     aux = sum(m.aux_loss for m in moes) if moes else torch.zeros((), device=x.device)
     for m in moes:
@@ -88,8 +89,8 @@ def _with_aux(block: nn.Module, forward, x: torch.Tensor):
     return y, aux
 
 
-def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor) -> torch.Tensor:
-    y, aux = Recompute.apply(run, meter, x)
+def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor, rope=None) -> torch.Tensor:
+    y, aux = Recompute.apply(partial(run, rope=rope), meter, x)
     if hasattr(block.mlp, "aux_loss"):  # an MoE block: its loss, now with a gradient path
         block.mlp.aux_loss = aux
     return y

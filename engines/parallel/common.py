@@ -11,6 +11,10 @@ later steps (gradient reduction, clipping, checking) need not know which strateg
                   an expert's: ('dp', 'cp'); a sequence-parallel LayerNorm's adds 'tp')
   _lk_replicas    mesh dims over which other ranks hold the same values (a TP-replicated
                   LayerNorm: ('tp',)); the global gradient norm counts it on one of them only
+  _lk_tp_share    k: the same slice is held by runs of k consecutive tp ranks (a KV head when
+                  tp > kv_heads); counted on the first of each run
+  _lk_tied        the copy of a tied embedding on the first or the last pipeline stage: its
+                  gradient is all-reduced over the two (`tied_params`, Megatron's embedding group)
 """
 
 from __future__ import annotations
@@ -20,8 +24,16 @@ from contextlib import AbstractContextManager
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 
 from labkit.plans.mesh import DATA_DIMS
+
+# torch 2.13 names these all_gather_single / reduce_scatter_single and deprecates the old names,
+# which are all that torch 2.6 to 2.12 have (pyproject allows >= 2.6; torch 2.11 on an H100 had
+# no all_gather_single). Both names reach the same c10d ops (_allgather_base_,
+# _reduce_scatter_base_), which the comm meter calls all_gather and reduce_scatter.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class GradSync(Protocol):
@@ -48,7 +60,20 @@ class GradSync(Protocol):
 
     def param_pieces(self) -> list[dict]:
         """This rank's part of every parameter after the step (see `piece`): the Lab assembles the full
-        parameters from every rank's, to check them against the reference."""
+        parameters from every rank's, to check them against the reference. The masters: the fp32
+        weights the optimizer updates."""
+
+    def grad_pieces(self) -> list[dict]:
+        """This rank's part of every parameter's gradient between `finish()` and `step()`: reduced
+        over its group and divided by the loss shards, before clipping (labkit/checks.py compares the
+        first step's with the reference's, tensor by tensor)."""
+
+    def compute_pieces(self) -> list[dict] | None:
+        """This rank's part of the weights forward reads, after the step, where they are not the
+        masters themselves (bf16 working copies; ZeRO's all-gathered buffers; ZeRO-3 / FSDP units
+        gathered once more); None where they are (fp32 DDP) or where PyTorch makes them inside its
+        own forward and frees them (FSDP2). Called on every rank in the same order: a ZeRO-3 / FSDP
+        unit is all-gathered here."""
 
 
 def full_name(p: torch.nn.Parameter, fallback: str) -> str:
@@ -69,7 +94,9 @@ def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> d
         "shape": list(full_shape),
         "box": box,
         "flat": flat,
-        "values": values.detach().float().cpu().numpy().copy(),
+        # to the host in its own dtype (no device memory), then a fresh fp32 copy: a numpy view of
+        # the tensor's own storage would leave it unresizable, and ZeRO-3 frees units by resizing
+        "values": values.detach().cpu().to(torch.float32, copy=True).numpy(),
     }
 
 
@@ -95,10 +122,29 @@ def norm_plan(params: list[torch.Tensor], mesh, sharded: bool = False):
 
     def counts(p) -> bool:
         over = reduce_dims(p) if sharded else ()
-        return all(coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split and d not in over)
+        share = getattr(p, "_lk_tp_share", 1)  # a KV head held by `share` consecutive tp ranks
+        return coords["tp"] % share == 0 and all(
+            coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split and d not in over
+        )
 
     group = mesh.group(*split) if split else None
     return group, [counts(p) for p in params]
+
+
+def tied_params(params: list[torch.Tensor], mesh) -> tuple[object, set[int]]:
+    """(the group of the first and last pipeline stage, ids of the tied embedding copies among
+    `params`): engines/parallel/pipeline.py `split_model` marks them. (None, {}) without any."""
+    tied = {id(p) for p in params if getattr(p, "_lk_tied", False)}
+    return (mesh.ends_group("pp") if tied else None), tied
+
+
+def all_reduce_tied(grad: torch.Tensor, group) -> None:
+    """Sum a tied embedding's gradient over its two pipeline stages (Megatron-LM's embedding
+    group), in place, in fp32 (the reduce dtype: engines/precision.py)."""
+    total = grad if grad.dtype == torch.float32 else grad.float()
+    dist.all_reduce(total, group=group)  # (V/t, h): the embedding's part + the head's part
+    if total is not grad:
+        grad.copy_(total)
 
 
 def on_device(module: torch.nn.Module, device: torch.device) -> torch.nn.Module:

@@ -19,6 +19,11 @@ Backward (hand-written, FlashAttention-2's algorithm 2 per block pair, Dao 2023)
 global log-sum-exp and delta = rowsum(dO * O) are known locally, so each block's gradients are
 exact on their own; the K/V blocks go round the ring again and each block's dK/dV accumulator
 travels behind it, hop by hop, until it arrives back at the block's owner.
+
+Grouped-query attention: the ring carries the nkv KV heads (the message shrinks by nh/nkv) and
+each rank expands the block it holds to the query heads. Rotary positions need nothing here:
+the model rotates q and k before attention by each token's own position, and a rank's positions
+are its zigzag chunks' (`zigzag_inputs` hands them to the model with the tokens).
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ import math
 import torch
 import torch.distributed as dist
 
-KV_TAG, DKV_TAG = 0, 1  # K/V and dK/dV messages travel the same link at once: tags keep them apart
+from labkit.engines.p2p import Link
+
+# K/V and dK/dV messages travel the same link at once: gloo keeps them apart by tag; NCCL
+# ignores tags and matches them by order, which is the same on every rank (K/V hop t, then dK/dV hop t)
+KV_TAG, DKV_TAG = 0, 1
 
 
 def zigzag_chunks(rank: int, cp: int) -> tuple[int, int]:
@@ -71,6 +80,24 @@ def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
     return s
 
 
+def _expand(x: torch.Tensor, g: int) -> torch.Tensor:
+    """KV heads to query heads (grouped-query attention): (b, nkv, c, hd) -> (b, nkv·g, c, hd),
+    query head i reading KV head i // g. Only the received block is expanded: the ring carries
+    the nkv heads."""
+    if g == 1:
+        return x
+    b, n, c, d = x.shape
+    return x[:, :, None].expand(b, n, g, c, d).reshape(b, n * g, c, d)
+
+
+def _fold(x: torch.Tensor, g: int) -> torch.Tensor:
+    """The gradient of `_expand`: (b, nkv·g, c, hd) -> (b, nkv, c, hd), summed over each group."""
+    if g == 1:
+        return x
+    b, n, c, d = x.shape
+    return x.view(b, n // g, g, c, d).sum(dim=2)
+
+
 def _block(q, k, v, causal: bool, scale: float):
     """Softmax attention of one chunk pair: out (b, nh, c, hd) and its log-sum-exp (b, nh, c)."""
     s = _scores(q, k, causal, scale)
@@ -100,20 +127,22 @@ class Ring:
         self.group, self.rank, self.cp = group, rank, cp
         self.plan = ring_plan(rank, cp)
         self.next, self.prev = (rank + 1) % cp, (rank - 1) % cp
+        self.link = Link(group)
+        self._next_global = dist.get_global_rank(group, self.next)
+        self._prev_global = dist.get_global_rank(group, self.prev)
 
     def hop(self, send: torch.Tensor, tag: int):
-        """Start sending `send` to the next rank and receiving its like from the previous one;
+        """Start sending `send` to the next rank and receiving its like from the previous one, as
+        one batch (engines/p2p.py: under NCCL two unbatched ops would wait on each other);
         returns (received buffer, works to wait on)."""
         recv = torch.empty_like(send)
-        works = [
-            dist.irecv(recv, group=self.group, group_src=self.prev, tag=tag),
-            dist.isend(send, group=self.group, group_dst=self.next, tag=tag),
-        ]
-        return recv, works
+        hop = self.link.batch([(send, self._next_global, tag)], [(recv, self._prev_global, tag)])
+        return recv, [hop]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's zigzag tokens against the whole sequence.
-        q, k, v: (b, nh, s/cp, hd) -> (b, nh, s/cp, hd), the same contract as causal_attention."""
+        q (b, nh, s/cp, hd), k and v (b, nkv, s/cp, hd) -> (b, nh, s/cp, hd), the same contract as
+        layers.causal_attention."""
         return _RingAttention.apply(q, k, v, self)
 
 
@@ -134,10 +163,12 @@ class _RingAttention(torch.autograd.Function):
         qh = q.to(acc).chunk(2, dim=2)  # 2 x (b, nh, c, hd)
         out = [torch.zeros_like(x) for x in qh]
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
-        kv = torch.stack([k, v])  # (2, b, nh, s/cp, hd): one message per hop
+        g = q.shape[1] // k.shape[1]  # query heads per KV head
+        kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd): one message per hop
         for t, pairs in enumerate(ring.plan):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
-            kh, vh = kv[0].to(acc).chunk(2, dim=2), kv[1].to(acc).chunk(2, dim=2)
+            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nh, c, hd)
+            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(2, dim=2)]
             for qa, kb, mask in pairs:
                 o, l = _block(qh[qa], kh[kb], vh[kb], mask == "causal", scale)
                 out[qa], lse[qa] = _merge(out[qa], lse[qa], o, l)
@@ -161,22 +192,24 @@ class _RingAttention(torch.autograd.Function):
         qh, doh = q.to(acc).chunk(2, dim=2), do.chunk(2, dim=2)
         lseh, deltah = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
         dq = [torch.zeros_like(x) for x in qh]
-        kv = torch.stack([k, v])  # (2, b, nh, s/cp, hd)
+        g = q.shape[1] // k.shape[1]
+        kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd)
         own = None  # this rank's part of its own dK/dV
         incoming, pending, sent = None, [], []
         for t, pairs in enumerate(ring.plan):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
-            kh, vh = kv[0].to(acc).chunk(2, dim=2), kv[1].to(acc).chunk(2, dim=2)
-            dk = [torch.zeros_like(x) for x in kh]
-            dv = [torch.zeros_like(x) for x in vh]
+            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nh, c, hd)
+            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(2, dim=2)]
+            dk = [torch.zeros_like(x) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nkv, c, hd)
+            dv = [torch.zeros_like(x) for x in dk]
             for qa, kb, mask in pairs:
                 gq, gk, gv = _block_grads(
                     qh[qa], kh[kb], vh[kb], doh[qa], lseh[qa], deltah[qa], mask == "causal", scale
                 )
                 dq[qa] += gq
-                dk[kb] += gk
-                dv[kb] += gv
-            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])  # (2, b, nh, s/cp, hd)
+                dk[kb] += _fold(gk, g)
+                dv[kb] += _fold(gv, g)
+            dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])  # (2, b, nkv, s/cp, hd)
             if t == 0:
                 own = dkv
             else:

@@ -22,9 +22,11 @@ from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, torch_adamw
 from labkit.engines.parallel.common import (
+    all_reduce_tied,
     norm_plan,
     param_piece,
     reduce_dims,
+    tied_params,
     weak_method,
 )
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
@@ -101,6 +103,7 @@ class DDP:
             for idx in plan(self.params, bucket_bytes)
         ]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+        self.tied_group, self.tied = tied_params(self.params, mesh)
         self.next_launch = 0
         self.sync = True
         self.accumulate = False
@@ -126,7 +129,7 @@ class DDP:
             lo, hi = bucket.slots[id(p)]
             bucket.acc[lo:hi].add_(p.grad.reshape(-1))
             p.grad.zero_()
-        if not self.sync:
+        if not self.sync or id(p) in self.tied:  # a tied embedding's copy waits for finish()
             return
         bucket.pending -= 1
         self._launch_ready()
@@ -154,6 +157,11 @@ class DDP:
         return buf
 
     def finish(self) -> None:
+        for p in self.params:  # a tied embedding: both stages' parts summed first, then reduced over dp
+            if id(p) in self.tied:
+                b = self.bucket_of[id(p)]
+                lo, hi = b.slots[id(p)]
+                all_reduce_tied(p.grad if b.acc is None else b.acc[lo:hi], self.tied_group)
         self._launch_ready(all_remaining=True)  # buckets with unused params still go, in order
         for b in self.buckets:
             if b.work is not None:
@@ -188,6 +196,15 @@ class DDP:
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p, values=m) for n, p, m in zip(self.names, self.params, self.masters)]
+
+    def grad_pieces(self) -> list[dict]:
+        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+
+    def compute_pieces(self) -> list[dict] | None:
+        """bf16: the parameters forward reads, the masters rounded; fp32: they are the masters."""
+        if all(m is p for m, p in zip(self.masters, self.params)):
+            return None
+        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
 
 
 class TorchDDP:
@@ -228,3 +245,9 @@ class TorchDDP:
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+
+    def grad_pieces(self) -> list[dict]:
+        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+
+    def compute_pieces(self) -> None:
+        return None  # fp32 only (labkit.config): forward reads the masters

@@ -77,8 +77,10 @@ def apply_ep(model: nn.Module, mesh) -> tuple[nn.Module, dict]:
     dispatch = ExpertParallel(mesh.group("ep"), ep, local)
     sharded = set()
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        for name in ("w1", "w2"):
+        for name in ("w1", "w2", "w3"):
             full = getattr(moe, name)
+            if full is None:  # w3: SwiGLU experts only
+                continue
             part = nn.Parameter(full.detach()[lo:hi].clone())  # (E, h, f) -> (E/ep, h, f)
             part._lk_full_shape = tuple(full.shape)
             part._lk_box = [[lo, hi]] + [[0, n] for n in full.shape[1:]]

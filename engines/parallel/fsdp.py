@@ -138,12 +138,12 @@ class TorchFSDP:
         }
 
     @torch.no_grad()
-    def param_pieces(self) -> list[dict]:
+    def param_pieces(self, grads: bool = False) -> list[dict]:
         """Each parameter (its TP slice under 2-D) is split on dim 0 in chunks of ceil(d0 / N) rows
-        (FSDP2's Shard(0) over dp)."""
+        (FSDP2's Shard(0) over dp); `grads`: their gradients instead, sharded alike."""
         out = []
         for name, p in zip(self.names, self.params):
-            local = p.to_local()
+            local = (p.grad if grads else p).to_local()
             if local.shape[0] == 0:
                 continue
             box = [list(b) for b in self.tp_box[name]]
@@ -151,6 +151,12 @@ class TorchFSDP:
             box[0] = [start, start + local.shape[0]]
             out.append(piece(name, p.shape, local, box=box))
         return out
+
+    def grad_pieces(self) -> list[dict]:
+        return self.param_pieces(grads=True)
+
+    def compute_pieces(self) -> None:
+        return None  # FSDP2 casts and gathers inside its own forward and frees them after
 
 
 def _tp_box(p: torch.Tensor, mesh) -> list[list[int]]:

@@ -1,30 +1,35 @@
 """Pipeline parallelism (labkit's own): the layers split into stages that pass activations.
 
-The model's blocks are split evenly over pp·v virtual stages (plans.schedules.chunk_layers);
-the embedding lives on the first, the final norm, LM head and loss on the last. Each rank keeps
+The model's blocks are split over pp·v virtual stages, evenly or as ParallelConfig.stage_layers
+says (plans.schedules.chunk_layers); the embedding lives on the first, the final norm, LM head
+and loss on the last (a tied embedding on both: `split_model`). Each rank keeps
 its v chunks (`Chunk`), whose parameters keep their names in the full model (`_lk_name`), so
 DDP, clipping and the reference check work unchanged; `_lk_chunk` tells DDP which chunk a
 parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
 that chunk's last backward is over.
 
 The schedule is data (plans.schedules.plan): this rank's ordered list of F / B / send / recv
-actions. `PipelineExecutor` runs any such list. Deadlock freedom comes from two rules: (1) every
-send is posted asynchronously (isend) the moment its tensor exists and only waited for at the
-end of the step, so a send never blocks; (2) a receive blocks right before the compute that
-needs it. Then the only waits are receives, and a set of lists completes iff the simulator
-(which models exactly these rules) completes it — so the plan is simulated first, and a plan
-that would hang is refused with the ranks' stuck actions (ScheduleDeadlock) before anything
-runs.
+actions. `PipelineExecutor` runs any such list, as schedules.batches issues it: the computes in
+the list's order, and the sends and receives grouped into batches, one batch_isend_irecv each
+(engines/p2p.py), by the unit-time tick at which their message is sent, so that every rank's
+k-th batch meets only its peers' k-th batches (NCCL matches messages by order, not by tag, and
+runs each group's ops one after another). A send goes out right after the compute that made
+it and is waited for at the end of the step; a receive is posted with its sender's batch and
+waited for right before the compute that needs it. The plan is simulated first, under gloo's
+rules and under NCCL's (plans/simulator.py), and a plan that would hang on either is refused
+with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
 """
 
 from __future__ import annotations
 
+from contextlib import ExitStack
+
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.engines.model import aux_loss
-from labkit.plans.schedules import Plan, chunk_layers, plan, stage_of
+from labkit.engines.p2p import Link
+from labkit.plans.schedules import Action, Plan, batches, chunk_layers, message, plan, stage_of
 from labkit.plans.simulator import ScheduleDeadlock, check
 
 
@@ -39,18 +44,22 @@ class Chunk(nn.Module):
         self.embed = model.embed if first else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         self.head = model.head if last else None
+        self.rope = model.rope if layers else None  # llama: each chunk makes its blocks' tables
+        self.seq = model.cfg.seq
 
     def forward(
         self, x: torch.Tensor, targets: torch.Tensor | None = None, positions: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """First stage: (b, s) tokens in; others: (b, s, h) activations. Last stage: the mean
-        loss with targets, else the logits (torch.distributed.pipelining applies its loss_fn)."""
+        """First stage: (b, s) tokens in; others: (b, s, h) activations (s/tp rows under SP). Last
+        stage: the mean loss with targets, else the logits (torch.distributed.pipelining applies
+        its loss_fn). `positions`: of the sequence's tokens (a cp rank's zigzag ones), default all."""
+        if positions is None:
+            positions = torch.arange(self.seq, device=x.device)
         if self.embed is not None:
-            if positions is None:
-                positions = torch.arange(x.shape[1], device=x.device)
             x = self.embed(x, positions)  # (b, s) -> (b, s, h)
+        rope = self.rope(positions, x.dtype) if self.rope is not None else None  # 2 x (s, hd)
         for block in self.blocks.values():
-            x = block(x)  # (b, s, h) -> (b, s, h)
+            x = block(x, rope)  # (b, s, h) -> (b, s, h)
         if self.head is None:
             return x
         if targets is None:
@@ -58,27 +67,40 @@ class Chunk(nn.Module):
         return self.head(x, targets)  # scalar
 
 
-def split_model(model: nn.Module, p: int, v: int, rank: int) -> list[Chunk]:
-    """This pipeline rank's v chunks of the full (seeded) model."""
+def split_model(model: nn.Module, p: int, v: int, rank: int, stage_layers: tuple[int, ...] = ()) -> list[Chunk]:
+    """This pipeline rank's v chunks of the full (seeded) model.
+
+    A tied embedding (gpt2, Llama 3.2) has two copies: the embedding on the first stage and the
+    head on the last, each under the one full name; the last stage's is marked a replica over pp
+    (the norm counts the first's) and both `_lk_tied`: their gradients are all-reduced over the
+    two stages before the update (`tied_params`), so they stay equal, as in Megatron-LM."""
     for name, prm in model.named_parameters():
         if not hasattr(prm, "_lk_name"):
             prm._lk_name = name
     chunks = []
+    tied = model.head.proj.weight if model.cfg.tied and p > 1 else None
     for c in range(v):
         s = stage_of(rank, c, p)
-        chunk = Chunk(model, chunk_layers(len(model.blocks), p, v, rank, c), first=s == 0, last=s == p * v - 1)
+        layers = chunk_layers(len(model.blocks), p, v, rank, c, stage_layers)
+        chunk = Chunk(model, layers, first=s == 0, last=s == p * v - 1)
         for prm in chunk.parameters():
             prm._lk_chunk = c
+        if tied is not None and (chunk.embed is not None or chunk.head is not None):
+            tied._lk_tied = True
+            if chunk.head is not None:
+                tied._lk_replicas = tuple(getattr(tied, "_lk_replicas", ())) + ("pp",)
         chunks.append(chunk)
     return chunks
 
 
-def apply_pipeline(model: nn.Module, mesh, *, virtual_stages: int) -> tuple[list[Chunk], dict]:
+def apply_pipeline(
+    model: nn.Module, mesh, *, virtual_stages: int, stage_layers: tuple[int, ...] = ()
+) -> tuple[list[Chunk], dict]:
     """Slot 5 of parallelize: (this pp rank's chunks, its stage and layers as data for the report).
     The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule."""
     p, v, r = mesh.size("pp"), virtual_stages, mesh.coord("pp")
-    info = {"p": p, "v": v, "stage": r, "layers": [list(chunk_layers(len(model.blocks), p, v, r, c)) for c in range(v)]}
-    return split_model(model, p, v, r), info
+    layers = [list(chunk_layers(len(model.blocks), p, v, r, c, stage_layers)) for c in range(v)]
+    return split_model(model, p, v, r, stage_layers), {"p": p, "v": v, "stage": r, "layers": layers}
 
 
 def pipeline_executor(
@@ -103,7 +125,8 @@ class PipelineExecutor:
         self.plan = pl
         self.rank = mesh.coord("pp")
         self.actions = pl.actions[self.rank]
-        self.group = mesh.group("pp")
+        self.items = batches(pl)[self.rank]  # computes, and the batches of sends and receives between them
+        self.link = Link(mesh.group("pp"))
         self.peers = mesh.ranks("pp")  # pipeline rank -> global rank (sorted = by pp coordinate)
         self.hidden = hidden
         self.dtype = dtype  # what stages pass: activations and gradients in the compute dtype
@@ -111,27 +134,46 @@ class PipelineExecutor:
 
     def _tag(self, a) -> int:
         """One tag per message, the same on both sides: (microbatch, receiving stage, kind)."""
-        pl, s = self.plan, stage_of(self.rank, a.chunk, self.plan.p)
-        kind = 0 if a.op.endswith("act") else 1
-        to = s + (1 if a.op == "send_act" else -1 if a.op == "send_grad" else 0)
-        return (a.mb * pl.p * pl.v + to) * 2 + kind
+        kind, mb, to = message(self.plan, self.rank, a)
+        return (mb * self.plan.p * self.plan.v + to) * 2 + (0 if kind == "act" else 1)
 
-    def _recv(self, a, meters, shape) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=self.dtype, device=meters.device)
+    def _post(self, batch: tuple, outputs: dict, inputs: dict, arriving: dict, shape, meters):
+        """Post one batch: the sends (the activation of a forward just run, or the input gradient
+        of a backward) and the receives, whose buffers wait in `arriving` until needed."""
+        sends, recvs, sending, receiving = [], [], [], []
+        for a in batch:
+            peer = self.peers[a.peer]
+            if a.op.startswith("recv"):
+                buf = torch.empty(shape, dtype=self.dtype, device=meters.device)  # (b, s, h)
+                recvs.append((buf, peer, self._tag(a)))
+                receiving.append((a, buf))
+            else:
+                key = (a.mb, a.chunk)
+                t = outputs[key][0].detach() if a.op == "send_act" else inputs.pop(key).grad
+                sends.append((t, peer, self._tag(a)))
+                sending.append(a)
+        # the batch is logged in one phase: that of what it sends (after F forward, after B backward)
+        first = (sending or batch)[0]
+        with meters.phase("forward" if first.op.endswith("act") else "backward"), ExitStack() as spans:
+            for a in sending:
+                spans.enter_context(meters.span("send", a.mb, a.chunk, peer=self.peers[a.peer]))
+            exchange = self.link.batch(sends, recvs)
+        for a, buf in receiving:
+            arriving[(a.op, a.mb, a.chunk)] = (a, buf, exchange)
+        return exchange
+
+    def _take(self, arriving: dict, op: str, mb: int, chunk: int, meters) -> torch.Tensor | None:
+        """The buffer of the receive `op` of (mb, chunk), waited for; None if there is none."""
+        got = arriving.pop((op, mb, chunk), None)
+        if got is None:
+            return None
+        a, buf, exchange = got
         with (
-            meters.phase("forward" if a.op == "recv_act" else "backward"),
-            meters.span("recv", a.mb, a.chunk, peer=self.peers[a.peer]),
+            meters.phase("forward" if op == "recv_act" else "backward"),
+            meters.span("recv", mb, chunk, peer=self.peers[a.peer]),
         ):
-            dist.irecv(buf, src=self.peers[a.peer], group=self.group, tag=self._tag(a)).wait()  # (b, s, h)
+            exchange.wait_recvs()
         return buf
-
-    def _send(self, a, t: torch.Tensor, meters):
-        with (
-            meters.phase("forward" if a.op == "send_act" else "backward"),
-            meters.span("send", a.mb, a.chunk, peer=self.peers[a.peer]),
-        ):
-            work = dist.isend(t.contiguous(), dst=self.peers[a.peer], group=self.group, tag=self._tag(a))
-        return work, t
 
     def __call__(self, rank_model, microbatches, meters) -> float:
         m = len(microbatches)
@@ -140,16 +182,20 @@ class PipelineExecutor:
         mbs = [rank_model.inputs(tokens, targets) for tokens, targets in microbatches]
         b, s = mbs[0][0].shape
         shape = (b, s // self.seq_split, self.hidden)  # (b/m, s, h) crosses each boundary (s/tp under SP)
-        inputs, outputs, grads, sends = {}, {}, {}, []
+        inputs, outputs, arriving, posted = {}, {}, {}, []
         backwards_done = [0] * self.plan.v
         share = torch.zeros((), device=meters.device)
-        for a in self.actions:
+        for a in self.items:
             meters.check_cancelled()
+            if not isinstance(a, Action):  # a batch of sends and receives
+                posted.append(self._post(a, outputs, inputs, arriving, shape, meters))
+                continue
             key = (a.mb, a.chunk)
             chunk = rank_model.chunks[a.chunk]
-            if a.op == "recv_act":
-                inputs[key] = self._recv(a, meters, shape).requires_grad_()
-            elif a.op == "F":
+            if a.op == "F":
+                x = self._take(arriving, "recv_act", a.mb, a.chunk, meters)
+                if x is not None:
+                    inputs[key] = x.requires_grad_()
                 tokens, targets, positions = mbs[a.mb]
                 with meters.phase("forward"), meters.span("F", a.mb, a.chunk), meters.memory.saved_tensors():
                     y = chunk(inputs.get(key, tokens), targets if chunk.head is not None else None, positions)
@@ -159,17 +205,13 @@ class PipelineExecutor:
                     share = share + aux.detach()
                 if chunk.head is not None:
                     share = share + y.detach().float()
-            elif a.op == "send_act":
-                sends.append(self._send(a, outputs[key][0].detach(), meters))
-            elif a.op == "recv_grad":
-                grads[key] = self._recv(a, meters, shape)
             elif a.op == "B":
                 y, aux = outputs.pop(key)
                 # the loss of the step is the mean over microbatches: each backward carries 1/m
                 if chunk.head is not None:
                     tensors, seeds = [(y + aux) / m], [None]
                 else:
-                    tensors, seeds = [y], [grads.pop(key)]
+                    tensors, seeds = [y], [self._take(arriving, "recv_grad", a.mb, a.chunk, meters)]
                     if isinstance(aux, torch.Tensor):
                         tensors, seeds = tensors + [aux / m], seeds + [None]
                 # the chunk's last backward (by count, whatever the order) lets DDP reduce it
@@ -180,11 +222,10 @@ class PipelineExecutor:
                 ):
                     torch.autograd.backward(tensors, seeds)
                 backwards_done[a.chunk] += 1
-            elif a.op == "send_grad":
-                sends.append(self._send(a, inputs.pop(key).grad, meters))
             else:
                 raise ScheduleDeadlock([f"the executor cannot run {a} (backward is not split here)"])
         with meters.phase("backward"):
-            for work, _ in sends:
-                work.wait()
+            for exchange in posted:
+                exchange.wait()
+        meters.wait_device()
         return float(share) / m

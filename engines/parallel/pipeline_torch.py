@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import param_piece
+from labkit.engines.parallel.common import all_reduce_tied, param_piece, tied_params
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of
 
@@ -86,6 +86,7 @@ class TorchSchedule:
         self.sched.step(*args, **kwargs)
         if not self.last:
             return 0.0
+        meters.wait_device()
         return float(sum(l.detach().float() for l in losses)) / len(losses)
 
 
@@ -129,6 +130,7 @@ class TorchStageGrads:
                 for c in chunks
             ]
         self.pp_group = mesh.group("pp")
+        self.tied_group, self.tied = tied_params(self.params, mesh)
         self.clip = optim.clip
         self.opt = torch_adamw(self.names, self.params, optim)
 
@@ -136,10 +138,13 @@ class TorchStageGrads:
         return nullcontext()  # the pipelining schedule drives DDP's no_sync itself
 
     def finish(self) -> None:
-        pass
+        for p in self.params:  # a tied embedding's two copies: their gradients summed (after DDP's mean)
+            if id(p) in self.tied:
+                all_reduce_tied(p.grad, self.tied_group)
 
     def step(self) -> float:
-        grads = [p.grad for p in self.params if p.grad is not None]
+        # a tied embedding's last-stage copy is the first stage's parameter again: counted there
+        grads = [p.grad for p in self.params if p.grad is not None and "pp" not in getattr(p, "_lk_replicas", ())]
         sq = torch.nn.utils.get_total_norm(grads).pow(2)  # this stage's share of ||g||^2
         dist.all_reduce(sq, group=self.pp_group)  # () summed over the pipeline
         norm = sq.sqrt()
@@ -159,3 +164,9 @@ class TorchStageGrads:
 
     def param_pieces(self) -> list[dict]:
         return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+
+    def grad_pieces(self) -> list[dict]:
+        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+
+    def compute_pieces(self) -> None:
+        return None  # fp32 only (labkit.config): forward reads the masters

@@ -89,11 +89,20 @@ class ShardedOptimizer:
         self.opt.step(runs, clip_coefficient(norm, self.clip))
         return float(norm)
 
-    def param_pieces(self) -> list[dict]:
-        """A flat range of each (possibly TP / EP sliced) local tensor; `box` places it in the full one."""
+    def param_pieces(self, slices: list[torch.Tensor] | None = None) -> list[dict]:
+        """A flat range of each (possibly TP / EP sliced) local tensor; `box` places it in the full one.
+        `slices`: this rank's slice of each buffer to read (default: the masters; the gradient shards)."""
         out = []
-        for p, i, m in zip(self.plans, self.indices, self.masters):
+        for p, i, m in zip(self.plans, self.indices, self.masters if slices is None else slices):
             for name, _shape, lo, hi, at in p.pieces(i):
                 full, box = self.where[name]
                 out.append(piece(name, full, m[at : at + hi - lo], box=box, flat=[lo, hi]))
+        return out
+
+    def whole_pieces(self, plan: FlatPlan, flat: torch.Tensor) -> list[dict]:
+        """Every parameter of a whole (gathered) buffer `flat` (padded,), each as its local tensor."""
+        out = []
+        for name, shape, lo, hi in plan.offsets():
+            full, box = self.where[name]
+            out.append(piece(name, full, flat[lo:hi].view(shape), box=box))
         return out

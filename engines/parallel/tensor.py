@@ -26,178 +26,71 @@ it again in backward, trading two more all-gathers per layer for 2bsh(1 - 1/t) b
 (labkit/theory/tensor.py gives both).
 
 MoE layers are replicated over tp (ARCHITECTURE.md says why): no f or g around them, and under
-SP an all-gather in (`GatherReplicated`) and a slice out (`Split`).
+SP an all-gather in (`GatherReplicated`) and a slice out (`Split`). Biases (gpt2, Qwen2's q, k,
+v): a column-parallel bias is split with its rows, a row-parallel one added once, after the
+sum. Grouped-query attention: wk and wv split by KV heads when tp <= kv_heads; when tp >
+kv_heads each KV head is held by the tp/kv_heads ranks that read it (`SharedKVLinear`).
 
-The plan (plans/tensor.py) is data; `apply_tp` walks it.
+The operators are in engines/parallel/tensor_ops.py; the plan (plans/tensor.py) is data;
+`apply_tp` walks it.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.engines.parallel.tensor_ops import (
+    Copy,
+    Gather,
+    GatherReplicated,
+    Reduce,
+    ReduceGrad,
+    Scatter,
+    Split,
+    VocabParallelCrossEntropy,
+)
 from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.tensor import local_param, tp_plan
-
-
-# -- collectives along the sequence (dim 1 of (b, s, h)) ------------------------------------
-def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s/t, h) per rank -> (b, s, h): the chunks in tp-rank order."""
-    t = dist.get_world_size(group)
-    b, n, h = x.shape
-    chunks = x.new_empty(t * b, n, h)
-    dist.all_gather_into_tensor(chunks, x.contiguous(), group=group)  # (b, s/t, h) -> (t*b, s/t, h)
-    return chunks.view(t, b, n, h).transpose(0, 1).reshape(b, t * n, h)  # (t, b, s/t, h) -> (b, s, h)
-
-
-def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
-    """(b, s, h) partial sums per rank -> (b, s/t, h): this rank's chunk of their sum."""
-    t = dist.get_world_size(group)
-    b, s, h = x.shape
-    chunks = x.reshape(b, t, s // t, h).transpose(0, 1).contiguous()  # (b, s, h) -> (t, b, s/t, h)
-    out = x.new_empty(b, s // t, h)
-    dist.reduce_scatter_tensor(out, chunks.view(t * b, s // t, h), group=group)  # -> (b, s/t, h)
-    return out
-
-
-# -- the conjugate operators ----------------------------------------------------------------
-class Copy(torch.autograd.Function):
-    """f: identity forward, all-reduce backward (Shoeybi et al., figure 3)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)  # (b, s, h) partial -> summed over tp
-        return grad, None
-
-
-class Reduce(torch.autograd.Function):
-    """g: all-reduce forward, identity backward (Shoeybi et al., figure 3)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.mark_dirty(x)  # summed in place: no copy
-        dist.all_reduce(x, group=group)  # (b, s, h) partial -> summed over tp
-        return x
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
-
-
-class Gather(torch.autograd.Function):
-    """SP's entry: all-gather along the sequence forward, reduce-scatter backward (Korthikanti, 4.2.2)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_gather_seq(x, group)  # (b, s/t, h) -> (b, s, h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return reduce_scatter_seq(grad, ctx.group), None  # (b, s, h) -> (b, s/t, h)
-
-
-class Scatter(torch.autograd.Function):
-    """SP's exit: reduce-scatter along the sequence forward, all-gather backward (Korthikanti, 4.2.2)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return reduce_scatter_seq(x, group)  # (b, s, h) partial -> (b, s/t, h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.group), None  # (b, s/t, h) -> (b, s, h)
-
-
-class GatherReplicated(torch.autograd.Function):
-    """Into a region every tp rank computes whole and alike (an MoE layer under SP): all-gather
-    along the sequence forward; backward keeps this rank's rows of the (replicated) gradient
-    (Megatron's gather_from_sequence_parallel_region with tensor_parallel_output_grad=False)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.rank, ctx.t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
-        return all_gather_seq(x, group)  # (b, s/t, h) -> (b, s, h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad.chunk(ctx.t, dim=1)[ctx.rank].contiguous(), None  # (b, s, h) -> (b, s/t, h)
-
-
-class Split(torch.autograd.Function):
-    """Out of such a region: keep this rank's rows forward (no communication), all-gather the
-    gradient's rows backward (Megatron's scatter_to_sequence_parallel_region)."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        rank, t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
-        return x.chunk(t, dim=1)[rank].contiguous()  # (b, s, h) -> (b, s/t, h)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_gather_seq(grad, ctx.group), None  # (b, s/t, h) -> (b, s, h)
-
-
-class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy from (N, V/t) logit shards (Megatron-LM's vocab_parallel_cross_entropy):
-    forward two all-reduces over tp — the (N,) max, then the (2, N) sum of exponentials with the
-    target's logit — backward none (softmax minus one-hot, on this rank's vocabulary slice)."""
-
-    @staticmethod
-    def forward(ctx, logits, targets, start, group):
-        n, v = logits.shape  # this rank: vocabulary [start, start + v)
-        top = logits.max(dim=-1).values  # (N,)
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # (N,) max over the whole vocabulary
-        shifted = logits - top[:, None]  # (N, V/t)
-        outside = (targets < start) | (targets >= start + v)  # (N,) target held by another rank
-        local = (targets - start).masked_fill(outside, 0)  # (N,)
-        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
-        exp = shifted.exp_()  # (N, V/t)
-        sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
-        dist.all_reduce(sums, group=group)  # (2, N) summed over tp
-        loss = (sums[0].log() - sums[1]).mean()
-        ctx.save_for_backward(exp.div_(sums[0][:, None]), local, outside)  # softmax (N, V/t)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad):
-        softmax, local, outside = ctx.saved_tensors
-        n = softmax.shape[0]
-        g = softmax * (grad / n)  # (N, V/t)
-        g[torch.arange(n, device=g.device), local] -= (~outside).to(g.dtype) * (grad / n)
-        return g, None, None, None
+from labkit.plans.tensor import local_param, param_style, tp_plan
 
 
 # -- the parallel modules -------------------------------------------------------------------
 class RowParallelLinear(nn.Module):
-    """Y = sum_i X_i B_i: input features split over tp; `leave` sums the partial products
-    (all-reduce, or reduce-scatter along the sequence under SP)."""
+    """Y = sum_i X_i B_i (+ b): input features split over tp; `leave` sums the partial products
+    (all-reduce, or reduce-scatter along the sequence under SP); the bias, replicated, is added
+    once, after the sum (to this rank's s/t rows under SP)."""
 
-    def __init__(self, weight: torch.Tensor, leave):
+    def __init__(self, weight: torch.Tensor, leave, bias: torch.Tensor | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
+        self.bias = None if bias is None else nn.Parameter(bias)
         self.leave = leave
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.leave(F.linear(x, self.weight))  # (b, s, in/t) -> (b, s, out) partial -> summed
+        y = self.leave(F.linear(x, self.weight))  # (b, s, in/t) -> (b, s, out) partial -> summed
+        return y if self.bias is None else y + self.bias
+
+
+class SharedKVLinear(nn.Module):
+    """wk or wv when tp > kv_heads: this rank's one KV head, also held by the other ranks of
+    `group` (the tp ranks whose query heads read it); its gradient is summed over them (ReduceGrad)."""
+
+    def __init__(self, weight: nn.Parameter, bias: nn.Parameter | None, group):
+        super().__init__()
+        self.weight, self.bias, self.group = weight, bias, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = None if self.bias is None else ReduceGrad.apply(self.bias, self.group)
+        return F.linear(x, ReduceGrad.apply(self.weight, self.group), bias)  # (b, s, h) -> (b, s, hd)
 
 
 class VocabParallelEmbedding(nn.Module):
     """Token table split along the vocabulary (rows [start, start + V/t)), plus the replicated
-    position embedding. Tokens another rank owns look up zeros; `leave` sums the partial
-    lookups. Under SP the sum lands sequence-sharded and each rank adds its s/t positions."""
+    position embedding (gpt, gpt2). Tokens another rank owns look up zeros; `leave` sums the
+    partial lookups. Under SP the sum lands sequence-sharded and each rank adds its s/t positions."""
 
-    def __init__(self, tok: nn.Embedding, pos: nn.Embedding, start: int, leave, seq_chunk=None):
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding | None, start: int, leave, seq_chunk=None):
         super().__init__()
         self.tok, self.pos, self.start, self.leave = tok, pos, start, leave
         self.seq_chunk = seq_chunk  # (tp rank, tp) under SP, else None
@@ -207,6 +100,8 @@ class VocabParallelEmbedding(nn.Module):
         outside = (tokens < self.start) | (tokens >= self.start + v)  # (b, s)
         x = F.embedding((tokens - self.start).masked_fill(outside, 0), self.tok.weight)  # (b, s, h)
         x = self.leave(x.masked_fill(outside[..., None], 0.0))  # (b, s, h) partial -> summed (or s/t rows)
+        if self.pos is None:
+            return x
         if self.seq_chunk is not None:
             r, t = self.seq_chunk
             positions = positions.reshape(t, -1)[r]  # (s,) -> (s/t,) this rank's rows
@@ -214,9 +109,9 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Final LayerNorm, the LM head split along the vocabulary, and the vocab-parallel loss."""
+    """Final norm, the LM head split along the vocabulary, and the vocab-parallel loss."""
 
-    def __init__(self, norm: nn.LayerNorm, proj: nn.Linear, start: int, enter, group):
+    def __init__(self, norm: nn.Module, proj: nn.Linear, start: int, enter, group):
         super().__init__()
         self.norm, self.proj, self.start, self.enter, self.group = norm, proj, start, enter, group
 
@@ -238,9 +133,10 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Mod
     returns (model, the plan as data for the report).
 
     Sliced parameters get `_lk_full_shape` / `_lk_box`; replicated ones `_lk_replicas=('tp',)`,
-    and under SP `_lk_reduce` gains 'tp' (each rank saw s/t positions: partial gradients)."""
+    and under SP `_lk_reduce` gains 'tp' (each rank saw s/t positions: partial gradients). A KV
+    head shared by k = tp/kv_heads ranks is counted in the norm on one of them (`_lk_tp_share = k`)."""
     group, t, r = mesh.group("tp"), mesh.size("tp"), mesh.coord("tp")
-    plan = tp_plan(model.cfg, sequence_parallel)
+    plan = tp_plan(model.cfg, sequence_parallel, t)
     ops = {
         "copy": lambda x: Copy.apply(x, group),
         "all-gather": lambda x: Gather.apply(x, group),
@@ -257,20 +153,29 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Mod
         module = getattr(parent, attr)
         kind = style["style"]
         if "shard_dim" in style:
-            _, box, _, _ = local_param(plan, name + ".weight", full[name + ".weight"], t, r)
+            _, box, _, _ = local_param(plan, name + ".weight", tuple(module.weight.shape), t, r)
             weight = _sliced(module.weight, box)
-        if kind == "colwise":
-            module.weight, module.out_features = weight, weight.shape[0]
+            bias = getattr(module, "bias", None)
+            if bias is not None and kind == "colwise":  # split with the rows
+                bias = _sliced(bias, local_param(plan, name + ".bias", tuple(bias.shape), t, r)[1])
+        if kind == "colwise" and "kv_groups" in style:
+            share = mesh.run_group("tp", t // style["kv_groups"])
+            setattr(parent, attr, SharedKVLinear(weight, bias, share))
+        elif kind == "colwise":
+            module.weight, module.bias, module.out_features = weight, bias, weight.shape[0]
         elif kind == "rowwise":
-            setattr(parent, attr, RowParallelLinear(weight, ops[style["output"]]))
+            setattr(parent, attr, RowParallelLinear(weight, ops[style["output"]], bias))
         elif kind == "vocab" and isinstance(module, nn.Embedding):
             module.weight, module.num_embeddings = weight, weight.shape[0]
-            chunk = (r, t) if plan[parent_name + ".pos"]["style"] == "sequence" else None
+            sp = plan.get(parent_name + ".pos", {}).get("style") == "sequence"
             model.set_submodule(
-                parent_name, VocabParallelEmbedding(module, parent.pos, box[0][0], ops[style["output"]], chunk)
+                parent_name,
+                VocabParallelEmbedding(module, parent.pos, box[0][0], ops[style["output"]], (r, t) if sp else None),
             )
         elif kind == "vocab":
             module.weight, module.out_features = weight, weight.shape[0]
+            if "tied" in style:  # the embedding's slice, one Parameter for both ends
+                module.weight = model.get_submodule(style["tied"]).weight
             model.set_submodule(
                 parent_name, VocabParallelHead(parent.norm, module, box[0][0], ops[style["input"]], group)
             )
@@ -288,6 +193,8 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Mod
             p._lk_full_shape, p._lk_box = full[name], box
         else:
             p._lk_replicas = replicas
-            if extra:
-                p._lk_reduce = DATA_DIMS + extra
+        if extra:
+            p._lk_reduce = DATA_DIMS + extra
+        if "kv_groups" in param_style(plan, name):
+            p._lk_tp_share = t // param_style(plan, name)["kv_groups"]
     return model, plan

@@ -6,6 +6,9 @@ one-dimensional DeviceMesh wrapped around the Mesh's tp group (`DeviceMesh.from_
 process group). torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ do the update.
 
 Choices, all of which run on gloo (torch 2.13):
+- Biases (gpt2, Qwen2) and SwiGLU's three matrices are DTensor's own Colwise / Rowwise handling;
+  a tied head is re-tied to the embedding's DTensor after parallelize_module (both Shard(0)).
+  KV heads are split over tp only (tp <= kv_heads, as torchtitan requires).
 - Embedding: RowwiseParallel on the token table (vocab-parallel: DTensor masks the tokens other
   ranks own and all-reduces the partial lookups). Under SP the embedding's sum stays
   replicated and PrepareModuleOutput slices it to s/t rows (no communication; an all-gather
@@ -58,6 +61,8 @@ def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:
             out[name] = ColwiseParallel()
         elif kind == "rowwise":
             out[name] = RowwiseParallel(output_layouts=between)
+        elif kind == "input" and name.endswith("attn"):  # attention also takes the rotary tables (or None)
+            out[name] = PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None))
         elif kind == "input":
             out[name] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
         elif kind == "sequence" and not name.endswith("pos"):
@@ -116,8 +121,10 @@ def tp_device_mesh(mesh, device_type: str, *, with_fsdp: bool) -> DeviceMesh:
 def apply_tp_torch(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
     """parallelize_module on `tp_mesh`; returns (model, the plan as data for the report). Its loss is
     vocab-parallel: run the step's schedule inside `in_loss_parallel`."""
-    plan = tp_plan(model.cfg, sequence_parallel)
+    plan = tp_plan(model.cfg, sequence_parallel, tp_mesh.size())
     parallelize_module(model, tp_mesh, torch_plan(plan, sequence_parallel))
+    if model.cfg.tied:  # each style distributed its own copy; both are Shard(0) of one weight: one again
+        model.head.proj.weight = model.embed.tok.weight
     _replicate_rest(model, tp_mesh)
     # the loss leaves loss_parallel as a Replicate DTensor; the schedule adds plain tensors
     model.register_forward_hook(lambda _m, _a, out: out.to_local() if isinstance(out, DTensor) else out)
@@ -166,10 +173,25 @@ class TorchTP:
             "optimizer": unique_bytes(local(t) for t in state),
         }
 
-    def param_pieces(self) -> list[dict]:
+    def param_pieces(self, grads: bool = False) -> list[dict]:
+        """Each parameter's local DTensor shard (its gradient's, with `grads`), placed by its Shard dim."""
         out = []
         for name, p in zip(self.names, self.params):
             shards = [pl.dim for pl in getattr(p, "placements", ()) if pl.is_shard()]
             box = shard_box(tuple(p.shape), shards[0], self.tp, self.tp_rank) if shards else None
-            out.append(piece(name, tuple(p.shape), local(p), box=box))
+            out.append(piece(name, tuple(p.shape), local(_laid_out_like(p, p.grad) if grads else p), box=box))
         return out
+
+    def grad_pieces(self) -> list[dict]:
+        return self.param_pieces(grads=True)
+
+    def compute_pieces(self) -> None:
+        return None  # fp32 only (labkit.config): forward reads the masters
+
+
+def _laid_out_like(p: DTensor, grad: torch.Tensor) -> torch.Tensor:
+    """The gradient placed as its parameter is (DTensor may leave it Replicate where the parameter
+    is a Shard): this rank's part of it is then the part of the parameter it holds."""
+    if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+        return grad.redistribute(p.device_mesh, p.placements)
+    return grad

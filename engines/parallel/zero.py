@@ -29,12 +29,18 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.parallel.common import full_name, weak_method
+from labkit.engines.parallel.common import (
+    all_gather_single,
+    all_reduce_tied,
+    full_name,
+    reduce_scatter_single,
+    tied_params,
+    weak_method,
+)
 from labkit.engines.parallel.shards import (
     ShardedOptimizer,
     bind,
@@ -45,7 +51,7 @@ from labkit.engines.parallel.shards import (
 )
 from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
-from labkit.plans.flat import bucket_plans
+from labkit.plans.flat import bucket_plans, unit_kind
 
 
 class ZeRO12:
@@ -76,6 +82,7 @@ class ZeRO12:
         self.modules = chunks
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {full_name(p, n): p for n, p in named}
+        self.params = params
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
         elem = torch.tensor([], dtype=pol.compute).element_size()
         self.plans = bucket_plans(entries(named), group_sizes(mesh, named), bucket_bytes, elem)
@@ -98,6 +105,7 @@ class ZeRO12:
         self.bucket_of = {
             id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans) for name, _, lo, hi in p.offsets()
         }
+        self.tied_group, self.tied = tied_params(list(params.values()), mesh)  # stage 1 with pp only
         self.optimizer = ShardedOptimizer(self.plans, [g[2] for g in self.groups], masters, mesh, params, optim)
         self.pending = [0] * len(self.plans)
         self.filling: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its buffer, until launched
@@ -128,7 +136,7 @@ class ZeRO12:
                 )
             self.acc[k][lo:hi].add_(p.grad.reshape(-1))
             p.grad.zero_()
-        if not self.sync:
+        if not self.sync or id(p) in self.tied:  # a tied embedding's copy waits for finish()
             return
         if self.stage == 2:  # into the bucket's buffer; the parameter's own gradient is dropped
             if k not in self.filling:
@@ -167,7 +175,7 @@ class ZeRO12:
             group, n, index = self.groups[k]
             a, b = self.plans[k].owned(index)
             work = (
-                dist.reduce_scatter_single(buf[a:b], buf, group=group, async_op=True) if n > 1 else None
+                reduce_scatter_single(buf[a:b], buf, group=group, async_op=True) if n > 1 else None
             )  # (padded,) summed over ranks -> its slice a:b, in place
             self.in_flight = (k, buf, work)
             self.next_launch += 1
@@ -190,6 +198,11 @@ class ZeRO12:
         self._track(buf, -1)
 
     def finish(self) -> None:
+        for k, plan in enumerate(self.plans):  # a tied embedding: both stages' parts summed before the reduce-scatter
+            for name, _, lo, hi in plan.offsets():
+                if id(self.params[name]) in self.tied:
+                    full = self.acc[k] if k in self.acc else self.grad_full[k]
+                    all_reduce_tied(full[lo:hi], self.tied_group)
         if self.stage == 1:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
             self._launch_ready(all_remaining=True)
             self.next_launch = 0
@@ -206,7 +219,7 @@ class ZeRO12:
             if self.pol.mixed:
                 flat[a:b].copy_(m)  # round the updated masters into this rank's bf16 slice
             if n > 1:  # (shard,) from every rank -> (padded,), in place
-                dist.all_gather_single(flat, flat[a:b], group=group)
+                all_gather_single(flat, flat[a:b], group=group)
         for g in self.grad_full or self.grads:
             g.zero_()
         return norm
@@ -221,6 +234,13 @@ class ZeRO12:
 
     def param_pieces(self) -> list[dict]:
         return self.optimizer.param_pieces()
+
+    def grad_pieces(self) -> list[dict]:
+        return self.optimizer.param_pieces(self.grads)
+
+    def compute_pieces(self) -> list[dict]:
+        """The whole buffers forward reads, as the step's all-gather left them on this rank."""
+        return [pc for plan, flat in zip(self.plans, self.flats) for pc in self.optimizer.whole_pieces(plan, flat)]
 
 
 def apply_zero(
@@ -238,5 +258,6 @@ def apply_zero(
     parameters; ZeRO-2/3 run without a pipeline (labkit.config says why); ZeRO-3 shards by module
     units and has no buckets."""
     if stage == 3:
-        return ZeRO3(chunks[0], mesh, "zero3", True, pol, optim, meters, loss_shards)
+        kind = unit_kind("zero3", chunks[0].cfg.tied)
+        return ZeRO3(chunks[0], mesh, kind, True, pol, optim, meters, loss_shards)
     return ZeRO12(chunks, mesh, stage, pol, bucket_bytes, optim, meters, loss_shards)

@@ -10,12 +10,11 @@ from contextlib import contextmanager
 from functools import partial
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.parallel.common import full_name, weak_method
+from labkit.engines.parallel.common import all_gather_single, full_name, reduce_scatter_single, weak_method
 from labkit.engines.parallel.shards import (
     ShardedOptimizer,
     bind,
@@ -99,7 +98,7 @@ class ZeRO3:
         u.full.untyped_storage().resize_(u.nbytes)
         self.meters.memory.track("gathered", u.nbytes)
         if u.n > 1:  # (shard,) from every rank -> (padded,)
-            dist.all_gather_single(u.full, u.shard, group=u.group)
+            all_gather_single(u.full, u.shard, group=u.group)
         else:
             u.full.copy_(u.shard)
         u.gathered = True
@@ -148,7 +147,7 @@ class ZeRO3:
         buf, u.grad_full = u.grad_full, None
         a, b = u.plan.owned(u.index)
         work = (
-            dist.reduce_scatter_single(buf[a:b], buf, group=u.group, async_op=True) if u.n > 1 else None
+            reduce_scatter_single(buf[a:b], buf, group=u.group, async_op=True) if u.n > 1 else None
         )  # (padded,) summed over ranks -> its slice a:b, in place
         self.in_flight = (u, buf, work)
 
@@ -196,3 +195,19 @@ class ZeRO3:
 
     def param_pieces(self) -> list[dict]:
         return self.optimizer.param_pieces()
+
+    def grad_pieces(self) -> list[dict]:
+        return self.optimizer.param_pieces([u.grad for u in self.units])
+
+    @torch.no_grad()
+    def compute_pieces(self) -> list[dict]:
+        """Each unit gathered as its next forward would gather it (a collective per unit, in plan
+        order on every rank), read whole, and freed."""
+        out = []
+        for u in self.units:
+            was = u.gathered
+            self._gather(u)
+            out += self.optimizer.whole_pieces(u.plan, u.full)
+            if not was:
+                self._free(u)
+        return out

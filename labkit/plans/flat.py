@@ -126,9 +126,18 @@ def bucket_plans(named, n, cap_bytes: int, elem_bytes: int) -> list[FlatPlan]:
     ]
 
 
+def unit_kind(sharding: str, tied: bool) -> str:
+    """The unit grouping of `sharding` ('zero3' or 'fsdp'): a tied model's embedding and head share
+    one weight, so under zero3 they are one unit, the root, gathered around the whole forward
+    (as fsdp's root is): 'zero3-tied'."""
+    if sharding == "zero3":
+        return "zero3-tied" if tied else "zero3"
+    return "fsdp"
+
+
 def unit_of(name: str, kind: str) -> str:
     """The unit (module path) that owns parameter `name`: 'blocks.<i>' for a block's; otherwise
-    the top-level module ('embed', 'head') under zero3, the root ('') under fsdp."""
+    the top-level module ('embed', 'head') under zero3, the root ('') under fsdp and zero3-tied."""
     parts = name.split(".")
     if parts[0] == "blocks":
         return ".".join(parts[:2])

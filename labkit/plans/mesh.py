@@ -90,6 +90,23 @@ class MeshLayout:
         flat = moved.reshape(-1, self.size(*dims))  # one row per group
         return sorted(sorted(int(r) for r in row) for row in flat)
 
+    def runs(self, dim: str, k: int) -> list[list[int]]:
+        """Each group of `dim` cut into runs of k consecutive coordinates: the tp ranks that share
+        one KV head when tp > kv_heads (k = tp / kv_heads; plans/tensor.py)."""
+        return [g[i : i + k] for g in self.groups(dim) for i in range(0, len(g), k)]
+
+    def ends(self, dim: str) -> list[list[int]]:
+        """The first and last rank of each group of `dim`: a tied embedding's two pipeline stages,
+        which all-reduce its gradient (Megatron-LM's embedding group)."""
+        return [[g[0], g[-1]] for g in self.groups(dim) if len(g) > 1]
+
+    def subgroups(self) -> list[tuple[str, list[int]]]:
+        """(the dim they belong to, ranks) of every group below a dim: tp runs of each proper
+        divisor of tp (whichever kv_heads a model has) and the pp ends, listed in one fixed order."""
+        t = self.size("tp")
+        out = [("tp", g) for k in range(2, t) if t % k == 0 for g in self.runs("tp", k)]
+        return out + [("pp", g) for g in self.ends("pp")]
+
     def group_of(self, rank: int, *dims: str) -> list[int]:
         """The ranks in `rank`'s group along `dims`."""
         for g in self.groups(*dims):

@@ -9,12 +9,12 @@ input-gradient `B` and a weight-gradient `W`) of microbatch `mb` on local chunk 
 point-to-point op: `send_act` / `recv_act` (activations, forward direction) and `send_grad` /
 `recv_grad` (gradients of those activations, backward direction) with the `peer` rank.
 
-Layers are split into p·v virtual stages of equal size. Rank r holds chunks c = 0..v-1, which
-are virtual stages c·p + r (Megatron's interleaved assignment, Narayanan et al., SC 2021,
-section 2.2): activations go rank 0 -> 1 -> ... -> p-1 -> 0 (next chunk) -> ... Every schedule
-is defined by its *compute order* (F/B/W per rank); the sends and receives are derived from
-it (`with_comm`): a receive right before the compute that needs it, a send right after the
-compute that produced it.
+Layers are split into p·v virtual stages, of equal size or as `stage_layers` lists. Rank r
+holds chunks c = 0..v-1, which are virtual stages c·p + r (Megatron's interleaved assignment,
+Narayanan et al., SC 2021, section 2.2): activations go rank 0 -> 1 -> ... -> p-1 -> 0 (next
+chunk) -> ... Every schedule is defined by its *compute order* (F/B/W per rank); the sends and
+receives are derived from it (`with_comm`): a receive right before the compute that needs it, a
+send right after the compute that produced it.
 """
 
 from __future__ import annotations
@@ -82,11 +82,19 @@ def rank_chunk_of(stage: int, p: int) -> tuple[int, int]:
     return stage % p, stage // p
 
 
-def chunk_layers(layers: int, p: int, v: int, rank: int, chunk: int) -> range:
-    """Block indices of one chunk: `layers` split evenly over p·v virtual stages in order."""
-    per = layers // (p * v)
+def stage_sizes(layers: int, stages: int, stage_layers: tuple[int, ...] = ()) -> tuple[int, ...]:
+    """Blocks per virtual stage, in stage order: `stage_layers` when given (uneven stages,
+    ParallelConfig.stage_layers), else `layers` split evenly over `stages`."""
+    return tuple(stage_layers) if stage_layers else (layers // stages,) * stages
+
+
+def chunk_layers(layers: int, p: int, v: int, rank: int, chunk: int, stage_layers: tuple[int, ...] = ()) -> range:
+    """Block indices of one chunk: the blocks in order, virtual stage s taking the next
+    stage_sizes(...)[s] of them (an even split unless `stage_layers` says otherwise)."""
+    sizes = stage_sizes(layers, p * v, stage_layers)
     s = stage_of(rank, chunk, p)
-    return range(s * per, (s + 1) * per)
+    start = sum(sizes[:s])
+    return range(start, start + sizes[s])
 
 
 # -- compute orders (one list of (op, mb, chunk) per rank) --------------------------------------
@@ -197,6 +205,85 @@ def plan(schedule: str, p: int, m: int, v: int = 1) -> Plan:
         raise ValueError(f"p={p}, m={m}, v={v} must all be >= 1")
     acts = tuple(tuple(with_comm(compute_order(schedule, p, m, v, r), p, v, r)) for r in range(p))
     return Plan(schedule, p, m, v, acts)
+
+
+def message(pl: Plan, rank: int, a: Action) -> tuple:
+    """Which message a send or receive of `rank` carries: (kind, microbatch, receiving virtual
+    stage), the same on both sides (the executor's tag, the simulator's key)."""
+    s = stage_of(rank, a.chunk, pl.p)
+    if a.op == "send_act":
+        return ("act", a.mb, s + 1)
+    if a.op == "recv_act":
+        return ("act", a.mb, s)
+    if a.op == "send_grad":
+        return ("grad", a.mb, s - 1)
+    return ("grad", a.mb, s)  # recv_grad
+
+
+def batches(pl: Plan) -> tuple[list, ...]:
+    """Every rank's list as the executor issues it: its compute actions in the plan's order, and
+    between them its sends and receives grouped into batches (each one batch_isend_irecv, one
+    NCCL group call) by tick: the unit-time step (F = B = W = 1) at which the sending compute
+    ends. Tick t's batch on a rank holds the sends of the compute it ran at t and the receives of
+    every message its peers send at t, so the k-th batch of a rank meets only k-th batches of its
+    peers — torch.distributed.pipelining's lockstep (PipelineScheduleMulti issues each time
+    step's sends and receives as one batch_isend_irecv). Receives are thus posted as soon as
+    their message is sent, and waited for only before the compute that needs them; sends still go
+    right after the compute that produced them. (Batching only each run of neighbouring sends and
+    receives is not enough under NCCL: interleaved 1F1B then hangs, tests/test_schedules.py.)
+    An item is an Action (compute) or a tuple of Actions (a batch). Needs a plan that completes
+    (simulator.check)."""
+    p = pl.p
+    steps = []  # per rank: [compute, receives it waits for, sends it makes]
+    for acts in pl.actions:
+        mine, waiting = [], []
+        for a in acts:
+            if a.op in COMPUTE:
+                mine.append([a, waiting, []])
+                waiting = []
+            elif a.op.startswith("recv"):
+                waiting.append(a)
+            else:
+                mine[-1][2].append(a)
+        steps.append(mine)
+    sent: dict[tuple, int] = {}  # message -> tick of the compute that sent it
+    tick_of: list[list[int]] = [[] for _ in range(p)]
+    free = [0] * p  # the first tick at which each rank is free
+    moved = True
+    while moved:  # unit-cost dataflow: a compute starts once its rank is free and its inputs were sent
+        moved = False
+        for r in range(p):
+            while len(tick_of[r]) < len(steps[r]):
+                a, needs, sends = steps[r][len(tick_of[r])]
+                keys = [message(pl, r, x) for x in needs]
+                if any(k not in sent for k in keys):
+                    break
+                t = max([free[r]] + [sent[k] + 1 for k in keys])
+                tick_of[r].append(t)
+                free[r] = t + 1
+                for x in sends:
+                    sent[message(pl, r, x)] = t
+                moved = True
+    if any(len(tick_of[r]) < len(steps[r]) for r in range(p)):
+        raise ValueError(f"plan {pl.schedule} p={p} m={pl.m} does not complete; simulator.check says why")
+    out = []
+    for r in range(p):
+        recv_at: dict[int, list[Action]] = {}  # tick -> receives whose message is sent then
+        for _, needs, _ in steps[r]:
+            for x in needs:
+                recv_at.setdefault(sent[message(pl, r, x)], []).append(x)
+        computes = dict(zip(tick_of[r], steps[r]))
+        items: list = []
+        for t in range(max(free) + 1):
+            sends = []
+            if t in computes:
+                items.append(computes[t][0])
+                sends = computes[t][2]
+            batch = tuple(sends) + tuple(recv_at.get(t, ()))
+            if batch:
+                items.append(batch)
+        out.append(items)
+    return tuple(out)
 
 
 # -- checks -------------------------------------------------------------------------------------

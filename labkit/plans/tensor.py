@@ -1,8 +1,9 @@
 """The tensor-parallel plan as data: module name -> style (Shoeybi et al. 2019, section 3;
 Korthikanti et al. 2022, section 4.2.2 for SP). The executor (engines/parallel/tensor.py,
 tensor_torch.py), the theory (labkit/theory/params.py, tensor.py) and the notebooks read this
-one table. The styles are listed at `tp_plan`; why an MoE layer is replicated over tp, and what
-its 'all-gather-replicated' input and 'split' output are, is in ARCHITECTURE.md.
+one table. The styles are listed at `tp_plan`; why an MoE layer is replicated over tp, what its
+'all-gather-replicated' input and 'split' output are, and how KV heads are shared when tp >
+kv_heads, is in ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -10,16 +11,22 @@ from __future__ import annotations
 from labkit.config import ModelConfig
 
 
-def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, dict]:
-    """Module name -> style dict for the lab GPT (engines/model.py). Styles:
-      colwise    weight rows (output features) split over tp: Y_i = X A_i, no communication
-      rowwise    weight columns (input features) split: partial Y = X_i B_i, then `output`
-      vocab      an embedding table / LM head split along the vocabulary
+def tp_plan(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) -> dict[str, dict]:
+    """Module name -> style dict for the model (engines/model.py, every family). Styles:
+      colwise    weight rows (output features) split over tp: Y_i = X A_i, no communication; a
+                 bias is split with its rows. `kv_groups`: wk / wv when tp > kv_heads — the rows
+                 cut into kv_heads groups (one KV head each), group j held whole by the tp/kv_heads
+                 consecutive tp ranks whose query heads read it (as vLLM replicates KV heads); their
+                 partial gradients are summed over those ranks (ARCHITECTURE.md)
+      rowwise    weight columns (input features) split: partial Y = X_i B_i, then `output`; a bias
+                 is added once, after `output` (replicated; partial per rank under SP)
+      vocab      an embedding table / LM head split along the vocabulary (a tied head is the
+                 embedding's slice: vocab-parallel on both ends)
       input      what the module's input goes through first, once for all its colwise layers
                  (attention: wq, wk, wv share one): 'copy' (the paper's f: identity forward,
                  all-reduce backward) or, with sequence parallelism, 'all-gather' along the sequence
       replicate  every tp rank holds the whole parameter and computes the same values
-      sequence   replicated parameters applied to this rank's s/tp positions (LayerNorm, position
+      sequence   replicated parameters applied to this rank's s/tp positions (norms, position
                  embedding under SP): the gradient is partial per tp rank and summed over tp
     `output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
     (SP: the sum lands sequence-sharded); the LM head's is the vocab-parallel cross-entropy, whose
@@ -27,16 +34,20 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, di
     enter = {"style": "input", "input": "all-gather" if sequence_parallel else "copy"}
     leave = "reduce-scatter" if sequence_parallel else "all-reduce"
     norm = {"style": "sequence" if sequence_parallel else "replicate"}
-    plan = {
-        "embed.tok": {"style": "vocab", "shard_dim": 0, "output": leave},
-        "embed.pos": dict(norm),
-    }
+    kv = model.n_kv_heads
+    kv_style = {"style": "colwise", "shard_dim": 0}
+    if tp > kv:
+        kv_style["kv_groups"] = kv
+    plan = {"embed.tok": {"style": "vocab", "shard_dim": 0, "output": leave}}
+    if model.arch != "llama":
+        plan["embed.pos"] = dict(norm)
     for i in range(model.layers):
         b = f"blocks.{i}."
         plan[b + "ln1"] = dict(norm)
         plan[b + "attn"] = dict(enter)
-        for w in ("wq", "wk", "wv"):
-            plan[b + f"attn.{w}"] = {"style": "colwise", "shard_dim": 0}  # whole heads per rank
+        plan[b + "attn.wq"] = {"style": "colwise", "shard_dim": 0}  # whole heads per rank
+        plan[b + "attn.wk"] = dict(kv_style)
+        plan[b + "attn.wv"] = dict(kv_style)
         plan[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
         plan[b + "ln2"] = dict(norm)
         if model.experts:  # replicated over tp, split by ep instead (ARCHITECTURE.md)
@@ -48,8 +59,10 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, di
             plan[b + "mlp.router"] = {"style": "replicate"}
             continue
         plan[b + "mlp"] = dict(enter)
-        plan[b + "mlp.fc1"] = {"style": "colwise", "shard_dim": 0}
-        plan[b + "mlp.fc2"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
+        up, down = (("gate", "up"), "down") if model.arch == "llama" else (("fc1",), "fc2")
+        for name in up:
+            plan[b + f"mlp.{name}"] = {"style": "colwise", "shard_dim": 0}
+        plan[b + f"mlp.{down}"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
     plan["head.norm"] = dict(norm)
     plan["head.proj"] = {
         "style": "vocab",
@@ -57,6 +70,8 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False) -> dict[str, di
         "input": enter["input"],
         "output": "vocab-parallel cross-entropy",
     }
+    if model.tied:
+        plan["head.proj"]["tied"] = "embed.tok"
     return plan
 
 
@@ -76,8 +91,17 @@ def shard_box(full_shape, dim: int, tp: int, tp_rank: int) -> list[list[int]]:
 def local_param(plan: dict[str, dict], name: str, full_shape, tp: int, tp_rank: int = 0):
     """(local shape, box or None, extra reduce dims, replica dims) of one parameter under `plan`."""
     style = param_style(plan, name)
+    kind = style["style"]
+    if kind == "rowwise" and name.endswith(".bias"):  # added once, after the reduction
+        if style["output"] == "reduce-scatter":
+            return tuple(full_shape), None, ("tp",), ("tp",)
+        return tuple(full_shape), None, (), ("tp",)
+    if "kv_groups" in style:  # one KV head's rows, shared by tp / kv_groups ranks
+        g = style["kv_groups"]
+        box = shard_box(full_shape, 0, g, tp_rank // (tp // g))
+        return tuple(b - a for a, b in box), box, (), ()
     if "shard_dim" in style:
         box = shard_box(full_shape, style["shard_dim"], tp, tp_rank)
         return tuple(b - a for a, b in box), box, (), ()
-    extra = ("tp",) if style["style"] == "sequence" else ()
+    extra = ("tp",) if kind == "sequence" else ()
     return tuple(full_shape), None, extra, ("tp",)

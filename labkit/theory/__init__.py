@@ -30,6 +30,7 @@ from labkit.theory.memory import (
 from labkit.theory.model import active_params, num_params, param_shapes
 from labkit.theory.per_rank import rank_comm, rank_memory
 from labkit.theory.pipeline import bubble_fraction as pipeline_bubble
+from labkit.theory.pipeline import step_bubble
 from labkit.theory.planner import Plan, evaluate
 from labkit.theory.search import Plans, plan
 from labkit.theory.timing import H100, StepTime, step_time
@@ -122,7 +123,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
         memory,
         rows_of,
         representative,
-        pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
+        step_bubble(cfg, model),
     )
 
 

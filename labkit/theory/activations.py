@@ -115,7 +115,7 @@ def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, C
     out = {}
     for c in range(v):
         s = stage_of(pp_rank, c, p)
-        layers = len(chunk_layers(model.layers, p, v, pp_rank, c))
+        layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers))
         out[c] = chunk(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
     return out
 
@@ -147,7 +147,8 @@ def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict 
     first = tuple(c for c in range(v) if stage_of(pp_rank, c, cfg.pp) == 0)
     # under CP the first stage's positions (this rank's zigzag indices, 8·s/cp bytes) are one
     # tensor for every microbatch: counted once however many are in flight (the meter counts storages)
-    shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first else 0
+    # (llama has no position table: nothing keeps them)
+    shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first and model.arch != "llama" else 0
     actions = plan(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
     return peak_in_flight(
         actions,

@@ -8,11 +8,14 @@ from __future__ import annotations
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.precision import ELEM
 from labkit.theory.batch import microbatch_rows
+from labkit.theory.pipeline import stage_layers
 
 
 def kv_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_bytes: int = 4) -> int:
-    """One ring message: K and V of this rank's tokens, (2, b, heads/tp, s/cp, head_dim)."""
-    return act_bytes * 2 * batch * (model.seq // cfg.cp) * (model.hidden // cfg.tp)
+    """One ring message: K and V of this rank's tokens, (2, b, nkv, s/cp, head_dim) with nkv the
+    rank's KV heads: kv_heads/tp, or one (shared) when tp > kv_heads."""
+    local_kv = max(1, model.n_kv_heads // cfg.tp)
+    return act_bytes * 2 * batch * (model.seq // cfg.cp) * local_kv * model.head_dim
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
@@ -25,13 +28,13 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     if cfg.cp == 1:
         return
     micro = microbatch_rows(cfg)
-    passes = model.layers // cfg.pp * cfg.microbatches  # attention layers run per step on a rank
     forwards = 2 if cfg.recompute != "none" else 1  # every recomputation runs the ring again
     moe_forwards = 2 if cfg.recompute in ("full", "op") else 1  # selective leaves the MoE layer alone
     kv = kv_message_bytes(cfg, model, micro, ELEM[cfg.precision])
     dkv = kv_message_bytes(cfg, model, micro, 4)
     label = layout.label("cp")
     for rank in comm.ranks(layout):
+        passes = stage_layers(cfg, model, layout.coords(rank)["pp"])[0] * cfg.microbatches  # attention layers run
         for op in ("send", "recv"):  # K/V in each forward and again in backward, then dK/dV
             comm.add(rank, label, op, kv, cfg.cp, (forwards + 1) * (cfg.cp - 1) * passes)
             comm.add(rank, label, op, dkv, cfg.cp, (cfg.cp - 1) * passes)

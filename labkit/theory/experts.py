@@ -9,9 +9,10 @@ from __future__ import annotations
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import ELEM
+from labkit.plans.schedules import chunk_layers
 from labkit.theory.batch import microbatch_rows
 
-EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2")
+EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2", "mlp.w3")
 EXPERT_DIMS = ("dp", "cp")
 """An expert's gradient is summed over dp x cp only: the ep ranks hold different experts."""
 
@@ -37,13 +38,18 @@ def layer_activation_bytes(
     with T = b·s tokens, N = T·k assignments and R rows received by this rank's experts,
     4·T·E (router probabilities, fp32) + 3·8·N (top-k ids, the two gathers' indices, int64)
     + 4·b·E (balance-loss fractions) + a·(N + N·h + R·h + 2·R·f) (gates, returned rows, and in
-    the experts their input, GELU input and output). `received`: R; default the balanced R = N,
-    which is exact without expert parallelism (every rank runs every expert on its own N rows)."""
+    the experts their input, GELU input and output). llama (Mixtral): SwiGLU experts keep 4·R·f
+    (gate out, SiLU out, up out, product), and renormalising the top-k gates keeps them and their
+    sum in fp32, 4·(N + T). `received`: R; default the balanced R = N, which is exact without
+    expert parallelism (every rank runs every expert on its own N rows)."""
     t = batch * seq
     n = t * model.top_k
     r = n if received is None else received
     e, h, f = model.experts, model.hidden, model.ffn
-    return 4 * t * e + 3 * 8 * n + 4 * batch * e + act_bytes * (n + n * h + r * h + 2 * r * f)
+    out = 4 * t * e + 3 * 8 * n + 4 * batch * e + act_bytes * (n + n * h + r * h + 2 * r * f)
+    if model.arch == "llama":
+        out += act_bytes * 2 * r * f + 4 * (n + t)
+    return out
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
@@ -52,11 +58,13 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     forward and again backward; recomputation routes and dispatches once more."""
     if cfg.ep == 1 or not model.experts:
         return
-    passes = model.layers // cfg.pp * cfg.microbatches
+    v = cfg.virtual_stages if cfg.pp > 1 else 1
     rows = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.top_k * model.hidden * ELEM[cfg.precision]
     forwards = 2 if cfg.recompute in ("full", "op") else 1
     label = layout.label("ep")
     for rank in comm.ranks(layout):
-        for _ in range(passes):
+        pp_rank = layout.coords(rank)["pp"]
+        layers = sum(len(chunk_layers(model.layers, cfg.pp, v, pp_rank, c, cfg.stage_layers)) for c in range(v))
+        for _ in range(layers * cfg.microbatches):
             comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep, forwards)  # split sizes
             comm.add(rank, label, "all_to_all", rows, cfg.ep, 2 * forwards + 2)  # dispatch, combine, and back

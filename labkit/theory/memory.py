@@ -37,15 +37,22 @@ def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str
 def activation_bytes(
     m: ModelConfig, batch: int, layers: int | None = None, head: bool = True, embed: bool = True, act_bytes: int = 4
 ) -> int:
-    """Bytes the lab model saves for backward for one (batch, seq) microbatch, counted from what
-    each op keeps (pre-LN block, no dropout, PyTorch's CPU/flash attention):
+    """Bytes the model saves for backward for one (batch, seq) microbatch, counted from what each
+    op keeps (pre-norm block, no dropout, PyTorch's CPU flash attention; a = heads, kv = KV heads
+    times head_dim, e = act_bytes):
 
-      per block  8bsh (LN inputs and outputs, q k v, attention output, residual) + 2bsf (fc1 out,
-                 GELU out; an MoE layer keeps what theory/experts.py lists instead) + 4bs
-                 (LayerNorm mean and rstd) + a·b·s (attention log-sum-exp, fp32)
-      head       2bsh (LN input and output) + 2bs (LN stats) + bsV (log-softmax output, fp32)
-                 + bs int64 targets + one fp32 scalar
-      embedding  bs int64 token ids + s int64 positions
+      gpt, gpt2  per block  e(6bsh + 2bs·kv + 4bs): LN inputs and outputs, q, attention output,
+                            k and v, LN mean and rstd; + 2e·bsf (fc1 out, GELU out) + 4abs (lse)
+                 head       e(2bsh + 2bs) + 4bsV (log-softmax, fp32) + 8bs targets + one fp32 scalar
+                 embedding  8bs token ids + 8s positions
+      llama      per block  8(2bsh + bs): two RMSNorms keep input, rstd and normalised input, in fp32
+                            whatever the compute dtype (torch's nn.RMSNorm upcasts); e(4bsh + 2bs·kv):
+                            the norms' outputs, rotated q, attention output, rotated k and v;
+                            4e·bsf (SwiGLU: gate out, SiLU out, up out, their product) + 4abs (lse)
+                 head       4(2bsh + bs) + e·bsh + 4bsV + 8bs + 4
+                 embedding  8bs token ids; the rotary cos and sin tables 2e·s·hd, one pair per
+                            forward of a chunk with blocks (every block keeps the same two)
+    An MoE layer keeps what theory/experts.py lists in place of the dense MLP's.
 
     act_bytes: bytes per activation element (4 fp32, 2 bf16). PyTorch's CPU LayerNorm keeps its
     mean and rstd in the activation dtype (its CUDA kernel keeps them in fp32).
@@ -53,15 +60,26 @@ def activation_bytes(
     (Korthikanti et al.'s sbh(34 + 5as/h) counts a different block: dropout masks, stored
     softmax scores; `korthikanti_layer_bytes` gives that published formula.)
     """
-    b, s, h, f, a, v = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab
+    b, s, h, f, a, v, e = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab, act_bytes
+    kv = m.n_kv_heads * m.head_dim
     layers = m.layers if layers is None else layers
-    mlp = layer_activation_bytes(m, b, s, act_bytes) if m.experts else act_bytes * 2 * b * s * f
-    block = act_bytes * (8 * b * s * h + 4 * b * s) + mlp + 4 * a * b * s
+    llama = m.arch == "llama"
+    if m.experts:
+        mlp = layer_activation_bytes(m, b, s, e)
+    else:
+        mlp = e * (4 if llama else 2) * b * s * f
+    if llama:
+        block = 8 * (2 * b * s * h + b * s) + e * (4 * b * s * h + 2 * b * s * kv) + mlp + 4 * a * b * s
+    else:
+        block = e * (6 * b * s * h + 2 * b * s * kv + 4 * b * s) + mlp + 4 * a * b * s
     total = layers * block
+    if llama and layers:
+        total += 2 * e * s * m.head_dim  # the rotary tables
     if head:
-        total += act_bytes * (2 * b * s * h + 2 * b * s) + 4 * b * s * v + 8 * b * s + 4
+        norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if llama else e * (2 * b * s * h + 2 * b * s)
+        total += norm + 4 * b * s * v + 8 * b * s + 4
     if embed:
-        total += 8 * b * s + 8 * s
+        total += 8 * b * s + (0 if llama else 8 * s)
     return total
 
 

@@ -1,4 +1,4 @@
-"""The lab model's parameters, by name and shape, without building it (no torch).
+"""The model's parameters, by name and shape, for each family, without building it (no torch).
 
 Must list exactly what labkit.engines.model.GPT registers, in the same order; a test checks it.
 """
@@ -12,24 +12,38 @@ from labkit.config import ModelConfig
 
 
 @lru_cache(maxsize=64)
-def param_shapes(m: ModelConfig) -> list[tuple[str, tuple[int, ...]]]:
+def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(name, shape) of every parameter, in registration order; a tied head is the embedding
+    (listed once, as embed.tok.weight)."""
     h, f, v, s = m.hidden, m.ffn, m.vocab, m.seq
-    out = [("embed.tok.weight", (v, h)), ("embed.pos.weight", (s, h))]
+    kv = m.n_kv_heads * m.head_dim
+    llama, gpt2 = m.arch == "llama", m.arch == "gpt2"
+    out = [("embed.tok.weight", (v, h))] + ([] if llama else [("embed.pos.weight", (s, h))])
+
+    def norm(name: str) -> list:  # RMSNorm has a weight only
+        return [(name + ".weight", (h,))] + ([] if llama else [(name + ".bias", (h,))])
+
+    def linear(name: str, rows: int, cols: int, bias: bool) -> list:
+        return [(name + ".weight", (rows, cols))] + ([(name + ".bias", (rows,))] if bias else [])
+
+    qkv_bias = gpt2 or m.qkv_bias
     for i in range(m.layers):
         b = f"blocks.{i}."
-        out += [(b + "ln1.weight", (h,)), (b + "ln1.bias", (h,))]
-        out += [(b + f"attn.{w}.weight", (h, h)) for w in ("wq", "wk", "wv", "wo")]
-        out += [(b + "ln2.weight", (h,)), (b + "ln2.bias", (h,))]
+        out += norm(b + "ln1")
+        out += linear(b + "attn.wq", h, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
+        out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, h, gpt2)
+        out += norm(b + "ln2")
         if m.experts:
             # a module's own parameters come before its submodules' (nn.Module.named_parameters)
-            out += [
-                (b + "mlp.w1", (m.experts, h, f)),
-                (b + "mlp.w2", (m.experts, f, h)),
-                (b + "mlp.router.weight", (m.experts, h)),
-            ]
+            out += [(b + "mlp.w1", (m.experts, h, f)), (b + "mlp.w2", (m.experts, f, h))]
+            out += [(b + "mlp.w3", (m.experts, h, f))] if llama else []
+            out += [(b + "mlp.router.weight", (m.experts, h))]
+        elif llama:
+            out += linear(b + "mlp.gate", f, h, False) + linear(b + "mlp.up", f, h, False)
+            out += linear(b + "mlp.down", h, f, False)
         else:
-            out += [(b + "mlp.fc1.weight", (f, h)), (b + "mlp.fc2.weight", (h, f))]
-    out += [("head.norm.weight", (h,)), ("head.norm.bias", (h,)), ("head.proj.weight", (v, h))]
+            out += linear(b + "mlp.fc1", f, h, gpt2) + linear(b + "mlp.fc2", h, f, gpt2)
+    out += norm("head.norm") + ([] if m.tied else [("head.proj.weight", (v, h))])
     return tuple(out)
 
 
@@ -43,5 +57,5 @@ def active_params(m: ModelConfig) -> float:
     (the count that sets the FLOPs of an MoE model, e.g. Mixtral's 13B active of 47B)."""
     if not m.experts:
         return num_params(m)
-    expert = sum(prod(s) for n, s in param_shapes(m) if n.endswith(("mlp.w1", "mlp.w2")))
+    expert = sum(prod(s) for n, s in param_shapes(m) if n.endswith(("mlp.w1", "mlp.w2", "mlp.w3")))
     return num_params(m) - expert + expert * m.top_k / m.experts

@@ -23,7 +23,7 @@ def chunk_local_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) ->
     of each parameter, in registration order — the chunk's full shapes after the ep and tp
     splits. Every rank at one pipeline coordinate holds the same shapes (the splits are even),
     so an estimate at scale computes this once per coordinate."""
-    plan = tp_plan(model, cfg.sequence_parallel) if cfg.tp > 1 else None
+    plan = tp_plan(model, cfg.sequence_parallel, cfg.tp) if cfg.tp > 1 else None
     out = []
     for chunk in chunk_full_shapes(cfg, model, pp_rank):
         rows = []

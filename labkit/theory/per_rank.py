@@ -50,6 +50,7 @@ def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout) -> No
     context.comm_rows(comm, cfg, model, layout)
     experts.comm_rows(comm, cfg, model, layout)
     pipeline.p2p_rows(comm, cfg, model, layout)
+    pipeline.tied_rows(comm, cfg, model, layout)
     sharding.comm_rows(comm, cfg, model, layout)
 
 

@@ -12,8 +12,8 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.precision import ELEM
-from labkit.plans.schedules import chunk_layers, plan, stage_of
+from labkit.plans.precision import ELEM, REDUCE
+from labkit.plans.schedules import chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes
 from labkit.plans.simulator import Costs, Simulation, simulate
 from labkit.theory.batch import microbatch_rows, stream_rows
 from labkit.theory.model import param_shapes
@@ -77,16 +77,17 @@ def chunk_full_shapes(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> 
     out = []
     for c in range(v):
         s = stage_of(pp_rank, c, p)
-        blocks = {str(i) for i in chunk_layers(model.layers, p, v, pp_rank, c)}
-        out.append(
-            [
-                (n, sh)
-                for n, sh in shapes
-                if (n.startswith("embed.") and s == 0)
-                or (n.startswith("head.") and s == p * v - 1)
-                or (n.startswith("blocks.") and n.split(".", 2)[1] in blocks)
-            ]
-        )
+        blocks = {str(i) for i in chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers)}
+        chunk = [
+            (n, sh)
+            for n, sh in shapes
+            if (n.startswith("embed.") and s == 0)
+            or (n.startswith("head.") and s == p * v - 1)
+            or (n.startswith("blocks.") and n.split(".", 2)[1] in blocks)
+        ]
+        if model.tied and s == p * v - 1:  # the head's copy of the tied embedding, registered last
+            chunk.append(("embed.tok.weight", (model.vocab, model.hidden)))
+        out.append(chunk)
     return out
 
 
@@ -102,7 +103,8 @@ def stage_layers(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple
         return model.layers, True, True
     p, v = cfg.pp, cfg.virtual_stages
     stages = [stage_of(pp_rank, c, p) for c in range(v)]
-    return model.layers // p, 0 in stages, p * v - 1 in stages
+    layers = sum(len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers)) for c in range(v))
+    return layers, 0 in stages, p * v - 1 in stages
 
 
 def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
@@ -127,6 +129,19 @@ def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
                 comm.add(rank, label, "send", nbytes, p, calls=m)
 
 
+def tied_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+    """A tied embedding under pp: the first and the last stage each hold a copy and all-reduce its
+    gradient over the two of them once per step, (V/tp, h) in fp32 (engines/parallel/common.py
+    all_reduce_tied; Megatron-LM's embedding group)."""
+    if not model.tied or cfg.pp == 1:
+        return
+    nbytes = REDUCE * model.vocab // cfg.tp * model.hidden
+    label = layout.label("pp")
+    for rank in comm.ranks(layout):
+        if layout.coords(rank)["pp"] in (0, cfg.pp - 1):
+            comm.add(rank, label, "all_reduce", nbytes, 2)
+
+
 def costs_from_result(result, step: int = -1) -> dict:
     """Measured seconds per pipeline rank, for the simulator's Costs(**...): the mean F, B (and
     W) span, over data-parallel replicas too, and as t_comm the fastest receive (one that did
@@ -145,8 +160,30 @@ def costs_from_result(result, step: int = -1) -> dict:
     return out
 
 
-def simulated(cfg: ParallelConfig, costs: dict | None = None, schedule: str | None = None) -> Simulation:
+def stage_scale(cfg: ParallelConfig, layers: int) -> dict | None:
+    """{(rank, chunk): its layers / the mean layers per stage}: what uneven stages
+    (cfg.stage_layers) cost relative to even ones, for the simulator; None when they are even."""
+    sizes = stage_sizes(layers, cfg.pp * cfg.virtual_stages, cfg.stage_layers)
+    if len(set(sizes)) <= 1:
+        return None
+    mean = sum(sizes) / len(sizes)
+    return {rank_chunk_of(s, cfg.pp): n / mean for s, n in enumerate(sizes)}
+
+
+def simulated(
+    cfg: ParallelConfig, costs: dict | None = None, schedule: str | None = None, layers: int | None = None
+) -> Simulation:
     """The simulator's ideal timeline of `cfg`'s schedule (labkit/plans/simulator.py): unit
-    costs by default, or measured ones (`costs_from_result(result)`)."""
+    costs by default, or measured ones (`costs_from_result(result)`); with uneven stages
+    (cfg.stage_layers, given the model's `layers`) each chunk's compute in proportion to its layers."""
     pl = plan(schedule or cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
-    return simulate(pl, Costs(**costs) if costs else Costs())
+    scale = stage_scale(cfg, layers) if layers and cfg.stage_layers else None
+    return simulate(pl, Costs(**(costs or {}), scale=scale))
+
+
+def step_bubble(cfg: ParallelConfig, model: ModelConfig) -> float:
+    """The bubble of one step: the formula on even stages (`bubble_fraction`), the simulator's
+    mean idle fraction on uneven ones (the slowest stage sets the pace)."""
+    if cfg.pp > 1 and stage_scale(cfg, model.layers) is not None:
+        return simulated(cfg, layers=model.layers).bubble
+    return bubble_fraction(cfg.pp, cfg.microbatches, cfg.virtual_stages)

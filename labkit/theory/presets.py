@@ -1,66 +1,120 @@
-"""Published models as lab ModelConfigs, for estimates at scale (the ScaleExplorer, `labkit estimate`).
+"""Published models, exactly as built (ModelConfig.arch), for estimates at scale (the ScaleExplorer,
+`labkit estimate`, notebook 10). Each is what ModelConfig.from_hf makes of the model's Hugging Face
+config.json (tests/data/hf_configs.py holds those configs and checks it), with `seq` the training
+sequence of the source cited (the configs' max_position_embeddings is the longest context, not
+what a step trains on). `PUBLISHED_PARAMS` is each model's exact parameter count (the safetensors
+total of its Hugging Face checkpoint); theory.num_params equals it, and a test checks.
 
-The lab model is GPT-style: multi-head attention (4h² per block), a two-matrix GELU MLP, learned
-positions and an untied LM head. Where a published model differs (Llama's SwiGLU MLP with
-three matrices, grouped-query attention), `ffn` is chosen so that each block holds the same
-number of parameters as the original; the total Ψ then matches the published count, and so do
-the model-state bytes (ZeRO accounting is per parameter). Activations are those of the lab's
-block at the published width, so they are an approximation for these models.
-
-    ffn = (attention + MLP parameters of the published block - 4h²) / (experts · 2h)
-
-Each preset cites its source; `PUBLISHED_PARAMS` holds the count the source reports and a test
-checks Ψ against it.
+The names of the first build stay (llama-7b is Llama 2 7B, llama-70b Llama 2 70B, llama-405b
+Llama 3.1 405B), now exact; the Llama 3.x models have names of their own.
 """
 
 from __future__ import annotations
 
-from labkit.config import ModelConfig
+from labkit.config import ModelConfig, RopeScaling
 
-GPT2_124M = ModelConfig(layers=12, hidden=768, heads=12, ffn=3072, vocab=50304, seq=1024)
+GPT2_124M = ModelConfig(arch="gpt2", layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=1024)
 """GPT-2 small: Radford et al., "Language Models are Unsupervised Multitask Learners" (2019),
-table 2; vocab 50257 padded to 50304 (nanoGPT's choice, a multiple of 64 so tp can split it).
-GPT-2 ties its LM head to the token embedding; the lab's head is untied, so Ψ here is the
-published 124M plus vocab·h = 38.6M."""
+table 2; huggingface.co/openai-community/gpt2 config.json (n_embd 768, n_layer 12, n_head 12,
+n_positions 1024, vocab 50257, gelu_new, tied head). vocab 50257 is odd, so tp must be 1 (nanoGPT
+pads it to 50304 to train fast; that is another model)."""
 
-LLAMA_7B = ModelConfig(layers=32, hidden=4096, heads=32, ffn=16512, vocab=32000, seq=4096)
+LLAMA2_7B = ModelConfig(arch="llama", layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000, seq=4096)
 """Llama 2 7B: Touvron et al., "Llama 2: Open Foundation and Fine-Tuned Chat Models" (2023),
-table 1 and the released config (h 4096, 32 layers, 32 heads, SwiGLU width 11008).
-ffn = 3/2 · 11008 (three SwiGLU matrices as two)."""
+table 1; huggingface.co/meta-llama/Llama-2-7b-hf config.json (h 4096, 32 layers, 32 heads = KV
+heads, SwiGLU 11008, vocab 32000, rope_theta 1e4, context 4096)."""
 
-LLAMA_13B = ModelConfig(layers=40, hidden=5120, heads=40, ffn=20736, vocab=32000, seq=4096)
-"""Llama 2 13B: Touvron et al. (2023), table 1 (h 5120, 40 layers, 40 heads, SwiGLU width
-13824). ffn = 3/2 · 13824."""
+LLAMA2_13B = ModelConfig(arch="llama", layers=40, hidden=5120, heads=40, ffn=13824, vocab=32000, seq=4096)
+"""Llama 2 13B: Touvron et al. (2023), table 1; huggingface.co/meta-llama/Llama-2-13b-hf config.json
+(h 5120, 40 layers, 40 heads, SwiGLU 13824)."""
 
-LLAMA_70B = ModelConfig(layers=80, hidden=8192, heads=64, ffn=35840, vocab=32000, seq=4096)
-"""Llama 2 70B: Touvron et al. (2023), table 1 (h 8192, 80 layers, 64 heads with 8 KV heads
-(GQA), SwiGLU width 28672). ffn = (2h² + 2h·1024 + 3h·28672 - 4h²) / 2h = 35840."""
+LLAMA2_70B = ModelConfig(arch="llama", layers=80, hidden=8192, heads=64, kv_heads=8, ffn=28672, vocab=32000, seq=4096)
+"""Llama 2 70B: Touvron et al. (2023), table 1; huggingface.co/meta-llama/Llama-2-70b-hf config.json
+(h 8192, 80 layers, 64 heads, 8 KV heads, SwiGLU 28672)."""
 
-LLAMA_405B = ModelConfig(layers=126, hidden=16384, heads=128, ffn=64512, vocab=128256, seq=8192)
-"""Llama 3.1 405B: Llama Team, "The Llama 3 Herd of Models" (2024), table 3 (h 16384,
-126 layers, 128 heads with 8 KV heads, FFN 53248, vocab 128256, pre-training sequence 8192).
-ffn = (2h² + 2h·1024 + 3h·53248 - 4h²) / 2h = 64512."""
+LLAMA31_ROPE = RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192)
+"""Llama 3.1's rope_scaling (rope_type 'llama3'), as in its config.json."""
 
-MIXTRAL_8X7B = ModelConfig(layers=32, hidden=4096, heads=32, ffn=21120, vocab=32000, seq=32768, experts=8, top_k=2)
-"""Mixtral 8x7B: Jiang et al., "Mixtral of Experts" (2024), table 1 (h 4096, 32 layers,
-32 heads with 8 KV heads, expert width 14336, 8 experts, top-2, context 32768).
-ffn = (2h² + 2h·1024 + 8 · 3h·14336 - 4h²) / (8 · 2h) = 21120."""
+LLAMA31_8B = ModelConfig(
+    arch="llama",
+    layers=32,
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    ffn=14336,
+    vocab=128256,
+    seq=8192,
+    rope_theta=500000.0,
+    rope_scaling=LLAMA31_ROPE,
+)
+"""Llama 3.1 8B: Llama Team, "The Llama 3 Herd of Models" (2024), table 3;
+huggingface.co/meta-llama/Llama-3.1-8B config.json. seq 8192: the pre-training sequence (table 3),
+torchtitan's llama3 8B training run."""
+
+LLAMA31_70B = LLAMA31_8B.replace(layers=80, hidden=8192, heads=64, ffn=28672)
+"""Llama 3.1 70B: ibid., table 3; huggingface.co/meta-llama/Llama-3.1-70B config.json."""
+
+LLAMA31_405B = LLAMA31_8B.replace(layers=126, hidden=16384, heads=128, ffn=53248)
+"""Llama 3.1 405B: ibid., table 3 (126 layers: uneven pipeline stages, ParallelConfig.stage_layers);
+huggingface.co/meta-llama/Llama-3.1-405B config.json."""
+
+LLAMA32_1B = ModelConfig(
+    arch="llama",
+    layers=16,
+    hidden=2048,
+    heads=32,
+    kv_heads=8,
+    ffn=8192,
+    vocab=128256,
+    seq=8192,
+    rope_theta=500000.0,
+    rope_scaling=RopeScaling(factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192),
+    tie_embeddings=True,
+)
+"""Llama 3.2 1B: huggingface.co/meta-llama/Llama-3.2-1B config.json (h 2048, 16 layers, 32 heads,
+8 KV heads, SwiGLU 8192, tied head, rope factor 32)."""
+
+MIXTRAL_8X7B = ModelConfig(
+    arch="llama",
+    layers=32,
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    ffn=14336,
+    vocab=32000,
+    seq=32768,
+    experts=8,
+    top_k=2,
+    rope_theta=1e6,
+)
+"""Mixtral 8x7B: Jiang et al., "Mixtral of Experts" (2024), table 1; huggingface.co/mistralai/
+Mixtral-8x7B-v0.1 config.json (h 4096, 32 layers, 32 heads, 8 KV heads, 8 SwiGLU experts of
+14336, top-2, rope_theta 1e6, context 32768)."""
 
 PRESETS: dict[str, ModelConfig] = {
     "gpt2-124m": GPT2_124M,
-    "llama-7b": LLAMA_7B,
-    "llama-13b": LLAMA_13B,
-    "llama-70b": LLAMA_70B,
-    "llama-405b": LLAMA_405B,
+    "llama-7b": LLAMA2_7B,
+    "llama-13b": LLAMA2_13B,
+    "llama-70b": LLAMA2_70B,
+    "llama3.2-1b": LLAMA32_1B,
+    "llama3.1-8b": LLAMA31_8B,
+    "llama3.1-70b": LLAMA31_70B,
+    "llama-405b": LLAMA31_405B,
     "mixtral-8x7b": MIXTRAL_8X7B,
 }
 
-PUBLISHED_PARAMS: dict[str, float] = {
-    "gpt2-124m": 124e6,  # tied head; the lab's untied head adds vocab * hidden
-    "llama-7b": 6.74e9,
-    "llama-13b": 13.0e9,
-    "llama-70b": 69.0e9,
-    "llama-405b": 405e9,
-    "mixtral-8x7b": 46.7e9,
+PUBLISHED_PARAMS: dict[str, int] = {
+    "gpt2-124m": 124_439_808,
+    "llama-7b": 6_738_415_616,
+    "llama-13b": 13_015_864_320,
+    "llama-70b": 68_976_648_192,
+    "llama3.2-1b": 1_235_814_400,
+    "llama3.1-8b": 8_030_261_248,
+    "llama3.1-70b": 70_553_706_496,
+    "llama-405b": 405_853_388_800,
+    "mixtral-8x7b": 46_702_792_704,
 }
-"""Parameter counts as the sources report them (Llama 2's model card: 6.74B, 13.0B, 69.0B)."""
+"""Exact parameter counts of the published checkpoints (Hugging Face's safetensors totals)."""
+
+# the names the first build used, kept working; LLAMA_70B was Llama 2 70B, LLAMA_405B Llama 3.1 405B
+LLAMA_7B, LLAMA_13B, LLAMA_70B, LLAMA_405B = LLAMA2_7B, LLAMA2_13B, LLAMA2_70B, LLAMA31_405B

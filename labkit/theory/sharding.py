@@ -14,7 +14,7 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.buckets import plan_groups, torch_ddp_buckets
-from labkit.plans.flat import FlatPlan, bucket_plans, unit_of, unit_plans
+from labkit.plans.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import ELEM, REDUCE
 from labkit.theory.params import chunk_local_params, rank_entries
@@ -37,7 +37,7 @@ def _plans(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int)
     sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
     if cfg.sharding in ("zero1", "zero2"):
         return tuple(bucket_plans(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
-    return tuple(unit_plans(entries, sizes, "zero3" if cfg.sharding == "zero3" else "fsdp"))
+    return tuple(unit_plans(entries, sizes, unit_kind(cfg.sharding, model.tied)))
 
 
 def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:

@@ -1,0 +1,71 @@
+"""What an engine is before it has a rank: its host, pid, addresses, GPUs (by physical identity)
+and CPUs, which the Lab reads to lay out the world (labkit/world.py).
+
+torch is imported inside `engine_info`: the notebook imports this module only to name the function
+it sends to the engines, and never loads torch.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+
+import psutil
+
+from labkit.engines import runtime, sockets
+
+
+def engine_info() -> dict:
+    """host, pid, addr (an address of this host others can reach, if it has one), addrs (all of
+    its non-loopback IPv4 addresses), gpus (how many this engine sees), gpu_uuids (which physical
+    GPUs those are), cpus (this host's), python."""
+    import torch  # engines only (see the module docstring)
+
+    if not runtime.in_world():  # before torch listens on anything: the engine's own sockets
+        sockets.remember_engine_listeners()
+    host = socket.gethostname()
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    addrs = _interface_addresses()
+    return {
+        "host": host,
+        "pid": os.getpid(),
+        "addr": _address(host, addrs),
+        "addrs": addrs,
+        "gpus": gpus,
+        "gpu_uuids": [_gpu_uuid(torch, k) for k in range(gpus)],
+        "cpus": os.cpu_count() or 1,
+        "python": sys.executable,
+    }
+
+
+def _address(host: str, addrs: list[str]) -> str:
+    """The host name's address, unless it is a loopback one (Debian and Ubuntu map the host name
+    to 127.0.1.1 in /etc/hosts): then the first address of an interface that is up, if any."""
+    try:
+        addr = socket.gethostbyname(host)
+    except OSError:
+        addr = "127.0.0.1"
+    if addr.startswith("127.") and addrs:
+        return addrs[0]
+    return addr
+
+
+def _interface_addresses() -> list[str]:
+    """Non-loopback IPv4 addresses of the interfaces that are up."""
+    stats = psutil.net_if_stats()
+    return [
+        a.address
+        for name, found in psutil.net_if_addrs().items()
+        if name in stats and stats[name].isup
+        for a in found
+        if a.family == socket.AF_INET and not a.address.startswith("127.")
+    ]
+
+
+def _gpu_uuid(torch, k: int) -> str:
+    """The physical identity of visible GPU k ('' if this torch build cannot say)."""
+    try:
+        return str(torch.cuda.get_device_properties(k).uuid)
+    except Exception:  # an older build or a driver without it: the Lab falls back to indices
+        return ""

@@ -1,0 +1,164 @@
+"""The communication operators of tensor and sequence parallelism (engines/parallel/tensor.py
+applies them): each a small autograd.Function whose docstring states forward and backward, in
+the words of the papers (Shoeybi et al. 2019, figure 3: f and g; Korthikanti et al. 2022,
+section 4.2.2: SP's all-gather and reduce-scatter along the sequence), plus the vocab-parallel
+cross-entropy and the gradient sum of a KV head shared by several tp ranks.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+# -- collectives along the sequence (dim 1 of (b, s, h)) ------------------------------------
+def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s/t, h) per rank -> (b, s, h): the chunks in tp-rank order."""
+    t = dist.get_world_size(group)
+    b, n, h = x.shape
+    chunks = x.new_empty(t * b, n, h)
+    dist.all_gather_into_tensor(chunks, x.contiguous(), group=group)  # (b, s/t, h) -> (t*b, s/t, h)
+    return chunks.view(t, b, n, h).transpose(0, 1).reshape(b, t * n, h)  # (t, b, s/t, h) -> (b, s, h)
+
+
+def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
+    """(b, s, h) partial sums per rank -> (b, s/t, h): this rank's chunk of their sum."""
+    t = dist.get_world_size(group)
+    b, s, h = x.shape
+    chunks = x.reshape(b, t, s // t, h).transpose(0, 1).contiguous()  # (b, s, h) -> (t, b, s/t, h)
+    out = x.new_empty(b, s // t, h)
+    dist.reduce_scatter_tensor(out, chunks.view(t * b, s // t, h), group=group)  # -> (b, s/t, h)
+    return out
+
+
+# -- the conjugate operators ----------------------------------------------------------------
+class Copy(torch.autograd.Function):
+    """f: identity forward, all-reduce backward (Shoeybi et al., figure 3)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # (b, s, h) partial -> summed over tp
+        return grad, None
+
+
+class Reduce(torch.autograd.Function):
+    """g: all-reduce forward, identity backward (Shoeybi et al., figure 3)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.mark_dirty(x)  # summed in place: no copy
+        dist.all_reduce(x, group=group)  # (b, s, h) partial -> summed over tp
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Gather(torch.autograd.Function):
+    """SP's entry: all-gather along the sequence forward, reduce-scatter backward (Korthikanti, 4.2.2)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return all_gather_seq(x, group)  # (b, s/t, h) -> (b, s, h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.group), None  # (b, s, h) -> (b, s/t, h)
+
+
+class Scatter(torch.autograd.Function):
+    """SP's exit: reduce-scatter along the sequence forward, all-gather backward (Korthikanti, 4.2.2)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return reduce_scatter_seq(x, group)  # (b, s, h) partial -> (b, s/t, h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None  # (b, s/t, h) -> (b, s, h)
+
+
+class GatherReplicated(torch.autograd.Function):
+    """Into a region every tp rank computes whole and alike (an MoE layer under SP): all-gather
+    along the sequence forward; backward keeps this rank's rows of the (replicated) gradient
+    (Megatron's gather_from_sequence_parallel_region with tensor_parallel_output_grad=False)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.rank, ctx.t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
+        return all_gather_seq(x, group)  # (b, s/t, h) -> (b, s, h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.t, dim=1)[ctx.rank].contiguous(), None  # (b, s, h) -> (b, s/t, h)
+
+
+class Split(torch.autograd.Function):
+    """Out of such a region: keep this rank's rows forward (no communication), all-gather the
+    gradient's rows backward (Megatron's scatter_to_sequence_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        rank, t = dist.get_group_rank(group, dist.get_rank()), dist.get_world_size(group)
+        return x.chunk(t, dim=1)[rank].contiguous()  # (b, s, h) -> (b, s/t, h)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_gather_seq(grad, ctx.group), None  # (b, s/t, h) -> (b, s, h)
+
+
+class VocabParallelCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy from (N, V/t) logit shards (Megatron-LM's vocab_parallel_cross_entropy):
+    forward two all-reduces over tp — the (N,) max, then the (2, N) sum of exponentials with the
+    target's logit — backward none (softmax minus one-hot, on this rank's vocabulary slice)."""
+
+    @staticmethod
+    def forward(ctx, logits, targets, start, group):
+        n, v = logits.shape  # this rank: vocabulary [start, start + v)
+        top = logits.max(dim=-1).values  # (N,)
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # (N,) max over the whole vocabulary
+        shifted = logits - top[:, None]  # (N, V/t)
+        outside = (targets < start) | (targets >= start + v)  # (N,) target held by another rank
+        local = (targets - start).masked_fill(outside, 0)  # (N,)
+        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
+        exp = shifted.exp_()  # (N, V/t)
+        sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
+        dist.all_reduce(sums, group=group)  # (2, N) summed over tp
+        loss = (sums[0].log() - sums[1]).mean()
+        ctx.save_for_backward(exp.div_(sums[0][:, None]), local, outside)  # softmax (N, V/t)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, local, outside = ctx.saved_tensors
+        n = softmax.shape[0]
+        g = softmax * (grad / n)  # (N, V/t)
+        g[torch.arange(n, device=g.device), local] -= (~outside).to(g.dtype) * (grad / n)
+        return g, None, None, None
+
+
+class ReduceGrad(torch.autograd.Function):
+    """f on a weight: identity forward, all-reduce of its gradient backward (in fp32, the reduce
+    dtype). A KV head shared by tp/kv_heads ranks: each computes the part of its gradient that its
+    own query heads cause; the sum over those ranks is the gradient (ARCHITECTURE.md)."""
+
+    @staticmethod
+    def forward(ctx, w, group):
+        ctx.group = group
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad):
+        total = grad.float().contiguous()  # a copy when the compute dtype is bf16
+        dist.all_reduce(total, group=ctx.group)  # (rows, cols) partial -> summed over the KV head's ranks
+        return total.to(grad.dtype), None

@@ -1,0 +1,135 @@
+"""How a Lab lays out its torch world from what its engines report: the backend, each rank's
+device, the rendezvous address and each rank's threads; and the environment the engines get.
+
+Pure (plain dicts in, a WorldPlan out): EngineSet.setup calls `plan_world` with the engines'
+`engine_info()`; tests call it with made-up infos for machines this one is not (two hosts, eight
+GPUs, one GPU per engine). What it decides:
+  - one GPU per engine is judged by physical GPU (UUIDs), not by counts: launchers that bind one
+    GPU per task (`srun --gpus-per-task=1`, a CUDA_VISIBLE_DEVICES per engine) show every engine
+    one GPU, and those GPUs are all different;
+  - backend='auto' is NCCL when every engine has a GPU of its own and device is not 'cpu', else
+    gloo (device='cuda' with shared GPUs: gloo on CUDA tensors);
+  - the rendezvous is 127.0.0.1 for a local cluster on one host; across hosts it is master_addr,
+    or rank 0's address, which must not be a loopback one (Debian and Ubuntu map the hostname to
+    127.0.1.1), else the Lab says to pass master_addr.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections import Counter
+from dataclasses import dataclass
+
+from labkit.config import ParallelConfig
+from labkit.errors import LabError
+
+FORWARDED_PREFIXES = ("NCCL_", "TORCH_NCCL_")
+FORWARDED_NAMES = ("GLOO_SOCKET_IFNAME",)
+"""Environment variables the notebook's process passes on to the engines (the network interfaces
+NCCL and gloo use, NCCL's tuning): a connected cluster's engines did not start from it."""
+
+
+@dataclass(frozen=True)
+class WorldPlan:
+    backend: str
+    """'gloo' or 'nccl'."""
+    devices: list[str]
+    """Per rank: 'cpu' or 'cuda:N' (N among the GPUs that rank's engine sees)."""
+    addr: str
+    """Where rank 0's TCPStore listens."""
+    loopback: bool
+    """Every rank on this host, local cluster: gloo's connections stay on 127.0.0.1 too."""
+    threads: list[int]
+    """Per rank: intra-op threads, the host's CPUs shared among its engines."""
+
+
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name: whether it resolves to a loopback is the caller's to say
+        return addr == "localhost"
+
+
+def own_gpus(infos: list[dict]) -> list[int] | None:
+    """Each rank's own GPU, an index among those its engine sees, so that no two ranks of a host
+    share a physical GPU; None when there are not enough. Engines that report no UUIDs are taken
+    to see all of their host's GPUs in the same order."""
+    taken: dict[str, set] = {}
+    out = []
+    for info in infos:
+        uuids = info.get("gpu_uuids") or []
+        if len(uuids) != info["gpus"] or not all(uuids):
+            uuids = [f"{info['host']}#{k}" for k in range(info["gpus"])]
+        used = taken.setdefault(info["host"], set())
+        free = [k for k, u in enumerate(uuids) if u not in used]
+        if not free:
+            return None
+        used.add(uuids[free[0]])
+        out.append(free[0])
+    return out
+
+
+def plan_world(
+    infos: list[dict],
+    *,
+    backend: str = "auto",
+    device: str = "auto",
+    local: bool = True,
+    master_addr: str | None = None,
+    default_cpus: int = 1,
+) -> WorldPlan:
+    """The world for engines reporting `infos` (runtime/host engine_info: host, addr, gpus,
+    gpu_uuids, cpus), in rank order. Raises LabError for a choice the engines cannot honour."""
+    hosts = [i["host"] for i in infos]
+    per_host = Counter(hosts)
+    local_index, seen = [], Counter()
+    for h in hosts:
+        local_index.append(seen[h])
+        seen[h] += 1
+    has_gpu = all(i["gpus"] > 0 for i in infos)
+    if device == "cuda" and not has_gpu:
+        raise LabError(f"device='cuda' but the engines see {[i['gpus'] for i in infos]} GPUs; use device='cpu'")
+    own = own_gpus(infos) if has_gpu else None
+    if backend == "auto":
+        backend = "nccl" if own is not None and device != "cpu" else "gloo"
+    if backend == "nccl" and own is None:
+        raise LabError(
+            f"backend='nccl' needs one GPU per engine; the engines see {[i['gpus'] for i in infos]} GPUs "
+            f"for {dict(per_host)} engines per host. Use device='cuda' (gloo on shared GPUs) or the CPU"
+        )
+    if backend == "nccl" or (device == "cuda" and own is not None):
+        devices = [f"cuda:{k}" for k in own]
+    elif device == "cuda":  # shared GPUs: round-robin over what each engine sees
+        devices = [f"cuda:{k % i['gpus']}" for k, i in zip(local_index, infos)]
+    else:
+        devices = ["cpu"] * len(infos)
+    one_host = len(per_host) == 1
+    loopback = local and one_host
+    addr = master_addr or ("127.0.0.1" if loopback else infos[0]["addr"])
+    if not one_host and is_loopback(addr):
+        others = [a for a in infos[0].get("addrs") or [] if not is_loopback(a)]
+        raise LabError(
+            f"the rendezvous address {addr} (rank 0's host {hosts[0]}) is a loopback address, which the "
+            f"engines on {sorted(set(hosts) - {hosts[0]})} cannot reach; pass master_addr='<an address of "
+            f"{hosts[0]} they reach>'" + (f", e.g. one of {others}" if others else "")
+        )
+    threads = [max(1, (i.get("cpus") or default_cpus) // per_host[h]) for i, h in zip(infos, hosts)]
+    return WorldPlan(backend, devices, addr, loopback, threads)
+
+
+def forwarded_env(environ) -> dict[str, str]:
+    """The variables of `environ` that the engines should see as well (FORWARDED_*)."""
+    return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
+
+
+def layout_problems(cfg: ParallelConfig, backend: str, devices: list[str]) -> list[str]:
+    """What a layout cannot do on this world's backend and devices, each with a fix (a
+    ConfigError before any engine work)."""
+    shared_gpus = backend == "gloo" and any(d.startswith("cuda") for d in devices)
+    if shared_gpus and cfg.impl == "torch" and cfg.pp > 1:
+        return [
+            "impl='torch' with pp > 1 on ranks sharing GPUs (gloo on CUDA tensors): torch.distributed.pipelining "
+            "sends CUDA tensors through gloo, which has no send/recv for them ('writev ... Bad address'). "
+            "Use impl='lab' (its point-to-point goes through host memory), one GPU per engine (NCCL), or device='cpu'"
+        ]
+    return []

@@ -1,0 +1,203 @@
+"""The oracle's own checks on synthetic RunResults (no cluster): a result built from the reference
+itself passes, and each kind of wrong result fails with a message naming the step, rank or tensor.
+tests/test_mutations.py injects the same kinds of bugs into the real strategies."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from conftest import TINY
+
+from labkit import ParallelConfig, reference
+from labkit.assembly import assemble
+from labkit.bounds import FP32, bounds, round_to, tensor_errors
+from labkit.checks import assert_matches, mismatches
+from labkit.results import RankReport, RunResult
+
+STEPS = 2
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(TINY, steps=STEPS)
+
+
+def faithful(ref, ranks: int = 2, precision: str = "fp32") -> RunResult:
+    """A result that is the reference, held by `ranks` data-parallel ranks (whole replicas)."""
+    pieces = [
+        {"name": n, "shape": list(v.shape), "box": None, "flat": None, "values": v.copy(), "rank": r}
+        for r in range(ranks)
+        for n, v in ref.params.items()
+    ]
+    params, issues = assemble(pieces)
+    reports = [
+        RankReport(
+            rank=r,
+            coords={"tp": 0, "cp": 0, "ep": 0, "dp": r, "pp": 0},
+            host="here",
+            device="cpu",
+            memory={},
+            comm=[],
+            timeline=[],
+            losses=list(ref.losses),
+            grad_norms=list(ref.grad_norms),
+        )
+        for r in range(ranks)
+    ]
+    return RunResult(
+        config=ParallelConfig(dp=ranks, precision=precision),
+        model=TINY,
+        steps=STEPS,
+        seed=0,
+        losses=list(ref.losses),
+        ranks=reports,
+        params=params,
+        grads={n: g.copy() for n, g in ref.first_grads.items()},
+        compute={n: round_to(v, precision) for n, v in params.items()} if precision != "fp32" else None,
+        piece_issues=issues,
+    )
+
+
+def checks_of(res, ref) -> list[str]:
+    return [m.check for m in mismatches(res, ref)]
+
+
+def test_the_reference_itself_matches(ref):
+    assert mismatches(faithful(ref), ref) == []
+    assert mismatches(faithful(ref, precision="bf16"), ref) == []  # bf16 masters, working copies rounded
+
+
+def test_a_nan_loss_after_the_first_step_fails(ref):
+    """Python's max skips a NaN that is not first, and nan > rtol is False: both were holes."""
+    res = faithful(ref)
+    res.losses[1] = math.nan
+    found = mismatches(res, ref)
+    assert {m.check for m in found} == {"finite", "losses"}
+    assert "step(s) [1]" in str(found[0]) and "step 1: nan" in str(found[1])
+
+
+def test_a_nan_gradient_norm_on_one_rank_fails(ref):
+    res = faithful(ref)
+    res.ranks[1].grad_norms[1] = math.nan
+    found = [str(m) for m in mismatches(res, ref)]
+    assert any("rank 1's gradient norm is not finite at step(s) [1]" in m for m in found)
+    assert any(m.startswith("[grad norms] rank 1's") for m in found)
+
+
+def test_a_nan_parameter_element_on_one_rank_fails(ref):
+    pieces = [
+        {"name": n, "shape": list(v.shape), "box": None, "flat": None, "values": v.copy(), "rank": r}
+        for r in range(2)
+        for n, v in ref.params.items()
+    ]
+    pieces[-1]["values"].reshape(-1)[3] = np.nan  # rank 1's copy of the last tensor
+    res = faithful(ref)
+    res.params, res.piece_issues = assemble(pieces)
+    found = [str(m) for m in mismatches(res, ref)]
+    name = pieces[-1]["name"]
+    assert f"[finite] parameters {name}: 1 non-finite element(s) on rank 1" in found
+    assert any(m.startswith(f"[replicas] parameters {name}: rank 1's copy differs from rank 0's") for m in found)
+
+
+def test_a_nan_in_the_assembled_parameters_fails_without_replicas(ref):
+    res = faithful(ref, ranks=1)
+    res.params["head.norm.bias"][0] = np.nan
+    assert "parameters" in checks_of(res, ref)  # the whole-model error is NaN: over every bound
+
+
+def test_a_missing_step_fails(ref):
+    res = faithful(ref)
+    res.losses.pop()
+    res.ranks[0].grad_norms.pop()
+    found = [str(m) for m in mismatches(res, ref)]
+    assert "[steps] 1 losses for 2 steps; the reference has 2" in found
+    assert "[steps] rank 0 reported 1 gradient norms, not 2" in found
+
+
+def test_a_replica_that_differs_is_named_with_its_ranks(ref):
+    """Assembling used to let the last rank's copy win: now every copy is compared with the first."""
+    w = ref.params["blocks.0.ln1.weight"]
+    pieces = [
+        {"name": "blocks.0.ln1.weight", "shape": [32], "box": None, "flat": None, "values": w.copy(), "rank": r}
+        for r in range(4)
+    ]
+    pieces[3]["values"][5] = np.nextafter(w[5], np.float32(2))  # one ulp, on rank 3
+    ulp = float(pieces[3]["values"][5]) - float(w[5])
+    _, issues = assemble(pieces)
+    assert [str(i) for i in issues] == [
+        "parameters blocks.0.ln1.weight: rank 3's copy differs from rank 0's in 1 element(s) "
+        f"(largest |difference| {ulp:.3g})"
+    ]
+
+
+def test_pieces_that_leave_a_hole_are_refused():
+    with pytest.raises(ValueError, match="not fully covered"):
+        assemble([{"name": "w", "shape": [4], "box": None, "flat": [0, 3], "values": np.zeros(3), "rank": 0}])
+
+
+def test_flat_ranges_of_boxes_land_where_they_belong():
+    """A ZeRO shard of a TP slice: a flat range of the box."""
+    full = np.arange(24, dtype=np.float32).reshape(4, 6)
+    box = [[0, 4], [3, 6]]  # columns 3..5
+    pieces = [
+        {"name": "w", "shape": [4, 6], "box": [[0, 4], [0, 3]], "flat": None, "values": full[:, :3], "rank": 0},
+        {"name": "w", "shape": [4, 6], "box": box, "flat": [0, 7], "values": full[:, 3:].reshape(-1)[:7], "rank": 1},
+        {"name": "w", "shape": [4, 6], "box": box, "flat": [7, 12], "values": full[:, 3:].reshape(-1)[7:], "rank": 2},
+    ]
+    out, issues = assemble(pieces)
+    assert issues == [] and np.array_equal(out["w"], full)
+
+
+def test_a_localized_gradient_bug_in_one_small_tensor_fails(ref):
+    """A 1% error in one LayerNorm bias's gradient (32 elements) is invisible to the global norm
+    and the whole model; the per-tensor check names the tensor (its gradient is below the floor,
+    so the error reads 6.6e-4 of the floored scale: still 66 times the bound)."""
+    res = faithful(ref)
+    res.grads["blocks.1.ln2.bias"] = res.grads["blocks.1.ln2.bias"] * 1.01
+    found = mismatches(res, ref)
+    assert [m.check for m in found] == ["gradients"]
+    assert found[0].message.startswith("blocks.1.ln2.bias: the first step's reduced gradient is 0.00066")
+
+
+def test_the_floor_holds_a_near_zero_tensor_to_the_whole_gradients_scale(ref):
+    """A tensor whose gradient is exactly zero may carry rounding of the size the whole gradient
+    would put on its elements, and no more."""
+    grads = {n: g.copy() for n, g in ref.first_grads.items()}
+    zero = {n: np.zeros_like(g) if n == "head.norm.bias" else g for n, g in grads.items()}
+    total = math.sqrt(sum(float(np.sum(g.astype(np.float64) ** 2)) for g in zero.values()))
+    psi = sum(g.size for g in zero.values())
+    scale = total * math.sqrt(zero["head.norm.bias"].size / psi)
+    for size, ok in ((0.5 * FP32.grads * scale, True), (2 * FP32.grads * scale, False)):
+        got = dict(zero, **{"head.norm.bias": np.full(32, size / math.sqrt(32), dtype=np.float32)})
+        err, allowed = tensor_errors(got, zero)["head.norm.bias"]
+        assert allowed == pytest.approx(scale) and (err <= FP32.grads * allowed) is ok
+
+
+def test_stale_working_weights_fail(ref):
+    res = faithful(ref, precision="bf16")
+    res.compute["embed.tok.weight"] = res.compute["embed.tok.weight"].copy()
+    res.compute["embed.tok.weight"][0, 0] += 0.5
+    found = mismatches(res, ref)
+    assert [m.check for m in found] == ["working weights"]
+    assert found[0].message.startswith("embed.tok.weight: 1 of 4096 element(s) differ from the masters rounded to bf16")
+
+
+def test_bf16_bounds_follow_the_depth():
+    assert bounds("bf16", 2).grads == pytest.approx(8 * 2**-8) and bounds("bf16", 4).grads == pytest.approx(12 * 2**-8)
+    assert bounds("fp32", 4) == FP32 and bounds("bf16", 2).losses == 1e-3
+
+
+def test_a_bf16_reference_is_not_the_oracle(ref):
+    with pytest.raises(ValueError, match="the oracle is the fp32 reference"):
+        mismatches(faithful(ref), reference(TINY, steps=STEPS, precision="bf16"))
+
+
+def test_assert_matches_lists_every_mismatch(ref):
+    res = faithful(ref)
+    res.losses[0] *= 1.001
+    res.ranks[0].grad_norms[0] *= 2
+    with pytest.raises(AssertionError, match=r"2 mismatch\(es\)") as info:
+        assert_matches(res, ref)
+    assert "[losses]" in str(info.value) and "[grad norms] rank 0's" in str(info.value)

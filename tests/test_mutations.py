@@ -1,0 +1,307 @@
+"""The oracle cannot be fooled: bugs injected into the real strategies on the real cluster, each of
+which `labkit.checks` must catch, with a message that names the right tensor, rank or step.
+
+A mutation replaces one function or method of a real strategy on every engine for the length of a
+`with mutated(...)` block (`lab.apply` ships the replacement by value; the original comes back at
+the end, whatever happens): nothing in the code is edited. Each replacement is the original with
+one bug, written out below beside the method it changes. The same layouts run unmutated first and
+must match (the control), so a row is caught by the bug and not by the layout.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+from conftest import TINY
+
+from labkit import OptimConfig, ParallelConfig, reference
+from labkit.checks import mismatches
+
+STEPS = 2
+MOE = TINY.replace(experts=4, top_k=2)
+BUCKET_MB = 0.02
+"""TINY in 8 DDP buckets (plans/buckets.py); bucket 2 holds the four tensors below."""
+SKIPPED = ("blocks.1.mlp.fc1.weight", "blocks.1.ln2.bias", "blocks.1.ln2.weight", "blocks.1.attn.wo.weight")
+
+
+# -- the hook: patch one attribute on every engine, and put it back -------------------------------
+def _patch(module: str, owner: str | None, attr: str, make: Callable) -> None:
+    obj = importlib.import_module(module)
+    obj = getattr(obj, owner) if owner else obj
+    original = vars(obj)[attr]
+    static = isinstance(original, staticmethod)
+    new = make(original.__func__ if static else original)
+    setattr(obj, f"_lk_original_{attr}", original)
+    setattr(obj, attr, staticmethod(new) if static else new)
+
+
+def _restore(module: str, owner: str | None, attr: str) -> None:
+    obj = importlib.import_module(module)
+    obj = getattr(obj, owner) if owner else obj
+    setattr(obj, attr, vars(obj)[f"_lk_original_{attr}"])
+    delattr(obj, f"_lk_original_{attr}")
+
+
+@contextmanager
+def mutated(lab, target: tuple[str, str | None, str], make: Callable):
+    """`target` (module, class or None, attribute) replaced by make(original) on every engine."""
+    lab.apply(lambda: _patch(*target, make))
+    try:
+        yield
+    finally:
+        lab.apply(lambda: _restore(*target))
+
+
+# -- the bugs: each the original with one thing wrong ---------------------------------------------
+def bucket_never_reduced(original):
+    """engines/parallel/ddp.py DDP._launch_ready, with bucket 2's all-reduce left out."""
+    import torch.distributed as dist
+
+    def _launch_ready(self, all_remaining=False):
+        while self.next_launch < len(self.buckets):
+            b = self.buckets[self.next_launch]
+            if b.pending > 0 and not all_remaining:
+                return
+            if self.next_launch != 2 and dist.get_world_size(b.group) > 1:
+                b.work = dist.all_reduce(b.buffer, group=b.group, async_op=True)
+            self.next_launch += 1
+
+    return _launch_ready
+
+
+def summed_not_averaged(original):
+    """DDP.finish without the division by the loss shards."""
+
+    def finish(self):
+        self.loss_shards = 1
+        return original(self)
+
+    return finish
+
+
+def row_parallel_not_reduced(original):
+    """engines/parallel/tensor.py RowParallelLinear.forward without g (the partial sums stay partial)."""
+    import torch.nn.functional as F
+
+    def forward(self, x):
+        return F.linear(x, self.weight)
+
+    return forward
+
+
+def sequence_not_gathered(original):
+    """tensor.py Gather.forward (SP's entry) without its all-gather: this rank's s/t rows stand in
+    for every rank's (shapes hold, so the run goes on)."""
+    import torch.distributed as dist
+
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.repeat(1, dist.get_world_size(group), 1)  # (b, s/t, h) -> (b, s, h)
+
+    return forward
+
+
+def shard_off_by_one(original):
+    """engines/parallel/zero.py ZeRO12.finish, each gradient shard then read one element late."""
+
+    def finish(self):
+        original(self)
+        for g in self.grads:
+            g.copy_(g.roll(1))
+
+    return finish
+
+
+def stale_gather(original):
+    """engines/parallel/zero3.py ZeRO3._free that frees nothing: the gathered parameters stay, and
+    the next forward (after the update) uses them instead of gathering the new ones."""
+
+    def _free(self, u):
+        pass
+
+    return _free
+
+
+def replica_drifts_at_the_end(original):
+    """DDP.step, after which rank 3 nudges one element of one replica in the last step."""
+    import torch
+    import torch.distributed as dist
+
+    def step(self):
+        norm = original(self)
+        if dist.get_rank() == 3 and self.opt.t == STEPS:
+            with torch.no_grad():
+                self.masters[4].view(-1)[7] += 1e-6  # blocks.0.attn.wq.weight
+        return norm
+
+    return step
+
+
+def wrong_microbatch(original):
+    """engines/parallel/pipeline.py PipelineExecutor._tag: the receiving stage asks for another
+    microbatch's activations (tags pair a send with its receive)."""
+
+    def _tag(self, a):
+        if a.op == "recv_act":
+            a = a._replace(mb=self.plan.m - 1 - a.mb)
+        return original(self, a)
+
+    return _tag
+
+
+def unmasked_ring_block(original):
+    """engines/parallel/context.py _scores: on rank 0 the diagonal blocks lose their causal mask."""
+    import torch.distributed as dist
+
+    def _scores(q, k, causal, scale):
+        return original(q, k, causal and dist.get_rank() != 0, scale)
+
+    return _scores
+
+
+def tokens_to_the_wrong_rank(original):
+    """engines/parallel/experts.py ExpertParallel.__call__, whose combine swaps the last row bound
+    for source rank 0 with the first bound for rank 1."""
+    import torch
+    import torch.distributed as dist
+
+    from labkit.engines.parallel.experts import _AllToAll
+
+    def __call__(self, moe, rows, counts):
+        ep, local = self.ep, self.local
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)
+        got = got.view(ep, local)
+        send = counts.view(ep, local).sum(dim=1).tolist()
+        recv = got.sum(dim=1).tolist()
+        arrived = _AllToAll.apply(rows, recv, send, self.group)
+        pieces = arrived.split(got.flatten().tolist())
+        outs = [moe.expert(e, torch.cat([pieces[src * local + e] for src in range(ep)])) for e in range(local)]
+        parts = [o.split(got[:, e].tolist()) for e, o in enumerate(outs)]
+        back = torch.cat([parts[e][src] for src in range(ep) for e in range(local)])
+        if recv[0] and recv[1]:  # the bug: one token's result to each other's rank
+            order = list(range(back.shape[0]))
+            order[recv[0] - 1], order[recv[0]] = recv[0], recv[0] - 1
+            back = back[order]
+        return _AllToAll.apply(back, send, recv, self.group)
+
+    return __call__
+
+
+def clipping_skipped_on_rank_1(original):
+    """DDP.step, which on rank 1 updates with the unclipped gradients."""
+    import torch.distributed as dist
+
+    from labkit.engines.optim import grad_norm
+    from labkit.engines.precision import copy_masters
+
+    def step(self):
+        if dist.get_rank() != 1:
+            return original(self)
+        grads = [p.grad for p in self.params]
+        norm = grad_norm(grads, self.counted, self.norm_group)
+        self.opt.step(grads, 1.0)  # the bug: no clip_coefficient(norm, clip)
+        copy_masters(self.params, self.masters)
+        for b in self.buckets:
+            b.buffer.zero_()
+        return float(norm)
+
+    return step
+
+
+def nan_on_rank_2(original):
+    """DDP.finish, after which a NaN appears in one gradient of rank 2 in the last step."""
+    import torch.distributed as dist
+
+    def finish(self):
+        original(self)
+        if dist.get_rank() == 2 and self.opt.t == STEPS - 1:
+            self.params[4].grad.view(-1)[0] = float("nan")
+
+    return finish
+
+
+@dataclass(frozen=True)
+class Mutation:
+    name: str
+    cfg: ParallelConfig
+    target: tuple[str, str | None, str]
+    make: Callable
+    check: str
+    """The check that must catch it."""
+    names: tuple[str, ...]
+    """What that check's messages must name, each in one of them (a tensor, 'rank r', 'step s')."""
+    model: object = TINY
+    optim: OptimConfig = OptimConfig()
+
+
+E = "labkit.engines.parallel."
+DDP4 = ParallelConfig(dp=4, bucket_mb=BUCKET_MB)
+MUTATIONS = [
+    Mutation("a DDP bucket never reduced", DDP4, (E + "ddp", "DDP", "_launch_ready"), bucket_never_reduced,
+             "gradients", SKIPPED),
+    Mutation("gradients summed, not averaged", DDP4, (E + "ddp", "DDP", "finish"), summed_not_averaged,
+             "gradients", ("the first step's reduced gradient is 3 (relative",)),
+    Mutation("TP's row-parallel all-reduce skipped", ParallelConfig(tp=2, dp=2),
+             (E + "tensor", "RowParallelLinear", "forward"), row_parallel_not_reduced, "losses", ("step 0",)),
+    Mutation("SP's all-gather skipped", ParallelConfig(tp=2, dp=2, sequence_parallel=True),
+             (E + "tensor", "Gather", "forward"), sequence_not_gathered, "losses", ("step 0",)),
+    Mutation("a ZeRO shard off by one element", ParallelConfig(dp=4, sharding="zero1"),
+             (E + "zero", "ZeRO12", "finish"), shard_off_by_one, "gradients", ("embed.tok.weight",)),
+    Mutation("ZeRO-3 using stale gathered parameters", ParallelConfig(dp=4, sharding="zero3"),
+             (E + "zero3", "ZeRO3", "_free"), stale_gather, "losses", ("step 1",)),
+    Mutation("a replica diverging only in the last step", DDP4, (E + "ddp", "DDP", "step"),
+             replica_drifts_at_the_end, "replicas", ("blocks.0.attn.wq.weight", "rank 3")),
+    Mutation("a pipeline stage receiving the wrong microbatch", ParallelConfig(pp=2, dp=2, microbatches=2),
+             (E + "pipeline", "PipelineExecutor", "_tag"), wrong_microbatch, "losses", ("step 0",)),
+    Mutation("ring attention without the causal mask on one rank's blocks", ParallelConfig(cp=2, dp=2),
+             (E + "context", None, "_scores"), unmasked_ring_block, "losses", ("step 0",)),
+    Mutation("an expert's tokens returned to the wrong rank", ParallelConfig(ep=2, dp=2),
+             (E + "experts", "ExpertParallel", "__call__"), tokens_to_the_wrong_rank, "losses", ("step 0",), MOE),
+    Mutation("gradient clipping skipped on one rank", DDP4, (E + "ddp", "DDP", "step"), clipping_skipped_on_rank_1,
+             "replicas", ("rank 1",), optim=OptimConfig(clip=0.5)),
+    Mutation("a NaN appearing on one rank", DDP4, (E + "ddp", "DDP", "finish"), nan_on_rank_2, "finite",
+             ("rank 2", "step(s) [1]")),
+]  # fmt: skip
+"""OptimConfig(clip=0.5) where clipping must act: TINY's gradient norms are 0.82 to 0.92, under the
+default max norm of 1.0."""
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    cache = {}
+
+    def get(model, optim):
+        if (model, optim) not in cache:
+            cache[model, optim] = reference(model, steps=STEPS, optim=optim)
+        return cache[model, optim]
+
+    return get
+
+
+def test_every_mutation_is_caught_and_named(lab, oracle):
+    rows, honest = [], {}
+    for m in MUTATIONS:
+        ref = oracle(m.model, m.optim)
+        key = (m.cfg, m.model, m.optim)
+        if key not in honest:  # the control: the same layout, unmutated, matches
+            res = lab.run(m.cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
+            honest[key] = mismatches(res, ref)
+        with mutated(lab, m.target, m.make):
+            res = lab.run(m.cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
+        found = mismatches(res, ref)
+        expected = [f.message for f in found if f.check == m.check]
+        named = expected if all(any(w in x for x in expected) for w in m.names) else []
+        rows.append((m, found, named))
+    print(f"\n{'mutation':<58} {'caught':<7} by (then the expected check's first messages)")
+    for m, found, named in rows:
+        checks = list(dict.fromkeys(f.check for f in found))
+        print(f"{m.name:<58} {'yes' if named else 'NO':<7} {', '.join(checks) or '-'}")
+        for x in (named or [f"{f}" for f in found])[:4]:
+            print(f"{'':<6}{x[:160]}")
+    assert {k: v for k, v in honest.items() if v} == {}, "an unmutated layout does not match"
+    assert [m.name for m, _, named in rows if not named] == [], "mutations not caught (or not named)"

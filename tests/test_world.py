@@ -1,0 +1,158 @@
+"""How a Lab lays out its world (labkit/world.py), decided from engine infos made up for machines
+this one is not: two hosts, eight GPUs, one GPU per engine. Pure: no cluster, no GPU."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+
+import pytest
+
+from labkit import ParallelConfig
+from labkit.errors import LabError
+from labkit.world import forwarded_env, layout_problems, own_gpus, plan_world
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def engines(hosts: dict[str, int], gpus: int = 0, uuids=None, addr: str = "10.0.0.{h}", cpus: int = 16) -> list[dict]:
+    """Infos of engines on `hosts` (name -> engines there), each seeing `gpus` GPUs whose UUIDs
+    are uuids(host index, engine index on the host) (a list), or none reported."""
+    out = []
+    for h, (host, n) in enumerate(hosts.items()):
+        for k in range(n):
+            out.append(
+                {
+                    "host": host,
+                    "pid": 1000 * h + k,
+                    "addr": addr.format(h=h + 1),
+                    "addrs": [f"10.0.0.{h + 1}"],
+                    "gpus": gpus,
+                    "gpu_uuids": uuids(h, k) if uuids else [],
+                    "cpus": cpus,
+                }
+            )
+    return out
+
+
+def per_engine_gpu(h, k):  # srun --gpus-per-task=1: each engine sees one GPU, its own
+    return [f"GPU-{h}-{k}"]
+
+
+def whole_node(h, k):  # every engine sees its node's 8 GPUs
+    return [f"GPU-{h}-{g}" for g in range(8)]
+
+
+def test_one_gpu_per_engine_is_judged_by_physical_gpu_not_by_count():
+    """Two nodes, 8 engines each, every engine bound to its own GPU (CUDA_VISIBLE_DEVICES=k):
+    each sees 1 GPU for 8 engines per host, and they are 16 different GPUs."""
+    infos = engines({"node0": 8, "node1": 8}, gpus=1, uuids=per_engine_gpu)
+    world = plan_world(infos, local=False)
+    assert world.backend == "nccl"
+    assert world.devices == ["cuda:0"] * 16
+    assert world.addr == "10.0.0.1" and not world.loopback
+    assert world.threads == [2] * 16  # 16 CPUs per host for 8 engines
+
+
+def test_engines_that_see_the_whole_node_take_one_gpu_each():
+    world = plan_world(engines({"node0": 8}, gpus=8, uuids=whole_node), local=True)
+    assert world.backend == "nccl" and world.devices == [f"cuda:{k}" for k in range(8)]
+    assert world.addr == "127.0.0.1" and world.loopback
+    # without UUIDs the engines are taken to see the same GPUs in the same order
+    assert plan_world(engines({"node0": 8}, gpus=8), local=True).devices == [f"cuda:{k}" for k in range(8)]
+
+
+def test_engines_sharing_one_gpu_get_gloo_and_nccl_is_refused():
+    same = engines({"box": 2}, gpus=1, uuids=lambda h, k: ["GPU-only"])
+    assert own_gpus(same) is None
+    auto = plan_world(same)
+    assert (auto.backend, auto.devices) == ("gloo", ["cpu", "cpu"])
+    shared = plan_world(same, device="cuda")  # a classroom on one GPU: gloo on CUDA tensors
+    assert (shared.backend, shared.devices) == ("gloo", ["cuda:0", "cuda:0"])
+    with pytest.raises(LabError, match="needs one GPU per engine"):
+        plan_world(same, backend="nccl")
+    # counts alone cannot tell one-GPU-per-engine from one shared GPU: without UUIDs, gloo
+    assert plan_world(engines({"box": 2}, gpus=1)).backend == "gloo"
+    with pytest.raises(LabError, match="device='cuda' but the engines see"):
+        plan_world(engines({"box": 2}, gpus=0), device="cuda")
+
+
+def test_device_auto_picks_nccl_only_where_asked_and_cpu_stays_cpu():
+    """A CPU notebook on a GPU server says device='cpu' and gets gloo on the CPU; 'auto' is NCCL
+    there (what the README says), where collectives take CUDA tensors only."""
+    infos = engines({"gpu-server": 4}, gpus=4, uuids=lambda h, k: [f"GPU-{g}" for g in range(4)])
+    assert plan_world(infos, device="cpu").backend == "gloo"
+    assert plan_world(infos, device="cpu").devices == ["cpu"] * 4
+    assert plan_world(infos, device="auto").backend == "nccl"
+    assert plan_world(infos, backend="gloo", device="cuda").devices == [f"cuda:{k}" for k in range(4)]
+
+
+def test_a_loopback_rendezvous_across_hosts_is_refused_with_the_fix():
+    """Debian and Ubuntu map the host name to 127.0.1.1: the other host cannot reach rank 0 there."""
+    infos = engines({"a": 1, "b": 1}, addr="127.0.1.1")
+    with pytest.raises(LabError, match=r"127\.0\.1\.1 .*loopback.*master_addr=.*10\.0\.0\.1"):
+        plan_world(infos, local=False)
+    assert plan_world(infos, local=False, master_addr="192.168.1.7").addr == "192.168.1.7"
+    with pytest.raises(LabError, match="loopback"):
+        plan_world(infos, local=False, master_addr="127.0.0.1")
+    # one host: its own loopback address is fine, connected or not
+    assert plan_world(engines({"a": 2}, addr="127.0.1.1"), local=False).addr == "127.0.1.1"
+
+
+def test_threads_follow_each_hosts_own_cpus():
+    infos = engines({"big": 2}, cpus=64) + engines({"small": 2}, cpus=8)
+    assert plan_world(infos, local=False).threads == [32, 32, 4, 4]
+    assert plan_world([dict(i, cpus=None) for i in infos], local=False, default_cpus=6).threads == [3, 3, 3, 3]
+
+
+def test_nccl_and_gloo_interface_settings_are_forwarded_to_the_engines():
+    env = {
+        "NCCL_SOCKET_IFNAME": "ib0",
+        "NCCL_IB_HCA": "mlx5",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3",
+        "GLOO_SOCKET_IFNAME": "eth0",
+        "PATH": "/bin",
+        "MY_NCCL_NOTE": "x",
+    }
+    assert forwarded_env(env) == {k: env[k] for k in list(env)[:4]}
+
+
+def test_torch_pipelining_on_shared_gpus_is_refused_with_the_reason():
+    cfg = ParallelConfig(pp=2, microbatches=2, impl="torch")
+    assert layout_problems(cfg, "gloo", ["cuda:0", "cuda:0"]) and "gloo" in layout_problems(cfg, "gloo", ["cuda:0"])[0]
+    assert layout_problems(cfg, "gloo", ["cpu", "cpu"]) == []
+    assert layout_problems(cfg, "nccl", ["cuda:0", "cuda:1"]) == []
+    assert layout_problems(cfg.replace(impl="lab"), "gloo", ["cuda:0", "cuda:0"]) == []  # ours is staged
+
+
+def test_engine_info_reports_what_the_decision_reads():
+    from labkit.engines.host import engine_info
+
+    info = engine_info()
+    assert {"host", "addr", "addrs", "gpus", "gpu_uuids", "cpus"} <= set(info)
+    assert len(info["gpu_uuids"]) == info["gpus"] and info["cpus"] >= 1
+    if info["addrs"]:  # a host with a network interface up gives one of its own, not 127.0.1.1
+        assert not info["addr"].startswith("127.")
+
+
+def _lab_calls(text: str) -> list[str]:
+    code = re.sub(r"#.*", "", text)  # comments mention `with Lab(...) as lab:`
+    return re.findall(r"\bLab\((?:[^()]|\([^()]*\))*\)", code)
+
+
+def test_cpu_fixtures_and_notebooks_ask_for_the_cpu():
+    """device='auto' would make them NCCL worlds on a host with a GPU per engine, and they build
+    CPU tensors: each says device='cpu'."""
+    sources = {"tests/conftest.py": open(os.path.join(ROOT, "tests", "conftest.py")).read()}
+    nb_dir = os.path.join(ROOT, "notebooks")
+    for name in sorted(os.listdir(nb_dir)):
+        if name.endswith(".ipynb"):
+            nb = json.load(open(os.path.join(nb_dir, name)))
+            code = "\n".join("".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "code")
+            sources[f"notebooks/{name}"] = code
+    calls = {where: _lab_calls(text) for where, text in sources.items()}
+    assert calls["tests/conftest.py"] and sum(len(c) for c in calls.values()) >= 12
+    for where, found in calls.items():
+        for call in found:
+            assert "device=" in call, f"{where}: {call}"
