@@ -24,7 +24,7 @@ from labkit.plans.mesh import MeshLayout
 from labkit.theory.gpu_memory import TERMS
 from labkit.theory.hardware import HARDWARE
 from labkit.theory.planner import describe
-from labkit.theory.presets import PRESETS
+from labkit.theory.presets import PRESETS, preset
 
 DEMO = {"dp": 4}
 
@@ -174,9 +174,12 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
 
 
 def _preset(name: str | None) -> ModelConfig:
-    if name is not None and name not in PRESETS:
+    if name is None:
+        return ModelConfig()
+    model = preset(name)
+    if model is None:
         raise ConfigError([f"--model {name!r} is not a preset: choose one of {', '.join(PRESETS)}"])
-    return PRESETS[name] if name else ModelConfig()
+    return model
 
 
 def cmd_plan(ns: argparse.Namespace) -> int:

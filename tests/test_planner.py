@@ -13,8 +13,6 @@ from labkit.theory.gpu_memory import TERMS
 from labkit.theory.hardware import H100
 
 M = ModelConfig(layers=16, hidden=2048, heads=16, ffn=8192, vocab=32000, seq=4096)
-FAMILIES = "arch" in ModelConfig.__dataclass_fields__
-UNEVEN = "stage_layers" in ParallelConfig.__dataclass_fields__
 
 
 def test_evaluate_prices_one_layout():
@@ -89,7 +87,6 @@ def test_plan_ranks_what_fits_and_explains_the_rest():
     assert tight.rejected == sorted(tight.rejected, key=lambda r: float(r.reason.split("needs ")[1].split(" GB")[0]))
 
 
-@pytest.mark.skipif(not (FAMILIES and UNEVEN), reason="needs issue 17A's exact Llama and ParallelConfig.stage_layers")
 def test_plan_405b_on_16k_gpus_quickly():
     from labkit.theory.presets import LLAMA_405B
 
@@ -105,8 +102,6 @@ def test_every_published_row_is_priced_and_a_miss_names_its_term():
     row names the term the model lacks (published.py, `missing`)."""
     from labkit.theory.published import RUNS
 
-    if not FAMILIES:
-        pytest.skip("the published models need issue 17A's families (arch='llama', 'gpt2')")
     for run in RUNS:
         p = theory.evaluate(run.config, run.model_config, hardware=run.hardware)
         speed = p.tokens_per_second_per_gpu / run.tokens_per_second_per_gpu - 1

@@ -20,6 +20,12 @@ def test_labkit_plan_prints_the_table_and_every_memory_term(capsys):
     assert "time of #1" in out and "layouts priced" in out
 
 
+def test_labkit_plan_as_the_issue_writes_it(capsys):
+    assert main(["plan", "--model", "llama-3.1-70b", "--gpus", "256", "--hardware", "h100", "--top", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "llama-3.1-70b: Ψ = 70,553,706,496 parameters on 256 x H100" in out and "rejected:" in out
+
+
 def test_labkit_plan_refuses_what_it_cannot_plan(capsys):
     assert main(["plan", "--model", "llama-71b", "--gpus", "8"]) == 2
     assert "llama-70b" in capsys.readouterr().err

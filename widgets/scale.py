@@ -217,7 +217,7 @@ class ScaleExplorer:
             c["micro_batch"].value = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
             for name in ("schedule", "sharding", "precision", "sequence_parallel", "checkpoint_activations"):
                 c[name].value = getattr(cfg, name)
-            self.stage_layers = getattr(cfg, "stage_layers", ())
+            self.stage_layers = cfg.stage_layers
         finally:
             self._holding = False
         self.update()

@@ -50,7 +50,7 @@ def lse_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
 
 def _kv(model: ModelConfig) -> int:
     """Width of k (and of v): KV heads times head dim."""
-    return getattr(model, "n_kv_heads", model.heads) * model.head_dim
+    return model.n_kv_heads * model.head_dim
 
 
 def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
@@ -64,7 +64,7 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     s, rows = model.seq // cfg.cp, stream_rows(cfg, model)
     widths = [h // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
     if not model.experts:
-        widths += [f // t, f // t, h] if getattr(model, "arch", "gpt") == "llama" else [f // t, h]
+        widths += [f // t, f // t, h] if model.arch == "llama" else [f // t, h]
     mm = sum(widths[::2]) * e * b * s
     scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
     return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters

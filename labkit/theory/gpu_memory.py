@@ -117,8 +117,8 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
     b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     tokens = b * model.seq // cfg.cp
     logits = 8 * tokens * model.vocab / cfg.tp if st.head else 0.0
-    kv = getattr(model, "n_kv_heads", model.heads) * model.head_dim
-    mats = 3 if getattr(model, "arch", "gpt") == "llama" else 2
+    kv = model.n_kv_heads * model.head_dim
+    mats = 3 if model.arch == "llama" else 2
     mlp = mats * e * tokens * model.ffn / cfg.tp
     attention = ((4 + e) * model.hidden + 2 * e * kv) * tokens / cfg.tp
     return {"logits": logits, "temporaries": max(mlp, attention) if st.layers else 0.0}
@@ -156,13 +156,13 @@ def _held(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float
     """States and buffers, which the microbatch, the schedule and the checkpointing leave alone."""
     fields = (cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.virtual_stages, cfg.sharding, cfg.precision, cfg.bucket_mb)
     fields += (min(cfg.microbatches, 2),)  # whether gradients accumulate (states)
-    return _held_cached(model, fields, getattr(cfg, "stage_layers", ()), st)
+    return _held_cached(model, fields, cfg.stage_layers, st)
 
 
 @lru_cache(maxsize=65536)
 def _held_cached(model: ModelConfig, fields: tuple, uneven: tuple, st: Stage) -> dict[str, float]:
     names = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "sharding", "precision", "bucket_mb", "microbatches")
-    cfg = ParallelConfig(**dict(zip(names, fields)), **({"stage_layers": uneven} if uneven else {}))
+    cfg = ParallelConfig(**dict(zip(names, fields)), stage_layers=uneven)
     out = {**states(cfg, model, st), **buffer_terms(cfg, model, st)}
     out["total"] = sum(out.values())
     return out

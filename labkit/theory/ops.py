@@ -48,11 +48,11 @@ class Op:
 
 
 def _is_llama(model: ModelConfig) -> bool:
-    return getattr(model, "arch", "gpt") == "llama"
+    return model.arch == "llama"
 
 
 def _kv(model: ModelConfig) -> int:
-    return getattr(model, "n_kv_heads", model.heads) * model.head_dim
+    return model.n_kv_heads * model.head_dim
 
 
 def _matmul(name: str, tokens: int, k: int, n: int, precision: str, kept: bool) -> list[Op]:
@@ -173,6 +173,6 @@ def model_flops_per_token(model: ModelConfig) -> float:
         if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
             n = n * model.top_k / model.experts
         total += n
-    if getattr(model, "tied", False):
+    if model.tied:
         total += model.vocab * model.hidden  # the head's product with the tied table
     return 6.0 * total + 12.0 * model.layers * model.hidden * model.seq

@@ -76,7 +76,7 @@ def describe(c: ParallelConfig) -> str:
     if c.recompute != "none":
         dims.append(f"AC {c.recompute}")
     dims.append(c.precision)
-    if getattr(c, "stage_layers", ()):
+    if c.stage_layers:
         dims.append("stages " + _runs(c.stage_layers))
     return " · ".join(dims)
 

@@ -111,7 +111,7 @@ def meshes(model: ModelConfig, gpus: int, hw: Hardware):
                     yield tp, cp, ep, pp, rest // pp
 
 
-def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, uneven_ok: bool, tally):
+def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally):
     """The layout of `mesh` with m microbatches, v chunks per pipeline rank (interleaved when
     v > 1, uneven stages where the layers do not split), or None with the reason tallied."""
     pp = mesh.pp
@@ -119,9 +119,6 @@ def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, uneven_o
         tally.invalid("interleaved needs microbatches a multiple of pp and a layer per virtual stage")
         return None
     split = stage_split(model.layers, pp * v) if pp > 1 else ()
-    if split and not uneven_ok:
-        tally.invalid("uneven stages need ParallelConfig.stage_layers")
-        return None
     schedule = "interleaved" if v > 1 else "1f1b"
     cfg = mesh.replace(microbatches=m, schedule=schedule, virtual_stages=v, sharding=sharding, precision=precision)
     return cfg.replace(stage_layers=split) if split else cfg
@@ -144,16 +141,13 @@ def plan(
         raise ConfigError([f"gpus={gpus!r} must be a positive integer"])
     gb = global_batch or max(1, round(4 * 2**20 / model.seq))
     precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
-    uneven_ok = "stage_layers" in ParallelConfig.__dataclass_fields__
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
     for tp, cp, ep, pp, dp in meshes(model, gpus, hw):
         mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=tp > 1)
         split = stage_split(model.layers, pp) if pp > 1 else ()
-        if split and uneven_ok:  # the degrees' arithmetic, on the uneven split a pipeline would take
-            mesh = mesh.replace(stage_layers=split)
-        found = layout_problems(mesh.replace(global_batch=dp * ep), model)
-        mesh = mesh.replace(stage_layers=()) if split and uneven_ok else mesh
+        # the degrees' arithmetic, on the uneven split a pipeline would take
+        found = layout_problems(mesh.replace(global_batch=dp * ep, stage_layers=split), model)
         if found:
             tally.invalid(found[0].split(";")[0])
             continue
@@ -167,7 +161,7 @@ def plan(
                     first = 0  # the lightest checkpointing that fit a smaller microbatch: a larger one needs as much
                     for b in _divisors(per, min(per, 64)):  # ascending: memory only grows
                         m = per // b
-                        cfg = _layout(mesh, m, v, sharding, prec, model, uneven_ok, tally)
+                        cfg = _layout(mesh, m, v, sharding, prec, model, tally)
                         if cfg is None:
                             continue
                         considered += 1

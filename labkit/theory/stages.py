@@ -31,21 +31,19 @@ class Stage:
 
 
 def _layers(cfg: ParallelConfig, model: ModelConfig, rank: int, chunk: int) -> int:
-    uneven = getattr(cfg, "stage_layers", ())
-    args = (model.layers, cfg.pp, cfg.virtual_stages, rank, chunk)
-    return len(chunk_layers(*args, uneven) if uneven else chunk_layers(*args))
+    return len(chunk_layers(model.layers, cfg.pp, cfg.virtual_stages, rank, chunk, cfg.stage_layers))
 
 
 def stages(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, ...]:
     """Every pipeline rank's Stage."""
-    return _stages(model, cfg.pp, cfg.virtual_stages, getattr(cfg, "stage_layers", ()))
+    return _stages(model, cfg.pp, cfg.virtual_stages, cfg.stage_layers)
 
 
 def fullest_candidates(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, ...]:
     """The ranks one of which holds the most: the first two and the last two (the embedding, the
     head, the most microbatches in flight, which fall with the rank in every schedule here), and
     the first rank with the most blocks (uneven stages)."""
-    return _candidates(model, cfg.pp, cfg.virtual_stages, getattr(cfg, "stage_layers", ()))
+    return _candidates(model, cfg.pp, cfg.virtual_stages, cfg.stage_layers)
 
 
 @lru_cache(maxsize=4096)
@@ -58,7 +56,7 @@ def _candidates(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stag
 
 def distinct(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, ...]:
     """One rank of each kind (blocks, chunks, embedding, head): the ranks whose step differs."""
-    return _distinct(model, cfg.pp, cfg.virtual_stages, getattr(cfg, "stage_layers", ()))
+    return _distinct(model, cfg.pp, cfg.virtual_stages, cfg.stage_layers)
 
 
 @lru_cache(maxsize=4096)
@@ -120,7 +118,7 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             embed += n // tp if name.startswith("embed.tok") else n
         elif name.startswith("head."):
             head += n // tp if name.startswith("head.proj") else n
-    if getattr(model, "tied", False):
+    if model.tied:
         head += model.vocab // tp * model.hidden  # the head's copy when it sits on another stage
     return RankParams(dense, expert, embed, head)
 
@@ -130,6 +128,6 @@ def stage_params(model: ModelConfig, cfg: ParallelConfig, st: Stage) -> tuple[in
     ends)."""
     rp = rank_params(model, cfg.tp, cfg.ep)
     ends = rp.embed * st.embed + rp.head * st.head
-    if getattr(model, "tied", False) and st.embed and st.head:
+    if model.tied and st.embed and st.head:
         ends -= model.vocab // cfg.tp * model.hidden
     return st.layers * rp.dense + ends, st.layers * rp.expert

@@ -155,7 +155,7 @@ def microbatch(
     add("tp", tp_calls * ring("all_reduce", e * b * s * h, cfg.tp, link_of(cfg, ("tp",), hw)))
     if cfg.cp > 1:  # ring attention: cp-1 hops of K/V forward, of K/V and fp32 dK/dV backward
         link = link_of(cfg, ("cp",), hw)
-        kv = 2 * b * s * getattr(model, "n_kv_heads", model.heads) * model.head_dim // cfg.tp
+        kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
         hop, dhop = link.alpha + e * kv / link.beta, link.alpha + REDUCE * kv / link.beta
         fwd, bwd = (cfg.cp - 1) * hop, (cfg.cp - 1) * (hop + dhop)
         again_cp = fwd if mode != "none" else 0.0
