@@ -113,7 +113,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
     if cfg.checkpoint_activations:
-        model, _ = apply_ac(model, meters.memory)  # nothing to report
+        model, _ = apply_ac(model, meters.memory, selective=cfg.recompute == "selective")  # nothing to report
 
     # 5. pipeline parallelism: engines/parallel/pipeline.py; its schedule ours, or torch.distributed.pipelining's
     chunks = [model]

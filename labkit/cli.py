@@ -4,6 +4,7 @@
     labkit run --engines 4 --dp 2 --tp 2 --steps 3 --report report.html
     labkit estimate --dp 64 --tp 8 --pp 4       # the theory table, no cluster
     labkit estimate --model llama-70b --dp 32 --tp 8 --pp 4 --microbatches 16 --global-batch 512
+    labkit plan --model llama-3.1-70b --gpus 256 --hardware h100   # the best layouts, what fills a GPU
 
 This is the top rung of the import ladder: the only module that imports both the Lab and the
 figures.
@@ -20,8 +21,10 @@ from labkit import reference, theory
 from labkit.checks import loss_errors, mismatches
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import MeshLayout
-from labkit.theory.presets import PRESETS
-from labkit.theory.timing import HARDWARE
+from labkit.theory.gpu_memory import TERMS
+from labkit.theory.hardware import HARDWARE
+from labkit.theory.planner import describe
+from labkit.theory.presets import PRESETS, preset
 
 DEMO = {"dp": 4}
 
@@ -29,6 +32,10 @@ DEMO = {"dp": 4}
 def _ints(text: str) -> tuple[int, ...]:
     """'15,16,16' -> (15, 16, 16): a tuple field on the command line (stage_layers)."""
     return tuple(int(x) for x in text.split(","))
+
+
+def _bool_or_str(text: str) -> bool | str:
+    return {"true": True, "false": False}.get(text.lower(), text)
 
 
 def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
@@ -43,6 +50,8 @@ def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
             kind = args[0]
         if kind is bool:
             parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None)
+        elif kind == bool | str:  # checkpoint_activations: true, false, full, selective, op
+            parser.add_argument(flag, dest=prefix + f.name, type=_bool_or_str, default=None, metavar=f.name.upper())
         elif dataclasses.is_dataclass(kind):
             continue  # a nested config (rope_scaling): from a preset or ModelConfig.from_hf, not a flag
         else:
@@ -132,9 +141,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
 def cmd_estimate(ns: argparse.Namespace) -> int:
     """The theory for a layout: memory of the fullest rank, its wire bytes per dim and op, the
     bubble, and the time model's step on the chosen hardware (which dim dominates)."""
-    if ns.model is not None and ns.model not in PRESETS:
-        raise ConfigError([f"--model {ns.model!r} is not a preset: choose one of {', '.join(PRESETS)}"])
-    base = PRESETS[ns.model] if ns.model else ModelConfig()
+    base = _preset(ns.model)
     cfg = ParallelConfig(**_pick(ns, ParallelConfig))
     model = base.replace(**_pick(ns, ModelConfig, "model_"))
     est = theory.estimate(cfg, model, world=ns.world)
@@ -166,6 +173,51 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _preset(name: str | None) -> ModelConfig:
+    if name is None:
+        return ModelConfig()
+    model = preset(name)
+    if model is None:
+        raise ConfigError([f"--model {name!r} is not a preset: choose one of {', '.join(PRESETS)}"])
+    return model
+
+
+def cmd_plan(ns: argparse.Namespace) -> int:
+    """The planner's best layouts for a model on a number of GPUs, one line each, then the first
+    one's memory term by term and its time, and what was rejected and why."""
+    model = _preset(ns.model).replace(**_pick(ns, ModelConfig, "model_"))
+    hw = HARDWARE[ns.hardware]
+    plans = theory.plan(model, ns.gpus, hardware=hw, global_batch=ns.global_batch, top=ns.top, precision=ns.precision)
+    print(
+        f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters on {ns.gpus:,} x {hw.name}; "
+        f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
+    )
+    if not plans:
+        print("nothing fits")
+    else:
+        print(f"{'#':>2} {'tokens/s/GPU':>13} {'MFU':>6} {'GiB':>6} {'bound':>8}  layout")
+    for i, p in enumerate(plans, 1):
+        gib = p.peak_bytes / 2**30
+        print(f"{i:>2} {p.tokens_per_second_per_gpu:>13,.0f} {p.mfu:>6.1%} {gib:>6.1f} {p.bound:>8}  {p.layout()}")
+    if plans:
+        best = plans[0]
+        mem = best.memory
+        print(f"\nmemory of #1 (pipeline rank {mem['pp_rank']}, the fullest), GiB:")
+        print("  " + ", ".join(f"{k} {mem[k] / 2**30:,.2f}" for k in TERMS))
+        print(
+            f"  allocated {mem['allocated'] / 2**30:,.2f}, reserved {mem['reserved'] / 2**30:,.2f}, "
+            f"peak {mem['peak'] / 2**30:,.2f} of {hw.memory / 2**30:,.1f}"
+        )
+        print("time of #1, s: " + ", ".join(f"{k} {v:,.3f}" for k, v in best.breakdown["time"].items()))
+    if plans.counts:
+        print("\nrejected:")
+        for reason, n in sorted(plans.counts.items(), key=lambda x: -x[1]):
+            print(f"  {n:>7,}  {reason}")
+        for r in plans.rejected[:3]:
+            print(f"  e.g. {describe(r.config)}: {r.reason}")
+    return 0
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="labkit", description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="command")
@@ -187,10 +239,19 @@ def parser() -> argparse.ArgumentParser:
         default=None,
         help="a preset (labkit/theory/presets.py): " + ", ".join(PRESETS) + "; --model-* flags override its fields",
     )
-    est.add_argument("--gpu", default="h100", choices=["h100", "a100"], help="hardware of the time model")
+    est.add_argument("--gpu", default="h100", choices=list(HARDWARE), help="hardware of the time model")
     _add_fields(est, ParallelConfig)
     _add_fields(est, ModelConfig, "model_")
     est.set_defaults(fn=cmd_estimate)
+    pl = sub.add_parser("plan", help="the best layouts of a model on a number of GPUs (the planner, no cluster)")
+    pl.add_argument("--model", default=None, help=f"a preset: {', '.join(PRESETS)}; --model-* flags override it")
+    pl.add_argument("--gpus", type=int, required=True)
+    pl.add_argument("--hardware", default="h100", choices=list(HARDWARE))
+    pl.add_argument("--global-batch", dest="global_batch", type=int, default=None, help="sequences per step")
+    pl.add_argument("--precision", default=None, choices=["bf16", "fp8"], help="default: both where the GPU has fp8")
+    pl.add_argument("--top", type=int, default=10)
+    _add_fields(pl, ModelConfig, "model_")
+    pl.set_defaults(fn=cmd_plan)
     return p
 
 

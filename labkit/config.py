@@ -18,11 +18,21 @@ DIMS = ("tp", "cp", "ep", "dp", "pp")
 SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 IMPLS = ("lab", "torch")
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = ("fp32", "bf16", "fp8")
+CHECKPOINTING = (False, True, "full", "selective", "op")
+"""checkpoint_activations values: off; full recomputation (True is "full"); Korthikanti et al.'s
+selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 ARCHS = ("gpt", "gpt2", "llama")
 DATA = ("synthetic", "text")
 """What a run trains on: the synthetic language (engines/data.py) or the Shakespeare corpus in bytes
 (labkit/plans/text.py; needs vocab >= 256)."""
+
+
+def recompute_mode(checkpoint_activations: bool | str) -> str:
+    """'none', 'full', 'selective' or 'op' for a checkpoint_activations value (True is 'full')."""
+    if isinstance(checkpoint_activations, bool):
+        return "full" if checkpoint_activations else "none"
+    return checkpoint_activations
 
 
 class ConfigError(ValueError):
@@ -206,9 +216,14 @@ class ParallelConfig(_Dict):
     impl: str = "lab"
     """'lab' runs labkit's readable implementations; 'torch' runs PyTorch's own (DDP, FSDP2, DTensor, pipelining)."""
     precision: str = "fp32"
-    """'fp32', or 'bf16': bf16 compute with fp32 master weights and optimizer state."""
-    checkpoint_activations: bool = False
-    """Recompute each block in backward instead of keeping its activations."""
+    """'fp32'; 'bf16': bf16 compute with fp32 master weights and optimizer state; 'fp8': as bf16,
+    with the linear layers' matmuls in fp8 (per-tensor scales, torchao's float8 training) and
+    FSDP's all-gather in fp8 (the theory only: the engines refuse it, validation says why)."""
+    checkpoint_activations: bool | str = False
+    """Recompute in backward instead of keeping: False; True or 'full' (each block keeps its input
+    only, Chen et al. 2016); 'selective' (the attention core only, Korthikanti et al. 2022, section
+    4.2); 'op' (torchtitan's per-op policy: every matmul's output but every second, and the
+    attention's, kept; the theory only)."""
     order: str = "tp-cp-ep-dp-pp"
     """Mesh order, innermost (fastest-varying rank) first. Neighbouring ranks share the inner dims."""
     bucket_mb: float = 25.0
@@ -219,6 +234,11 @@ class ParallelConfig(_Dict):
     def __post_init__(self):
         if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+
+    @property
+    def recompute(self) -> str:
+        """'none', 'full', 'selective' or 'op': checkpoint_activations by name (True is 'full')."""
+        return recompute_mode(self.checkpoint_activations)
 
     @property
     def world(self) -> int:

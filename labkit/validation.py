@@ -12,6 +12,7 @@ import math
 
 from labkit.config import (
     ARCHS,
+    CHECKPOINTING,
     DATA,
     DIMS,
     IMPLS,
@@ -111,6 +112,12 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     choice("schedule", cfg.schedule, SCHEDULES)
     choice("impl", cfg.impl, IMPLS)
     choice("precision", cfg.precision, PRECISIONS)
+    ac = cfg.checkpoint_activations
+    if not isinstance(ac, bool) and ac not in CHECKPOINTING[2:]:
+        out.append(
+            f"checkpoint_activations={cfg.checkpoint_activations!r} is not one of {list(CHECKPOINTING)}; "
+            "pick one of those (True is 'full')"
+        )
 
     if engines is not None and cfg.world > engines:
         out.append(
@@ -333,8 +340,21 @@ def _sharding_problems(cfg: ParallelConfig) -> list[str]:
 
 
 def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
-    """Layouts whose strategy is not implemented yet (each line goes when its strategy lands)."""
+    """Layouts the engines do not run (each line goes when its strategy lands); the theory
+    predicts them all."""
     out = []
+    if cfg.precision == "fp8":
+        out.append(
+            "precision='fp8' is predicted by the theory but not run by the engines: fp8 matmuls need "
+            "an H100-class GPU (torch._scaled_mm, compute capability >= 8.9), and an emulation on the "
+            "CPU (quantize, dequantize, bf16 matmul) would measure bf16's memory and time, not fp8's; "
+            "use precision='bf16' on the engines, theory.evaluate(...) for fp8"
+        )
+    if cfg.checkpoint_activations == "op":
+        out.append(
+            "checkpoint_activations='op' (torchtitan's per-op selective policy) is predicted by the "
+            "theory but not run by the engines; use 'selective' (the attention core) or 'full'"
+        )
     if cfg.tp > 1 and cfg.impl == "torch" and cfg.pp > 1:
         out.append(
             "impl='torch' with tp > 1 and pp > 1 (DTensor TP inside torch.distributed.pipelining stages) "

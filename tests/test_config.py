@@ -119,11 +119,33 @@ def test_global_batch_split():
 
 
 @pytest.mark.parametrize(
-    "field, value", [("sharding", "zero4"), ("schedule", "2f2b"), ("impl", "jax"), ("precision", "fp8")]
+    "field, value",
+    [
+        ("sharding", "zero4"),
+        ("schedule", "2f2b"),
+        ("impl", "jax"),
+        ("precision", "fp16"),
+        ("checkpoint_activations", "some"),
+    ],
 )
 def test_unknown_names(field, value):
     msg = only(ParallelConfig(**{field: value}))
     assert f"{field}={value!r} is not one of" in msg
+
+
+def test_the_engines_refuse_what_only_the_theory_predicts():
+    """fp8 and torchtitan's per-op checkpointing: valid layouts (the theory prices them), refused
+    by the engines before any work, each with its reason."""
+    for cfg, reason in (
+        (ParallelConfig(precision="fp8"), "fp8 matmuls need"),
+        (ParallelConfig(checkpoint_activations="op"), "per-op selective policy"),
+    ):
+        assert problems(cfg, M) == []
+        with pytest.raises(ConfigError, match=reason):
+            validate(cfg, M)
+    assert ParallelConfig(checkpoint_activations=True).recompute == "full"
+    assert ParallelConfig(checkpoint_activations="selective").recompute == "selective"
+    validate(ParallelConfig(checkpoint_activations="selective"), M)
 
 
 def test_order_must_name_every_dim_once():

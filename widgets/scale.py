@@ -5,7 +5,10 @@
 Memory per GPU (one rank of each pipeline stage) against an 80 GB line, model states for each
 ZeRO stage, bytes each GPU sends per step by dim, and the pipeline bubble. Everything comes
 from labkit.theory's per-rank functions (`rank_memory`, `rank_comm`, `model_state_bytes`,
-`pipeline_bubble`), so the explorer shows whatever the theory models and grows with it.
+`pipeline_bubble`), so the explorer shows whatever the theory models and grows with it. Below
+them the planner (widgets/plans.py): what the fullest GPU holds under the layout, every term of
+theory/gpu_memory.py by name, the step's time on the chosen hardware, and the best layouts of the
+model on these GPUs (theory.plan), a click on one setting every control to it.
 
 Why not `theory.estimate`: it fills every class of rank (20-70 ms for Llama-70B on 16k GPUs,
 but 2.1 s under FSDP2, whose shards differ by index), and the explorer shows one rank per
@@ -23,104 +26,23 @@ from __future__ import annotations
 import html
 import threading
 import time
-from dataclasses import dataclass, field
 
 import ipywidgets as W
-import numpy as np
 import plotly.graph_objects as go
 
 from labkit import theory
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.mesh import MeshLayout
+from labkit.theory.hardware import HARDWARE
+from labkit.theory.planner import layout_problems
 from labkit.theory.presets import PRESETS
-from labkit.validation import problems
 from labkit.widgets import theory_figures as TF
+from labkit.widgets.at_scale import AtScale, at_scale, comm_at_scale, comm_cached, comm_work
 from labkit.widgets.live import UI, figure_widget, refresh
+from labkit.widgets.plans import PlanPanel, gpu_memory_figure
 
-STAGES_SHOWN = 16
-"""At most this many pipeline stages get a bar (first and last always among them)."""
 SYNC_WORK = 400_000
 """Ranks x parameter tensors below which the comm rows are computed at once (~50 ms)."""
 CAPACITIES = {"80 GB (A100, H100)": 80e9, "141 GB (H200)": 141e9, "192 GB (B200, MI300X)": 192e9}
-
-
-@dataclass
-class AtScale:
-    """The theory's prediction for one layout, on one rank per (shown) pipeline stage."""
-
-    config: ParallelConfig
-    model: ModelConfig
-    psi: int
-    stages: list[int] = field(default_factory=list)
-    ranks: list[int] = field(default_factory=list)
-    memory: list[dict] = field(default_factory=list)
-    comm: list[list[dict]] = field(default_factory=list)
-    comm_pending: bool = False
-    bubble: float = 0.0
-    states: dict = field(default_factory=dict)
-
-    @property
-    def peak(self) -> float:
-        return max((m.get("peak", 0) for m in self.memory), default=0)
-
-
-def shown_stages(pp: int) -> list[int]:
-    if pp <= STAGES_SHOWN:
-        return list(range(pp))
-    return sorted({int(round(x)) for x in np.linspace(0, pp - 1, STAGES_SHOWN)})
-
-
-def at_scale(cfg: ParallelConfig, model: ModelConfig, comm: bool = True) -> AtScale:
-    """Memory, states and bubble of `cfg` (comm rows too unless comm=False); no per-rank loop
-    of ours over the world. Call `comm_at_scale` for the comm rows on their own."""
-    layout = MeshLayout.of(cfg)
-    stages = shown_stages(cfg.pp)
-    ranks = [layout.rank(pp=s) for s in stages]
-    psi = theory.num_params(model)
-    view = AtScale(
-        cfg,
-        model,
-        psi,
-        stages,
-        ranks,
-        memory=[theory.rank_memory(cfg, model, layout, r) for r in ranks],
-        bubble=theory.pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages),
-        states=theory.model_state_bytes(psi, cfg.dp, cfg.precision),
-    )
-    if comm:
-        view.comm = comm_at_scale(cfg, model)
-    else:
-        view.comm, view.comm_pending = [[] for _ in ranks], True
-    return view
-
-
-_COMM: dict[tuple, list[list[dict]]] = {}
-COMM_CACHED = 128
-
-
-def comm_at_scale(
-    cfg: ParallelConfig, model: ModelConfig, stale: threading.Event | None = None
-) -> list[list[dict]] | None:
-    """Rows {dim, op, wire_bytes, ...} of one step for one rank per shown stage (buckets merged),
-    remembered for the last COMM_CACHED layouts; None if `stale` was set meanwhile."""
-    if (cfg, model) in _COMM:
-        return _COMM[cfg, model]
-    layout = MeshLayout.of(cfg)
-    ranks = [layout.rank(pp=s) for s in shown_stages(cfg.pp)]
-    one_bucket = cfg.replace(bucket_mb=theory.num_params(model) * 4 / 2**20 + 1.0)
-    try:  # the walk stops as soon as the controls move on (`stale` set)
-        rows_of = theory.rank_comm(one_bucket, model, layout, ranks, stop=stale.is_set if stale else None)
-    except theory.Stopped:
-        return None
-    out = [rows_of[rank] for rank in ranks]
-    if len(_COMM) >= COMM_CACHED:
-        _COMM.pop(next(iter(_COMM)))
-    _COMM[cfg, model] = out
-    return out
-
-
-def comm_work(cfg: ParallelConfig, model: ModelConfig) -> int:
-    return cfg.world * len(theory.param_shapes(model))
 
 
 def _powers(limit: int, divides: int | None = None) -> list[int]:
@@ -133,9 +55,12 @@ def _powers(limit: int, divides: int | None = None) -> list[int]:
 
 
 class ScaleExplorer:
-    """Controls for a model preset, a GPU count and the parallel degrees; four live figures.
+    """Controls for a model preset, a GPU count and the parallel degrees; five live figures (the
+    lab theory's memory per stage, model states per ZeRO stage, communication, bubble, and the
+    planner's GPU memory term by term); the planner's best layouts, a click opens one.
     `.controls` (name -> widget), `.figures` (name -> FigureWidget), `.view` (the AtScale shown),
-    `.timings` (seconds of the last update), `.wait()` (for a comm computation in the background)."""
+    `.plans` (the PlanPanel), `.timings` (seconds of the last update), `.wait()` (for a comm
+    computation in the background)."""
 
     def __init__(
         self,
@@ -164,7 +89,7 @@ class ScaleExplorer:
             "ep": sel("ep", [1], 1),
             "microbatches": sel("microbatches", _powers(128), microbatches),
             "micro_batch": W.IntSlider(
-                value=1, min=1, max=16, description="seqs / microbatch", continuous_update=False, **box
+                value=1, min=1, max=64, description="seqs / microbatch", continuous_update=False, **box
             ),
             "virtual_stages": sel("virtual stages", [1, 2, 4, 8], 1),
             "schedule": W.ToggleButtons(
@@ -180,17 +105,30 @@ class ScaleExplorer:
                 style={"button_width": "56px"},
             ),
             "precision": W.ToggleButtons(
-                options=["fp32", "bf16"], value=precision, description="precision", style={"button_width": "56px"}
+                options=["fp32", "bf16", "fp8"],
+                value=precision,
+                description="precision",
+                style={"button_width": "56px"},
             ),
             "sequence_parallel": W.Checkbox(value=False, description="sequence_parallel", indent=False),
-            "checkpoint_activations": W.Checkbox(value=False, description="checkpoint_activations", indent=False),
+            "checkpoint_activations": W.ToggleButtons(
+                options=[("none", False), ("selective", "selective"), ("op", "op"), ("full", True)],
+                value=False,
+                description="recompute",
+                style={"button_width": "70px"},
+            ),
             "capacity": W.Dropdown(options=list(CAPACITIES), value=list(CAPACITIES)[0], description="GPU", **box),
+            "hardware": W.Dropdown(options=list(HARDWARE), value="h100", description="time on", **box),
         }
+        self.stage_layers: tuple[int, ...] = ()
+        """Uneven pipeline stages, set when a plan that has them is opened (no control of its own)."""
         self._degree_options(tp=tp, pp=pp)
         self.ui = UI()
         self.figures = {
-            n: self.ui.watch(figure_widget(go.Figure(), height=340)) for n in ("memory", "zero", "comm", "bubble")
+            n: self.ui.watch(figure_widget(go.Figure(), height=340))
+            for n in ("memory", "zero", "comm", "bubble", "gpu")
         }
+        self.plans = PlanPanel(self._question, self.open_plan)
         self.status = W.HTML().add_class("labkit-scale-status")
         self.error_box = W.HTML()
         self.view: AtScale | None = None
@@ -207,14 +145,13 @@ class ScaleExplorer:
             [
                 W.HBox(
                     [
-                        col(c["model"], c["gpus"], c["capacity"], c["micro_batch"]),
+                        col(c["model"], c["gpus"], c["capacity"], c["hardware"], c["micro_batch"]),
                         col(c["tp"], c["pp"], c["cp"], c["ep"]),
-                        col(
-                            c["microbatches"], c["virtual_stages"], c["sequence_parallel"], c["checkpoint_activations"]
-                        ),
+                        col(c["microbatches"], c["virtual_stages"], c["sequence_parallel"]),
                     ]
                 ),
-                col(c["schedule"], c["sharding"], c["precision"]),
+                col(c["schedule"], c["sharding"], c["precision"], c["checkpoint_activations"]),
+                self.plans.widget,
                 self.status,
                 self.error_box,
                 W.HBox(
@@ -229,6 +166,7 @@ class ScaleExplorer:
                         W.VBox([f["bubble"]], layout=W.Layout(width="50%")),
                     ]
                 ),
+                f["gpu"],
             ]
         ).add_class("labkit-scale")
         self.update()
@@ -255,9 +193,34 @@ class ScaleExplorer:
             c[d].options = o
             c[d].value = want if want in o else 1
 
-    def _changed(self, _) -> None:
+    def _changed(self, change) -> None:
         if not self._holding:
+            if getattr(change, "owner", None) in (self.controls["pp"], self.controls["virtual_stages"]):
+                self.stage_layers = ()  # a pipeline chosen by hand is split evenly
             self.update()
+
+    def _question(self) -> tuple:
+        """What the planner is asked: the model, the GPUs, the global batch the controls give, the hardware."""
+        cfg, _ = self.config()
+        gb = cfg.global_batch if cfg is not None else self.controls["gpus"].value
+        return self.model, self.controls["gpus"].value, gb, self.controls["hardware"].value
+
+    def open_plan(self, plan: theory.Plan) -> None:
+        """Set every control to `plan`'s layout (one redraw)."""
+        cfg, c = plan.config, self.controls
+        self._holding = True
+        try:
+            for d in ("tp", "pp", "cp", "ep", "microbatches", "virtual_stages"):
+                if getattr(cfg, d) not in c[d].options:
+                    c[d].options = sorted({*c[d].options, getattr(cfg, d)})
+                c[d].value = getattr(cfg, d)
+            c["micro_batch"].value = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+            for name in ("schedule", "sharding", "precision", "sequence_parallel", "checkpoint_activations"):
+                c[name].value = getattr(cfg, name)
+            self.stage_layers = cfg.stage_layers
+        finally:
+            self._holding = False
+        self.update()
 
     def _model_changed(self, _) -> None:
         self._holding = True
@@ -289,7 +252,9 @@ class ScaleExplorer:
             checkpoint_activations=c["checkpoint_activations"],
             global_batch=dp * c["ep"] * c["microbatches"] * c["micro_batch"],
         )
-        return cfg, problems(cfg, self.model)
+        if self.stage_layers and len(self.stage_layers) == cfg.pp * cfg.virtual_stages:
+            cfg = cfg.replace(stage_layers=self.stage_layers)
+        return cfg, layout_problems(cfg, self.model)
 
     def update(self) -> None:
         t0, c0 = time.perf_counter(), time.thread_time()
@@ -303,8 +268,8 @@ class ScaleExplorer:
         model = self.model
         self._stale.set()  # a comm walk still running for an older layout stops
         self._stale = threading.Event()
-        now = comm_work(cfg, model) <= SYNC_WORK or (cfg, model) in _COMM
-        view = at_scale(cfg, model, comm=now)
+        now = comm_work(cfg, model) <= SYNC_WORK or comm_cached(cfg, model)
+        view = at_scale(cfg, model, comm=now, hardware=self.controls["hardware"].value)
         with self._lock:
             self.view = view
         self._draw(view)
@@ -329,12 +294,15 @@ class ScaleExplorer:
             f"Ψ = {view.psi / 1e9:,.2f} B parameters · {cfg.world:,} GPUs = dp {cfg.dp} × tp {cfg.tp} × pp {cfg.pp}"
             f" × cp {cfg.cp} × ep {cfg.ep} · global batch {cfg.global_batch:,} sequences ({tokens / 1e6:,.1f} M tokens)"
             f" · max {view.peak / 1e9:,.1f} GB per GPU · bubble {view.bubble:.1%}"
+            f" · on {view.plan.hardware}: {view.plan.tokens_per_second_per_gpu:,.0f} tokens/s/GPU,"
+            f" MFU {view.plan.mfu:.0%}, {view.plan.bound}-bound"
         )
         figs = {
             "memory": TF.stage_memory_figure(view, cap),
             "zero": TF.zero_figure(view, cap),
             "comm": TF.stage_comm_figure(view),
             "bubble": TF.bubble_figure(view),
+            "gpu": gpu_memory_figure(view.plan),
         }
         for name, fig in figs.items():
             refresh(self.figures[name], fig, height=340)

@@ -21,6 +21,12 @@ layer records on itself (engines/moe.py) and engines/model.py `aux_loss` collect
 forward. Computed inside a graph-less forward it would carry no gradient, so the function
 returns it as an output of its own (its gradient recomputes the block like the block's) and
 puts it back on the layer for `aux_loss` to collect.
+
+Selective recomputation (Korthikanti et al., section 4.2): only the attention core (`attn.core`:
+the softmax(QKᵀ)V kernel, or ring attention under CP) is recomputed, `RecomputeCore`; it keeps
+q, k and v (which the plain kernel keeps too) and drops what the kernel saves beyond them, the
+log-sum-exp. The paper's saving is the 5as/h·sbh of stored scores and masks; a flash-style kernel
+never stores those, so here the saving is small, and the theory says exactly how small.
 """
 
 from __future__ import annotations
@@ -52,6 +58,25 @@ class Recompute(torch.autograd.Function):
         return None, None, x.grad
 
 
+class RecomputeCore(torch.autograd.Function):
+    """forward: y = core(q, k, v) without a graph, saving q, k, v; backward: core(q, k, v) again
+    with grad, then backpropagate dy through it (Korthikanti et al.'s selective recomputation)."""
+
+    @staticmethod
+    def forward(ctx, core, meter, q, k, v):
+        ctx.core, ctx.meter = core, meter
+        ctx.save_for_backward(q, k, v)
+        return core(q, k, v)  # (b, nh, s, hd), grad mode off inside a Function's forward
+
+    @staticmethod
+    def backward(ctx, dy):
+        q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+        with torch.enable_grad(), ctx.meter.saved_tensors():
+            y = ctx.core(q, k, v)
+        torch.autograd.backward(y, dy)
+        return None, None, q.grad, k.grad, v.grad
+
+
 def _with_aux(block: nn.Module, forward, x: torch.Tensor, rope=None):
     """The block's output and the sum of its MoE layers' balance losses (0 without any), taken
     off the layers so that only the returned one is collected. `rope`: the rotary tables (llama),
@@ -71,10 +96,14 @@ def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor, rope=None) -> t
     return y
 
 
-def apply_ac(model: nn.Module, memory_meter) -> tuple[nn.Module, dict]:
-    """Checkpoint every transformer block of `model` (slot 4 of parallelize); the recomputation's
-    saved tensors are counted by `memory_meter`. Returns (model, {}): nothing to report."""
+def apply_ac(model: nn.Module, memory_meter, selective: bool = False) -> tuple[nn.Module, dict]:
+    """Checkpoint every transformer block of `model` (slot 4 of parallelize), or with `selective`
+    only its attention core; the recomputation's saved tensors are counted by `memory_meter`.
+    Returns (model, {}): nothing to report."""
     for block in model.blocks:
+        if selective:
+            block.attn.core = partial(RecomputeCore.apply, block.attn.core, memory_meter)
+            continue
         run = partial(_with_aux, block, block.forward)  # block.forward: the bound original
         block.forward = partial(_checkpointed, block, run, memory_meter)
     return model, {}

@@ -5,6 +5,9 @@
     est.comm_table()     # rows like RunResult.comm_table(): per rank x dim x op, one step
     est.bubble_fraction()
 
+    theory.evaluate(cfg, model, hardware="h100")      # Plan: what one GPU holds, term by term, and the step's time
+    theory.plan(model, gpus=256, global_batch=512)     # the best layouts that fit, fastest first
+
 For labkit's own implementations the predicted wire bytes and model-state bytes equal the
 measured ones exactly, and activations match the saved-tensor meter; tests hold it to that.
 """
@@ -18,6 +21,7 @@ import numpy as np
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import DATA_DIMS, MeshLayout
 from labkit.theory.comm import Stopped
+from labkit.theory.hardware import HARDWARE, Hardware
 from labkit.theory.memory import (
     activation_bytes,
     korthikanti_layer_bytes,
@@ -27,7 +31,9 @@ from labkit.theory.model import active_params, num_params, param_shapes
 from labkit.theory.per_rank import rank_comm, rank_memory
 from labkit.theory.pipeline import bubble_fraction as pipeline_bubble
 from labkit.theory.pipeline import step_bubble
-from labkit.theory.timing import H100, step_time
+from labkit.theory.planner import Plan, evaluate
+from labkit.theory.search import Plans, plan
+from labkit.theory.timing import H100, StepTime, step_time
 from labkit.validation import problems
 
 
@@ -61,24 +67,12 @@ class Estimate:
     def bubble_fraction(self) -> dict:
         return {"per_rank": {r: self.bubble for r in range(len(self.representative))}, "overall": self.bubble}
 
-    def step_time(self, hw=None, rank: int = 0):
-        """The time model (theory/timing.py) for one step of `rank`: compute at 6·Ψ_active·tokens
-        (8· with checkpointing), each collective priced on the link its group spans, dp traffic
-        hidden behind backward, the bubble stretching compute. Says which dim dominates."""
-        layout = MeshLayout.of(self.config)
-        rows = self.rank_rows(rank)
-        groups = {r["dim"]: layout.group_of(rank, *r["dim"].split("-")) for r in rows}
-        tokens = self.config.global_batch * self.model.seq
-        return step_time(
-            rows,
-            groups,
-            active_params(self.model),
-            tokens,
-            layout.world,
-            hw or H100,
-            self.bubble,
-            self.config.checkpoint_activations,
-        )
+    def step_time(self, hw: Hardware | None = None, rank: int = 0) -> StepTime:
+        """The time model (theory/timing.py) for one step of this layout on `hw` (default the
+        H100): compute op by op on a roofline, each dim's collectives by α-β on the link its
+        groups span, what overlaps hidden, the bubble; `.dominant` names what dominates. The
+        step is the slowest pipeline rank's, whichever `rank` is asked for."""
+        return step_time(self.config, self.model, hw or H100, self.world)
 
 
 def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -136,6 +130,11 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
 __all__ = [
     "estimate",
     "Estimate",
+    "evaluate",
+    "plan",
+    "Plan",
+    "Plans",
+    "HARDWARE",
     "model_state_bytes",
     "activation_bytes",
     "korthikanti_layer_bytes",

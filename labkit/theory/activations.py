@@ -42,12 +42,49 @@ class Chunk:
     head: int = 0
 
 
+def lse_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
+    """The attention kernel's log-sum-exp one block keeps, fp32 (b, heads/tp, s/cp): all that
+    selective recomputation drops here (engines/parallel/checkpoint.py RecomputeCore)."""
+    return 4 * b * (model.heads // cfg.tp) * (model.seq // cfg.cp)
+
+
+def _kv(model: ModelConfig) -> int:
+    """Width of k (and of v): KV heads times head dim."""
+    return model.n_kv_heads * model.head_dim
+
+
+def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
+    """What a block keeps under torchtitan's per-op selective checkpointing (selective_ac_option
+    'op'; torchtitan 9dec370, parallelize_llama.py `_save_list`): its input, the outputs of its
+    1st, 3rd, 5th ... matmul (every second one is recomputed), the attention kernel's output and
+    log-sum-exp, and under SP the reduce-scatters' outputs. Matmuls run wq, wk, wv, wo, then fc1,
+    fc2 (gpt) or gate, up, down (llama); a row-parallel one's output is the full-width partial
+    sum. An MoE layer's grouped products are not matmuls to the policy: recomputed whole."""
+    e, t, h, f = ELEM[cfg.precision], cfg.tp, model.hidden, model.ffn
+    s, rows = model.seq // cfg.cp, stream_rows(cfg, model)
+    widths = [h // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
+    if not model.experts:
+        widths += [f // t, f // t, h] if model.arch == "llama" else [f // t, h]
+    mm = sum(widths[::2]) * e * b * s
+    scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
+    return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
+
+
 def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> Chunk:
-    """One pipeline chunk (or the whole model when pp == 1) for one microbatch."""
+    """One pipeline chunk (or the whole model when pp == 1) for one microbatch, under the
+    config's recomputation: none; 'selective' (the attention core: its log-sum-exp is not kept,
+    and its recomputation never adds to the peak, as the rest of its block is freed by then);
+    'full' (a block keeps its input, one block at a time is rebuilt in backward); 'op'
+    (`op_block_bytes` kept, the rest rebuilt one block at a time)."""
     b = microbatch_rows(cfg)
-    if not cfg.checkpoint_activations:
-        return Chunk(_bytes(cfg, model, b, layers, head, embed))
-    x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
+    ac = cfg.recompute
+    if ac in ("none", "selective"):
+        dropped = layers * lse_bytes(cfg, model, b) if ac == "selective" else 0
+        return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
+    if ac == "op":
+        x = op_block_bytes(cfg, model, b)
+    else:
+        x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
     block = _bytes(cfg, model, b, 1, False, False)
     head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
     kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
@@ -66,7 +103,7 @@ def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int
         layer_activation_bytes(model, b, seq, act, received=r) - layer_activation_bytes(model, b, seq, act)
         for r in received
     ]
-    if not cfg.checkpoint_activations:
+    if cfg.recompute in ("none", "selective"):
         return Chunk(c.forward + sum(delta))
     rebuilt = max((c.block + d + l * c.x for l, d in enumerate(delta)), default=0)
     return Chunk(c.forward, max(0, rebuilt - len(delta) * c.x - c.head) if delta else 0, c.block, c.x, c.head)

@@ -21,13 +21,15 @@ def kv_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_by
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """Ring sends/receives per rank for one step — per layer and microbatch cp-1 hops of K/V
     forward, cp-1 again backward and cp-1 of the dK/dV accumulators — and the MoE balance-loss
-    count all-reduce. With checkpoint_activations a block's forward runs again in backward: one
-    more K/V round and one more count all-reduce per layer. K/V travel in the compute dtype,
+    count all-reduce. With checkpoint_activations a block's forward (or, selective, its attention
+    core) runs again in backward: one more K/V round per layer (and, 'full', one more count
+    all-reduce). K/V travel in the compute dtype,
     dK/dV in fp32 (the ring's accumulation dtype)."""
     if cfg.cp == 1:
         return
     micro = microbatch_rows(cfg)
-    forwards = 2 if cfg.checkpoint_activations else 1
+    forwards = 2 if cfg.recompute != "none" else 1  # every recomputation runs the ring again
+    moe_forwards = 2 if cfg.recompute in ("full", "op") else 1  # selective leaves the MoE layer alone
     kv = kv_message_bytes(cfg, model, micro, ELEM[cfg.precision])
     dkv = kv_message_bytes(cfg, model, micro, 4)
     label = layout.label("cp")
@@ -37,4 +39,4 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
             comm.add(rank, label, op, kv, cfg.cp, (forwards + 1) * (cfg.cp - 1) * passes)
             comm.add(rank, label, op, dkv, cfg.cp, (cfg.cp - 1) * passes)
         if model.experts:
-            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, forwards * passes)
+            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, moe_forwards * passes)

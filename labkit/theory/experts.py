@@ -60,7 +60,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         return
     v = cfg.virtual_stages if cfg.pp > 1 else 1
     rows = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.top_k * model.hidden * ELEM[cfg.precision]
-    forwards = 2 if cfg.checkpoint_activations else 1
+    forwards = 2 if cfg.recompute in ("full", "op") else 1
     label = layout.label("ep")
     for rank in comm.ranks(layout):
         pp_rank = layout.coords(rank)["pp"]

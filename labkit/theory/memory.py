@@ -18,12 +18,12 @@ def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str
     precision 'bf16' (or 'fp16'): 2 + 2 + 12 bytes per parameter; 'fp32': 4 + 4 + 8.
     Returns {'none' | 'zero1' | 'zero2' | 'zero3': {'params', 'grads', 'optimizer', 'total'}}.
     """
-    if precision in ("bf16", "fp16"):
+    if precision in ("bf16", "fp16", "fp8"):  # fp8 training keeps bf16 weights and fp32 masters
         p, g, k = 2, 2, 12
     elif precision == "fp32":
         p, g, k = 4, 4, 8
     else:
-        raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
+        raise ValueError(f"precision={precision!r}: use 'fp32', 'bf16' or 'fp8'")
     psi, n = float(params), float(dp)
     stages = {
         "none": (p * psi, g * psi, k * psi),

@@ -118,3 +118,17 @@ PUBLISHED_PARAMS: dict[str, int] = {
 
 # the names the first build used, kept working; LLAMA_70B was Llama 2 70B, LLAMA_405B Llama 3.1 405B
 LLAMA_7B, LLAMA_13B, LLAMA_70B, LLAMA_405B = LLAMA2_7B, LLAMA2_13B, LLAMA2_70B, LLAMA31_405B
+
+ALIASES: dict[str, str] = {
+    "llama-3.1-8b": "llama3.1-8b",
+    "llama-3.1-70b": "llama3.1-70b",
+    "llama-3.1-405b": "llama-405b",
+    "llama3.1-405b": "llama-405b",
+    "llama-3.2-1b": "llama3.2-1b",
+}
+"""Other spellings of the presets' names (Meta writes 'Llama-3.1-70B'), for the CLI."""
+
+
+def preset(name: str) -> ModelConfig | None:
+    """The preset called `name` (or one of its ALIASES), or None."""
+    return PRESETS.get(ALIASES.get(name, name))

@@ -51,7 +51,7 @@ def state_bytes(
 ) -> dict[str, int]:
     """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
     `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `plans`."""
-    e, k = ELEM[cfg.precision], 8 + (4 if cfg.precision == "bf16" else 0)
+    e, k = ELEM[cfg.precision], 8 + (4 if cfg.precision != "fp32" else 0)  # + fp32 master weights
     entries = rank_entries(cfg, model, pp_rank)
     if cfg.sharding == "none":
         psi = sum(prod(s) for _, s, _, _ in entries)

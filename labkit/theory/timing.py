@@ -1,138 +1,220 @@
-"""A simple time model: which part of a step dominates, at any scale.
+"""The time model: one training step of a layout, priced op by op, so that it can be right for
+the right reason (the derivation and its sources: ARCHITECTURE.md, "The time model").
 
-Compute: 6·Ψ·tokens FLOPs per step for forward + backward (Kaplan et al. 2020, section 2.1;
-8·Ψ·tokens with full activation recomputation, which repeats the forward), spread over the
-ranks and run at `mfu` of the device's peak.
+Compute: each op of a microbatch (theory/ops.py) on a roofline, max(FLOPs / (peak · efficiency),
+bytes / (HBM · efficiency)) with the hardware's measured efficiencies (theory/hardware.py); the
+backward at its multiple of the forward; recomputation by mode (full: the block's forward again;
+selective: the attention kernel's; op: the forward of what torchtitan's policy does not keep).
 
-Communication: each collective costs α + bytes/β (Hockney's model) on the slowest link its
-group crosses: a group whose ranks sit on one node uses the intra-node link (NVLink), one
-that spans nodes the inter-node link (InfiniBand / RoCE), given `gpus_per_node` and the mesh
-order (ranks r and r' share a node iff r // gpus_per_node == r' // gpus_per_node). A ring over
-n ranks takes 2(n−1) latency steps for an all-reduce and n−1 for the other collectives.
-
-Overlap: data-parallel reduction (and ZeRO's gathers) can hide behind backward, which is
-about 2/3 of the compute; tensor-, context- and expert-parallel collectives sit on the
-critical path. The pipeline bubble stretches the compute by 1 / (1 − bubble). This is a model
-for comparing layouts, not a simulator: it says which axis dominates, not the exact seconds.
+Communication: α·steps + wire bytes / β per collective (Hockney; wire bytes by the ring model,
+labkit/plans/wire.py) on NVLink inside a node, the NIC across nodes. Overlap: tensor-parallel
+collectives, expert all-to-alls and pipeline sends are on the critical path; ring attention's hops
+hide behind each layer's attention kernel; the data-parallel traffic is theory/overlap.py's. The
+pipeline stretches the slowest stage's microbatches by (m·v + p − 1) / (m·v).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 
-RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 0}
+from labkit.config import ModelConfig, ParallelConfig, recompute_mode
+from labkit.plans.precision import ELEM, REDUCE
+from labkit.theory.hardware import H100, HARDWARE, Hardware, Link, attention_rate
+from labkit.theory.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
+from labkit.theory.overlap import DataParallel, collective_seconds, link_of, ring, spans_nodes
+from labkit.theory.stages import Stage, distinct
+
+__all__ = [
+    "H100",
+    "HARDWARE",
+    "Hardware",
+    "Link",
+    "StepTime",
+    "step_time",
+    "Phase",
+    "phase",
+    "collective_seconds",
+    "spans_nodes",
+]
 
 
 @dataclass(frozen=True)
-class Link:
-    alpha: float
-    """Latency per message step, seconds."""
-    beta: float
-    """Bandwidth per GPU in one direction, bytes/s."""
+class Phase:
+    """Seconds of a list of ops for one microbatch."""
+
+    forward: float
+    backward: float
+    attention_forward: float
+    unkept_forward: float
+    """The forward of the ops torchtitan's per-op policy does not keep (recomputed)."""
+    compute_bound: float
+    memory_bound: float
+    """Forward + backward seconds of the ops on each side of the roofline."""
+
+    def recompute(self, mode: str) -> float:
+        return {"none": 0.0, "full": self.forward, "selective": self.attention_forward, "op": self.unkept_forward}[mode]
 
 
-@dataclass(frozen=True)
-class Hardware:
-    name: str
-    flops: float
-    """Peak dense bf16 FLOP/s per GPU."""
-    memory: float
-    """Device memory, bytes."""
-    gpus_per_node: int
-    intra: Link
-    inter: Link
-    mfu: float = 0.45
-    """Fraction of peak a well-tuned step reaches (40-55% is typical for large dense models)."""
+def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
+    """(seconds, whether memory-bound) of `scale` times the op's forward, on the roofline."""
+    rate = {
+        "matmul": hw.flops * hw.matmul_eff,
+        "fp8-matmul": hw.fp8_flops * hw.fp8_matmul_eff,
+        "attention": attention_rate(hw, op.head_dim, op.length),
+    }.get(op.kind)
+    compute = scale * op.flops / rate if rate else 0.0
+    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff)
+    return max(compute, memory), memory > compute
 
 
-# NVIDIA H100 SXM5: 989 TFLOP/s dense bf16, 80 GB HBM3, NVLink 4 at 900 GB/s bidirectional
-# (450 GB/s each way) inside an 8-GPU node, one 400 Gb/s NDR InfiniBand NIC per GPU (50 GB/s).
-H100 = Hardware(
-    "H100 SXM (8/node, NVLink + 400G IB)",
-    989e12,
-    80e9,
-    8,
-    intra=Link(alpha=3e-6, beta=450e9),
-    inter=Link(alpha=8e-6, beta=50e9),
-)
-# NVIDIA A100 SXM4 80GB: 312 TFLOP/s bf16, NVLink 3 at 600 GB/s (300 each way), 200 Gb/s HDR per GPU.
-A100 = Hardware(
-    "A100 SXM 80GB (8/node, NVLink + 200G IB)",
-    312e12,
-    80e9,
-    8,
-    intra=Link(alpha=3e-6, beta=300e9),
-    inter=Link(alpha=8e-6, beta=25e9),
-)
-HARDWARE = {"h100": H100, "a100": A100}
-
-
-def spans_nodes(group: list[int], gpus_per_node: int) -> bool:
-    return len({r // gpus_per_node for r in group}) > 1
-
-
-def collective_seconds(op: str, wire_bytes: float, n: int, link: Link) -> float:
-    """α·steps + bytes/β for one collective of a ring over n ranks sending wire_bytes per rank."""
-    if n <= 1:
-        return 0.0
-    steps = RING_STEPS.get(op, lambda k: k - 1)(n)
-    return steps * link.alpha + wire_bytes / link.beta
-
-
-def compute_flops(params: float, tokens: float, recompute: bool = False) -> float:
-    """FLOPs of one training step: 6Ψ per token (2 forward + 4 backward), 8Ψ with full recomputation."""
-    return (8.0 if recompute else 6.0) * params * tokens
+@lru_cache(maxsize=8192)
+def phase(ops: tuple[Op, ...], hw: Hardware) -> Phase:
+    fwd = bwd = attn = unkept = bound_c = bound_m = 0.0
+    for op in ops:
+        f, f_mem = op_seconds(op, hw)
+        b, b_mem = op_seconds(op, hw, op.backward)
+        fwd, bwd = fwd + f, bwd + b
+        attn += f if op.kind == "attention" else 0.0
+        unkept += 0.0 if op.kept else f
+        bound_m += f * f_mem + b * b_mem
+        bound_c += f * (not f_mem) + b * (not b_mem)
+    return Phase(fwd, bwd, attn, unkept, bound_c, bound_m)
 
 
 @dataclass
 class StepTime:
+    total: float
+    """Seconds of one optimizer step."""
     compute: float
-    """Seconds of compute per rank, bubble included."""
+    """Seconds the slowest pipeline rank computes (recomputation included)."""
+    bubble: float
+    """Seconds it idles in the pipeline's fill and drain."""
+    optimizer: float
     comm: dict[str, float]
-    """Seconds of communication per mesh dim (as named in the comm rows)."""
+    """Seconds of each dim's collectives in one step (on the slowest pipeline rank)."""
     exposed: dict[str, float]
     """What of each dim's communication is not hidden behind compute."""
-    total: float
-    dominant: str
-    """'compute' or the dim whose exposed communication is largest."""
-    flops_per_rank: float
-    mfu: float
-    """Model FLOPs utilisation this step time implies (6Ψ·tokens / (total · peak · world))."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Compute seconds: compute-bound ops, memory-bound ops (recomputation included in both), and
+    of those the recomputation."""
+    flops: float = 0.0
+    """Model FLOPs per GPU per step (PaLM's 6N + 12·L·h·s per token)."""
+    mfu: float = 0.0
+    """flops / (total · the hardware's dense bf16 peak)."""
+    dominant: str = "compute"
+    """'compute' or 'memory' (whichever side of the roofline the step's ops spend more time on),
+    or the dim whose exposed communication outweighs both."""
 
 
-OVERLAPPABLE = ("dp",)
-"""Dims whose traffic (gradient reduction, ZeRO gathers) can hide behind backward."""
+@dataclass
+class Microbatch:
+    """One microbatch on one pipeline rank."""
+
+    compute: float
+    parts: dict[str, float]
+    comm: dict[str, float]
+    exposed: dict[str, float]
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + sum(self.exposed.values())
 
 
-def step_time(
-    rows: list[dict],
-    groups: dict[str, list[int]],
-    params: float,
-    tokens: float,
-    world: int,
-    hw: Hardware = H100,
-    bubble: float = 0.0,
-    recompute: bool = False,
-) -> StepTime:
-    """Time of one step from one rank's comm rows ({dim, op, calls, wire_bytes}) and, per dim, one
-    of its groups (global ranks: decides intra- vs inter-node)."""
-    flops = compute_flops(params, tokens, recompute) / world
-    compute = flops / (hw.flops * hw.mfu) / (1.0 - bubble)
+def microbatch(
+    cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, b: int, dp: DataParallel
+) -> Microbatch:
+    """Compute and critical-path communication of one microbatch of b sequences on rank `st`."""
+    key = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision)
+    block, head, embed = phase(block_ops(*key), hw), phase(head_ops(*key), hw), phase(embed_ops(*key), hw)
+    mode, L = cfg.recompute, st.layers
+    ends = [(head, st.head), (embed, st.embed)]
+    again = L * block.recompute(mode)
+    compute = L * (block.forward + block.backward) + again
+    compute += sum((p.forward + p.backward) * held for p, held in ends)
+    parts = {
+        "compute-bound": L * block.compute_bound + sum(p.compute_bound * h for p, h in ends),
+        "memory-bound": L * block.memory_bound + sum(p.memory_bound * h for p, h in ends),
+        "recompute": again,
+    }
+    parts["compute-bound" if block.compute_bound >= block.memory_bound else "memory-bound"] += again
     comm: dict[str, float] = {}
-    for row in rows:
-        group = groups[row["dim"]]
-        link = hw.inter if spans_nodes(group, hw.gpus_per_node) else hw.intra
-        per_call = row["wire_bytes"] / max(row["calls"], 1)
-        t = row["calls"] * collective_seconds(row["op"], per_call, len(group), link)
-        comm[row["dim"]] = comm.get(row["dim"], 0.0) + t
-    backward = compute * 2 / 3
-    exposed = {}
-    for dim, t in comm.items():
-        hideable = any(d in OVERLAPPABLE for d in dim.split("-")) and not any(
-            d in ("tp", "cp", "ep") for d in dim.split("-")
-        )
-        exposed[dim] = max(0.0, t - backward) if hideable else t
-    total = compute + sum(exposed.values())
-    dominant = max(exposed, key=exposed.get) if exposed and max(exposed.values()) > compute else "compute"
-    mfu = compute_flops(params, tokens) / (total * hw.flops * world)
-    return StepTime(compute, comm, exposed, total, dominant, flops, mfu)
+    exposed: dict[str, float] = {}
+
+    def add(dim: str, total: float, hidden: float = 0.0) -> None:
+        if total > 0:
+            comm[dim] = comm.get(dim, 0.0) + total
+            exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
+
+    e, s, h = ELEM[cfg.precision], model.seq // cfg.cp, model.hidden
+    repeat = mode in ("full", "op")  # the block's forward collectives run again
+    # tensor parallelism: per layer 4 all-reduces of (b, s, h) (SP: all-gather + reduce-scatter
+    # pairs, the same bytes), 2 more when the forward is recomputed; the embedding's and the
+    # head's input on the end stages
+    tp_calls = L * (4 + 2 * repeat) + 2 * (st.head + st.embed)
+    add("tp", tp_calls * ring("all_reduce", e * b * s * h, cfg.tp, link_of(cfg, ("tp",), hw)))
+    if cfg.cp > 1:  # ring attention: cp-1 hops of K/V forward, of K/V and fp32 dK/dV backward
+        link = link_of(cfg, ("cp",), hw)
+        kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
+        hop, dhop = link.alpha + e * kv / link.beta, link.alpha + REDUCE * kv / link.beta
+        fwd, bwd = (cfg.cp - 1) * hop, (cfg.cp - 1) * (hop + dhop)
+        again_cp = fwd if mode != "none" else 0.0
+        for total, kernel in (
+            (fwd, block.attention_forward),
+            (bwd + again_cp, (2.5 + (mode != "none")) * block.attention_forward),
+        ):
+            add("cp", L * total, L * kernel)
+    if cfg.ep > 1 and model.experts:  # dispatch and combine, forward and backward
+        a2a = ring("all_to_all", e * b * s * model.top_k * h, cfg.ep, link_of(cfg, ("ep",), hw))
+        add("ep", L * (4 + 2 * repeat) * a2a)
+    if cfg.pp > 1:  # each chunk sends its output forward and its input's gradient back
+        rows = s // (cfg.tp if cfg.sequence_parallel else 1)
+        add("pp", st.chunks * 2 * ring("send", e * b * rows * h, 2, link_of(cfg, ("pp",), hw)))
+    for dim, total, hidden in dp.per_microbatch(st, block):
+        add(dim, total, hidden)
+    copies = dp.copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
+    parts["memory-bound"] += copies
+    return Microbatch(compute + copies, parts, comm, exposed)
+
+
+def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, world: int | None = None) -> StepTime:
+    """One optimizer step of `cfg` on `model` (global_batch sequences of model.seq tokens); the
+    pipeline's pace is its slowest rank's."""
+    m, p = cfg.microbatches, cfg.pp
+    b = cfg.global_batch // (cfg.dp * cfg.ep * m)
+    dp = DataParallel(cfg, model, hw)
+    per = [(st, microbatch(cfg, model, hw, st, b, dp)) for st in distinct(cfg, model)]
+    st, mb = max(per, key=lambda x: x[1].seconds)
+    v = cfg.virtual_stages if p > 1 else 1
+    busy = m * mb.seconds
+    bubble = busy * (p - 1) / (m * v) if p > 1 else 0.0
+    comm = {d: m * t for d, t in mb.comm.items()}
+    exposed = {d: m * t for d, t in mb.exposed.items()}
+    key = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision)
+    for dim, total, hidden in dp.per_step(st, phase(block_ops(*key), hw), m):
+        comm[dim] = comm.get(dim, 0.0) + total
+        exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
+    optimizer = (dp.optimizer_elements(st) * OPTIMIZER_BYTES + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
+    total = m * mb.compute + bubble + optimizer + sum(exposed.values())
+    flops = model_flops_per_token(model) * cfg.global_batch * model.seq / (world or cfg.world)
+    parts = {k: m * x for k, x in mb.parts.items()}
+    worst = max(exposed, key=exposed.get) if exposed else None
+    dominant = "memory" if parts["memory-bound"] > parts["compute-bound"] else "compute"
+    if worst is not None and exposed[worst] > max(parts["memory-bound"], parts["compute-bound"]):
+        dominant = worst
+    return StepTime(
+        total, m * mb.compute, bubble, optimizer, comm, exposed, parts, flops, flops / (total * hw.flops), dominant
+    )
+
+
+def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None) -> float:
+    """A lower bound on step_time's total: the slowest rank's blocks alone (no head, no
+    communication, no optimizer), stretched by the bubble. The search skips a layout whose floor
+    is above the slowest of the best it has. `ac`: the checkpointing to price (default the config's)."""
+    b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    block = phase(block_ops(model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision), hw)
+    layers = max(st.layers for st in distinct(cfg, model))
+    m, v = cfg.microbatches, cfg.virtual_stages if cfg.pp > 1 else 1
+    mode = recompute_mode(cfg.checkpoint_activations if ac is None else ac)
+    busy = m * layers * (block.forward + block.backward + block.recompute(mode))
+    return busy * (1 + (cfg.pp - 1) / (m * v))

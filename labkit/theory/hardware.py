@@ -1,0 +1,169 @@
+"""The hardware the time and memory models price a step on: one set of constants per machine, each
+with its source (a datasheet, a paper, or a measurement on this workplace's H100 by
+benchmarks/gpu_constants.py, kept in benchmarks/gpu_constants_h100.json). No constant is fitted to
+a published training run; benchmarks/published.py holds the model against those.
+
+    rate of a matmul      min(peak · matmul_eff, intensity · hbm · hbm_eff)      (a roofline)
+    rate of attention     peak · attention_eff   (flash kernels are compute-bound at these shapes)
+    a collective          α · steps + bytes / β on the slowest link its group spans (Hockney)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from labkit.config import ConfigError
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Link:
+    alpha: float
+    """Latency per message step, seconds."""
+    beta: float
+    """Bandwidth per GPU in one direction, bytes/s."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    flops: float
+    """Peak dense bf16 FLOP/s per GPU (the datasheet's; MFU is quoted against it)."""
+    memory: float
+    """Device memory, bytes, as the device reports it (torch.cuda.mem_get_info's total: an
+    '80 GB' H100 has 85.0e9 bytes, 79.2 GiB)."""
+    gpus_per_node: int
+    intra: Link
+    """Inside a node (NVLink)."""
+    inter: Link
+    """Across nodes (InfiniBand / RoCE), per GPU."""
+    hbm: float
+    """HBM bandwidth, bytes/s (datasheet)."""
+    fp8_flops: float = 0.0
+    """Peak dense fp8 FLOP/s (0: no fp8 tensor cores)."""
+    matmul_eff: float = 0.78
+    """Fraction of `flops` a large bf16 matrix product reaches."""
+    fp8_matmul_eff: float = 0.66
+    """Fraction of `fp8_flops` a large fp8 product (torch._scaled_mm, per-tensor scales) reaches."""
+    attention_eff: float = 0.51
+    """Fraction of `flops` causal flash attention (forward + backward) reaches at head dim 128 over
+    long blocks (8192 keys and more); shorter blocks and head dim 64 run at `attention_shape`."""
+    hbm_eff: float = 0.89
+    """Fraction of `hbm` an elementwise kernel (copy, add) reaches."""
+    context: float = 0.7e9
+    """Bytes the CUDA context and library handles (cuBLAS) take, outside PyTorch's allocator."""
+    allocator: float = 0.25
+    """Reserved minus allocated, as a fraction of the allocated peak (PyTorch's caching allocator
+    keeps freed blocks of the step's sizes; what torch.cuda.max_memory_reserved reports)."""
+    nccl_buffer: float = 4 * 2**20
+    """NCCL_BUFFSIZE: bytes per channel and direction of each peer connection (NCCL's default)."""
+    nccl_channels: int = 16
+    """Channels NCCL opens per communicator (its ring/tree count on NVLink + IB nodes)."""
+    source: str = ""
+
+
+MEASURED_H100 = "benchmarks/gpu_constants_h100.json (H100 80GB HBM3 SXM, 700 W, torch 2.11, CUDA 13)"
+
+H100 = Hardware(
+    "H100 SXM 80GB (8/node, NVLink 4 + 400G IB)",
+    flops=989e12,
+    memory=85.0e9,
+    gpus_per_node=8,
+    intra=Link(alpha=3e-6, beta=450e9),
+    inter=Link(alpha=8e-6, beta=50e9),
+    hbm=3.35e12,
+    fp8_flops=1979e12,
+    matmul_eff=0.78,
+    fp8_matmul_eff=0.66,
+    attention_eff=0.51,
+    hbm_eff=0.89,
+    context=0.72e9,
+    allocator=0.25,
+    source=(
+        "NVIDIA H100 datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8, 3.35 TB/s HBM3, NVLink 4 "
+        "900 GB/s (450 each way), one 400 Gb/s NDR NIC per GPU. Measured here (" + MEASURED_H100 + "): "
+        "the device's total 85.0e9 bytes; bf16 products of Llama 3.1 8B's shapes 761-769 TFLOP/s "
+        "(0.77-0.78; the 8192^3 product 769-798 on other days); fp8 _scaled_mm 1,263-1,340 "
+        "(0.64-0.68); SDPA causal attention (cuDNN's kernel), head dim 128, forward + backward 508-518 "
+        "TFLOP/s over 8192 keys (0.51-0.52), 355 over 2048, head dim 64 320 over 4096; copy and add "
+        "2.95-3.02 TB/s (0.88-0.90); CUDA context with cuBLAS 718 MB; reserved / allocated 1.19-1.29 "
+        "over a Llama step with no, full and per-op checkpointing (mean 1.25)"
+    ),
+)
+
+H100_GRAND_TETON = Hardware(
+    "H100 96GB HBM2e at 500 W (Meta Grand Teton, 8/node, 400G RDMA)",
+    flops=912e12,
+    memory=102.0e9,
+    gpus_per_node=8,
+    intra=Link(alpha=3e-6, beta=450e9),
+    inter=Link(alpha=8e-6, beta=50e9),
+    hbm=2.4e12,
+    fp8_flops=1824e12,
+    matmul_eff=H100.matmul_eff,
+    fp8_matmul_eff=H100.fp8_matmul_eff,
+    attention_eff=0.35,
+    hbm_eff=H100.hbm_eff,
+    context=H100.context,
+    allocator=H100.allocator,
+    source=(
+        "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e (102.0e9 bytes, the "
+        "80 GB H100's reported total scaled by 96/80) at 2.4 TB/s, 500 W power "
+        "limit, 400 Gb/s per GPU; its footnote puts the peak 'between SXM and NVL' (989 and 835 "
+        "TFLOP/s dense bf16, the H100 and H100 NVL datasheets): the midpoint, 912 (fp8 twice that). "
+        "Attention: PyTorch's SDPA of Dec 2024 ran FlashAttention-2 on Hopper, which reaches 35% of "
+        "H100 peak (Shah et al., FlashAttention-3, 2024, abstract). Matmul, copy, context and allocator: "
+        "the H100 SXM's, as measured here"
+    ),
+)
+
+A100 = Hardware(
+    "A100 SXM 80GB (8/node, NVLink 3 + 200G IB)",
+    flops=312e12,
+    memory=85.0e9,
+    gpus_per_node=8,
+    intra=Link(alpha=3e-6, beta=300e9),
+    inter=Link(alpha=8e-6, beta=25e9),
+    hbm=2.039e12,
+    matmul_eff=0.78,
+    attention_eff=0.55,
+    hbm_eff=0.89,
+    context=0.6e9,
+    allocator=H100.allocator,
+    source=(
+        "NVIDIA A100 datasheet: 312 TFLOP/s dense bf16, 2,039 GB/s HBM2e, NVLink 3 600 GB/s (300 each "
+        "way), 200 Gb/s HDR per GPU; no fp8. Attention: FlashAttention-2 (Dao 2023, section 4.1) "
+        "reaches 50-73% of A100 peak forward and backward, its lower half taken (0.55); the matmul, "
+        "copy and allocator fractions: the H100's measured ones (not measured on an A100)"
+    ),
+)
+
+HARDWARE = {"h100": H100, "h100-96gb": H100_GRAND_TETON, "a100": A100}
+"""Hardware by the names `evaluate`, `plan` and the CLI take."""
+
+
+def attention_shape(head_dim: int, length: int) -> float:
+    """The flash kernel's rate relative to head dim 128 over 8192 keys, as measured on the H100
+    (benchmarks/gpu_constants_h100.json, forward + backward): 1 from 8192 keys on, 0.69 at 2048,
+    log-linear in between and below (an extrapolation: 0.15 a halving, down to 0.2); head dim 64
+    at 0.73 of head dim 128 (0.62 at 4096 keys, where head dim 128 runs at 0.85)."""
+    halvings = max(0.0, math.log2(8192 / max(length, 1)))
+    shape = max(0.2, 1.0 - 0.155 * halvings)
+    return shape * (0.734 if head_dim <= 64 else 1.0)
+
+
+def attention_rate(hw: Hardware, head_dim: int, length: int) -> float:
+    """FLOP/s of causal flash attention at `head_dim` over blocks of `length` keys."""
+    return hw.flops * hw.attention_eff * attention_shape(head_dim, length)
+
+
+def hardware_of(name_or_hw) -> Hardware:
+    """A Hardware, or one of HARDWARE's names."""
+    if isinstance(name_or_hw, Hardware):
+        return name_or_hw
+    try:
+        return HARDWARE[name_or_hw]
+    except KeyError:
+        raise ConfigError([f"hardware={name_or_hw!r} is not known; choose one of {', '.join(HARDWARE)}"]) from None

@@ -1,0 +1,112 @@
+"""The planner (pure, no cluster): theory.evaluate prices one layout term by term, theory.plan
+ranks every layout that fits and says why the others do not, and the published runs are held to
+the issue's tolerances, each miss naming the term the model lacks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from labkit import ConfigError, ModelConfig, ParallelConfig, theory
+from labkit.theory.gpu_memory import TERMS
+from labkit.theory.hardware import H100
+
+M = ModelConfig(layers=16, hidden=2048, heads=16, ffn=8192, vocab=32000, seq=4096)
+
+
+def test_evaluate_prices_one_layout():
+    cfg = ParallelConfig(dp=8, global_batch=16, sharding="fsdp", precision="bf16")
+    p = theory.evaluate(cfg, M, hardware="h100")
+    assert p.config == cfg and p.fits and p.bound in ("compute", "memory", "dp")
+    mem = p.memory
+    assert set(TERMS) <= set(mem)
+    assert p.peak_bytes == mem["peak"] == pytest.approx(mem["reserved"] + mem["cuda_context"] + mem["nccl"])
+    assert mem["reserved"] == pytest.approx(mem["allocated"] * (1 + H100.allocator))
+    transient = max(mem["logits"], mem["recompute"] + mem["temporaries"])
+    assert mem["allocated"] == pytest.approx(
+        sum(mem[k] for k in ("params", "grads", "optimizer", "activations", "gathered", "reduce_buffers")) + transient
+    )
+    assert p.tokens_per_second_per_gpu == pytest.approx(16 * M.seq / (p.step_seconds * 8))
+    assert 0 < p.mfu < 1
+
+
+def test_memory_terms():
+    psi = theory.num_params(M)
+    fsdp = theory.evaluate(ParallelConfig(dp=8, global_batch=16, sharding="fsdp", precision="bf16"), M).memory
+    # FSDP2: fp32 shards of parameters (4) and Adam's moments (8); no gradients yet at the peak (the
+    # loss's backward of the step's only microbatch); with accumulation they are there (4): 16Ψ/N
+    assert (fsdp["params"], fsdp["grads"], fsdp["optimizer"]) == pytest.approx((4 * psi / 8, 0, 8 * psi / 8))
+    accum = theory.evaluate(ParallelConfig(dp=8, global_batch=16, microbatches=2, sharding="fsdp", precision="bf16"), M)
+    accum = accum.memory
+    assert accum["params"] + accum["grads"] + accum["optimizer"] == pytest.approx(16 * psi / 8)
+    zero1 = theory.evaluate(
+        ParallelConfig(dp=8, global_batch=16, microbatches=2, sharding="zero1", precision="bf16"), M
+    )
+    zero1 = zero1.memory
+    assert zero1["params"] + zero1["grads"] == 4 * psi and zero1["optimizer"] == pytest.approx(12 * psi / 8)
+    tp = theory.evaluate(ParallelConfig(dp=4, tp=2, global_batch=8, sequence_parallel=True, precision="bf16"), M)
+    assert tp.memory["logits"] == 8 * 2 * M.seq * M.vocab / 2  # b·s·V/tp: fp32 gradient and log_softmax's
+    acts = {}
+    for ac in (False, "selective", "op", True):
+        acts[ac] = theory.evaluate(ParallelConfig(dp=8, global_batch=16, checkpoint_activations=ac), M).memory
+    lse = 4 * 2 * M.heads * M.seq  # what selective recomputation drops per block
+    assert acts[False]["activations"] - acts["selective"]["activations"] == M.layers * lse
+    assert acts["selective"]["activations"] > acts["op"]["activations"] > acts[True]["activations"]
+    assert acts[True]["recompute"] > 0 == acts[False]["recompute"]
+    bf16, fp8 = (
+        theory.evaluate(ParallelConfig(dp=8, global_batch=16, sharding="fsdp", precision=p), M).memory
+        for p in ("bf16", "fp8")
+    )
+    assert fp8["gathered"] == bf16["gathered"] / 2  # FSDP's fp8 all-gather
+    assert fp8["optimizer"] == bf16["optimizer"]  # fp32 master weights and moments either way
+
+
+def test_what_does_not_fit_says_by_how_much_and_what_cannot_be_laid_out_says_why():
+    big = theory.evaluate(ParallelConfig(dp=8, global_batch=8, precision="bf16"), M.replace(layers=128), "h100")
+    assert not big.fits and "needs" in big.why and f"of {H100.memory / 1e9:,.0f} GB" in big.why
+    with pytest.raises(ConfigError, match="heads=16 is not divisible by tp=3"):
+        theory.evaluate(ParallelConfig(tp=3), M)
+    with pytest.raises(ConfigError, match="hardware='tpu'"):
+        theory.evaluate(ParallelConfig(), M, hardware="tpu")
+    # production frameworks run FSDP under a pipeline (torchtitan); the planner prices it
+    assert theory.evaluate(ParallelConfig(dp=2, pp=4, microbatches=8, global_batch=16, sharding="fsdp"), M).fits
+
+
+def test_plan_ranks_what_fits_and_explains_the_rest():
+    plans = theory.plan(M, 64, global_batch=128, top=5, precision="bf16")
+    assert 0 < len(plans) <= 5 and plans.timed >= len(plans)
+    speeds = [p.tokens_per_second_per_gpu for p in plans]
+    assert speeds == sorted(speeds, reverse=True)
+    for p in plans:
+        assert p.fits and p.config.world == 64 and p.config.global_batch == 128 and p.config.precision == "bf16"
+        again = theory.evaluate(p.config, M)
+        assert again.tokens_per_second_per_gpu == p.tokens_per_second_per_gpu and again.peak_bytes == p.peak_bytes
+    tight = theory.plan(M.replace(layers=256), 8, global_batch=8, precision="bf16")
+    assert tight.counts and all(r.reason.startswith("does not fit: needs") for r in tight.rejected)
+    assert tight.rejected == sorted(tight.rejected, key=lambda r: float(r.reason.split("needs ")[1].split(" GB")[0]))
+
+
+def test_plan_405b_on_16k_gpus_quickly():
+    from labkit.theory.presets import LLAMA_405B
+
+    t0 = time.process_time()  # CPU time: on a shared 2-core box wall time measures the neighbours
+    plans = theory.plan(LLAMA_405B, 16384, global_batch=2048)
+    took = time.process_time() - t0
+    assert plans and took < 2.0, took
+    assert any(getattr(p.config, "stage_layers", ()) for p in plans) or plans[0].config.pp == 1
+
+
+def test_every_published_row_is_priced_and_a_miss_names_its_term():
+    """On every row memory within 15% and tokens/s/GPU within 25% (the issue's tolerances), or the
+    row names the term the model lacks (published.py, `missing`)."""
+    from labkit.theory.published import RUNS
+
+    for run in RUNS:
+        p = theory.evaluate(run.config, run.model_config, hardware=run.hardware)
+        speed = p.tokens_per_second_per_gpu / run.tokens_per_second_per_gpu - 1
+        memory = None if run.memory_gib is None else p.memory["reserved"] / 2**30 / run.memory_gib - 1
+        within = abs(speed) <= 0.25 and (memory is None or abs(memory) <= 0.15)
+        assert within or run.missing, (run.name, speed, memory)
+        if run.params is not None:
+            assert theory.num_params(run.model_config) == run.params, run.name
