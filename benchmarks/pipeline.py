@@ -5,8 +5,9 @@ activation peaks per stage (GPipe vs 1F1B).
 
 Bubble: RunResult.bubble_fraction (idle share of each rank between its pipeline's first and
 last compute span; mean over ranks), the median over the steps after the first; predicted:
-(p-1)/(v·m+p-1); simulated: the same plan replayed with the run's own mean t_F, t_B per
-stage and its fastest receive as t_comm. Step times: medians over ranks and over interleaved
+(p-1)/(v·m+p-1), the zero-bubble schedules' the simulator's with unit costs (theory.estimate);
+simulated: the same plan replayed with the run's own mean t_F, t_B (t_W) per stage and its
+fastest receive as t_comm. Step times: medians over ranks and over interleaved
 A/B repeats, the first step of each run dropped.
 """
 
@@ -32,6 +33,9 @@ def layouts():
             for sched in ("gpipe", "1f1b"):
                 yield ParallelConfig(pp=pp, microbatches=m, schedule=sched, global_batch=16)
         yield ParallelConfig(pp=pp, microbatches=8, schedule="interleaved", virtual_stages=2, global_batch=16)
+        yield ParallelConfig(pp=pp, microbatches=8, schedule="zbh1", global_batch=16)
+        for sched in ("zbv", "dualpipev"):  # two chunks per rank in a V
+            yield ParallelConfig(pp=pp, microbatches=8, schedule=sched, virtual_stages=2, global_batch=16)
 
 
 def concurrency(res, step: int) -> tuple[float, float]:
@@ -60,7 +64,7 @@ def main() -> None:
                 if impl == "lab":
                     ours = res
             bub = statistics.median(ours.bubble_fraction(s)["overall"] for s in range(1, STEPS))
-            pred = theory.pipeline_bubble(cfg.pp, cfg.microbatches, cfg.virtual_stages)
+            pred = theory.estimate(cfg, MODEL).bubble
             sim = simulated(cfg, costs_from_result(ours)).bubble
             by_stage = sorted(ours.ranks, key=lambda r: r.coords["pp"])
             acts = [rk.memory["activations"] for rk in by_stage]

@@ -186,18 +186,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
                 f"{split * max(1, -(-cfg.global_batch // split))}"
             )
 
-    if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
-        out.append("schedule='interleaved' needs virtual_stages >= 2; try virtual_stages=2")
-    if cfg.virtual_stages > 1 and cfg.schedule != "interleaved":
-        out.append(
-            f"virtual_stages={cfg.virtual_stages} only applies to schedule='interleaved'; "
-            "set schedule='interleaved' or virtual_stages=1"
-        )
-    if cfg.schedule == "interleaved" and cfg.pp > 1 and cfg.microbatches % cfg.pp:
-        out.append(
-            f"interleaved 1F1B needs microbatches ({cfg.microbatches}) to be a multiple of "
-            f"pp ({cfg.pp}), as in Megatron; try microbatches={cfg.pp * max(1, cfg.microbatches // cfg.pp)}"
-        )
+    out += schedule_problems(cfg)
     if cfg.impl == "torch" and cfg.cp > 1:
         out.append(
             f"impl='torch' with cp={cfg.cp}: PyTorch's context_parallel needs CUDA flash/efficient "
@@ -223,6 +212,31 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     if not cfg.bucket_mb > 0:
         out.append(f"bucket_mb={cfg.bucket_mb} must be > 0; try 25")
     out += _sharding_problems(cfg)
+    return out
+
+
+def schedule_problems(cfg: ParallelConfig) -> list[str]:
+    """How the schedule, the chunks per rank and the microbatches fit together."""
+    out, m, pp = [], cfg.microbatches, cfg.pp
+    if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
+        out.append("schedule='interleaved' needs virtual_stages >= 2; try virtual_stages=2")
+    if cfg.schedule in ("zbv", "dualpipev") and cfg.virtual_stages != 2:
+        out.append(f"schedule={cfg.schedule!r} places two chunks per rank in a V; set virtual_stages=2")
+    if cfg.virtual_stages > 1 and cfg.schedule not in ("interleaved", "zbv", "dualpipev"):
+        out.append(
+            f"virtual_stages={cfg.virtual_stages} only applies to schedule='interleaved' (or 2 to 'zbv', "
+            "'dualpipev'); set schedule='interleaved' or virtual_stages=1"
+        )
+    if cfg.schedule == "interleaved" and pp > 1 and m % pp:
+        out.append(
+            f"interleaved 1F1B needs microbatches ({m}) to be a multiple of pp ({pp}), as in Megatron; "
+            f"try microbatches={pp * max(1, m // pp)}"
+        )
+    if cfg.schedule == "dualpipev" and pp > 1 and m < 2 * pp:
+        out.append(
+            f"schedule='dualpipev' needs microbatches ({m}) >= 2 * pp, one per stage of the V, as "
+            f"DeepSeek's DualPipeV does; try microbatches={2 * pp}"
+        )
     return out
 
 
@@ -322,14 +336,6 @@ def _sharding_problems(cfg: ParallelConfig) -> list[str]:
             f"reshard_after_forward=False only applies to sharding='fsdp' (got {cfg.sharding!r}); "
             "set sharding='fsdp' or reshard_after_forward=True"
         )
-    if cfg.sharding in ("zero2", "zero3", "fsdp") and cfg.pp > 1:
-        out.append(
-            f"sharding={cfg.sharding!r} with pp={cfg.pp}: a pipeline runs m microbatch backwards per "
-            "step, so sharded gradients would be reduce-scattered after every one (m times ZeRO-1's "
-            "traffic) and ZeRO-3 would gather each stage's parameters again for every microbatch's "
-            "forward and backward; DeepSpeed's pipeline engine refuses ZeRO-2/3 for this reason. "
-            "Use sharding='zero1' (optimizer states sharded, gradients reduced once) with pp"
-        )
     if cfg.impl == "torch" and cfg.tp > 1 and cfg.dp > 1 and cfg.sharding != "fsdp":
         out.append(
             f"impl='torch' with tp={cfg.tp} and dp={cfg.dp}: PyTorch composes DTensor tensor parallelism "
@@ -340,8 +346,7 @@ def _sharding_problems(cfg: ParallelConfig) -> list[str]:
 
 
 def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
-    """Layouts the engines do not run (each line goes when its strategy lands); the theory
-    predicts them all."""
+    """Layouts the engines do not run (each goes when its strategy lands); the theory predicts them all."""
     out = []
     if cfg.precision == "fp8":
         out.append(
@@ -355,15 +360,34 @@ def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
             "checkpoint_activations='op' (torchtitan's per-op selective policy) is predicted by the "
             "theory but not run by the engines; use 'selective' (the attention core) or 'full'"
         )
-    if cfg.tp > 1 and cfg.impl == "torch" and cfg.pp > 1:
-        out.append(
-            "impl='torch' with tp > 1 and pp > 1 (DTensor TP inside torch.distributed.pipelining stages) "
-            "is not built yet; use impl='lab'"
-        )
+    for on, what in ((cfg.tp > 1, "tp > 1 (DTensor TP"), (cfg.sharding == "fsdp", "sharding='fsdp' (FSDP2")):
+        if on and cfg.impl == "torch" and cfg.pp > 1:
+            out.append(
+                f"impl='torch' with pp > 1 and {what} on torch.distributed.pipelining stages) is not built "
+                "yet; use impl='lab'"
+            )
     if cfg.tp > 1 and cfg.impl == "torch" and model.experts:
         out.append(
             "impl='torch' with tp > 1 and an MoE model (DTensor plans for the experts) is not built yet; "
             "use impl='lab' (MoE layers replicated over tp) or experts=0"
+        )
+    split = cfg.schedule in ("zbh1", "zbv", "dualpipev")
+    if cfg.pp > 1 and split and cfg.impl == "torch" and cfg.dp > 1:
+        out.append(
+            f"impl='torch' with schedule={cfg.schedule!r} and dp > 1: torch.distributed.pipelining's weight "
+            "backward writes .grad itself, so PyTorch's DDP never sees those gradients (measured: replicas "
+            "drift apart); use impl='lab', or impl='torch' with dp=1"
+        )
+    if cfg.pp > 1 and split and cfg.checkpoint_activations:
+        out.append(
+            f"schedule={cfg.schedule!r} with checkpoint_activations is not built yet: the recomputed block "
+            "computes its weight gradients with its input gradient, so W has nothing to defer; use '1f1b'"
+        )
+    if cfg.pp > 1 and cfg.schedule in ("zbv", "dualpipev") and model.tied:
+        out.append(
+            f"schedule={cfg.schedule!r} with a tied embedding: the V puts the first and the last stage on "
+            "rank 0, one weight in two chunks, which the gradient buckets (per chunk) do not handle yet; "
+            "use tie_embeddings=False, or schedule='zbh1'"
         )
     return out
 

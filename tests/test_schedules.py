@@ -66,23 +66,24 @@ def test_zero_bubble_h1_takes_3m_plus_p_minus_1():
     Qi et al. table 2) against 1F1B's 3m + 3(p - 1), with 1F1B's peak memory (min(m, p))."""
     for p in (2, 4, 8, 16):
         for m in (p, 2 * p, 5 * p):
-            zb = simulate(plan("zb-h1", p, m), Costs(1, 1, 1))
+            zb = simulate(plan("zbh1", p, m), Costs(1, 1, 1))
             split_1f1b = 3 * m + 3 * (p - 1)
             assert zb.makespan == 3 * m + p - 1 < split_1f1b
             assert max(zb.in_flight.values()) == min(m, p)
 
 
 @pytest.mark.parametrize(
-    "schedule, v", [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zb-h1", 1)]
+    "schedule, v",
+    [("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 4), ("zbh1", 1), ("zbv", 2), ("dualpipev", 2)],
 )
 def test_every_generated_schedule_passes_its_own_check(schedule, v):
     for p in (1, 2, 3, 4, 8):
         for m in range(1, 3 * p + 2):
-            if schedule == "interleaved" and m % p:
+            if (schedule == "interleaved" and m % p) or (schedule == "dualpipev" and m < 2 * p):
                 continue
             pl = plan(schedule, p, m, v)
             assert check(pl) == [], (schedule, p, m, v)
-            n_compute = (3 if schedule == "zb-h1" else 2) * m * v
+            n_compute = (3 if schedule in ("zbh1", "zbv", "dualpipev") else 2) * m * v
             assert all(len(pl.compute(r)) == n_compute for r in range(p))
 
 
@@ -230,12 +231,14 @@ def test_measured_bubble_means_what_the_formula_means():
 
 # -- NCCL's rules (plans/simulator.py: simulate_nccl) -------------------------------------------
 def every_plan():
-    """Every plan labkit runs or draws: GPipe, 1F1B, interleaved (v = 2..4), ZB-H1; p <= 8, m <= 16."""
-    for schedule, vs in (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3, 4)), ("zb-h1", (1,))):
+    """Every plan labkit runs: GPipe, 1F1B, interleaved (v = 2..4), ZB-H1, ZB-V, DualPipeV (m >= 2p);
+    p <= 8, m <= 16."""
+    orders = (("gpipe", (1,)), ("1f1b", (1,)), ("interleaved", (2, 3, 4)), ("zbh1", (1,)), ("zbv", (2,)))
+    for schedule, vs in orders + (("dualpipev", (2,)),):
         for v in vs:
             for p in range(1, 9):
                 for m in range(1, 17):
-                    if schedule != "interleaved" or m % p == 0:
+                    if (schedule != "interleaved" or m % p == 0) and (schedule != "dualpipev" or m >= 2 * p):
                         yield plan(schedule, p, m, v)
 
 
@@ -271,7 +274,8 @@ def test_every_plan_completes_under_nccl_as_the_executor_issues_it():
         assert nccl.problems == [] == check(pl), (pl.schedule, pl.p, pl.m, pl.v, nccl.problems[:2])
         assert nccl.makespan == gloo.makespan and nccl.in_flight == gloo.in_flight, (pl.schedule, pl.p, pl.m)
         count += 1
-    assert count == 3 * 8 * 16 + 3 * sum(16 // p for p in range(1, 9))  # 510 plans
+    dualpipev = sum(max(0, 17 - 2 * p) for p in range(1, 9))
+    assert count == 4 * 8 * 16 + 3 * sum(16 // p for p in range(1, 9)) + dualpipev  # 702 plans
 
 
 def test_batches_keep_the_plans_computes_and_issue_each_message_once():

@@ -8,16 +8,22 @@ DDP, clipping and the reference check work unchanged; `_lk_chunk` tells DDP whic
 parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
 that chunk's last backward is over.
 
-The schedule is data (plans.schedules.plan): this rank's ordered list of F / B / send / recv
-actions. `PipelineExecutor` runs any such list, as schedules.batches issues it: the computes in
-the list's order, and the sends and receives grouped into batches, one batch_isend_irecv each
-(engines/p2p.py), by the unit-time tick at which their message is sent, so that every rank's
-k-th batch meets only its peers' k-th batches (NCCL matches messages by order, not by tag, and
-runs each group's ops one after another). A send goes out right after the compute that made
-it and is waited for at the end of the step; a receive is posted with its sender's batch and
-waited for right before the compute that needs it. The plan is simulated first, under gloo's
-rules and under NCCL's (plans/simulator.py), and a plan that would hang on either is refused
-with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
+The schedule is data (plans.schedules.plan): this rank's ordered list of F / B / W / send /
+recv actions. `PipelineExecutor` runs any such list, as schedules.batches issues it: the
+computes in the list's order, and the sends and receives grouped into batches, one
+batch_isend_irecv each (engines/p2p.py), by the unit-time tick at which their message is sent,
+so that every rank's k-th batch meets only its peers' k-th batches (NCCL matches messages by
+order, not by tag, and runs each group's ops one after another). A send goes out right after
+the compute that made it and is waited for at the end of the step; a receive is posted with its
+sender's batch and waited for right before the compute that needs it. The plan is simulated
+first, under gloo's rules and under NCCL's (plans/simulator.py), and a plan that would hang on
+either is refused with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
+
+Zero-bubble schedules (zbh1, zbv, dualpipev) split backward (engines/parallel/split_backward.py):
+B computes the input gradient and sends it at once, W the weight gradients later, from what B
+kept; the data-parallel step sees the weights' gradients arrive in W. In a V (zbv, dualpipev)
+rank p-1 holds stages p-1 and p, and passes the activation and its gradient between its own
+two chunks without a message.
 """
 
 from __future__ import annotations
@@ -27,9 +33,11 @@ from contextlib import ExitStack
 import torch
 import torch.nn as nn
 
+from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.model import aux_loss
 from labkit.engines.p2p import Link
-from labkit.plans.schedules import Action, Plan, batches, chunk_layers, message, plan, stage_of
+from labkit.engines.parallel.split_backward import backward_input, backward_weight
+from labkit.plans.schedules import Action, Plan, batches, chunk_layers, message, plan, rank_chunk_of, stage_of, style
 from labkit.plans.simulator import ScheduleDeadlock, check
 
 
@@ -45,6 +53,7 @@ class Chunk(nn.Module):
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in layers})
         self.head = model.head if last else None
         self.rope = model.rope if layers else None  # llama: each chunk makes its blocks' tables
+        self.cfg = model.cfg
         self.seq = model.cfg.seq
 
     def forward(
@@ -67,8 +76,10 @@ class Chunk(nn.Module):
         return self.head(x, targets)  # scalar
 
 
-def split_model(model: nn.Module, p: int, v: int, rank: int, stage_layers: tuple[int, ...] = ()) -> list[Chunk]:
-    """This pipeline rank's v chunks of the full (seeded) model.
+def split_model(
+    model: nn.Module, p: int, v: int, rank: int, stage_layers: tuple[int, ...] = (), placement: str = "loop"
+) -> list[Chunk]:
+    """This pipeline rank's v chunks of the full (seeded) model (`placement`: schedules.style).
 
     A tied embedding (gpt2, Llama 3.2) has two copies: the embedding on the first stage and the
     head on the last, each under the one full name; the last stage's is marked a replica over pp
@@ -80,8 +91,8 @@ def split_model(model: nn.Module, p: int, v: int, rank: int, stage_layers: tuple
     chunks = []
     tied = model.head.proj.weight if model.cfg.tied and p > 1 else None
     for c in range(v):
-        s = stage_of(rank, c, p)
-        layers = chunk_layers(len(model.blocks), p, v, rank, c, stage_layers)
+        s = stage_of(rank, c, p, placement)
+        layers = chunk_layers(len(model.blocks), p, v, rank, c, stage_layers, placement)
         chunk = Chunk(model, layers, first=s == 0, last=s == p * v - 1)
         for prm in chunk.parameters():
             prm._lk_chunk = c
@@ -94,19 +105,21 @@ def split_model(model: nn.Module, p: int, v: int, rank: int, stage_layers: tuple
 
 
 def apply_pipeline(
-    model: nn.Module, mesh, *, virtual_stages: int, stage_layers: tuple[int, ...] = ()
+    model: nn.Module, mesh, *, virtual_stages: int, stage_layers: tuple[int, ...] = (), schedule: str = "1f1b"
 ) -> tuple[list[Chunk], dict]:
     """Slot 5 of parallelize: (this pp rank's chunks, its stage and layers as data for the report).
-    The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule."""
-    p, v, r = mesh.size("pp"), virtual_stages, mesh.coord("pp")
-    layers = [list(chunk_layers(len(model.blocks), p, v, r, c, stage_layers)) for c in range(v)]
-    return split_model(model, p, v, r, stage_layers), {"p": p, "v": v, "stage": r, "layers": layers}
+    The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule;
+    `schedule` says where the chunks sit (a V for zbv and dualpipev)."""
+    p, v, r, placement = mesh.size("pp"), virtual_stages, mesh.coord("pp"), style(schedule)
+    layers = [list(chunk_layers(len(model.blocks), p, v, r, c, stage_layers, placement)) for c in range(v)]
+    chunks = split_model(model, p, v, r, stage_layers, placement)
+    return chunks, {"p": p, "v": v, "stage": r, "layers": layers}
 
 
 def pipeline_executor(
     mesh, *, schedule: str, microbatches: int, virtual_stages: int, hidden: int, dtype: torch.dtype, seq_split: int
 ) -> PipelineExecutor:
-    """Our executor of `schedule` ('gpipe', '1f1b', 'interleaved') for this pp rank: the plan is built
+    """Our executor of `schedule` (any of schedules.SCHEDULES) for this pp rank: the plan is built
     (schedules.plan), simulated and refused if it would hang, then run as is."""
     return PipelineExecutor(
         plan(schedule, mesh.size("pp"), microbatches, virtual_stages), mesh, hidden, dtype, seq_split
@@ -130,7 +143,17 @@ class PipelineExecutor:
         self.peers = mesh.ranks("pp")  # pipeline rank -> global rank (sorted = by pp coordinate)
         self.hidden = hidden
         self.dtype = dtype  # what stages pass: activations and gradients in the compute dtype
-        self.seq_split = seq_split  # sequence parallelism: each tp rank passes its s/tp rows
+        self.seq_split = seq_split  # sequence parallelism: each tp rank passes its rs/tp rows
+        self.split = any(a.op == "W" for a in self.actions)
+        # a V's turn: the chunk of this rank that holds the stage before (after) each chunk's, if any
+        self.own_before, self.own_after = {}, {}
+        for c in range(pl.v):
+            s = pl.stage(self.rank, c)
+            for nb, into in ((s - 1, self.own_before), (s + 1, self.own_after)):
+                if 0 <= nb < pl.p * pl.v:
+                    q, qc = rank_chunk_of(nb, pl.p, pl.style)
+                    if q == self.rank:
+                        into[c] = qc
 
     def _tag(self, a) -> int:
         """One tag per message, the same on both sides: (microbatch, receiving stage, kind)."""
@@ -182,9 +205,11 @@ class PipelineExecutor:
         mbs = [rank_model.inputs(tokens, targets) for tokens, targets in microbatches]
         b, s = mbs[0][0].shape
         shape = (b, s // self.seq_split, self.hidden)  # (b/m, s, h) crosses each boundary (s/tp under SP)
-        inputs, outputs, arriving, posted = {}, {}, {}, []
+        inputs, outputs, arriving, posted, kept = {}, {}, {}, [], {}
         backwards_done = [0] * self.plan.v
         share = torch.zeros((), device=meters.device)
+        # (no tensor of a microbatch is held in a local variable between actions: under split
+        # backward its graph must go when W drops it, which is when the memory meter sees it go)
         for a in self.items:
             meters.check_cancelled()
             if not isinstance(a, Action):  # a batch of sends and receives
@@ -194,38 +219,76 @@ class PipelineExecutor:
             chunk = rank_model.chunks[a.chunk]
             if a.op == "F":
                 x = self._take(arriving, "recv_act", a.mb, a.chunk, meters)
+                if a.chunk in self.own_before:  # a V's turn: the output of this rank's stage before
+                    x = outputs[(a.mb, self.own_before[a.chunk])][0].detach()
                 if x is not None:
                     inputs[key] = x.requires_grad_()
-                tokens, targets, positions = mbs[a.mb]
+                del x
                 with meters.phase("forward"), meters.span("F", a.mb, a.chunk), meters.memory.saved_tensors():
-                    y = chunk(inputs.get(key, tokens), targets if chunk.head is not None else None, positions)
-                    aux = aux_loss(chunk)
-                outputs[key] = (y, aux)
-                if isinstance(aux, torch.Tensor):
-                    share = share + aux.detach()
-                if chunk.head is not None:
-                    share = share + y.detach().float()
+                    outputs[key] = self._forward(chunk, inputs.get(key), mbs[a.mb])
+                share = share + outputs[key][2]
             elif a.op == "B":
-                y, aux = outputs.pop(key)
-                # the loss of the step is the mean over microbatches: each backward carries 1/m
-                if chunk.head is not None:
-                    tensors, seeds = [(y + aux) / m], [None]
+                if chunk.head is None and a.chunk in self.own_after:  # a V's turn: from this rank's stage after
+                    seed = inputs.pop((a.mb, self.own_after[a.chunk])).grad
+                elif chunk.head is None:
+                    seed = self._take(arriving, "recv_grad", a.mb, a.chunk, meters)
                 else:
-                    tensors, seeds = [y], [self._take(arriving, "recv_grad", a.mb, a.chunk, meters)]
-                    if isinstance(aux, torch.Tensor):
-                        tensors, seeds = tensors + [aux / m], seeds + [None]
+                    seed = None
+                roots = self._roots(outputs.pop(key), seed, m)
+                del seed
+                if self.split:  # the input gradient now, the weights' in W (from what B keeps)
+                    with meters.phase("backward"), meters.span("B", a.mb, a.chunk):
+                        kept[key] = backward_input(*roots, [inputs[key]] if key in inputs else [], chunk.parameters())
+                    del roots
+                    kept[key].nbytes = unique_bytes(kept[key].held())
+                    meters.memory.track("held_for_w", kept[key].nbytes)
+                    continue
                 # the chunk's last backward (by count, whatever the order) lets DDP reduce it
                 with (
                     meters.phase("backward"),
                     meters.span("B", a.mb, a.chunk),
                     rank_model.grads.microbatch(backwards_done[a.chunk], m),
                 ):
-                    torch.autograd.backward(tensors, seeds)
+                    torch.autograd.backward(*roots)
+                del roots
                 backwards_done[a.chunk] += 1
-            else:
-                raise ScheduleDeadlock([f"the executor cannot run {a} (backward is not split here)"])
+            else:  # W: the weights' gradients, which the data-parallel step sees arrive
+                deferred = kept.pop(key)
+                with (
+                    meters.phase("backward"),
+                    meters.span("W", a.mb, a.chunk),
+                    rank_model.grads.microbatch(backwards_done[a.chunk], m),
+                ):
+                    backward_weight(deferred)
+                meters.memory.track("held_for_w", -deferred.nbytes)
+                del deferred
+                backwards_done[a.chunk] += 1
         with meters.phase("backward"):
             for exchange in posted:
                 exchange.wait()
         meters.wait_device()
         return float(share) / m
+
+    @staticmethod
+    def _forward(chunk, x, mb) -> tuple:
+        """(output, MoE balance loss, this forward's part of the rank's loss share): the last stage
+        returns its mean loss (targets given), the others the activation it passes on."""
+        tokens, targets, positions = mb
+        y = chunk(tokens if x is None else x, targets if chunk.head is not None else None, positions)
+        aux = aux_loss(chunk)
+        part = aux.detach() if isinstance(aux, torch.Tensor) else torch.zeros((), device=y.device)
+        if chunk.head is not None:
+            part = part + y.detach().float()
+        return y, aux, part
+
+    @staticmethod
+    def _roots(forward: tuple, seed, m: int) -> tuple[list, list]:
+        """(tensors, their seeds) that a backward starts from. The loss of the step is the mean
+        over microbatches: each backward carries 1/m of the last stage's loss and of the MoE
+        balance loss."""
+        y, aux, _ = forward
+        if seed is None:  # the last stage: its loss
+            return [(y + aux) / m], [None]
+        if isinstance(aux, torch.Tensor):
+            return [y, aux / m], [seed, None]
+        return [y], [seed]

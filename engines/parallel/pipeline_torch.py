@@ -1,15 +1,19 @@
 """impl='torch': the same chunks through PyTorch's torch.distributed.pipelining.
 
-Each chunk becomes a `PipelineStage` (virtual stage chunk·p + rank, as ours), driven by
-ScheduleGPipe, Schedule1F1B or ScheduleInterleaved1F1B; the last stage returns logits and the
-schedule applies `loss_fn` (the same arithmetic as model.Head) and scales the gradients by
+Each chunk becomes a `PipelineStage` (the same virtual stage as ours: chunk·p + rank, or the V
+of zbv and dualpipev), driven by ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B, or the
+zero-bubble ScheduleInterleavedZeroBubble (our 'zbh1': torch's ZB1P, which is ZB-H1 with one
+stage per rank), ScheduleZBVZeroBubble and ScheduleDualPipeV; the last stage returns logits and
+the schedule applies `loss_fn` (the same arithmetic as model.Head) and scales the gradients by
 1/m. With dp > 1 each chunk is wrapped in PyTorch's DDP, which the stage knows how to drive
 (no_sync until the chunk's last backward). The gradient norm is clipped across the pipeline
 the way torchtitan does it: the local norm, squared, all-reduced over pp.
 
-What we measure: F / B spans come from wrapping the stage's forward_one_chunk and
-backward_one_chunk; activations from the saved-tensor hooks around them and around the loss;
-the comm meter sees the schedule's batched isend/irecv at the dispatcher.
+What we measure: F / B / W spans come from wrapping the stage's forward_one_chunk,
+backward_one_chunk (B: torch's input-gradient backward when the schedule splits it, else the
+whole backward) and backward_weight_one_chunk; activations from the saved-tensor hooks around
+them and around the loss; the comm meter sees the schedule's batched isend/irecv at the
+dispatcher.
 """
 
 from __future__ import annotations
@@ -27,23 +31,36 @@ from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import all_reduce_tied, param_piece, tied_params
 from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.schedules import stage_of
+from labkit.plans.schedules import stage_of, style
+
+MULTI = ("interleaved", "zbh1", "zbv", "dualpipev")
+"""Schedules whose torch class takes a list of stages (PipelineScheduleMulti)."""
 
 
 def _schedule_class(name: str):
     # torch.distributed.pipelining takes 0.5 s to import: only impl='torch' with pp > 1 needs it
     from torch.distributed.pipelining import (
         Schedule1F1B,
+        ScheduleDualPipeV,
         ScheduleGPipe,
         ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+        ScheduleZBVZeroBubble,
     )
 
-    return {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}[name]
+    return {
+        "gpipe": ScheduleGPipe,
+        "1f1b": Schedule1F1B,
+        "interleaved": ScheduleInterleaved1F1B,
+        "zbh1": ScheduleInterleavedZeroBubble,
+        "zbv": ScheduleZBVZeroBubble,
+        "dualpipev": ScheduleDualPipeV,
+    }[name]
 
 
 class TorchSchedule:
     """schedule(rank_model, microbatches, meters) over torch.distributed.pipelining's `schedule`
-    ('gpipe', '1f1b' or 'interleaved'), built on first use (from rank_model.chunks, which DDP may
+    (any of labkit's: `_schedule_class`), built on first use (from rank_model.chunks, which DDP may
     have wrapped by then)."""
 
     def __init__(self, mesh, *, schedule: str, microbatches: int, virtual_stages: int):
@@ -60,7 +77,8 @@ class TorchSchedule:
         p, v, r = self.mesh.size("pp"), self.virtual_stages, self.mesh.coord("pp")
         stages = []
         for c, module in enumerate(rank_model.chunks):
-            st = PipelineStage(module, stage_of(r, c, p), p * v, meters.device, group=self.mesh.group("pp"))
+            index = stage_of(r, c, p, style(self.schedule))
+            st = PipelineStage(module, index, p * v, meters.device, group=self.mesh.group("pp"))
             _instrument(st, c, meters)
             stages.append(st)
         self.first = any(st.is_first for st in stages)
@@ -72,7 +90,7 @@ class TorchSchedule:
 
         cls = _schedule_class(self.schedule)
         self.sched = cls(
-            stages if self.schedule == "interleaved" else stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn
+            stages if self.schedule in MULTI else stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn
         )
 
     def __call__(self, rank_model, microbatches, meters) -> float:
@@ -91,8 +109,9 @@ class TorchSchedule:
 
 
 def _instrument(stage, chunk: int, meters) -> None:
-    """Record the stage's forward / backward of each microbatch on our timeline."""
-    forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+    """Record the stage's forward / backward (B) / weight-gradient (W) of each microbatch on our
+    timeline."""
+    forward, backward, weight = stage.forward_one_chunk, stage.backward_one_chunk, stage.backward_weight_one_chunk
 
     def forward_one_chunk(fwd_chunk_id, *args, **kwargs):
         with meters.phase("forward"), meters.span("F", fwd_chunk_id, chunk), meters.memory.saved_tensors():
@@ -102,8 +121,13 @@ def _instrument(stage, chunk: int, meters) -> None:
         with meters.phase("backward"), meters.span("B", bwd_chunk_id, chunk):
             return backward(bwd_chunk_id, *args, **kwargs)
 
+    def backward_weight_one_chunk(bwd_chunk_id, *args, **kwargs):
+        with meters.phase("backward"), meters.span("W", bwd_chunk_id, chunk):
+            return weight(bwd_chunk_id, *args, **kwargs)
+
     stage.forward_one_chunk = forward_one_chunk
     stage.backward_one_chunk = backward_one_chunk
+    stage.backward_weight_one_chunk = backward_weight_one_chunk
 
 
 class TorchStageGrads:

@@ -21,7 +21,11 @@ AdamW (engines/optim.py) makes on the full tensors.
 Memory per rank (bytes per element of Ψ, mixed precision): 2+2+12 -> 2+2+12/N -> 2+14/N -> 16/N.
 With microbatches, stage 1 reduces once, after the last (as DDP's no_sync); stages 2 and 3
 reduce-scatter every microbatch and add into their gradient slices, since they keep no full
-gradient to accumulate into. Reduce-scatters run asynchronously, one in flight.
+gradient to accumulate into. Under pipeline parallelism (`once`) they reduce once too: a stage's
+backwards of different microbatches interleave with other stages' work, so stage 2 keeps each
+bucket's gradient, unsharded, from its first microbatch to its last and stage 3 keeps its units
+gathered (zero3.py), as torchtitan composes FSDP with pipelining. Reduce-scatters run
+asynchronously, one in flight.
 """
 
 from __future__ import annotations
@@ -66,7 +70,8 @@ class ZeRO12:
     pipeline chunk (plans/flat.py) and is sharded over that group; stage 1 reduces a chunk's buckets
     as soon as its last backward is over, as DDP does. Stage 1 under bf16 with several
     microbatches sums their gradients in the bucket's fp32 buffer as they arrive, as DDP does
-    (ddp.py says why)."""
+    (ddp.py says why). `once` (pipeline parallelism): stage 2 adds every microbatch's gradients into
+    the bucket's buffer and reduce-scatters it once, after the chunk's last backward."""
 
     def __init__(
         self,
@@ -78,12 +83,14 @@ class ZeRO12:
         optim: OptimConfig,
         meters,
         loss_shards: int,
+        once: bool = False,
     ):
         self.modules = chunks
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {full_name(p, n): p for n, p in named}
         self.params = params
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
+        self.once = stage == 1 or once  # reduce once per step, after the last microbatch
         elem = torch.tensor([], dtype=pol.compute).element_size()
         self.plans = bucket_plans(entries(named), group_sizes(mesh, named), bucket_bytes, elem)
         self.groups = [plan_group(mesh, plan) for plan in self.plans]  # (group, N, shard index) per bucket
@@ -119,11 +126,11 @@ class ZeRO12:
 
     @contextmanager
     def microbatch(self, index: int, count: int):
-        self.sync = self.stage == 2 or index == count - 1
+        self.sync = not self.once or index == count - 1
         self.accumulate = self.stage == 1 and count > 1 and self.pol.reduce != self.pol.compute
         self.pending = [len(p.names) for p in self.plans]
         yield
-        if self.stage == 2:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
+        if not self.once:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
             self._launch_ready(all_remaining=True)
             self.next_launch = 0
 
@@ -136,15 +143,15 @@ class ZeRO12:
                 )
             self.acc[k][lo:hi].add_(p.grad.reshape(-1))
             p.grad.zero_()
-        if not self.sync or id(p) in self.tied:  # a tied embedding's copy waits for finish()
-            return
-        if self.stage == 2:  # into the bucket's buffer; the parameter's own gradient is dropped
+        if self.stage == 2:  # into the bucket's buffer (summed over microbatches when `once`); p.grad dropped
             if k not in self.filling:
                 self.filling[k] = self._track(
                     torch.zeros(self.plans[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
                 )
-            self.filling[k][lo:hi].copy_(p.grad.reshape(-1))
+            self.filling[k][lo:hi].add_(p.grad.reshape(-1))
             p.grad = None
+        if not self.sync or id(p) in self.tied:  # a tied embedding's copy waits for finish()
+            return
         self.pending[k] -= 1
         self._launch_ready()
 
@@ -201,9 +208,9 @@ class ZeRO12:
         for k, plan in enumerate(self.plans):  # a tied embedding: both stages' parts summed before the reduce-scatter
             for name, _, lo, hi in plan.offsets():
                 if id(self.params[name]) in self.tied:
-                    full = self.acc[k] if k in self.acc else self.grad_full[k]
+                    full = self.filling[k] if self.stage == 2 else self.acc[k] if k in self.acc else self.grad_full[k]
                     all_reduce_tied(full[lo:hi], self.tied_group)
-        if self.stage == 1:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
+        if self.once:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
             self._launch_ready(all_remaining=True)
             self.next_launch = 0
         self._drain()
@@ -254,10 +261,11 @@ def apply_zero(
     meters,
     loss_shards: int,
 ):
-    """ZeRO stage 1, 2 or 3 (impl='lab'): this rank's GradSync. ZeRO-1 takes every pipeline chunk's
-    parameters; ZeRO-2/3 run without a pipeline (labkit.config says why); ZeRO-3 shards by module
-    units and has no buckets."""
+    """ZeRO stage 1, 2 or 3 (impl='lab'): this rank's GradSync over every pipeline chunk's parameters;
+    with a pipeline (pp > 1) stages 2 and 3 reduce once per step (module docstring). ZeRO-3
+    shards by module units and has no buckets."""
+    pipeline = mesh.size("pp") > 1
     if stage == 3:
         kind = unit_kind("zero3", chunks[0].cfg.tied)
-        return ZeRO3(chunks[0], mesh, kind, True, pol, optim, meters, loss_shards)
-    return ZeRO12(chunks, mesh, stage, pol, bucket_bytes, optim, meters, loss_shards)
+        return ZeRO3(chunks, mesh, kind, True, pol, optim, meters, loss_shards, keep=pipeline)
+    return ZeRO12(chunks, mesh, stage, pol, bucket_bytes, optim, meters, loss_shards, once=pipeline)

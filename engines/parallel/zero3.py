@@ -2,6 +2,13 @@
 unit's parameters all-gathered just before it runs and freed after (Rajbhandari et al., SC 2020,
 section 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, section 3). engines/parallel/zero.py has the
 stages 1 and 2 and the overview; ARCHITECTURE.md the derivations.
+
+Under pipeline parallelism a stage runs m forwards and m backwards per step, interleaved with
+other microbatches', so a unit is gathered at its first forward and kept until its last backward,
+and its gradients accumulate, unsharded, in one buffer until the step's last backward has
+delivered them, then are reduce-scattered once (`keep`): one all-gather and one reduce-scatter
+per unit and step, as torchtitan composes FSDP2 with pipelining (reshard_after_forward off under
+PP, gradient sync only on the last microbatch's backward).
 """
 
 from __future__ import annotations
@@ -14,7 +21,14 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.parallel.common import all_gather_single, full_name, reduce_scatter_single, weak_method
+from labkit.engines.parallel.common import (
+    all_gather_single,
+    all_reduce_tied,
+    full_name,
+    reduce_scatter_single,
+    tied_params,
+    weak_method,
+)
 from labkit.engines.parallel.shards import (
     ShardedOptimizer,
     bind,
@@ -34,8 +48,8 @@ class _Unit:
     Freeing it shrinks its storage to 0 bytes (storage.resize_, as PyTorch's FSDP does), which keeps
     every view, including the ones autograd saved in forward, valid for the next gather."""
 
-    def __init__(self, plan: FlatPlan, module: nn.Module, params: dict[str, nn.Parameter], mesh, pol: Policy):
-        self.plan, self.module = plan, module
+    def __init__(self, plan: FlatPlan, modules: list[nn.Module], params: dict[str, nn.Parameter], mesh, pol: Policy):
+        self.plan, self.modules = plan, modules  # what runs it: one module, or its parts in several chunks
         self.group, self.n, self.index = plan_group(mesh, plan)  # the ranks that shard this buffer
         self.params = [params[n] for n in plan.names]
         self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in plan.offsets()}
@@ -51,6 +65,7 @@ class _Unit:
         self.gathered = False
         self.grad_full: torch.Tensor | None = None
         self.pending = 0
+        self.tied = False  # holds a tied embedding's copy (pipeline): reduced in finish(), after the tied sum
 
 
 class ZeRO3:
@@ -62,11 +77,14 @@ class ZeRO3:
 
     Composed with tp / ep / cp, a unit holds this rank's slices, and a module whose parameters
     are reduced over different groups (experts over dp-cp, SP LayerNorms over dp-ep-cp-tp) has
-    one unit per group, each sharded over its own group (plans/flat.py)."""
+    one unit per group, each sharded over its own group (plans/flat.py). `chunks`: this rank's
+    pipeline chunks (one module without a pipeline); with several stages' microbatches in
+    flight (`keep`, pp > 1) a unit stays gathered over the step and is reduced once (module
+    docstring)."""
 
     def __init__(
         self,
-        model: nn.Module,
+        chunks: list[nn.Module],
         mesh,
         kind: str,
         reshard: bool,
@@ -74,16 +92,22 @@ class ZeRO3:
         optim: OptimConfig,
         meters,
         loss_shards: int,
+        keep: bool = False,
     ):
-        self.modules = [model]
-        named = list(model.named_parameters())
+        self.modules = chunks
+        named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {full_name(p, n): p for n, p in named}
-        self.pol, self.reshard, self.meters, self.loss_shards = pol, reshard, meters, loss_shards
+        self.pol, self.reshard, self.meters, self.loss_shards, self.keep = pol, reshard, meters, loss_shards, keep
         self.plans = unit_plans(entries(named), group_sizes(mesh, named), kind)
-        self.units = [_Unit(p, model.get_submodule(p.unit), params, mesh, pol) for p in self.plans]
+        self.units = [_Unit(p, _unit_modules(chunks, p.unit), params, mesh, pol) for p in self.plans]
+        self.tied_group, tied = tied_params(list(params.values()), mesh)
+        self.count = 1  # microbatches per step (microbatch())
         for u in self.units:
-            u.module.register_forward_pre_hook(partial(self._pre_forward, u))
-            u.module.register_forward_hook(partial(self._post_forward, u))
+            u.tied = any(id(p) in tied for p in u.params)
+            for module in u.modules:
+                module.register_forward_pre_hook(partial(self._pre_forward, u))
+                if not keep:
+                    module.register_forward_hook(partial(self._post_forward, u))
             for p in u.params:
                 p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
         self.optimizer = ShardedOptimizer(
@@ -111,7 +135,7 @@ class ZeRO3:
 
     # -- hooks ------------------------------------------------------------------------------
     def _pre_forward(self, u: _Unit, module, args) -> None:
-        self._gather(u)
+        self._gather(u)  # (keep: once per step, at the unit's first forward)
 
     def _post_forward(self, u: _Unit, module, args, out) -> None:
         if self.reshard:
@@ -130,13 +154,28 @@ class ZeRO3:
         u.pending = len(u.params)
 
     def _grad_ready(self, u: _Unit, p: nn.Parameter) -> None:
-        if self.pol.reduce != self.pol.compute:
+        if self.keep and u.grad_full is None:  # the unit's first gradient of the step: its buffer
+            self._keep_buffer(u, p)
+        elif self.pol.reduce != self.pol.compute:
             lo, hi = u.slot[id(p)]
-            u.grad_full[lo:hi].copy_(p.grad.reshape(-1))
+            u.grad_full[lo:hi].add_(p.grad.reshape(-1))  # (several microbatches' sum under keep)
             p.grad = None
         u.pending -= 1
-        if u.pending == 0:
+        if u.pending == 0 and not u.tied:  # a tied copy waits for finish(): both stages' parts summed first
             self._reduce(u)
+
+    def _keep_buffer(self, u: _Unit, p: nn.Parameter) -> None:
+        """keep: the unit's gradient buffer, made when its first gradient of the step arrives and
+        kept until all m microbatches' have (the last microbatch's backward); that gradient goes in,
+        and under fp32 every parameter's .grad becomes a view of it, where autograd accumulates."""
+        u.grad_full = torch.zeros(u.plan.padded, dtype=self.pol.reduce, device=u.shard.device)
+        self.meters.memory.track("reduce_buffers", u.grad_full.nbytes)
+        lo, hi = u.slot[id(p)]
+        u.grad_full[lo:hi].copy_(p.grad.reshape(-1))
+        p.grad = None
+        if self.pol.reduce == self.pol.compute:
+            bind(u.plan, dict(zip(u.plan.names, u.params)), u.grad_full, grads=True)
+        u.pending = len(u.params) * self.count
 
     def _reduce(self, u: _Unit) -> None:
         """The unit's backward is over: free its parameters, reduce-scatter its gradient."""
@@ -165,12 +204,25 @@ class ZeRO3:
     # -- GradSync -----------------------------------------------------------------------------
     @contextmanager
     def microbatch(self, index: int, count: int):
+        self.count = count
         yield
+        if self.keep:
+            return  # units are reduced as their last gradient arrives, or in finish()
         for u in self.units:  # a unit whose gradients did not all arrive (unused parameters)
             if u.grad_full is not None:
                 self._reduce(u)
 
     def finish(self) -> None:
+        for u in self.units:  # keep: tied copies (their two stages' parts summed first), unused parameters
+            if u.grad_full is not None:
+                if u.tied:
+                    for p in u.params:
+                        lo, hi = u.slot[id(p)]
+                        if getattr(p, "_lk_tied", False):
+                            all_reduce_tied(u.grad_full[lo:hi], self.tied_group)
+                self._reduce(u)
+        for u in self.units:  # keep: a unit gathered but never given a gradient
+            self._free(u)
         self._drain()
         if self.loss_shards > 1:
             for u in self.units:
@@ -211,3 +263,20 @@ class ZeRO3:
             if not was:
                 self._free(u)
         return out
+
+
+def _unit_modules(chunks: list[nn.Module], unit: str) -> list[nn.Module]:
+    """The modules whose forward uses a unit's parameters: the unit's module in the one chunk
+    that has it ('blocks.3', 'embed', 'head'), or for the root ('') every chunk that holds part of
+    it (without a pipeline: the model; with one: the chunks with the embedding or the head)."""
+    if unit == "":
+        return [c for c in chunks if len(chunks) == 1 or c.embed is not None or c.head is not None]
+    found = []
+    for c in chunks:
+        try:
+            module = c.get_submodule(unit)
+        except AttributeError:
+            continue
+        if module is not None:
+            found.append(module)
+    return found

@@ -10,11 +10,15 @@ point-to-point op: `send_act` / `recv_act` (activations, forward direction) and 
 `recv_grad` (gradients of those activations, backward direction) with the `peer` rank.
 
 Layers are split into p·v virtual stages, of equal size or as `stage_layers` lists. Rank r
-holds chunks c = 0..v-1, which are virtual stages c·p + r (Megatron's interleaved assignment,
-Narayanan et al., SC 2021, section 2.2): activations go rank 0 -> 1 -> ... -> p-1 -> 0 (next
-chunk) -> ... Every schedule is defined by its *compute order* (F/B/W per rank); the sends and
-receives are derived from it (`with_comm`): a receive right before the compute that needs it, a
-send right after the compute that produced it.
+holds chunks c = 0..v-1. In the 'loop' placement they are virtual stages c·p + r (Megatron's
+interleaved assignment, Narayanan et al., SC 2021, section 2.2): activations go rank 0 -> 1 ->
+... -> p-1 -> 0 (next chunk) -> ... The V-shaped schedules (ZB-V, DualPipeV) place chunk 0 on
+stage r and chunk 1 on stage 2p-1-r ('v', torch's generate_stage_to_rank_mapping style="v"):
+activations go down the ranks and back up, so rank p-1 hands stage p-1's output to its own
+stage p without a message, and rank 0 holds both the embedding and the head. Every schedule is
+defined by its *compute order* (F/B/W per rank, plans/orders.py); the sends and receives are
+derived from it (`with_comm`): a receive right before the compute that needs it, a send right
+after the compute that produced it, none between two stages of one rank.
 """
 
 from __future__ import annotations
@@ -22,8 +26,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from labkit.plans.orders import (
+    dualpipev_order,
+    gpipe_order,
+    interleaved_order,
+    one_f_one_b_order,
+    zbh1_order,
+    zbv_order,
+)
+
 COMPUTE = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
+SPLIT = ("zbh1", "zbv", "dualpipev")
+"""Schedules that split backward into B (input gradient) and W (weight gradients)."""
+V_SHAPED = ("zbv", "dualpipev")
+"""Schedules with two chunks per rank placed in a V (`style`)."""
+
+
+def style(schedule: str) -> str:
+    """'v' for the V-shaped schedules' placement of chunks on stages, 'loop' for every other."""
+    return "v" if schedule in V_SHAPED else "loop"
 
 
 class Action(NamedTuple):
@@ -50,8 +72,15 @@ class Plan:
     v: int
     actions: tuple[tuple[Action, ...], ...]
 
+    @property
+    def style(self) -> str:
+        return style(self.schedule)
+
     def stage(self, rank: int, chunk: int) -> int:
-        return stage_of(rank, chunk, self.p)
+        return stage_of(rank, chunk, self.p, self.style)
+
+    def rank_of(self, stage: int) -> int:
+        return rank_chunk_of(stage, self.p, self.style)[0]
 
     def compute(self, rank: int) -> list[Action]:
         return [a for a in self.actions[rank] if a.op in COMPUTE]
@@ -73,12 +102,18 @@ class Plan:
 
 
 # -- where the layers live ---------------------------------------------------------------------
-def stage_of(rank: int, chunk: int, p: int) -> int:
-    """The virtual stage of `chunk` on pipeline rank `rank` (Megatron: chunk·p + rank)."""
+def stage_of(rank: int, chunk: int, p: int, placement: str = "loop") -> int:
+    """The virtual stage of `chunk` on pipeline rank `rank`: chunk·p + rank (Megatron's loop), or
+    in a V (`placement` 'v', two chunks) rank for chunk 0 and 2p - 1 - rank for chunk 1."""
+    if placement == "v":
+        return rank if chunk == 0 else 2 * p - 1 - rank
     return chunk * p + rank
 
 
-def rank_chunk_of(stage: int, p: int) -> tuple[int, int]:
+def rank_chunk_of(stage: int, p: int, placement: str = "loop") -> tuple[int, int]:
+    """(rank, chunk) holding virtual `stage` (the inverse of stage_of)."""
+    if placement == "v":
+        return (stage, 0) if stage < p else (2 * p - 1 - stage, 1)
     return stage % p, stage // p
 
 
@@ -88,111 +123,64 @@ def stage_sizes(layers: int, stages: int, stage_layers: tuple[int, ...] = ()) ->
     return tuple(stage_layers) if stage_layers else (layers // stages,) * stages
 
 
-def chunk_layers(layers: int, p: int, v: int, rank: int, chunk: int, stage_layers: tuple[int, ...] = ()) -> range:
+def chunk_layers(
+    layers: int, p: int, v: int, rank: int, chunk: int, stage_layers: tuple[int, ...] = (), placement: str = "loop"
+) -> range:
     """Block indices of one chunk: the blocks in order, virtual stage s taking the next
     stage_sizes(...)[s] of them (an even split unless `stage_layers` says otherwise)."""
     sizes = stage_sizes(layers, p * v, stage_layers)
-    s = stage_of(rank, chunk, p)
+    s = stage_of(rank, chunk, p, placement)
     start = sum(sizes[:s])
     return range(start, start + sizes[s])
 
 
-# -- compute orders (one list of (op, mb, chunk) per rank) --------------------------------------
-def gpipe_order(p: int, m: int, rank: int) -> list[tuple]:
-    """GPipe (Huang et al., NeurIPS 2019): all forwards, then all backwards (in microbatch order,
-    as torch's ScheduleGPipe). Every microbatch's activations are in flight at once."""
-    return [("F", i, 0) for i in range(m)] + [("B", i, 0) for i in range(m)]
-
-
-def one_f_one_b_order(p: int, m: int, rank: int) -> list[tuple]:
-    """1F1B / PipeDream-Flush (Narayanan et al., SC 2021, section 2.1): warm up with p-rank-1
-    forwards, then alternate one forward and one backward, then drain the backwards. The same
-    bubble as GPipe, but at most p - rank microbatches in flight."""
-    warm = min(p - rank - 1, m)
-    order = [("F", i, 0) for i in range(warm)]  # warmup
-    for i in range(m - warm):  # steady state
-        order += [("F", warm + i, 0), ("B", i, 0)]
-    order += [("B", i, 0) for i in range(m - warm, m)]  # cooldown
-    return order
-
-
-def _interleaved_id(k: int, p: int, v: int, forward: bool) -> tuple[int, int]:
-    """(microbatch, chunk) of the k-th forward (or backward) on a rank, as Megatron's
-    get_model_chunk_id: groups of p microbatches visit the chunks in turn."""
-    chunk = (k // p) % v
-    mb = (k // (p * v)) * p + k % p
-    return mb, (chunk if forward else v - 1 - chunk)
-
-
-def interleaved_order(p: int, m: int, v: int, rank: int) -> list[tuple]:
-    """Interleaved 1F1B (Narayanan et al., SC 2021, section 2.2; Megatron-LM's
-    forward_backward_pipelining_with_interleaving): v chunks per rank, microbatches taken in
-    groups of p; warmup (p - rank - 1)·2 + (v - 1)·p forwards, then 1F1B, then cooldown.
-    The bubble shrinks by v: (p-1)/(v·m + p-1). Needs m % p == 0."""
-    if m % p:
-        raise ValueError(f"interleaved 1F1B needs microbatches ({m}) to be a multiple of pp ({p})")
-    total = m * v
-    warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
-    f = [("F", *_interleaved_id(k, p, v, True)) for k in range(total)]
-    b = [("B", *_interleaved_id(k, p, v, False)) for k in range(total)]
-    order = f[:warm]
-    for k in range(total - warm):
-        order += [f[warm + k], b[k]]
-    return order + b[total - warm :]
-
-
-def zb_h1_order(p: int, m: int, rank: int) -> list[tuple]:
-    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, section 3.1): 1F1B with
-    each backward split into B (input gradient, on the critical path) and W (weight gradient,
-    free to move). Rank r runs its W's r slots late, so the last ranks send their B's upstream
-    without waiting for their W's, and the W's fill the cooldown. At most min(m, p)
-    microbatches in flight on any rank (1F1B's peak, on rank 0). With t_F = t_B = t_W and
-    m >= p, the step takes 3m + p - 1 units: the bubble (p-1)(t_F + t_B - t_W) of the paper's
-    table 2, a third of 1F1B's (p-1)(t_F + t_B + t_W). (The executor does not split backward;
-    this one is for the simulator and the figures.)"""
-    warm = min(p - rank - 1, m)
-    order = [("F", i, 0) for i in range(warm)]
-    w = 0
-    for i in range(m - warm):
-        order += [("F", warm + i, 0), ("B", i, 0)]
-        if i >= rank:  # W of an older microbatch, `rank` slots late
-            order.append(("W", w, 0))
-            w += 1
-    for i in range(m - warm, m):  # cooldown: each B, then the oldest W pending
-        order += [("B", i, 0), ("W", w, 0)]
-        w += 1
-    return order + [("W", i, 0) for i in range(w, m)]
+# -- compute orders (plans/orders.py: one list of (op, mb, chunk) per rank) ------------------------
+ORDERS = {
+    "gpipe": gpipe_order,
+    "1f1b": one_f_one_b_order,
+    "zbh1": zbh1_order,
+    "zbv": zbv_order,
+    "dualpipev": dualpipev_order,
+}
 
 
 def compute_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple]:
     if schedule == "interleaved":
         return interleaved_order(p, m, v, rank)
-    if v != 1:
-        raise ValueError(f"schedule {schedule!r} has one chunk per rank; virtual_stages={v} needs 'interleaved'")
-    orders = {"gpipe": gpipe_order, "1f1b": one_f_one_b_order, "zb-h1": zb_h1_order}
-    if schedule not in orders:
+    if schedule not in ORDERS:
         raise ValueError(f"unknown schedule {schedule!r}; known: {list(SCHEDULES)}")
-    return orders[schedule](p, m, rank)
+    want = 2 if schedule in V_SHAPED else 1
+    if v != want:
+        raise ValueError(f"schedule {schedule!r} has {want} chunk(s) per rank, not virtual_stages={v}")
+    return ORDERS[schedule](p, m, rank)
 
 
-def with_comm(order: list[tuple], p: int, v: int, rank: int) -> list[Action]:
-    """Insert the point-to-point ops around a rank's compute order."""
+def with_comm(order: list[tuple], p: int, v: int, rank: int, placement: str = "loop") -> list[Action]:
+    """Insert the point-to-point ops around a rank's compute order (none where the neighbouring
+    stage is this rank's own: a V's turn at rank p-1)."""
     last = p * v - 1
+
+    def peer(stage: int) -> int | None:
+        q = rank_chunk_of(stage, p, placement)[0]
+        return None if q == rank else q
+
     out: list[Action] = []
     for op, mb, c in order:
-        s = stage_of(rank, c, p)
+        s = stage_of(rank, c, p, placement)
+        before = peer(s - 1) if s > 0 else None
+        after = peer(s + 1) if s < last else None
         if op == "F":
-            if s > 0:
-                out.append(Action("recv_act", mb, c, rank_chunk_of(s - 1, p)[0]))
+            if before is not None:
+                out.append(Action("recv_act", mb, c, before))
             out.append(Action("F", mb, c))
-            if s < last:
-                out.append(Action("send_act", mb, c, rank_chunk_of(s + 1, p)[0]))
+            if after is not None:
+                out.append(Action("send_act", mb, c, after))
         elif op == "B":
-            if s < last:
-                out.append(Action("recv_grad", mb, c, rank_chunk_of(s + 1, p)[0]))
+            if after is not None:
+                out.append(Action("recv_grad", mb, c, after))
             out.append(Action("B", mb, c))
-            if s > 0:
-                out.append(Action("send_grad", mb, c, rank_chunk_of(s - 1, p)[0]))
+            if before is not None:
+                out.append(Action("send_grad", mb, c, before))
         else:
             out.append(Action(op, mb, c))
     return out
@@ -203,14 +191,15 @@ def plan(schedule: str, p: int, m: int, v: int = 1) -> Plan:
     v chunks per rank."""
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p={p}, m={m}, v={v} must all be >= 1")
-    acts = tuple(tuple(with_comm(compute_order(schedule, p, m, v, r), p, v, r)) for r in range(p))
+    placement = style(schedule)
+    acts = tuple(tuple(with_comm(compute_order(schedule, p, m, v, r), p, v, r, placement)) for r in range(p))
     return Plan(schedule, p, m, v, acts)
 
 
 def message(pl: Plan, rank: int, a: Action) -> tuple:
     """Which message a send or receive of `rank` carries: (kind, microbatch, receiving virtual
     stage), the same on both sides (the executor's tag, the simulator's key)."""
-    s = stage_of(rank, a.chunk, pl.p)
+    s = pl.stage(rank, a.chunk)
     if a.op == "send_act":
         return ("act", a.mb, s + 1)
     if a.op == "recv_act":
@@ -290,20 +279,29 @@ def batches(pl: Plan) -> tuple[list, ...]:
 def local_problems(pl: Plan) -> list[str]:
     """What each rank's own list gets wrong: every (mb, chunk) has one F then one B (then one W
     if backward is split); a receive before the compute that needs it, a send after the one that
-    produced it, to and from the right peers. (Cross-rank ordering is the simulator's job:
-    simulator.check runs both.)"""
+    produced it, to and from the right peers; between two stages of one rank (a V's turn), the
+    earlier stage's F before the later's and the later's B before the earlier's. (Cross-rank
+    ordering is the simulator's job: simulator.check runs both.)"""
     out = []
     last = pl.p * pl.v - 1
     for r, acts in enumerate(pl.actions):
         done: dict[tuple, set] = {}
         split = any(a.op == "W" for a in acts)
+
+        def neighbour(stage: int, r: int = r) -> tuple[int | None, int | None]:
+            """(the peer rank, or None if the stage is this rank's own; its chunk here)."""
+            q, c = rank_chunk_of(stage, pl.p, pl.style)
+            return (None, c) if q == r else (q, None)
+
         for a in acts:
             key = (a.mb, a.chunk)
             have = done.setdefault(key, set())
             s = pl.stage(r, a.chunk)
+            before = neighbour(s - 1) if s > 0 else (None, None)
+            after = neighbour(s + 1) if s < last else (None, None)
             need = {
-                "F": {"recv_act"} if s > 0 else set(),
-                "B": {"F"} | ({"recv_grad"} if s < last else set()),
+                "F": {"recv_act"} if before[0] is not None else set(),
+                "B": {"F"} | ({"recv_grad"} if after[0] is not None else set()),
                 "W": {"B"},
                 "send_act": {"F"},
                 "send_grad": {"B"},
@@ -318,14 +316,13 @@ def local_problems(pl: Plan) -> list[str]:
             missing = need[a.op] - have
             if missing:
                 out.append(f"rank {r}: {a} comes before {sorted(missing)} of microbatch {a.mb} chunk {a.chunk}")
-            if a.op in ("send_act", "recv_grad"):
-                want = rank_chunk_of(s + 1, pl.p)[0] if s < last else None
-                if a.peer != want:
-                    out.append(f"rank {r}: {a} should talk to rank {want}")
-            if a.op in ("recv_act", "send_grad"):
-                want = rank_chunk_of(s - 1, pl.p)[0] if s > 0 else None
-                if a.peer != want:
-                    out.append(f"rank {r}: {a} should talk to rank {want}")
+            local = {"F": before[1], "B": after[1]}.get(a.op)  # the own stage this one waits for
+            if local is not None and a.op not in done.get((a.mb, local), set()):
+                out.append(f"rank {r}: {a} comes before {a.op}{a.mb}.{local}, whose output it takes")
+            if a.op in ("send_act", "recv_grad") and a.peer != after[0]:
+                out.append(f"rank {r}: {a} should talk to rank {after[0]}")
+            if a.op in ("recv_act", "send_grad") and a.peer != before[0]:
+                out.append(f"rank {r}: {a} should talk to rank {before[0]}")
             have.add(a.op)
         for c in range(pl.v):
             for i in range(pl.m):

@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.precision import ELEM
-from labkit.plans.schedules import chunk_layers, plan, stage_of
+from labkit.plans.schedules import chunk_layers, plan, stage_of, style
 from labkit.theory import memory, tensor
 from labkit.theory.batch import microbatch_rows, stream_rows
 from labkit.theory.experts import layer_activation_bytes
@@ -111,11 +111,11 @@ def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int
 
 def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, Chunk]:
     """Each of pipeline rank `pp_rank`'s chunks (chunk 0: the whole model when pp == 1)."""
-    p, v = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1
+    p, v, placement = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
     out = {}
     for c in range(v):
-        s = stage_of(pp_rank, c, p)
-        layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers))
+        s = stage_of(pp_rank, c, p, placement)
+        layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement))
         out[c] = chunk(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
     return out
 
@@ -144,7 +144,7 @@ def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict 
     if cfg.pp == 1:  # accumulation: each microbatch's graph is freed before the next forward
         return max(per(mb, 0).forward + per(mb, 0).backward_extra for mb in range(cfg.microbatches))
     v = cfg.virtual_stages
-    first = tuple(c for c in range(v) if stage_of(pp_rank, c, cfg.pp) == 0)
+    first = tuple(c for c in range(v) if stage_of(pp_rank, c, cfg.pp, style(cfg.schedule)) == 0)
     # under CP the first stage's positions (this rank's zigzag indices, 8·s/cp bytes) are one
     # tensor for every microbatch: counted once however many are in flight (the meter counts storages)
     # (llama has no position table: nothing keeps them)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import ELEM
-from labkit.plans.schedules import chunk_layers
+from labkit.plans.schedules import chunk_layers, style
 from labkit.theory.batch import microbatch_rows
 
 EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2", "mlp.w3")
@@ -58,13 +58,14 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     forward and again backward; recomputation routes and dispatches once more."""
     if cfg.ep == 1 or not model.experts:
         return
-    v = cfg.virtual_stages if cfg.pp > 1 else 1
+    v, placement = cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
     rows = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.top_k * model.hidden * ELEM[cfg.precision]
     forwards = 2 if cfg.recompute in ("full", "op") else 1
     label = layout.label("ep")
     for rank in comm.ranks(layout):
         pp_rank = layout.coords(rank)["pp"]
-        layers = sum(len(chunk_layers(model.layers, cfg.pp, v, pp_rank, c, cfg.stage_layers)) for c in range(v))
+        held = [chunk_layers(model.layers, cfg.pp, v, pp_rank, c, cfg.stage_layers, placement) for c in range(v)]
+        layers = sum(len(blocks) for blocks in held)
         for _ in range(layers * cfg.microbatches):
             comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep, forwards)  # split sizes
             comm.add(rank, label, "all_to_all", rows, cfg.ep, 2 * forwards + 2)  # dispatch, combine, and back

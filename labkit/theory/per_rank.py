@@ -36,6 +36,8 @@ def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: i
     per coordinate."""
     out = sharding.state_bytes(cfg, model, None, index, pp_rank)
     out["activations"] = activations.peak(cfg, model, pp_rank)
+    if cfg.pp > 1 and cfg.schedule in pipeline.SPLIT and cfg.impl == "lab":  # what our B keeps for W
+        out["held_for_w"] = pipeline.held_peak(cfg, model, pp_rank)
     out.update(sharding.transient_peaks(cfg, model, None, pp_rank))
     out["peak"] = sum(out.values())
     return tuple(out.items())

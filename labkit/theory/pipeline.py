@@ -1,8 +1,10 @@
 """Pipeline parallelism, predicted: the bubble, microbatches in flight, which parameters each
-pipeline rank holds, and the point-to-point bytes per step. The schedules and their simulator
-are plans (labkit/plans/schedules.py, simulator.py); this module reads them. The bubble is
-GPipe's and 1F1B's (p-1)/(m+p-1) (Huang et al. 2019; Narayanan et al., SC 2021, section 2.1),
-interleaved 1F1B's (p-1)/(v·m+p-1) (ibid., section 2.2). The derivations: ARCHITECTURE.md.
+pipeline rank holds, the point-to-point bytes per step, and what a split backward's W holds.
+The schedules and their simulator are plans (labkit/plans/schedules.py, simulator.py); this
+module reads them. The bubble is GPipe's and 1F1B's (p-1)/(m+p-1) (Huang et al. 2019;
+Narayanan et al., SC 2021, section 2.1), interleaved 1F1B's (p-1)/(v·m+p-1) (ibid., section
+2.2); the zero-bubble schedules' is the simulator's with t_F = t_B = t_W (`step_bubble`; their
+published formulas: ARCHITECTURE.md, "Zero-bubble schedules"). The derivations: ARCHITECTURE.md.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.plans.precision import ELEM, REDUCE
-from labkit.plans.schedules import chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes
+from labkit.plans.schedules import SPLIT, chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes, style
 from labkit.plans.simulator import Costs, Simulation, simulate
 from labkit.theory.batch import microbatch_rows, stream_rows
 from labkit.theory.model import param_shapes
@@ -76,8 +78,8 @@ def chunk_full_shapes(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> 
     p, v = cfg.pp, cfg.virtual_stages
     out = []
     for c in range(v):
-        s = stage_of(pp_rank, c, p)
-        blocks = {str(i) for i in chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers)}
+        s = stage_of(pp_rank, c, p, style(cfg.schedule))
+        blocks = {str(i) for i in chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, style(cfg.schedule))}
         chunk = [
             (n, sh)
             for n, sh in shapes
@@ -101,9 +103,9 @@ def stage_layers(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> tuple
     (virtual stage 0), whether it holds the head (the last virtual stage))."""
     if cfg.pp == 1:
         return model.layers, True, True
-    p, v = cfg.pp, cfg.virtual_stages
-    stages = [stage_of(pp_rank, c, p) for c in range(v)]
-    layers = sum(len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers)) for c in range(v))
+    p, v, placement = cfg.pp, cfg.virtual_stages, style(cfg.schedule)
+    stages = [stage_of(pp_rank, c, p, placement) for c in range(v)]
+    layers = sum(len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement)) for c in range(v))
     return layers, 0 in stages, p * v - 1 in stages
 
 
@@ -111,20 +113,21 @@ def p2p_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """Sends and receives of one step, per rank: for each microbatch and each of the rank's
     chunks, its output activation forward (unless it is the last stage) and its input's
     gradient backward (unless it is the first), each (b, s/cp, h) — s/(cp·tp) under SP — in the
-    compute dtype (each tp rank passes its rows to the same tp rank of the next stage)."""
+    compute dtype (each tp rank passes its rows to the same tp rank of the next stage). A V's
+    turn (stages p-1 and p, both on rank p-1) sends nothing."""
     if cfg.pp == 1:
         return
-    p, v, m = cfg.pp, cfg.virtual_stages, cfg.microbatches
+    p, v, m, placement = cfg.pp, cfg.virtual_stages, cfg.microbatches, style(cfg.schedule)
     nbytes = microbatch_rows(cfg) * stream_rows(cfg, model) * model.hidden * ELEM[cfg.precision]
     label = layout.label("pp")
     for rank in comm.ranks(layout):
         r = layout.coords(rank)["pp"]
         for c in range(v):
-            s = stage_of(r, c, p)
-            if s < p * v - 1:  # activation out, its gradient back in
+            s = stage_of(r, c, p, placement)
+            if s < p * v - 1 and rank_chunk_of(s + 1, p, placement)[0] != r:  # activation out, its gradient back in
                 comm.add(rank, label, "send", nbytes, p, calls=m)
                 comm.add(rank, label, "recv", nbytes, p, calls=m)
-            if s > 0:  # activation in, its gradient back out
+            if s > 0 and rank_chunk_of(s - 1, p, placement)[0] != r:  # activation in, its gradient back out
                 comm.add(rank, label, "recv", nbytes, p, calls=m)
                 comm.add(rank, label, "send", nbytes, p, calls=m)
 
@@ -167,7 +170,7 @@ def stage_scale(cfg: ParallelConfig, layers: int) -> dict | None:
     if len(set(sizes)) <= 1:
         return None
     mean = sum(sizes) / len(sizes)
-    return {rank_chunk_of(s, cfg.pp): n / mean for s, n in enumerate(sizes)}
+    return {rank_chunk_of(s, cfg.pp, style(cfg.schedule)): n / mean for s, n in enumerate(sizes)}
 
 
 def simulated(
@@ -183,7 +186,60 @@ def simulated(
 
 def step_bubble(cfg: ParallelConfig, model: ModelConfig) -> float:
     """The bubble of one step: the formula on even stages (`bubble_fraction`), the simulator's
-    mean idle fraction on uneven ones (the slowest stage sets the pace)."""
-    if cfg.pp > 1 and stage_scale(cfg, model.layers) is not None:
+    mean idle fraction on uneven ones (the slowest stage sets the pace) and for the zero-bubble
+    schedules (with t_F = t_B = t_W: a transformer's forward, input-gradient and weight-gradient
+    matmuls cost the same, 2·b·s·h·h' FLOPs each)."""
+    if cfg.pp > 1 and (cfg.schedule in SPLIT or stage_scale(cfg, model.layers) is not None):
         return simulated(cfg, layers=model.layers).bubble
     return bubble_fraction(cfg.pp, cfg.microbatches, cfg.virtual_stages)
+
+
+# -- what W holds: the gradients B keeps for it ------------------------------------------------
+def held_bytes(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> int:
+    """Bytes a split backward's B keeps for W, for one microbatch of a chunk with `layers`
+    blocks (engines/parallel/split_backward.py): the gradient flowing into every node where a
+    weight's gradient branches off the input's path — each Linear's output gradient, each norm's
+    output gradient — in the compute dtype (llama's RMSNorm: fp32, it runs upcast). The first
+    stage keeps nothing (no input gradient to compute: its W is the whole backward). Per block,
+    with b sequences, s positions (s/cp), t = tp, rows s' (s/t under SP) and kv the rank's K/V
+    width: norms 2·b·s'·h; q b·s·h/t, k and v 2·b·s·kv, the output projection b·s·h (a
+    row-parallel output is whole before its reduction); the MLP b·s·f/t and b·s·h (SwiGLU 2·b·s·f/t
+    and b·s·h), an MoE layer the router's b·s·E and its experts' N = b·s·k routed rows (balanced:
+    R = N) times f + h (SwiGLU 2f + h); the head its norm b·s'·h and its projection b·s·V/t."""
+    if embed:
+        return 0
+    b, s, t = microbatch_rows(cfg), model.seq // cfg.cp, cfg.tp
+    h, f, e = model.hidden, model.ffn, ELEM[cfg.precision]
+    rows = s // t if cfg.sequence_parallel else s
+    norm = (4 if model.arch == "llama" else e) * b * rows * h
+    kv = max(1, model.n_kv_heads // t) * model.head_dim
+    attn = e * (b * s * h // t + 2 * b * s * kv + b * s * h)
+    gated = model.arch == "llama"
+    if model.experts:
+        n = b * s * model.top_k
+        mlp = e * (b * s * model.experts + n * ((2 if gated else 1) * f + h))
+    else:
+        mlp = e * ((2 if gated else 1) * b * s * f // t + b * s * h)
+    total = layers * (2 * norm + attn + mlp)
+    if head:
+        total += norm + e * b * s * model.vocab // t
+    return total
+
+
+def held_peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
+    """Peak bytes B keeps for W on a rank at pipeline coordinate `pp_rank`: its schedule walked,
+    each B adding its chunk's held_bytes, its W freeing them (0 when backward is not split)."""
+    if cfg.pp == 1 or cfg.schedule not in SPLIT:
+        return 0
+    p, v, placement = cfg.pp, cfg.virtual_stages, style(cfg.schedule)
+    per = {}
+    for c in range(v):
+        s = stage_of(pp_rank, c, p, placement)
+        layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement))
+        per[c] = held_bytes(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
+    live = top = 0
+    for a in plan(cfg.schedule, p, cfg.microbatches, v).actions[pp_rank]:
+        if a.op in ("B", "W"):
+            live += per[a.chunk] if a.op == "B" else -per[a.chunk]
+            top = max(top, live)
+    return top

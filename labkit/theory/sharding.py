@@ -3,8 +3,11 @@ model-state bytes after a step, the transients they track (gathered parameters, 
 buffers), and their collectives per step. The accounting is the ZeRO paper's (Rajbhandari et
 al., SC 2020, section 5 and figure 1; section 7 for the traffic: DDP and ZeRO-1/2 2Ψ(N-1)/N,
 ZeRO-3 / FSDP 3Ψ(N-1)/N), here exactly as the lab lays its flat buffers out
-(labkit/plans/flat.py); PyTorch's FSDP2 pads each parameter on dim 0 instead. ARCHITECTURE.md
-derives every case.
+(labkit/plans/flat.py); PyTorch's FSDP2 pads each parameter on dim 0 instead. Under pipeline
+parallelism ZeRO-2/3 and FSDP reduce once per step and ZeRO-3 / FSDP keep a stage gathered over
+it (engines/parallel/zero.py, zero3.py; torchtitan's composition): one all-gather and one
+reduce-scatter per buffer and step, the transients replayed along the schedule (`keep_peaks`).
+ARCHITECTURE.md derives every case.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from labkit.plans.buckets import plan_groups, torch_ddp_buckets
 from labkit.plans.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import ELEM, REDUCE
+from labkit.plans.schedules import SPLIT, plan, stage_of, style
 from labkit.theory.params import chunk_local_params, rank_entries
 
 
@@ -151,17 +155,73 @@ def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = Non
     if cfg.sharding in ("zero1", "zero2"):
         if cfg.sharding == "zero1" and cfg.precision == "fp32":
             return {}  # reduced in place
-        if cfg.sharding == "zero1" and cfg.microbatches > 1:  # every bucket's fp32 sum from the first microbatch
+        once = cfg.sharding == "zero1" or cfg.pp > 1  # zero2 under a pipeline sums microbatches too
+        if once and cfg.microbatches > 1:  # every bucket's fp32 sum from the first microbatch
             return {"reduce_buffers": REDUCE * sum(p.padded for p in plans(cfg, model, n, pp_rank))}
         # a buffer lives from its first gradient (zero2) or its launch (zero1) to the end of its
         # reduce-scatter, one in flight: two neighbours at most, as backward fills them in order
         sizes = [p.padded * REDUCE for p in plans(cfg, model, n, pp_rank)]
         return {"reduce_buffers": max([a + b for a, b in zip(sizes, sizes[1:])] or sizes)}
-    reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
-    peaks = unit_peaks(unit_sizes(cfg, model, n, pp_rank), reshard)
+    if cfg.pp > 1 and cfg.impl == "lab":
+        peaks = keep_peaks(cfg, model, n, pp_rank)
+    else:
+        reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
+        peaks = unit_peaks(unit_sizes(cfg, model, n, pp_rank), reshard)
     if cfg.impl == "torch":
         return {"gathered": peaks["gathered"] * e}
     return {"gathered": peaks["gathered"] * e, "reduce_buffers": peaks["reduce_buffers"] * REDUCE}
+
+
+def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> dict[str, int]:
+    """Peak elements of gathered parameters and of gradient buffers of our ZeRO-3 / FSDP under a
+    pipeline, replaying the rank's schedule as engines/parallel/zero3.py (`keep`) acts:
+      F of a chunk    gathers each of its units not gathered yet (the root: once for all its chunks);
+      a backward      (B, or W when backward is split) delivers a chunk's units' gradients, in
+                      reverse forward order (W of a stage with an input: forward order, one weight
+                      group after the other); a unit's buffer is made at its first gradient of the
+                      step; once every microbatch's have arrived (in each chunk it spans) it is
+                      freed and its reduce-scatter launched after waiting for the one in flight,
+                      whose buffer then goes. A tied embedding's unit waits for the step's end.
+    Every buffer of the rank is a unit here (one per reduce group of a module)."""
+    p, v, m, placement = cfg.pp, cfg.virtual_stages, cfg.microbatches, style(cfg.schedule)
+    entries = rank_entries(cfg, model, pp_rank)
+    where = {name: (i, c) for i, (name, _, _, c) in enumerate(entries)}
+    units = plans(cfg, model, n, pp_rank)
+    chunks = [{where[x][1] for x in u.names} for u in units]
+    first = [min(where[x][0] for x in u.names) for u in units]  # forward position
+    tied = [model.tied and any(x == "embed.tok.weight" for x in u.names) and p > 1 for u in units]
+    split = cfg.schedule in SPLIT
+    gathered, buffers, arrived = set(), set(), [dict.fromkeys(c, 0) for c in chunks]
+    live = top = grads = gtop = 0
+    in_flight = None
+
+    def reduce(k: int) -> None:
+        nonlocal live, grads, in_flight
+        gathered.discard(k)
+        live -= units[k].padded
+        if in_flight is not None:
+            grads -= units[in_flight].padded
+        in_flight = k
+
+    for a in plan(cfg.schedule, p, m, v).actions[pp_rank]:
+        mine = [k for k in range(len(units)) if a.chunk in chunks[k]]
+        if a.op == "F":
+            for k in mine:
+                if k not in gathered:
+                    gathered.add(k)
+                    live += units[k].padded
+                    top = max(top, live)
+        elif a.op == ("W" if split else "B"):
+            has_input = stage_of(pp_rank, a.chunk, p, placement) > 0
+            for k in sorted(mine, key=lambda k: first[k], reverse=not (split and has_input)):
+                if k not in buffers:
+                    buffers.add(k)
+                    grads += units[k].padded
+                    gtop = max(gtop, grads)
+                arrived[k][a.chunk] += 1
+                if all(x == m for x in arrived[k].values()) and not tied[k]:
+                    reduce(k)
+    return {"gathered": top, "reduce_buffers": gtop}
 
 
 def norm_dims(layout) -> tuple[str, ...]:
@@ -221,16 +281,18 @@ def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[t
     e, m = ELEM[cfg.precision], cfg.microbatches
     norm = norm_dims(layout)
     the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)  # the global norm
+    once = cfg.pp > 1  # under a pipeline: gathered once, reduced once per step (zero.py, zero3.py)
     out = []
     for p in plans(cfg, model, None, pp_rank):
         dim = layout.label(*p.dims)
         if cfg.sharding in ("zero1", "zero2"):
-            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m if cfg.sharding == "zero2" else 1))
+            scatters = m if cfg.sharding == "zero2" and not once else 1
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, scatters))
             out.append((dim, "all_gather", p.padded * e, p.n, 1))
         else:  # gathered before its forward, and again before its backward unless kept
             reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
-            out.append((dim, "all_gather", p.padded * e, p.n, (2 if reshard else 1) * m))
-            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, m))
+            out.append((dim, "all_gather", p.padded * e, p.n, 1 if once else (2 if reshard else 1) * m))
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, 1 if once else m))
     return out + [the_norm]
 
 
