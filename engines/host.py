@@ -1,5 +1,8 @@
 """What an engine is before it has a rank: its host, pid, addresses, GPUs (by physical identity)
-and CPUs, which the Lab reads to lay out the world (labkit/world.py).
+and CPUs, which the Lab reads to lay out the world (labkit/world.py); and where it is: the address
+and interface it reaches the controller through (the cluster's network, on which its host's ranks
+should listen and talk), the machine and pid namespace (whether the Lab can watch its pid), its
+rank in the launcher that started it (mpiexec's, srun's).
 
 torch is imported inside `engine_info`: the notebook imports this module only to name the function
 it sends to the engines, and never loads torch.
@@ -15,11 +18,16 @@ import psutil
 
 from labkit.engines import runtime, sockets
 
+LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
+"""Where mpiexec (Open MPI, MPICH) and srun tell a process its rank among those they started."""
 
-def engine_info() -> dict:
+
+def engine_info(toward: str | None = None) -> dict:
     """host, pid, addr (an address of this host others can reach, if it has one), addrs (all of
     its non-loopback IPv4 addresses), gpus (how many this engine sees), gpu_uuids (which physical
-    GPUs those are), cpus (this host's), python."""
+    GPUs those are), cpus (this host's), python; with `toward` (the controller's address) also
+    route_addr and route_ifname, the local address and interface that reach it; boot_id and
+    pid_ns (one machine, one pid namespace: the Lab can watch the engine's pid); launcher_rank."""
     import torch  # engines only (see the module docstring)
 
     if not runtime.in_world():  # before torch listens on anything: the engine's own sockets
@@ -36,7 +44,53 @@ def engine_info() -> dict:
         "gpu_uuids": [_gpu_uuid(torch, k) for k in range(gpus)],
         "cpus": os.cpu_count() or 1,
         "python": sys.executable,
+        **route(toward),
+        **machine(),
+        "launcher_rank": next((int(os.environ[k]) for k in LAUNCHER_RANKS if k in os.environ), None),
     }
+
+
+def machine() -> dict:
+    """boot_id (this kernel's boot) and pid_ns (this process's pid namespace): two processes that
+    report the same both see each other's pids. No torch: the Lab calls it for itself."""
+    return {"boot_id": _read("/proc/sys/kernel/random/boot_id"), "pid_ns": _link("/proc/self/ns/pid")}
+
+
+def route(toward: str | None) -> dict:
+    """The local address (and its interface) this host uses to reach `toward`: what a UDP
+    connect() picks from the routing table, no packet sent. {} without `toward`."""
+    if not toward:
+        return {}
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((toward, 9))
+            addr = s.getsockname()[0]
+    except OSError:
+        return {}
+    if addr.startswith("127."):
+        return {"route_addr": addr, "route_ifname": "lo"}
+    names = [
+        name
+        for name, found in psutil.net_if_addrs().items()
+        for a in found
+        if a.family == socket.AF_INET and a.address == addr
+    ]
+    return {"route_addr": addr, "route_ifname": names[0] if names else ""}
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def _link(path: str) -> str:
+    try:
+        return os.readlink(path)
+    except OSError:
+        return ""
 
 
 def _address(host: str, addrs: list[str]) -> str:

@@ -1,4 +1,5 @@
-"""Which sockets torch listens on in this engine process: gloo's pairs, and the TCPStore on rank 0.
+"""Which sockets torch listens on in this engine process: gloo's pairs, and the TCPStore on rank 0
+(whose listener is closed once the world has formed: engines/rendezvous.py).
 
 That is everything the process listens on, less what the engine itself opened before torch came
 (remembered by `remember_engine_listeners`, which host.engine_info calls before the first
@@ -8,6 +9,8 @@ process group). Releasing a rank (engines/release.py) shuts the connections made
 from __future__ import annotations
 
 import psutil
+
+from labkit.engines import rendezvous
 
 _engine_listeners: frozenset | None = None
 """What this engine listened on before torch did (ipyparallel's own sockets), once known."""
@@ -21,8 +24,9 @@ def remember_engine_listeners() -> None:
 
 
 def listening() -> list[tuple[str, int]]:
-    """(address, port) of every socket torch listens on in this engine."""
-    return sorted(set(all_listening()) - (_engine_listeners or frozenset()))
+    """(address, port) of every socket torch listens on in this engine, and of the rendezvous
+    store it serves after its listener was closed (engines/rendezvous.py)."""
+    return sorted((set(all_listening()) - (_engine_listeners or frozenset())) | set(rendezvous.served()))
 
 
 def all_listening() -> list[tuple[str, int]]:

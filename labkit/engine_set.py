@@ -4,26 +4,30 @@ on them that never wait without a bound.
 
 Every wait here has a bound; an engine that is gone or silent becomes `EngineGone`, which the
 job runner (labkit/jobs.py) turns into EngineDied. Engines found bad are marked here and
-replaced by `replace` (local clusters only) before the next call.
+replaced by `replace` (clusters this Lab started, through their launcher) before the next call.
+An engine on this machine is watched by its pid; one elsewhere by its registration.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import signal
 import threading
 import time
+from urllib.parse import urlparse
 
 import ipyparallel as ipp
 import psutil
-from traitlets.config import Config
 
+from labkit import gpus, launchers, watchdog
 from labkit.engines import host, runtime
 from labkit.errors import LabError
-from labkit.world import forwarded_env, plan_world
+from labkit.world import forwarded_env, host_order, plan_world, watchable
 
-START_TIMEOUT_S = 120.0
-"""Bound on starting engines, building the process groups and bringing results back."""
+START_TIMEOUT_S = launchers.START_TIMEOUT_S
+"""Bound on starting engines (the launchers' own), building the process groups and bringing
+results back."""
 ANSWER_S = 20.0
 """An engine that does not answer a poll within this long is taken for dead (its job runs in a
 thread, so a live engine answers within milliseconds even mid-step)."""
@@ -39,18 +43,30 @@ class EngineGone(Exception):
         super().__init__(detail)
 
 
-def start_local(n: int):
-    """A local ipyparallel cluster of n engines on 127.0.0.1, started and connected: (cluster, client)."""
-    quick = Config()  # an engine that outlives SIGTERM by 1 s is killed (ipyparallel waits 5 s)
-    quick.LocalProcessLauncher.stop_seconds_until_kill = 1
-    cluster = ipp.Cluster(n=n, controller_ip="127.0.0.1", engine_timeout=60, log_level=40, config=quick)
+def start(n: int, launcher: str, options: dict, gpu: dict, choices: dict, registered=None) -> EngineSet:
+    """Start a watchdog, then the cluster (its processes tagged for the watchdog), as an EngineSet.
+    gpu: the Lab's gpus, ranks_per_gpu and gpu_memory_fraction; registered(k) is called as the
+    count of registered engines grows (the Lab's progress bar)."""
+    token = secrets.token_hex(8)
+    env = {}
+    visible = gpus.visible_devices(gpu["gpus"], n, gpu["ranks_per_gpu"])
+    if visible is not None:
+        env["CUDA_VISIBLE_DEVICES"] = visible
+        if choices["device"] == "auto":  # GPUs were asked for: gloo on CUDA when ranks share them
+            choices = {**choices, "device": "cuda"}
+    guard = watchdog.Watchdog(token)
     try:
-        client = cluster.start_and_connect_sync(activate=False)
-        client.wait_for_engines(n, timeout=START_TIMEOUT_S)
+        cluster, client = launchers.start(launcher, n, token, options, env, registered)
     except BaseException:
-        _stop(cluster)
+        guard.close()
         raise
-    return cluster, client
+    started = launchers.Started(launcher, dict(options))
+    fraction = gpu["gpu_memory_fraction"]
+    engines = EngineSet(
+        client, cluster, n, local=True, started=started, watchdog=guard, gpu_memory_fraction=fraction, **choices
+    )
+    engines._watch_jobs()
+    return engines
 
 
 def connect(profile: str | None, url_file: str | None, cluster_id: str, engines: int | None, **client_kwargs):
@@ -71,18 +87,13 @@ def connect(profile: str | None, url_file: str | None, cluster_id: str, engines:
     return client
 
 
-def _stop(cluster) -> None:
-    try:
-        cluster.stop_cluster_sync()
-    except Exception:
-        pass
-
-
 class EngineSet:
     """The engines of one Lab, in rank order, and the torch world on them.
 
-    client, cluster: ipyparallel's (cluster: the local one this Lab started, else None).
-    ids, pids, hosts, devices: per rank. backend, port (the rendezvous), world (ranks).
+    client, cluster: ipyparallel's (cluster: the one this Lab started, else None); started: how
+    it was started (launchers.Started), watchdog: the process that ends it if the kernel dies.
+    ids, pids, hosts, devices: per rank; here: whether rank r's engine is on this machine (its pid
+    can be watched). backend, port (the rendezvous), world (ranks).
     lock: held by whoever talks to the engines (a job from start to end, a poll of the states,
     activate's set-up, close); reentrant.
     """
@@ -98,8 +109,13 @@ class EngineSet:
         device: str = "auto",
         timeout: float,
         master_addr: str | None = None,
+        started: launchers.Started | None = None,
+        watchdog: watchdog.Watchdog | None = None,
+        gpu_memory_fraction: float | None = None,
     ):
         self.client, self.cluster, self.local = client, cluster, local
+        self.started, self.watchdog = started, watchdog
+        self.gpu_memory_fraction = gpu_memory_fraction
         self._n = len(client.ids) if n is None else n  # how many engines a restart starts
         self.backend_choice, self.device_choice = backend, device
         self.timeout = timeout  # the world's default group timeout (each job sets its own)
@@ -109,6 +125,7 @@ class EngineSet:
         self.world = len(self.ids)
         self.hosts: list[str] = []  # the rest is learnt by setup()
         self.pids: list[int] = []
+        self.here: list[bool] = []
         self.devices: list[str] = []
         self.backend = ""
         self.port = 0
@@ -120,16 +137,23 @@ class EngineSet:
 
     # -- set-up -----------------------------------------------------------------------------
     def setup(self) -> None:
-        """Give each engine (self.ids, in rank order) a rank and a device and build the world."""
+        """Give each engine (self.ids, in rank order; the first time, host by host) a rank and a
+        device and build the world."""
         self.world = len(self.ids)
+        toward = urlparse(self.client._config.get("registration", "")).hostname  # the controller
         got = self.gather(
-            {r: self.client[e].apply_async(host.engine_info) for r, e in enumerate(self.ids)},
+            {r: self.client[e].apply_async(host.engine_info, toward) for r, e in enumerate(self.ids)},
             START_TIMEOUT_S,
             watch=False,
         )  # pids are what this learns
         infos = [got[r] for r in range(self.world)]
+        if self.generation == 0:  # the first world: neighbouring ranks share a host
+            order = host_order(infos)
+            self.ids, infos = [self.ids[k] for k in order], [infos[k] for k in order]
+        mine = host.machine()
         self.hosts = [i["host"] for i in infos]
         self.pids = [i["pid"] for i in infos]
+        self.here = [watchable(i, mine) for i in infos]
         world = plan_world(
             infos,
             backend=self.backend_choice,
@@ -139,9 +163,9 @@ class EngineSet:
             default_cpus=os.cpu_count() or 1,
         )
         self.backend, self.devices = world.backend, world.devices
-        self._rendezvous(world.addr, world.threads, world.loopback)
+        self._rendezvous(world.addr, world.threads, world.loopback, world.ifnames)
 
-    def _rendezvous(self, addr: str, threads: list[int], loopback: bool) -> None:
+    def _rendezvous(self, addr: str, threads: list[int], loopback: bool, ifnames: list[str] | None = None) -> None:
         """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
         self.generation += 1
         port = self.each(runtime.open_rendezvous, [0], addr, bound=START_TIMEOUT_S)[0]
@@ -160,6 +184,8 @@ class EngineSet:
                     threads[rank],
                     loopback,
                     forwarded_env(os.environ),
+                    ifnames[rank] if ifnames else None,
+                    self.gpu_memory_fraction,
                 )
                 for rank, eid in enumerate(self.ids)
             },
@@ -202,12 +228,15 @@ class EngineSet:
             raise EngineGone([rank], "its engine is no longer registered with the controller") from None
 
     def dead(self, ranks) -> list[int]:
-        """Ranks among `ranks` whose engine process is gone (local: by pid; remote: unregistered)."""
-        if not self.local:
-            ids = set(self.client.ids)
-            return [r for r in ranks if self.ids[r] not in ids]
+        """Ranks among `ranks` whose engine process is gone (on this machine: by pid; elsewhere:
+        unregistered from the controller)."""
+        ids = set(self.client.ids)
         out = []
         for r in ranks:
+            if not (self.here[r] if r < len(self.here) else self.local):
+                if self.ids[r] not in ids:
+                    out.append(r)
+                continue
             try:
                 if psutil.Process(self.pids[r]).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
                     out.append(r)
@@ -251,46 +280,76 @@ class EngineSet:
         return dict(sorted(marked.items()))
 
     def replace(self, ranks: list[int]) -> None:
-        """Kill the engines of `ranks` and start new ones in their places (local clusters).
-        The world must be set up again afterwards (setup)."""
+        """Kill the engines of `ranks` and start new ones in their places, on their hosts where the
+        launcher lets the Lab choose (clusters this Lab started). The world must be set up again
+        afterwards (setup)."""
         if not self.local or self.cluster is None:
             raise LabError(
                 f"the engines of ranks {ranks} must be restarted, and this Lab is connected to a cluster "
                 "it did not start: restart them with ipcluster and call Lab.connect again"
             )
-        procs = []
-        for r in ranks:
-            try:
-                os.kill(self.pids[r], signal.SIGKILL)
-                procs.append(psutil.Process(self.pids[r]))
-            except (ProcessLookupError, psutil.NoSuchProcess):
-                pass
-        psutil.wait_procs(procs, timeout=10)
-        self.cluster.start_engines_sync(n=len(ranks))
-        fresh = self._new_engines(len(ranks))
+        self._end(ranks)
+        hosts = [self.hosts[r] for r in ranks]
+        try:
+            more = self.started.more_engines(hosts) if self.started else {}
+            self.cluster.start_engines_sync(n=len(ranks), **more)
+            fresh = self._new_engines(len(ranks))
+        except Exception as e:
+            raise LabError(f"could not start new engines on {sorted(set(hosts))} for ranks {ranks}: {e}") from e
+        self._watch_jobs()
         for r, eid in zip(ranks, fresh):
             self.ids[r] = eid
             self._condemned.pop(r, None)
             self._tainted.pop(r, None)
 
     def restart(self) -> None:
-        """Replace every engine and build the world again (local clusters)."""
+        """Replace every engine and build the world again (clusters this Lab started)."""
         if not self.local or self.cluster is None:
             raise LabError(
                 "this Lab is connected to a cluster it did not start; restart its engines "
                 "with ipcluster and call Lab.connect again"
             )
-        for pid in self.pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._end(range(self.world))
         self.cluster.stop_engines_sync()
         self.cluster.start_engines_sync(n=self._n)
+        self._watch_jobs()
         self.ids = self._new_engines(self._n)
         self._condemned.clear()
         self._tainted.clear()
         self.setup()
+
+    def _end(self, ranks) -> None:
+        """Kill these ranks' engines: by pid on this machine, else by asking the controller."""
+        procs, elsewhere = [], []
+        for r in ranks:
+            if r >= len(self.pids):
+                continue
+            if not self.here[r]:
+                elsewhere.append(self.ids[r])
+                continue
+            try:
+                os.kill(self.pids[r], signal.SIGKILL)
+                procs.append(psutil.Process(self.pids[r]))
+            except (ProcessLookupError, psutil.NoSuchProcess):
+                pass
+        if elsewhere:
+            try:
+                self.client.shutdown(targets=[e for e in elsewhere if e in self.client.ids], block=False)
+            except Exception:  # already gone
+                pass
+        psutil.wait_procs(procs, timeout=10)
+
+    def _watch_jobs(self) -> None:
+        """Tell the watchdog how to cancel the scheduler jobs started so far, and which batch
+        script to remove (if the kernel dies)."""
+        if self.started is not None and self.watchdog is not None:
+            for cmd in self.started.cancel_commands(self.cluster):
+                self.watchdog.cancel_on_death(cmd)
+                self.watchdog.remove_on_death(launchers.batch_file(self.cluster))
+
+    def processes(self) -> list[psutil.Process]:
+        """Every process on this machine that this Lab started and that is still there."""
+        return watchdog.tagged(self.watchdog.token) if self.watchdog is not None else []
 
     def _new_engines(self, n: int) -> list[int]:
         end = time.monotonic() + REPLACE_WAIT_S
@@ -318,8 +377,10 @@ class EngineSet:
             except Exception:
                 pass
             if self.local and self.cluster is not None:
-                _stop(self.cluster)
+                launchers.stop(self.cluster)
                 self.cluster = None
+            if self.watchdog is not None:  # sweeps what the cluster's stop left behind
+                self.watchdog.close()
         finally:
             if got:
                 self.lock.release()

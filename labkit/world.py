@@ -10,8 +10,14 @@ GPUs, one GPU per engine). What it decides:
   - backend='auto' is NCCL when every engine has a GPU of its own and device is not 'cpu', else
     gloo (device='cuda' with shared GPUs: gloo on CUDA tensors);
   - the rendezvous is 127.0.0.1 for a local cluster on one host; across hosts it is master_addr,
-    or rank 0's address, which must not be a loopback one (Debian and Ubuntu map the hostname to
-    127.0.1.1), else the Lab says to pass master_addr.
+    or the address rank 0 reaches the controller from (its host's address on the cluster's
+    network), or rank 0's address, which must not be a loopback one (Debian and Ubuntu map the
+    hostname to 127.0.1.1), else the Lab says to pass master_addr;
+  - each rank's network interface (GLOO_SOCKET_IFNAME, and NCCL_SOCKET_IFNAME across hosts) is the
+    one its own host reaches the controller through, so each host listens and talks on the cluster's
+    network and nowhere else, whatever its interfaces are called ('lo' on one host);
+  - ranks go host by host (`host_order`), so that neighbouring ranks, which the mesh gives to a
+    tensor-parallel group, share a host.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class WorldPlan:
     """Every rank on this host, local cluster: gloo's connections stay on 127.0.0.1 too."""
     threads: list[int]
     """Per rank: intra-op threads, the host's CPUs shared among its engines."""
+    ifnames: list[str] | None = None
+    """Per rank: the network interface its gloo (and NCCL, across hosts) sockets use; None: torch's choice."""
 
 
 def is_loopback(addr: str) -> bool:
@@ -105,7 +113,7 @@ def plan_world(
         devices = ["cpu"] * len(infos)
     one_host = len(per_host) == 1
     loopback = local and one_host
-    addr = master_addr or ("127.0.0.1" if loopback else infos[0]["addr"])
+    addr = master_addr or ("127.0.0.1" if loopback else infos[0].get("route_addr") or infos[0]["addr"])
     if not one_host and is_loopback(addr):
         others = [a for a in infos[0].get("addrs") or [] if not is_loopback(a)]
         raise LabError(
@@ -114,7 +122,35 @@ def plan_world(
             f"{hosts[0]} they reach>'" + (f", e.g. one of {others}" if others else "")
         )
     threads = [max(1, (i.get("cpus") or default_cpus) // per_host[h]) for i, h in zip(infos, hosts)]
-    return WorldPlan(backend, devices, addr, loopback, threads)
+    ifnames = ["lo"] * len(infos) if loopback else [i.get("route_ifname") or "" for i in infos]
+    return WorldPlan(backend, devices, addr, loopback, threads, ifnames if any(ifnames) else None)
+
+
+def host_order(infos: list[dict]) -> list[int]:
+    """The engines' indices in rank order: host by host (hosts in order of first appearance), and
+    within a host by the launcher's own rank (mpiexec's, srun's) where it gave one, else as listed."""
+    first: dict[str, int] = {}
+    for k, i in enumerate(infos):
+        first.setdefault(i["host"], k)
+    return sorted(
+        range(len(infos)),
+        key=lambda k: (
+            first[infos[k]["host"]],
+            infos[k].get("launcher_rank") is None,
+            infos[k].get("launcher_rank") or 0,
+            k,
+        ),
+    )
+
+
+def watchable(info: dict, mine: dict) -> bool:
+    """Whether the process of an engine reporting `info` can be watched by its pid from here: the
+    same machine (boot id) and the same pid namespace as `mine` (this process's engine_info)."""
+    return (
+        bool(info.get("boot_id"))
+        and info.get("boot_id") == mine.get("boot_id")
+        and info.get("pid_ns") == mine.get("pid_ns")
+    )
 
 
 def forwarded_env(environ) -> dict[str, str]:

@@ -1,0 +1,54 @@
+"""What Lab(engines=4) holds in memory after one run, per process (labkit/footprint.py).
+
+    python benchmarks/footprint.py [--engines 4] [--launcher local]
+
+Starts a Lab, runs the default demo model (dp2 x tp2, 3 steps), then prints every process the
+Lab started (controller and its children, engines, nannies, the watchdog) and the kernel (this
+process) with RSS, USS and PSS, the start time, and the sum that a Binder pod's 2 GB must hold.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import psutil
+
+from labkit import Lab, ModelConfig, ParallelConfig
+from labkit.footprint import MIB, by_role, footprint, table
+
+
+def lab_pids(lab) -> tuple[list[int], int | None]:
+    """Every process of a local Lab: the controller and its descendants, the engines and theirs,
+    whatever else carries the Lab's tag, and its watchdog (which carries none)."""
+    ctrl = lab.engines.cluster.controller.pid
+    pids = {ctrl, *(p.pid for p in psutil.Process(ctrl).children(recursive=True))}
+    for pid in lab.engines.pids:
+        pids |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
+    tagged = getattr(lab.engines, "processes", None)  # absent before issue 21 (the "before" numbers)
+    if tagged is not None:
+        pids |= {p.pid for p in tagged()} | {lab.engines.watchdog.proc.pid}
+    return sorted(pids), ctrl
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--engines", type=int, default=4)
+    args = ap.parse_args()
+    t0 = time.perf_counter()
+    with Lab(engines=args.engines, progress=False, device="cpu") as lab:
+        started = time.perf_counter() - t0
+        lab.run(ParallelConfig(dp=2, tp=2), model=ModelConfig(), steps=3)
+        pids, ctrl = lab_pids(lab)
+        rows = footprint(pids, lab.engines.pids, ctrl, kernel=os.getpid())
+    print(f"Lab(engines={args.engines}) started in {started:.1f} s; after one run:")
+    print(table(rows))
+    total = by_role(rows)["all"]
+    print(f"{total['count']} processes, PSS {total['pss'] / MIB:.0f} MiB, RSS {total['rss'] / MIB:.0f} MiB")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
