@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import json
-from collections import defaultdict
 from dataclasses import asdict, dataclass, field, fields
 
 import numpy as np
 
 from labkit.assembly import PieceIssue, assemble
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
-
-COMPUTE_KINDS = ("F", "B", "W")
+from labkit.plans.mesh import MeshLayout
+from labkit.table import Rows, card
+from labkit.views import RankViews
 
 
 @dataclass
@@ -87,6 +87,21 @@ def _event(d: dict, t0: float, offset: float) -> Event:
     )
 
 
+def rank_report(r: dict, t0: float, **more) -> RankReport:
+    """A rank's report from its engine's plain data (a run's or a measurement's), its events moved
+    onto the common clock that starts at t0; `more`: the fields only a run has."""
+    return RankReport(
+        rank=r["rank"],
+        coords=r["coords"],
+        host=r["host"],
+        device=r["device"],
+        memory=r["memory"],
+        comm=[_comm(e, t0, r["clock_offset"]) for e in r["comm"]],
+        timeline=[_event(e, t0, r["clock_offset"]) for e in r["timeline"]],
+        **more,
+    )
+
+
 def _comm(d: dict, t0: float, offset: float) -> CommEvent:
     d = dict(d)
     d["start"] = d["start"] + offset - t0
@@ -95,7 +110,10 @@ def _comm(d: dict, t0: float, offset: float) -> CommEvent:
 
 
 @dataclass
-class RunResult:
+class RunResult(RankViews):
+    """What a run measured; its tables, bubble and trace are the views every result shares
+    (labkit/views.py)."""
+
     config: ParallelConfig
     model: ModelConfig
     steps: int
@@ -132,14 +150,9 @@ class RunResult:
         starts = [e["start"] + r["clock_offset"] for r in active for e in r["timeline"]]
         t0 = min(starts) if starts else 0.0
         ranks = [
-            RankReport(
-                rank=r["rank"],
-                coords=r["coords"],
-                host=r["host"],
-                device=r["device"],
-                memory=r["memory"],
-                comm=[_comm(e, t0, r["clock_offset"]) for e in r["comm"]],
-                timeline=[_event(e, t0, r["clock_offset"]) for e in r["timeline"]],
+            rank_report(
+                r,
+                t0,
                 losses=r["losses"],
                 grad_norms=r.get("grad_norms", []),
                 step_times=r.get("step_times", []),
@@ -190,54 +203,6 @@ class RunResult:
         from labkit.engines.generate import generate  # torch: loaded when sampling, not with the results
 
         return generate(self.model, self.params, prompt, tokens, temperature, seed)
-
-    # -- views ------------------------------------------------------------------------------
-    def comm_table(self, step: int | None = -1) -> list[dict]:
-        """Rows {rank, dim, op, calls, payload_bytes, wire_bytes} per rank x dim x op, for one
-        step (default: the last — the steady state) or summed over all steps (step=None)."""
-        wanted = None if step is None else (step % self.steps)
-        acc: dict[tuple, dict] = {}
-        for rk in self.ranks:
-            for e in rk.comm:
-                if wanted is not None and e.step != wanted:
-                    continue
-                row = acc.setdefault(
-                    (rk.rank, e.dim, e.op),
-                    {"rank": rk.rank, "dim": e.dim, "op": e.op, "calls": 0, "payload_bytes": 0, "wire_bytes": 0.0},
-                )
-                row["calls"] += 1
-                row["payload_bytes"] += e.payload_bytes
-                row["wire_bytes"] += e.wire_bytes
-        return [acc[k] for k in sorted(acc)]
-
-    def bubble_fraction(self, step: int = -1) -> dict:
-        """Idle fraction of each rank between the first and last compute span (F/B/W) of its
-        pipeline in the step: {'per_rank': {rank: f}, 'overall': mean}. 0 without a pipeline.
-
-        This is what (p-1)/(m+p-1) means: the pipeline's step lasts (m+p-1)(t_F+t_B) from the
-        first stage's first forward to its last backward, and each stage computes m(t_F+t_B) of
-        it. The window is taken per pipeline (ranks that differ only in pp), since data-parallel
-        replicas run their pipelines independently until the gradient reduction; time in
-        send/recv counts as idle, as in the formula (which assumes free communication)."""
-        wanted = step % self.steps
-        spans = {rk.rank: [e for e in rk.timeline if e.kind in COMPUTE_KINDS and e.step == wanted] for rk in self.ranks}
-        per = {r: 0.0 for r in spans}
-        if self.config.pp > 1:
-            pipelines: dict[tuple, list[int]] = defaultdict(list)
-            for rk in self.ranks:
-                pipelines[tuple(v for d, v in sorted(rk.coords.items()) if d != "pp")].append(rk.rank)
-            for ranks in pipelines.values():
-                everything = [e for r in ranks for e in spans[r]]
-                if not everything:
-                    continue
-                t0 = min(e.start for e in everything)
-                t1 = max(e.end for e in everything)
-                for r in ranks:
-                    per[r] = 1.0 - sum(e.end - e.start for e in spans[r]) / (t1 - t0)
-        return {"per_rank": per, "overall": float(np.mean(list(per.values()))) if per else 0.0}
-
-    def memory_table(self) -> list[dict]:
-        return [{"rank": rk.rank, **rk.memory} for rk in self.ranks]
 
     # -- persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -301,52 +266,34 @@ class RunResult:
         with open(path) as f:
             return cls.from_dict(json.load(f))
 
-    def trace(self) -> dict:
-        """Chrome / Perfetto trace (chrome://tracing, ui.perfetto.dev): one process per rank,
-        compute and step spans on one track, communication on another."""
-        events = []
-        for rk in self.ranks:
-            pid = rk.rank
-            events.append(
-                {"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"rank {rk.rank} {rk.coords}"}}
-            )
-            events.append({"ph": "M", "pid": pid, "tid": 0, "name": "thread_name", "args": {"name": "compute"}})
-            events.append({"ph": "M", "pid": pid, "tid": 1, "name": "thread_name", "args": {"name": "comm"}})
-            for e in rk.timeline:
-                label = e.kind if e.microbatch is None else f"{e.kind}{e.microbatch}"
-                events.append(
-                    {
-                        "ph": "X",
-                        "pid": pid,
-                        "tid": 0,
-                        "name": label,
-                        "ts": e.start * 1e6,
-                        "dur": (e.end - e.start) * 1e6,
-                        "args": {"microbatch": e.microbatch, "chunk": e.chunk, "step": e.step},
-                    }
-                )
-            for c in rk.comm:
-                end = c.end if c.end is not None else c.start
-                events.append(
-                    {
-                        "ph": "X",
-                        "pid": pid,
-                        "tid": 1,
-                        "name": f"{c.op}[{c.dim}]",
-                        "ts": c.start * 1e6,
-                        "dur": (end - c.start) * 1e6,
-                        "args": {
-                            "group": c.group,
-                            "numel": c.numel,
-                            "dtype": c.dtype,
-                            "wire_bytes": c.wire_bytes,
-                            "phase": c.phase,
-                            "seq": c.seq,
-                        },
-                    }
-                )
-        return {"traceEvents": events, "displayTimeUnit": "ms"}
+    # -- what a notebook shows ------------------------------------------------------------------
+    def compare(self, ref) -> Rows:
+        """The losses step by step beside a reference's (labkit.reference), with the relative
+        error; the result's card shows them from then on."""
+        self._reference_losses = list(ref.losses)
+        return self.loss_table()
 
-    def save_trace(self, path) -> None:
-        with open(path, "w") as f:
-            json.dump(self.trace(), f)
+    def loss_table(self) -> Rows:
+        """Rows {step, loss} per step (and reference, relative_error once `compare` was called)."""
+        ref = getattr(self, "_reference_losses", None)
+        rows = Rows({"step": s + 1, "loss": loss} for s, loss in enumerate(self.losses))
+        if ref is not None:
+            for row, r in zip(rows, ref):
+                row.update(reference=r, relative_error=abs(row["loss"] - r) / abs(r))
+        return rows
+
+    def _repr_html_(self) -> str:
+        cfg = self.config
+        facts = [
+            (
+                "layout",
+                f"{MeshLayout.of(cfg).describe()} ({cfg.order}), sharding={cfg.sharding}, impl={cfg.impl}, "
+                f"{cfg.precision}, microbatches={cfg.microbatches}",
+            ),
+            ("run", f"{self.steps} steps in {self.wall_seconds:.2f} s on {len(self.ranks)} ranks"),
+        ]
+        more, tables = self._glance()
+        tables.insert(
+            0, ("losses" + (" vs the reference" if hasattr(self, "_reference_losses") else ""), self.loss_table())
+        )
+        return card("RunResult", facts + more, tables)

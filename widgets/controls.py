@@ -41,6 +41,15 @@ HELP = {
 }
 
 
+LABEL = "110px"
+"""Controls' label column: 'virtual_stages' in full at JupyterLab's 13 px font."""
+
+
+def button_width(options) -> str:
+    """ToggleButtons wide enough for their longest label (~9 px a character, 30 px of padding)."""
+    return f"{9 * max(len(str(o)) for o in options) + 30}px"
+
+
 def offered(field: str, cfg: ParallelConfig, model: ModelConfig, engines: int) -> list[int]:
     """Values of a numeric field that add no problem to `cfg` (the current value always stays)."""
     current = getattr(cfg, field)
@@ -57,8 +66,8 @@ def _slider(field: str, value, options) -> W.SelectionSlider:
         description=field,
         continuous_update=False,
         tooltip=HELP.get(field, ""),
-        style={"description_width": "90px"},
-        layout=W.Layout(width="310px"),
+        style={"description_width": LABEL},
+        layout=W.Layout(width="330px"),
     )
 
 
@@ -72,7 +81,7 @@ def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: 
             options=list(opts),
             value=getattr(cfg, f),
             description=f,
-            style={"description_width": "90px", "button_width": f"{9 * max(map(len, opts)) + 30}px"},
+            style={"description_width": LABEL, "button_width": button_width(opts)},
         )
     for f in FLAGS:
         c[f] = W.Checkbox(value=getattr(cfg, f), description=f, indent=False)
@@ -83,8 +92,8 @@ def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: 
         description="order",
         ensure_option=False,
         continuous_update=False,
-        style={"description_width": "90px"},
-        layout=W.Layout(width="310px"),
+        style={"description_width": LABEL},
+        layout=W.Layout(width="330px"),
     )
     c["steps"] = W.IntSlider(
         value=steps,
@@ -92,8 +101,8 @@ def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: 
         max=20,
         description="steps",
         continuous_update=False,
-        style={"description_width": "90px"},
-        layout=W.Layout(width="310px"),
+        style={"description_width": LABEL},
+        layout=W.Layout(width="330px"),
     )
     for f, w in c.items():
         w.add_class(f"labkit-{f.replace('_', '-')}")  # stable handles for the browser test and CSS

@@ -11,7 +11,7 @@ invalid one shows its ConfigError inline and does not run) and, after a short de
 the one background thread to run it. The Lab is not safe to call concurrently, so that thread
 is the only caller and runs are serialised; the kernel's thread only reads controls and
 draws the mesh, so the notebook stays responsive while a run is in flight. The figures are
-rebuilt from the result by the pure builders in figures.py and shown in place (batch_update).
+rebuilt from the result by the pure builders in figures.py and shown in place (live.refresh).
 """
 
 from __future__ import annotations
@@ -43,8 +43,9 @@ TITLES = {
     "mesh": "Mesh",
     "loss": "Loss per step",
 }
-SIZE = dict(height=360, width=540)
-"""Fixed figure size: plotly's autosize measures its cell before the notebook has laid it out."""
+SIZE = dict(height=360)
+"""Fixed height; the width is the cell's (two figures a row), which a live figure follows
+(widgets/live_figure.js resizes a figure drawn before its cell was laid out)."""
 
 
 def describe(cfg: ParallelConfig) -> str:
@@ -110,7 +111,7 @@ class Dashboard:
         dims = list(DIMS) + ["-".join(c) for c in COMBINED if len(c) < len(DIMS)]
         self.mesh_dim = W.Dropdown(options=dims, value="dp", description="colour by", layout=W.Layout(width="220px"))
         self.ui = UI()
-        self.figures = {n: self.ui.watch(figure_widget(figures.empty_figure(TITLES[n]), **SIZE)) for n in NAMES}
+        self.figures = {n: figure_widget(figures.empty_figure(TITLES[n]), **SIZE) for n in NAMES}
         self.status = W.HTML(layout=W.Layout(width="640px")).add_class("labkit-status")
         self.progress = W.IntProgress(value=0, min=0, max=steps, description="step", layout=W.Layout(width="260px"))
         self.cancel_button = W.Button(description="cancel", icon="stop", disabled=True, button_style="warning")
@@ -155,7 +156,7 @@ class Dashboard:
             f"· {html.escape(str(self.lab.devices[0]))} · model Ψ = {theory.num_params(self.model):,}"
         )
         f = self.figures
-        cell = lambda *ws: W.VBox(list(ws))  # noqa: E731
+        cell = lambda *ws: W.VBox(list(ws), layout=W.Layout(width="50%"))  # noqa: E731
         grid = W.VBox(
             [
                 W.HBox([cell(f["memory"]), cell(f["comm"])]),
@@ -302,8 +303,9 @@ class Dashboard:
         return self._refs[key]
 
     def _draw(self, res) -> None:
+        measured = not hasattr(res, "config")  # a Measurement (lab.measure): no layout, no loss
         try:
-            est = theory.estimate(res.config, res.model)
+            est = None if measured else theory.estimate(res.config, res.model)
         except ConfigError:
             est = None
         new = {
@@ -311,14 +313,24 @@ class Dashboard:
             "comm": figures.comm_figure(res, est),
             "traffic": figures.traffic_figure(res),
             "timeline": figures.timeline_figure(res),
-            "loss": figures.loss_figure(res, self.reference),
+            "loss": figures.empty_figure(TITLES["loss"], "a measurement has no loss of its own")
+            if measured
+            else figures.loss_figure(res, self.reference),
         }
-        self.ui.call(self._show, new, res.config)
+        self.ui.call(self._show, new, None if measured else res.config)
 
-    def _show(self, new: dict, cfg: ParallelConfig) -> None:
+    def _show(self, new: dict, cfg: ParallelConfig | None) -> None:
         for name, fig in new.items():
             refresh(self.figures[name], fig, **SIZE)
-        self._draw_mesh(cfg)
+        if cfg is not None:
+            self._draw_mesh(cfg)
+
+    def show(self, result) -> None:
+        """Draw `result` in the panels: a RunResult, or a Measurement of your own code
+        (Lab.measure: memory, communication, traffic and timeline; no loss)."""
+        self._draw(result)
+        if self.ui.here:
+            self.ui.flush()
 
     # -- scripts and tests ------------------------------------------------------------------
     @property

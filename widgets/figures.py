@@ -20,6 +20,7 @@ from labkit.widgets.style import (
     CATEGORY_COLORS,
     KIB,
     OP_COLORS,
+    Palette,
     _figure,
     _layout,
     _level,
@@ -66,14 +67,14 @@ def memory_figure(result, estimate=None, capacity_bytes: float | None = None) ->
             hovertemplate=f"{cat}: %{{y:,.1f}} KiB<extra>%{{x}}</extra>",
         )
     extra = sorted({k for _, m in rows for k in m} - set(CATEGORIES) - {"peak"})
+    colors = Palette()
     for cat in extra:  # transient categories a strategy tracks (e.g. ZeRO-3's gathered params)
         fig.add_scatter(
             name=f"{cat} (peak)",
             x=ranks,
             y=[m.get(cat, 0) / KIB for _, m in rows],
             mode="markers",
-            marker_symbol="triangle-up",
-            marker_size=10,
+            marker=dict(symbol="triangle-up", size=10, color=colors(cat, "#B279A2")),
         )
     fig.add_scatter(
         name="peak",
@@ -110,13 +111,14 @@ def comm_figure(result, estimate=None) -> go.Figure:
     ranks = [f"r{r}" for r in rank_ids]
     keys = sorted({(row["dim"], row["op"]) for row in rows})
     fig = _figure()
+    colors = Palette()  # all_reduce on dp and on tp: two shades of the op's colour
     for dim, op in keys:
         by_rank = {row["rank"]: row for row in rows if row["dim"] == dim and row["op"] == op}
         fig.add_bar(
             name=f"{op} [{dim}]",
             x=ranks,
             y=[by_rank.get(r, {}).get("wire_bytes", 0) / KIB for r in rank_ids],
-            marker_color=OP_COLORS.get(op),
+            marker_color=colors(f"{op} [{dim}]", OP_COLORS.get(op, "#4D4D4D")),
             customdata=[by_rank.get(r, {}).get("calls", 0) for r in rank_ids],
             hovertemplate=f"{op} on {dim}: %{{y:,.1f}} KiB in %{{customdata}} calls<extra>%{{x}}</extra>",
         )
@@ -135,7 +137,7 @@ def comm_figure(result, estimate=None) -> go.Figure:
         fig.add_annotation(
             text="no communication in this layout", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper"
         )
-    return _layout(fig, "Communication per rank, one step (KiB sent, ring model)", barmode="stack", yaxis_title="KiB")
+    return _layout(fig, "Communication per rank, one step (KiB, ring model)", barmode="stack", yaxis_title="KiB sent")
 
 
 def traffic_matrix(result, step: int = -1) -> tuple[list[int], np.ndarray]:
@@ -198,7 +200,13 @@ def loss_figure(result, ref=None) -> go.Figure:
     """Loss per step of the run, and of the one-process reference when given."""
     steps = list(range(1, len(result.losses) + 1))
     fig = _figure()
-    fig.add_scatter(x=steps, y=result.losses, name=f"{result.config.impl} layout", mode="lines+markers")
+    fig.add_scatter(
+        x=steps,
+        y=result.losses,
+        name=f"{result.config.impl} layout",
+        mode="lines+markers",
+        line=dict(color=CATEGORY_COLORS["params"]),
+    )
     if ref is not None:
         fig.add_scatter(
             x=steps,
@@ -213,14 +221,19 @@ def loss_figure(result, ref=None) -> go.Figure:
 
 
 def report_figures(result, ref=None, estimate=None) -> dict[str, go.Figure]:
-    """Every figure of a run, by name (the CLI's HTML report and the dashboard use this)."""
+    """Every figure of a run or a measurement (labkit.Measurement: no loss, no pipeline
+    comparison), by name (the CLI's HTML report and the dashboard use this)."""
     figs = {
         "memory": memory_figure(result, estimate),
         "comm": comm_figure(result, estimate),
         "timeline": timeline_figure(result),
-        "loss": loss_figure(result, ref),
     }
-    if result.config.pp > 1:
+    config = getattr(result, "config", None)
+    if config is None:  # a Measurement: the user's code has its own loss
+        figs["traffic"] = traffic_figure(result)
+        return figs
+    figs["loss"] = loss_figure(result, ref)
+    if config.pp > 1:
         figs["pipeline"] = timeline_comparison_figure(result)
     return figs
 

@@ -1,19 +1,80 @@
-"""Showing a new go.Figure in an existing go.FigureWidget, in place and as one batch.
+"""Live figures: a plotly figure in a notebook output, redrawn in place.
 
-The widgets never rebuild their FigureWidgets: a notebook output keeps pointing at the same
-object, and the browser receives one batch of changes (`batch_update`) per figure. Only the
-properties that changed are set: plotly validates every property it is given, and on a
-redraw most of a figure (its style, axes, colours) is what it was.
+Why not plotly's go.FigureWidget. It keeps a figure in two channels: a full copy
+(`_widget_data`, `_widget_layout`: synced state, assigned only when the widget is displayed)
+and a stream of edits (`_py2js_addTraces`, `_py2js_restyle`, ... set and reset at once), which
+each view applies to its plot as it arrives. Its browser model applies those edits to a
+deserialized copy of its state and throws the copy away, so the state a new view draws from is
+the figure as it was when it was last displayed. A view made later — a cell scrolled into view
+in JupyterLab, which renders off-screen outputs late, a widget whose 5 MB module loaded after
+the edits — draws that old figure (or an empty one) and never receives the edits it missed;
+and a view that receives edits while its first, asynchronous newPlot still runs can end blank.
+That is why notebooks/08's second MeshView stayed an empty set of axes (it was healed by
+resending the whole figure up to 90 s later, which this module used to do).
+
+`LiveFigure` keeps one channel: the whole figure is its synced state (`_figure`, plotly's JSON,
+numpy arrays as typed arrays), and every view draws that state with Plotly.react, one draw after
+another (live_figure.js). A view made at any time draws the figure as it is now; a change that
+comes while a view draws waits for that draw. An unchanged figure sends nothing (the state is
+compared before it is sent), and react redraws only what changed.
 """
 
 from __future__ import annotations
 
 import collections
+import json
+import pathlib
 import threading
-from copy import deepcopy
 
+import anywidget
 import numpy as np
+import plotly
 import plotly.graph_objects as go
+import plotly.io as pio
+import traitlets
+
+_JS = pathlib.Path(__file__).with_name("live_figure.js")
+_PLOTLY = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
+
+
+def _module() -> str:
+    """The figure's browser module: plotly.js (the copy plotly's Python package ships) as a
+    string, evaluated once per page, and the view."""
+    return f"const PLOTLY_SOURCE = {json.dumps(_PLOTLY.read_text())};\n" + _JS.read_text()
+
+
+class LiveFigure(anywidget.AnyWidget):
+    """A go.Figure shown in a notebook output and redrawn in place by `show(fig)`.
+
+    `.figure` is the go.Figure shown; `.data`, `.layout` and `to_plotly_json()` read it, as on
+    a go.Figure."""
+
+    _esm = _module()
+    _figure = traitlets.Unicode("{}").tag(sync=True)
+
+    def __init__(self, fig: go.Figure | None = None, **layout):
+        super().__init__()
+        self.figure = go.Figure()
+        self.show(fig if fig is not None else go.Figure(), **layout)
+
+    def show(self, fig: go.Figure, **layout) -> None:
+        """Show `fig` (its layout updated with `layout`, e.g. a fixed height): every view of this
+        widget redraws it, and a view made later draws it too."""
+        if layout:
+            fig.update_layout(layout)
+        self.figure = fig
+        self._figure = pio.to_json(fig, validate=False)
+
+    @property
+    def data(self):
+        return self.figure.data
+
+    @property
+    def layout(self):
+        return self.figure.layout
+
+    def to_plotly_json(self) -> dict:
+        return self.figure.to_plotly_json()
 
 
 def same(a, b) -> bool:
@@ -30,81 +91,24 @@ def same(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
-def _changes(old: dict, new: dict) -> tuple[dict, list[str]]:
-    """Top-level keys of `new` whose values differ from `old`'s, and keys only `old` has."""
-    return ({k: v for k, v in new.items() if k not in old or not same(old[k], v)}, [k for k in old if k not in new])
-
-
-def _lines_up(old, new) -> bool:
-    """Same number of traces, of the same types and names: restyle in place."""
-    return len(old) == len(new) and all(a.type == b.type and a.name == b.name for a, b in zip(old, new))
-
-
-def refresh(fw: go.FigureWidget, fig: go.Figure, **layout) -> None:
+def refresh(fw: LiveFigure, fig: go.Figure, **layout) -> None:
     """Make `fw` show `fig` (then apply `layout` overrides, e.g. a fixed height)."""
-    new_layout = fig.layout.to_plotly_json()
-    new_layout.update(layout)
-    with fw.batch_update():
-        if _lines_up(fw.data, fig.data):
-            for old, new in zip(fw.data, fig.data):
-                changed, gone = _changes(old.to_plotly_json(), new.to_plotly_json())
-                for k in gone:
-                    if k not in ("type", "uid"):
-                        old[k] = None
-                if changed:
-                    old.update(changed, overwrite=True)
-        else:
-            fw.data = ()
-            fw.add_traces(list(fig.data))
-        changed, gone = _changes(fw.layout.to_plotly_json(), new_layout)
-        for k in gone:
-            fw.layout[k] = None
-        if changed:
-            fw.layout.update(changed, overwrite=True)
-    _send_state(fw)
+    fw.show(fig, **layout)
 
 
-def _send_state(fw: go.FigureWidget) -> None:
-    """Send the whole figure as well as the changes.
-
-    plotly's widget applies each change (addTraces, relayout, ...) to its model's copy of the
-    figure from a handler that exists only once the browser has loaded the widget's code (a
-    5 MB module, loaded after the model is created). Changes that arrive before are dropped,
-    and a view rendered from that copy shows a blank or stale figure — what a dashboard whose
-    first run ends while the page is still loading got. The full state (the traits the view
-    renders from) makes a late start show the figure as it is now."""
-    fw._widget_data = deepcopy(fw._data)
-    fw._widget_layout = deepcopy(fw._layout_obj._props)
-
-
-def resend(fw: go.FigureWidget) -> None:
-    """Send the whole figure to the browser again: every trace replaced, every layout property
-    relayouted. (Setting equal values through the public API sends nothing, so the layout goes
-    through the widget's own relayout message.)"""
-    traces = [t.to_plotly_json() for t in fw.data]
-    with fw.batch_update():
-        fw.data = ()
-        fw.add_traces(traces)
-    fw._send_relayout_msg(fw.layout.to_plotly_json())
-
-
-def figure_widget(fig: go.Figure, **layout) -> go.FigureWidget:
-    fw = go.FigureWidget(fig)
-    if layout:
-        fw.layout.update(layout)
-        _send_state(fw)
-    return fw
+def figure_widget(fig: go.Figure, **layout) -> LiveFigure:
+    return LiveFigure(fig, **layout)
 
 
 class UI:
     """Runs widget updates on the kernel's own thread.
 
-    A FigureWidget is not thread-safe: the browser answers each change with an edit id that the
-    kernel handles on its main thread, and a change sent meanwhile from another thread tangles
-    them (figures come out blank). So background threads hand their updates here; they run on
-    the kernel's IOLoop (`add_callback` is thread-safe), in order. Outside a kernel (scripts,
-    tests) there is no browser to answer and updates run at once, in the caller's thread.
-    `flush()` runs what is queued; call it from the kernel's thread while it blocks (wait()).
+    A widget's state sent from a background thread (the dashboard's worker, the explorer's comm
+    computation) could interleave with the kernel's own messages about the same widget; so
+    background threads hand their updates here, and they run on the kernel's IOLoop
+    (`add_callback` is thread-safe), in order. Outside a kernel (scripts, tests) there is no
+    browser and updates run at once, in the caller's thread. `flush()` runs what is queued;
+    call it from the kernel's thread while it blocks (wait()).
     """
 
     def __init__(self):
@@ -133,30 +137,6 @@ class UI:
             self._jobs.append((fn, args, kwargs))
             self.pending += 1
         self.loop.add_callback(self.flush)
-
-    HEAL_AFTER = (1.5, 6.0, 20.0, 45.0, 90.0)
-    """Seconds after a new view of a figure appears at which it is sent the whole figure again
-    (the late ones for a browser on a loaded machine: seen blank after 60 s with two cores
-    shared by three clusters and chromium; the heals cost a redraw of an unchanged figure)."""
-
-    def watch(self, fw: go.FigureWidget) -> go.FigureWidget:
-        """Heal new browser views of `fw`.
-
-        A plotly view that receives changes while it is still drawing its first plot (newPlot
-        is asynchronous, and slow on a busy machine) can end up blank: seen in chromium when
-        the first run finished while the page was still rendering. plotly's widget tracks its
-        views (`_view_count`); when one appears, the whole figure is sent again a few times
-        over the next seconds, which a healthy view redraws unchanged."""
-        if self.loop is None:
-            return fw
-
-        def appeared(change):
-            if (change["new"] or 0) > (change["old"] or 0):
-                for delay in self.HEAL_AFTER:
-                    self.loop.call_later(delay, resend, fw)
-
-        fw.observe(appeared, names="_view_count")
-        return fw
 
     def flush(self) -> None:
         while True:

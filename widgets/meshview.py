@@ -17,7 +17,7 @@ import ipywidgets as W
 from labkit.config import DIMS, ParallelConfig
 from labkit.plans.mesh import COMBINED, MeshLayout
 from labkit.widgets import figures
-from labkit.widgets.live import UI, figure_widget, refresh
+from labkit.widgets.live import figure_widget, refresh
 
 GROUPS_LISTED = 32
 
@@ -52,7 +52,7 @@ class MeshView:
         self.controls["ranks_per_host"] = W.BoundedIntText(
             value=ranks_per_host or 0, min=0, max=16384, description="ranks per host", **box
         )
-        self.figure = UI().watch(figure_widget(figures.empty_figure("Mesh", ""), height=520))
+        self.figure = figure_widget(figures.empty_figure("Mesh", ""), height=520)
         self.text = W.HTML()
         self.groups: list[list[int]] = []
         for w in self.controls.values():

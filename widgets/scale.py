@@ -37,6 +37,7 @@ from labkit.theory.planner import layout_problems
 from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF
 from labkit.widgets.at_scale import AtScale, at_scale, comm_at_scale, comm_cached, comm_work
+from labkit.widgets.controls import button_width
 from labkit.widgets.live import UI, figure_widget, refresh
 from labkit.widgets.plans import PlanPanel, gpu_memory_figure
 
@@ -58,7 +59,7 @@ class ScaleExplorer:
     """Controls for a model preset, a GPU count and the parallel degrees; five live figures (the
     lab theory's memory per stage, model states per ZeRO stage, communication, bubble, and the
     planner's GPU memory term by term); the planner's best layouts, a click opens one.
-    `.controls` (name -> widget), `.figures` (name -> FigureWidget), `.view` (the AtScale shown),
+    `.controls` (name -> widget), `.figures` (name -> LiveFigure), `.view` (the AtScale shown),
     `.plans` (the PlanPanel), `.timings` (seconds of the last update), `.wait()` (for a comm
     computation in the background)."""
 
@@ -96,26 +97,26 @@ class ScaleExplorer:
                 options=["gpipe", "1f1b", "interleaved"],
                 value="1f1b",
                 description="schedule",
-                style={"button_width": "70px"},
+                style={"button_width": button_width(["gpipe", "1f1b", "interleaved"])},
             ),
             "sharding": W.ToggleButtons(
                 options=["none", "zero1", "zero2", "zero3", "fsdp"],
                 value=sharding,
                 description="sharding",
-                style={"button_width": "56px"},
+                style={"button_width": button_width(["none", "zero1", "zero2", "zero3", "fsdp"])},
             ),
             "precision": W.ToggleButtons(
                 options=["fp32", "bf16", "fp8"],
                 value=precision,
                 description="precision",
-                style={"button_width": "56px"},
+                style={"button_width": button_width(["fp32", "bf16", "fp8"])},
             ),
             "sequence_parallel": W.Checkbox(value=False, description="sequence_parallel", indent=False),
             "checkpoint_activations": W.ToggleButtons(
                 options=[("none", False), ("selective", "selective"), ("op", "op"), ("full", True)],
                 value=False,
                 description="recompute",
-                style={"button_width": "70px"},
+                style={"button_width": button_width(["none", "selective", "op", "full"])},
             ),
             "capacity": W.Dropdown(options=list(CAPACITIES), value=list(CAPACITIES)[0], description="GPU", **box),
             "hardware": W.Dropdown(options=list(HARDWARE), value="h100", description="time on", **box),
@@ -124,10 +125,7 @@ class ScaleExplorer:
         """Uneven pipeline stages, set when a plan that has them is opened (no control of its own)."""
         self._degree_options(tp=tp, pp=pp)
         self.ui = UI()
-        self.figures = {
-            n: self.ui.watch(figure_widget(go.Figure(), height=340))
-            for n in ("memory", "zero", "comm", "bubble", "gpu")
-        }
+        self.figures = {n: figure_widget(go.Figure(), height=340) for n in ("memory", "zero", "comm", "bubble", "gpu")}
         self.plans = PlanPanel(self._question, self.open_plan)
         self.status = W.HTML().add_class("labkit-scale-status")
         self.error_box = W.HTML()

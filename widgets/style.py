@@ -4,21 +4,26 @@ layout that skips the default template."""
 
 from __future__ import annotations
 
+import colorsys
+
 import plotly.graph_objects as go
 
 CATEGORIES = ("params", "grads", "optimizer", "activations")
 CATEGORY_COLORS = {"params": "#4C78A8", "grads": "#F58518", "optimizer": "#54A24B", "activations": "#E45756"}
 OP_COLORS = {
-    "all_reduce": "#4C78A8",
-    "all_gather": "#72B7B2",
-    "reduce_scatter": "#F58518",
-    "all_to_all": "#B279A2",
-    "send": "#54A24B",
-    "recv": "#9D9D9D",
-    "broadcast": "#EECA3B",
-    "reduce": "#FF9DA6",
-    "barrier": "#BAB0AC",
+    "all_reduce": "#1F4E79",
+    "all_gather": "#0E7C7B",
+    "reduce_scatter": "#B35806",
+    "all_to_all": "#6A3D9A",
+    "send": "#1B7837",
+    "recv": "#5D6D7E",
+    "broadcast": "#B8860B",
+    "reduce": "#C51B7D",
+    "scatter": "#8C510A",
+    "gather": "#35978F",
+    "barrier": "#4D4D4D",
 }
+"""Dark, saturated: communication never shares a colour with a microbatch (light, Tableau 10)."""
 MICROBATCH_COLORS = [
     "#4C78A8",
     "#F58518",
@@ -33,8 +38,46 @@ MICROBATCH_COLORS = [
 ]
 KIND_PATTERNS = {"F": "", "B": "/", "W": "x"}
 """Forward solid, backward hatched, weight-gradient cross-hatched: F/B/W told apart in one colour."""
-KIND_COLORS = {"sync": "#BAB0AC", "opt": "#9D755D", "send": "#54A24B", "recv": "#9D9D9D"}
-"""Spans outside any microbatch: waiting for the gradient reduction, the optimizer step, ..."""
+KIND_COLORS = {"sync": "#8E8E8E", "opt": "#7B4F2C", "send": "#2E8B57", "recv": "#708090"}
+"""Spans outside any microbatch: waiting for the gradient reduction, the optimizer step, ...;
+a user's own regions (lab.measure) start from REGION_COLOR."""
+REGION_COLOR = "#9E9AC8"
+
+
+def shade(color: str, k: int) -> str:
+    """The k-th variant of a colour (k = 0: the colour itself): k = 1..6 alternately lighter and
+    darker, by 30%, 60% and 90% towards white or black; from k = 7 on, its hue turned by 47°
+    steps (coprime to 360: 360 different hues before one comes back)."""
+    color = color.upper()
+    rgb = [int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+    if k == 0:
+        return color
+    if k <= 6:
+        t, target = 0.3 * ((k + 1) // 2), 1.0 if k % 2 else 0.0
+        out = [c + (target - c) * t for c in rgb]
+    else:
+        h, light, sat = colorsys.rgb_to_hls(*rgb)
+        out = colorsys.hls_to_rgb((h + (k - 6) * 47 / 360) % 1.0, light, sat)
+    return "#" + "".join(f"{round(255 * c):02X}" for c in out)
+
+
+class Palette:
+    """The colours of one figure's series: each gets its preferred colour, or, when another
+    series of the figure has it already (all_reduce on dp and on tp; the eleventh microbatch),
+    the first shade of it no series has: no two series of a figure share a colour."""
+
+    def __init__(self):
+        self.of: dict[str, str] = {}
+
+    def __call__(self, name: str, preferred: str) -> str:
+        if name not in self.of:
+            taken, k = set(self.of.values()), 0
+            while shade(preferred, k) in taken and k < 400:  # past 366 shades, one repeats
+                k += 1
+            self.of[name] = shade(preferred, k)
+        return self.of[name]
+
+
 KIB = 1024
 
 

@@ -11,6 +11,7 @@ from labkit.widgets.style import (
     CATEGORY_COLORS,
     MICROBATCH_COLORS,
     OP_COLORS,
+    Palette,
     _figure,
     _layout,
     _level,
@@ -71,13 +72,14 @@ def stage_comm_figure(view) -> go.Figure:
     x = [f"stage {s}" for s in view.stages]
     keys = sorted({(r["dim"], r["op"]) for rows in view.comm for r in rows})
     fig = _figure()
+    colors = Palette()
     for dim, op in keys:
         y = [sum(r["wire_bytes"] for r in rows if (r["dim"], r["op"]) == (dim, op)) / GB for rows in view.comm]
         fig.add_bar(
             name=f"{op} [{dim}]",
             x=x,
             y=y,
-            marker_color=OP_COLORS.get(op),
+            marker_color=colors(f"{op} [{dim}]", OP_COLORS.get(op, "#4D4D4D")),
             hovertemplate=f"{op} on {dim}: %{{y:,.2f}} GB<extra>%{{x}}</extra>",
         )
     if view.comm_pending:
@@ -89,7 +91,7 @@ def stage_comm_figure(view) -> go.Figure:
     if note:
         fig.add_annotation(text=note, showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper")
     return _layout(
-        fig, "Communication per GPU per step, predicted (GB sent, ring model)", barmode="stack", yaxis_title="GB"
+        fig, "Communication per GPU per step, predicted (GB)", barmode="stack", yaxis_title="GB sent (ring model)"
     )
 
 
@@ -99,7 +101,8 @@ def bubble_figure(view, most: int = 64) -> go.Figure:
     cfg = view.config
     ms = list(range(1, max(most, cfg.microbatches) + 1))
     fig = _figure()
-    for v, color in sorted({(1, MICROBATCH_COLORS[0]), (cfg.virtual_stages, MICROBATCH_COLORS[1])}):
+    curves = {1: MICROBATCH_COLORS[0], cfg.virtual_stages: MICROBATCH_COLORS[1]}  # one curve when v = 1
+    for v, color in sorted(curves.items()):
         fig.add_scatter(
             x=ms, y=[pipeline_bubble(cfg.pp, m, v) for m in ms], mode="lines", name=f"v = {v}", line=dict(color=color)
         )

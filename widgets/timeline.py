@@ -12,9 +12,24 @@ from labkit.widgets.style import (
     KIND_PATTERNS,
     MICROBATCH_COLORS,
     OP_COLORS,
+    REGION_COLOR,
+    Palette,
     _figure,
     _layout,
 )
+
+
+def span_label(kind: str, microbatch=None, chunk=None) -> str:
+    """'F mb=0', 'B mb=3 chunk=1', 'opt': what a span is, its unset fields left out."""
+    parts = [kind] + [f"{k}={v}" for k, v in (("mb", microbatch), ("chunk", chunk)) if v is not None]
+    return " ".join(parts)
+
+
+def _preferred(name: str, kind: str, microbatch) -> str:
+    """A series' own colour: its microbatch's, its op's (comm lanes), its kind's, or a region's."""
+    if microbatch is not None and microbatch >= 0:
+        return MICROBATCH_COLORS[microbatch % len(MICROBATCH_COLORS)]
+    return OP_COLORS.get(name.split(" [")[0]) if " [" in name else KIND_COLORS.get(kind, REGION_COLOR)
 
 
 def timeline_figure(result, step: int = -1) -> go.Figure:
@@ -29,7 +44,7 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
 
     def bar(name: str, color: str, y: str, start: float, end: float, text: str, hover: str, pattern: str = ""):
         t = traces.setdefault(
-            name, {"color": color, "y": [], "x": [], "base": [], "text": [], "hover": [], "pattern": []}
+            name, {"preferred": color, "y": [], "x": [], "base": [], "text": [], "hover": [], "pattern": []}
         )
         t["y"].append(y)
         t["x"].append(max((end - start) * 1e3, 1e-3))
@@ -44,15 +59,15 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
             if e.step != wanted or e.kind == "step":
                 continue
             mb = e.microbatch if e.microbatch is not None else -1
-            color = MICROBATCH_COLORS[mb % len(MICROBATCH_COLORS)] if mb >= 0 else KIND_COLORS.get(e.kind, "#BAB0AC")
+            name = f"mb {mb}" if mb >= 0 else e.kind
             bar(
-                f"mb {mb}" if mb >= 0 else e.kind,
-                color,
+                name,
+                _preferred(name, e.kind, mb),
                 y,
                 e.start,
                 e.end,
                 f"{e.kind}{'' if mb < 0 else mb}{f'.{e.chunk}' if e.chunk else ''}",
-                f"{e.kind} mb={e.microbatch} chunk={e.chunk}<br>{(e.start - t0) * 1e3:.2f}–"
+                f"{span_label(e.kind, e.microbatch, e.chunk)}<br>{(e.start - t0) * 1e3:.2f}–"
                 f"{(e.end - t0) * 1e3:.2f} ms<br>{y}",
                 KIND_PATTERNS.get(e.kind, ""),
             )
@@ -61,7 +76,7 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
                 continue
             bar(
                 f"{c.op} [{c.dim}]",
-                OP_COLORS.get(c.op, "#BAB0AC"),
+                OP_COLORS.get(c.op, "#4D4D4D"),
                 f"{y} comm",
                 c.start,
                 c.end,
@@ -69,6 +84,9 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
                 f"{c.op} on {c.dim} {c.group}<br>{c.payload_bytes:,} B<br>{y}",
             )
     fig = _figure()
+    colors = Palette()
+    for name in sorted(traces, key=_series_order):  # colours by a fixed order, not by arrival
+        colors(name, traces[name]["preferred"])
     for name, t in traces.items():
         fig.add_bar(
             y=t["y"],
@@ -80,7 +98,7 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
             textposition="inside",
             hovertext=t["hover"],
             hovertemplate="%{hovertext}<extra></extra>",
-            marker=dict(color=t["color"], pattern_shape=t["pattern"], line=dict(width=0.5, color="white")),
+            marker=dict(color=colors.of[name], pattern_shape=t["pattern"], line=dict(width=0.5, color="white")),
         )
     bubble = result.bubble_fraction(step)["overall"]
     used = {y for t in traces.values() for y in t["y"]}
@@ -91,6 +109,13 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
     )
 
 
+def _series_order(name: str) -> tuple:
+    """Microbatches in their order, then the spans' kinds, then the comm lanes (op [dim])."""
+    if name.startswith("mb ") and name[3:].isdigit():
+        return (0, int(name[3:]), "")
+    return (2 if " [" in name else 1, 0, name)
+
+
 def _gantt(
     fig: go.Figure, spans: list[dict], row: int | None = None, unit: str = "ms", seen: set | None = None
 ) -> None:
@@ -98,13 +123,15 @@ def _gantt(
     F/B/W coloured by microbatch and hatched by kind; send/recv grey on the rank's comm lane."""
     seen = set() if seen is None else seen
     where = {} if row is None else {"row": row, "col": 1}
+    colors = Palette()
     for e in spans:
         mb, kind = e["microbatch"], e["kind"]
         compute = kind in KIND_PATTERNS or kind == "F"
         name = f"mb {mb}" if compute else kind
         y = e["y"] if compute else f"{e['y']} comm"
         chunk = f".{e['chunk']}" if e.get("chunk") else ""
-        color = MICROBATCH_COLORS[mb % len(MICROBATCH_COLORS)] if compute else OP_COLORS.get(kind, "#BAB0AC")
+        own = MICROBATCH_COLORS[mb % len(MICROBATCH_COLORS)] if compute else KIND_COLORS.get(kind, "#4D4D4D")
+        color = colors(name, own)
         fig.add_trace(
             go.Bar(
                 y=[y],
@@ -119,7 +146,7 @@ def _gantt(
                 marker=dict(
                     color=color, pattern_shape=KIND_PATTERNS.get(kind, ""), line=dict(width=0.5, color="white")
                 ),
-                hovertemplate=f"{kind} mb={mb} chunk={e.get('chunk')}<br>%{{base:.3g}}–{e['end']:.3g} {unit}"
+                hovertemplate=f"{span_label(kind, mb, e.get('chunk'))}<br>%{{base:.3g}}–{e['end']:.3g} {unit}"
                 f"<extra>{e['y']}</extra>",
             ),
             **where,
