@@ -8,7 +8,8 @@ step time is `common.steady_step_time`: the runs' own per-step times (perf_count
 step on each rank), the first (warm-up) step dropped, median over steps then over ranks.
 
 Rows:
-- ours / PyTorch for DDP, ZeRO-3 (vs FSDP2), TP (vs DTensor) and 1F1B (vs pipelining): step time;
+- ours / PyTorch for DDP, ZeRO-3 (vs FSDP2), TP (vs DTensor), 1F1B, ZB-H1 and ZB-V (vs
+  pipelining's Schedule1F1B, ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble): step time;
 - the collective log: step time with it / without it (`lab.run(..., _comm_log=False)`);
 - dashboard: a control change -> all figures redrawn (benchmarks/dashboard.py);
 - a warm Lab re-running a changed layout, 1 step, vs the same step launched afresh with
@@ -46,6 +47,14 @@ PAIRS = {  # name -> (ours, PyTorch's) on the same 4 ranks
     "1F1B / pipelining 1F1B": (
         P(pp=4, microbatches=4, schedule="1f1b"),
         P(pp=4, microbatches=4, schedule="1f1b", impl="torch"),
+    ),
+    "ZB-H1 / pipelining ZB1P": (  # torch's ScheduleInterleavedZeroBubble with one stage per rank
+        P(pp=4, microbatches=4, schedule="zbh1"),
+        P(pp=4, microbatches=4, schedule="zbh1", impl="torch"),
+    ),
+    "ZB-V / pipelining ZBV": (  # 2 ranks: the default model's 4 layers are 2p chunks
+        P(pp=2, virtual_stages=2, microbatches=4, schedule="zbv"),
+        P(pp=2, virtual_stages=2, microbatches=4, schedule="zbv", impl="torch"),
     ),
 }
 COMM_LOG = {"collective log, DDP": P(dp=4), "collective log, TP": P(tp=4)}

@@ -17,7 +17,6 @@ from contextlib import nullcontext
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import ModelConfig, ParallelConfig
@@ -26,7 +25,7 @@ from labkit.engines.model import aux_loss
 from labkit.engines.p2p import Link
 from labkit.engines.precision import policy
 from labkit.plans import text
-from labkit.plans.schedules import rank_chunk_of, stage_of
+from labkit.plans.schedules import rank_chunk_of, stage_of, style
 
 
 def _unwrap(module: nn.Module) -> nn.Module:
@@ -69,7 +68,11 @@ def validation_share(
     index, count: this rank's slice of a global batch (train.data_index)."""
     batches = text.validation_offsets(model.seq, cfg.global_batch).reshape(-1, cfg.global_batch)
     # DTensor's vocab-parallel loss runs under loss_parallel(), as parallelize wraps the training schedule
-    parallel_loss = loss_parallel() if cfg.impl == "torch" and cfg.tp > 1 else nullcontext()
+    parallel_loss = nullcontext()
+    if cfg.impl == "torch" and cfg.tp > 1:
+        from torch.distributed.tensor.parallel import loss_parallel  # DTensor: only its runs load it
+
+        parallel_loss = loss_parallel()
     total = 0.0
     with torch.no_grad(), parallel_loss:
         for offsets in batches:
@@ -80,19 +83,22 @@ def validation_share(
             mbs = [rank_model.inputs(t, y) for t, y in data.microbatches(tokens, targets, cfg.microbatches)]
             if mesh.size("pp") > 1:
                 seq_split = mesh.size("tp") if cfg.sequence_parallel else 1
-                total += _pipeline_forward(rank_model.chunks, mesh, mbs, model.hidden, cfg.precision, seq_split)
+                total += _pipeline_forward(
+                    rank_model.chunks, mesh, mbs, model.hidden, cfg.precision, seq_split, style(cfg.schedule)
+                )
             else:
                 total += sum(float(lm_loss(rank_model.chunks[0], *mb)) for mb in mbs) / len(mbs)
     return total / len(batches)
 
 
-def _pipeline_forward(chunks, mesh, mbs, hidden: int, precision: str, seq_split: int) -> float:
+def _pipeline_forward(chunks, mesh, mbs, hidden: int, precision: str, seq_split: int, placement: str = "loop") -> float:
     """Forward every microbatch through the pipeline; returns the last stage's mean loss (0 elsewhere).
 
     Each rank takes its (microbatch, chunk) pairs in the order (microbatch, virtual stage), the
     same total order on every rank, and only a receive blocks (sends are posted asynchronously and
     waited at the end): the first pair not yet done anywhere has its input sent already, so the
-    forwards cannot deadlock. Activations cross in the compute dtype, s/tp rows each under SP."""
+    forwards cannot deadlock. Activations cross in the compute dtype, s/tp rows each under SP; in a
+    V (`placement` 'v') rank p-1 hands its stage p-1's output to its stage p directly."""
     p, r, v = mesh.size("pp"), mesh.coord("pp"), len(chunks)
     group, peers, last = mesh.group("pp"), mesh.ranks("pp"), p * v - 1
     b, s = mbs[0][0].shape
@@ -101,19 +107,23 @@ def _pipeline_forward(chunks, mesh, mbs, hidden: int, precision: str, seq_split:
     link = Link(group)  # one batch per message: NCCL-safe, staged through host memory under gloo + CUDA
     total, sends = 0.0, []
     for mb, (tokens, targets, positions) in enumerate(mbs):
-        for c, chunk in enumerate(chunks):
-            chunk, stage = _unwrap(chunk), stage_of(r, c, p)
+        y = None
+        for c in sorted(range(v), key=lambda c: stage_of(r, c, p, placement)):
+            chunk, stage = _unwrap(chunks[c]), stage_of(r, c, p, placement)
             x = tokens
-            if stage > 0:  # tag: (microbatch, receiving stage), unique per message
+            if stage > 0 and rank_chunk_of(stage - 1, p, placement)[0] == r:
+                x = y  # this rank's own previous stage
+            elif stage > 0:  # tag: (microbatch, receiving stage), unique per message
                 x = torch.empty(shape, dtype=dtype, device=device)
-                src = peers[rank_chunk_of(stage - 1, p)[0]]
+                src = peers[rank_chunk_of(stage - 1, p, placement)[0]]
                 link.batch(recvs=[(x, src, mb * (last + 1) + stage)]).wait()
             if stage == last:
                 total += float(lm_loss(chunk, x, targets, positions))
             else:
                 y = chunk(x, None, positions).contiguous()  # (b, s, h)
-                dst = peers[rank_chunk_of(stage + 1, p)[0]]
-                sends.append((link.batch(sends=[(y, dst, mb * (last + 1) + stage + 1)]), y))
+                dst = rank_chunk_of(stage + 1, p, placement)[0]
+                if dst != r:
+                    sends.append((link.batch(sends=[(y, peers[dst], mb * (last + 1) + stage + 1)]), y))
             aux_loss(chunk)  # take off the MoE balance terms this forward recorded
     for work, _ in sends:
         work.wait()

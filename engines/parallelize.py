@@ -55,12 +55,6 @@ from labkit.engines.parallel.fsdp import apply_fsdp, apply_fsdp_torch
 from labkit.engines.parallel.pipeline import apply_pipeline, pipeline_executor
 from labkit.engines.parallel.pipeline_torch import TorchSchedule, TorchStageGrads
 from labkit.engines.parallel.tensor import apply_tp
-from labkit.engines.parallel.tensor_torch import (
-    TorchTP,
-    apply_tp_torch,
-    in_loss_parallel,
-    tp_device_mesh,
-)
 from labkit.engines.parallel.zero import apply_zero
 from labkit.engines.precision import policy
 from labkit.plans.mesh import DATA_DIMS
@@ -96,6 +90,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
     # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py, or DTensor's
     if cfg.tp > 1 and cfg.impl == "torch":
+        # DTensor's package holds ~45 MB per process: only runs with impl='torch' load it
+        from labkit.engines.parallel.tensor_torch import apply_tp_torch, in_loss_parallel, tp_device_mesh
+
         tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharding == "fsdp")
         model, info["tp_plan"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
         schedule = in_loss_parallel(schedule)
@@ -118,7 +115,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     # 5. pipeline parallelism: engines/parallel/pipeline.py; its schedule ours, or torch.distributed.pipelining's
     chunks = [model]
     if mesh.size("pp") > 1:
-        chunks, stages = apply_pipeline(model, mesh, virtual_stages=cfg.virtual_stages, stage_layers=cfg.stage_layers)
+        chunks, stages = apply_pipeline(
+            model, mesh, virtual_stages=cfg.virtual_stages, stage_layers=cfg.stage_layers, schedule=cfg.schedule
+        )
         info["pipeline"] = {"schedule": cfg.schedule, **stages}
         if cfg.impl == "torch":
             schedule = TorchSchedule(
@@ -146,7 +145,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         sync = apply_fsdp_torch(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim, meters=meters)
     elif cfg.sharding == "fsdp":
         sync = apply_fsdp(
-            chunks[0],
+            chunks,
             mesh,
             reshard=cfg.reshard_after_forward,
             pol=pol,
@@ -168,6 +167,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     elif cfg.impl == "torch" and mesh.size("pp") > 1:
         sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)  # PyTorch's DDP per stage chunk
     elif cfg.impl == "torch" and cfg.tp > 1:
+        from labkit.engines.parallel.tensor_torch import TorchTP  # DTensor: only its runs load it
+
         sync = TorchTP(chunks[0], mesh, optim)  # no dp: labkit.config refuses DDP with DTensor TP
     elif cfg.impl == "torch":
         sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), cfg.bucket_mb, optim)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import gc
+import importlib
 import os
 import socket
 import sys
@@ -38,7 +39,7 @@ import time
 import traceback
 from dataclasses import dataclass, field
 
-from labkit.engines import flight, group_log
+from labkit.engines import flight, group_log, rendezvous
 
 PG_MARGIN_S = 2.0
 """A job's process groups time out this much later than the Lab gives up on the job, so the Lab
@@ -131,9 +132,13 @@ def init_distributed(
     threads: int,
     loopback: bool,
     env: dict | None = None,
+    ifname: str | None = None,
+    memory_fraction: float | None = None,
 ) -> dict:
     """Join the process group (tearing down an old one first). Returns this rank's Runtime.
-    env: variables to set first (the notebook's NCCL_* and GLOO_SOCKET_IFNAME, labkit/world.py)."""
+    env: variables to set first (the notebook's NCCL_* and GLOO_SOCKET_IFNAME, labkit/world.py);
+    ifname: the interface this host's ranks talk on (labkit/world.py), unless env names one;
+    memory_fraction: the cap on this rank's share of its GPU (a classroom's shared GPUs)."""
     import torch  # engines only, like the comm meter that imports it
     import torch.distributed as dist
 
@@ -145,6 +150,9 @@ def init_distributed(
     os.environ.update(env or {})
     if loopback:
         os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on 127.0.0.1
+    elif ifname:  # gloo listens and connects on the cluster's network only, NCCL bootstraps there
+        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+            os.environ[name] = (env or {}).get(name) or ifname
     # On a timeout NCCL's watchdog aborts the communicators and leaves the process alive (2:
     # CleanUpOnly; the default tears the process down), so the Lab can still read this rank's
     # logs and the next call rebuilds the groups. Read by ProcessGroupNCCL when a group is made.
@@ -163,6 +171,8 @@ def init_distributed(
     _state.store = store
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+        if memory_fraction:
+            torch.cuda.set_per_process_memory_fraction(memory_fraction, torch.device(device))
     dist.init_process_group(
         backend,
         store=store,
@@ -175,6 +185,12 @@ def init_distributed(
     group_log.install(_group_timeout)
     _state.runtime = Runtime(rank, world_size, backend, device, socket.gethostname(), timeout_s, generation)
     _state.runtime.clock_offset = _clock_offset()
+    if rank == 0 and backend == "gloo":
+        # Every rank's store client has connected by now (gloo's rendezvous read each rank's
+        # address from the store), and gloo's later groups reuse those connections: the store,
+        # which has no authentication, stops taking new ones. NCCL's communicator splits clone
+        # the store (a new connection), so on NCCL it listens for as long as the world.
+        rendezvous.seal(fd, (addr, port))
     return _state.runtime.__dict__.copy()
 
 
@@ -210,6 +226,7 @@ def shutdown_distributed() -> None:
     Mesh.forget_groups()
     comm.forget_groups()  # group names are reused by the next world: drop their cached ranks
     _state.store = None  # the TCPStore (and on rank 0 its listening socket) goes with it
+    rendezvous.forget()
     _state.runtime = None
     # A gloo group closes its connections only when its last reference goes, and a finished
     # run's DDP keeps its groups in reference cycles (gradient hooks): collect them now, or the
@@ -366,6 +383,12 @@ def check_cancelled() -> None:
     """Called by engine code between steps and microbatches."""
     if _state.job.cancel.is_set():
         raise Cancelled()
+
+
+def call_named(target: str, *args, **kwargs):
+    """target ('module:function') imported here and called: the Lab names it, never imports it."""
+    module, _, name = target.partition(":")
+    return getattr(importlib.import_module(module), name)(*args, **kwargs)
 
 
 def call_pickled(blob: bytes, *args, **kwargs):

@@ -7,6 +7,7 @@ from labkit import theory
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from labkit.dryrun import dry_run
 from labkit.errors import Cancelled, CollectiveTimeout, EngineDied, LabError, RankError
+from labkit.measurement import Measurement
 from labkit.reference import Reference, reference
 from labkit.results import CommEvent, Event, RankReport, RunResult
 from labkit.validation import validate
@@ -19,11 +20,18 @@ def __getattr__(name):
         )
 
         return Lab
+    if name in ("track", "region"):  # called inside lab.measure, on the engines: they import torch
+        from labkit.engines import tracking
+
+        return getattr(tracking, name)
     raise AttributeError(f"module 'labkit' has no attribute {name!r}")
 
 
 __all__ = [
     "Lab",
+    "Measurement",
+    "track",
+    "region",
     "dry_run",
     "ParallelConfig",
     "ModelConfig",

@@ -106,8 +106,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
     cfg = ParallelConfig(**parallel)
     model = ModelConfig(**_pick(ns, ModelConfig, "model_"))
     engines = ns.engines or max(4, cfg.world)
-    print(f"starting {engines} engines ...", flush=True)
-    with Lab(engines=engines, backend=ns.backend, timeout=ns.timeout) as lab:
+    with Lab(engines=engines, backend=ns.backend, timeout=ns.timeout, progress=True) as lab:  # text bars
         print(lab, flush=True)
         res = lab.run(cfg, model=model, steps=ns.steps, seed=ns.seed, return_params=True)
     ref = reference(model, steps=ns.steps, seed=ns.seed, global_batch=cfg.global_batch)  # fp32: the oracle

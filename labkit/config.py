@@ -16,7 +16,8 @@ DIMS = ("tp", "cp", "ep", "dp", "pp")
 """The mesh dimensions, in the default order (innermost first, Megatron's convention)."""
 
 SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
+"""Pipeline schedules (labkit/plans/orders.py); the last three split backward into B and W."""
 IMPLS = ("lab", "torch")
 PRECISIONS = ("fp32", "bf16", "fp8")
 CHECKPOINTING = (False, True, "full", "selective", "op")
@@ -204,9 +205,11 @@ class ParallelConfig(_Dict):
     microbatches: int = 1
     """Microbatches per step: pipeline microbatches, or gradient accumulation when pp == 1."""
     schedule: str = "1f1b"
-    """Pipeline schedule: 'gpipe', '1f1b' or 'interleaved' (needs virtual_stages > 1)."""
+    """Pipeline schedule: 'gpipe', '1f1b', 'interleaved' (needs virtual_stages > 1), or a
+    zero-bubble one, whose backward is split into input and weight gradients: 'zbh1' (1F1B's
+    memory), 'zbv' and 'dualpipev' (two chunks per rank in a V: virtual_stages=2)."""
     virtual_stages: int = 1
-    """Model chunks per pipeline rank (interleaved 1F1B)."""
+    """Model chunks per pipeline rank (interleaved 1F1B; 2 for the V schedules)."""
     stage_layers: tuple[int, ...] = ()
     """Blocks of each virtual stage, in stage order (pp * virtual_stages entries summing to the
     model's layers), for uneven stages: Llama 3.1 405B's 126 layers on 8 stages as

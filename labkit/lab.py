@@ -3,6 +3,7 @@
     with Lab(engines=4) as lab:                 # local cluster, 127.0.0.1 only
         res = lab.run(ParallelConfig(dp=4), model=ModelConfig(), steps=3)
 
+    Lab(engines=8, launcher="slurm", partition="gpu", time="1:00:00")   # engines from a scheduler
     lab = Lab.connect(profile="slurm")          # a cluster started elsewhere (ipcluster)
 
 The Lab checks arguments and turns results into RunResults; it owns the cluster side as two
@@ -26,15 +27,20 @@ import warnings
 
 import cloudpickle
 
-from labkit import engine_set, magics
+from labkit import engine_set, launchers, magics
+from labkit import progress as bars
 from labkit.arguments import run_problems, timeout_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.engine_set import EngineSet
 from labkit.engines import runtime
+from labkit.engines.measure import measure_rank
+from labkit.gpus import gpu_problems
 from labkit.jobs import JobRunner
+from labkit.measurement import Measurement
 from labkit.plans.mesh import MeshLayout
-from labkit.progress import StepProgress, print_progress
+from labkit.progress import StepProgress, step_note
 from labkit.results import RunResult
+from labkit.table import Rows, card
 from labkit.validation import data_problems, optim_problems, validate
 from labkit.world import layout_problems
 
@@ -55,7 +61,15 @@ def _by_value(fn) -> bytes:
 class Lab:
     """A local ipyparallel cluster (or a connection to one) ready to run parallel layouts.
 
-    engines: how many engines (ranks) to start locally.
+    engines: how many engines (ranks) to start.
+    launcher: who starts them, through ipyparallel's launchers (labkit/launchers.py): 'local'
+              (processes here), 'mpi' (mpiexec; hosts={'node': n}, hostfile=, mpi_args=,
+              oversubscribe=), 'slurm' (sbatch + srun; partition=, time=, account=, qos=, nodes=,
+              gpus_per_task=, sbatch_options=[...]) or 'ssh' (hosts={'node': n}, python=, ssh_cmd=);
+              each also takes controller_ip= or interface= (where the controller listens). Every
+              process the Lab starts ends within seconds when the kernel dies (labkit/watchdog.py).
+    gpus: None (every GPU), a list of GPU indices, or 'auto' (the least used: labkit/gpus.py), with
+          ranks_per_gpu (for 'auto') and gpu_memory_fraction (each rank's cap on its GPU's memory).
     backend: 'auto' (nccl when every engine has a GPU of its own, else gloo), 'gloo' or 'nccl'.
     device: 'auto' (a GPU each under nccl, else the CPU), 'cpu', or 'cuda': ranks on the GPUs
             even when several share one — NCCL refuses two ranks on one GPU, so with more engines
@@ -64,7 +78,9 @@ class Lab:
             only: code that builds CPU tensors says device='cpu' (labkit/world.py decides).
     timeout: seconds a run or apply may take before it is diagnosed as a hang (default for the
              calls' own `timeout`; each job's process groups time out just after it).
-    progress: print one line per step (True), stay quiet (False), or call progress(record).
+    progress: 'auto' (a bar that updates in place while engines start and runs run: a widget in a
+              notebook, text on a terminal, nothing where nobody watches, e.g. tests), True (a
+              bar wherever), False (quiet), or a function called with each step's record.
 
     Thread-safe: one call runs at a time (others wait, bounded); `cancel()` may come from any
     thread (a widget's button) and stops the call in progress.
@@ -77,12 +93,17 @@ class Lab:
         engines: int = 4,
         backend: str = "auto",
         timeout: float = DEFAULT_TIMEOUT_S,
-        progress=True,
+        progress="auto",
         *,
         device: str = "auto",
+        launcher: str = "local",
+        gpus=None,
+        ranks_per_gpu: int | None = None,
+        gpu_memory_fraction: float | None = None,
         _client=None,
         _cluster=None,
         master_addr: str | None = None,
+        **launcher_options,
     ):
         bad = timeout_problems(timeout)
         if _client is None and (not isinstance(engines, int) or isinstance(engines, bool) or engines < 1):
@@ -93,8 +114,15 @@ class Lab:
             bad.append(f"device={device!r} is not one of ['auto', 'cpu', 'cuda']; try 'auto'")
         if device == "cpu" and backend == "nccl":
             bad.append("backend='nccl' needs GPUs; use device='auto' or 'cuda', or backend='gloo' on the CPU")
-        if not (progress is None or isinstance(progress, bool) or callable(progress)):
-            bad.append(f"progress={progress!r} must be True, False or a function of one record")
+        if not (progress is None or progress == "auto" or isinstance(progress, bool) or callable(progress)):
+            bad.append(f"progress={progress!r} must be 'auto', True, False or a function of one record")
+        if _client is None:
+            bad += launchers.launcher_problems(launcher, engines, launcher_options)
+            bad += gpu_problems(gpus, launcher, ranks_per_gpu, gpu_memory_fraction)
+        elif launcher_options:
+            bad.append(
+                f"{sorted(launcher_options)}: unknown arguments (launcher options need a Lab that starts its cluster)"
+            )
         if bad:
             raise ConfigError(bad)
         self.timeout = float(timeout)
@@ -102,17 +130,30 @@ class Lab:
         self.last_config: ParallelConfig | None = None
         """The layout of the last run (what `activate` builds its mesh from)."""
         choices = dict(backend=backend, device=device, timeout=self.timeout, master_addr=master_addr)
-        if _client is None:
-            cluster, client = engine_set.start_local(engines)
-            self.engines = EngineSet(client, cluster, engines, local=True, **choices)
-        else:
-            self.engines = EngineSet(_client, _cluster, local=False, **choices)
+        shown = bars.bar(progress, engines if _client is None else len(_client.ids), "engines")
+        try:
+            if _client is None:
+                registered = (lambda k: shown.update(k, "registered")) if shown else None
+                gpu = dict(gpus=gpus, ranks_per_gpu=ranks_per_gpu, gpu_memory_fraction=gpu_memory_fraction)
+                self.engines = engine_set.start(engines, launcher, launcher_options, gpu, choices, registered)
+            else:
+                self.engines = EngineSet(_client, _cluster, local=False, **choices)
+        except BaseException:
+            if shown:
+                shown.close("could not start", ok=False)
+            raise
         self._runner = JobRunner(self.engines)
         try:
+            if shown:
+                shown.update(self.engines.world, "joining one torch world")
             self.engines.setup()
         except BaseException:
+            if shown:
+                shown.close("could not join one torch world", ok=False)
             self.close()
             raise
+        if shown:
+            shown.close(f"{self.world} ranks ready: {self.backend} on {self.devices[0].split(':')[0]}")
 
     @classmethod
     def connect(
@@ -124,7 +165,7 @@ class Lab:
         backend: str = "auto",
         timeout: float = DEFAULT_TIMEOUT_S,
         device: str = "auto",
-        progress=True,
+        progress="auto",
         master_addr: str | None = None,
         **client_kwargs,
     ) -> Lab:
@@ -183,7 +224,29 @@ class Lab:
             bad.insert(0, f"fn={fn!r} is not callable; pass a function to run on every rank")
         if bad:
             raise ConfigError(bad)
-        return self._execute(runtime.call_pickled, (_by_value(fn), *args), kwargs, timeout, None)
+        return self._execute(runtime.call_pickled, (_by_value(fn), *args), kwargs, timeout, False)
+
+    def measure(self, fn, *args, timeout: float | None = None, **kwargs) -> Measurement:
+        """fn(*args, **kwargs) on every rank, as `apply` runs it, under the comm, memory and
+        timeline meters; returns a Measurement with the views of a run (`comm_table()`, each
+        rank's `memory` and `timeline`, `trace()`, the figures and the Dashboard's panels).
+
+        Inside fn, `labkit.track(model, optimizer, mesh)` names what to follow: the model's
+        forward and backward and the optimizer's step become phases, steps and timeline spans,
+        their tensors the model states in memory, and the mesh (a DeviceMesh or a labkit Mesh)
+        names each collective's dim — without one, a collective is named by its group's ranks.
+        fn may instead return its modules and optimizer. `with labkit.region("name"):` marks a
+        span of its own. Every collective is seen, whoever issues it (DDP, FSDP2, DTensor, the
+        user's own); a hang or an exception in fn is diagnosed like a run's
+        (engines/tracking.py says how the phases are found)."""
+        bad = timeout_problems(timeout)
+        if not callable(fn):
+            bad.insert(0, f"fn={fn!r} is not callable; pass a function to run on every rank")
+        if bad:
+            raise ConfigError(bad)
+        t0 = time.perf_counter()
+        reports = self._execute(measure_rank, (_by_value(fn), *args), kwargs, timeout, self.progress, None, "measure")
+        return Measurement.from_reports(reports, time.perf_counter() - t0)
 
     def run(
         self,
@@ -225,10 +288,6 @@ class Lab:
             raise ConfigError(layout_problems(cfg, self.backend, self.devices[: cfg.world]))
         for w in MeshLayout.of(cfg).warnings(self.hosts[: cfg.world]):  # a TP group across hosts: say so
             warnings.warn(w, stacklevel=2)
-        from labkit.engines.train import (
-            run_rank,  # imports torch: loaded at the first run, not with the Lab
-        )
-
         spec = RunSpec(
             parallel=cfg,
             model=model,
@@ -242,7 +301,10 @@ class Lab:
         ).to_dict()  # plain data crosses to the engines
         t0 = time.perf_counter()
         self.last_config = cfg
-        reports = self._execute(run_rank, (spec,), {}, timeout, progress if progress is not None else self.progress)
+        shown = progress if progress is not None else self.progress
+        # named, not imported: engines/train.py imports torch, which the kernel never loads (~150 MB)
+        target = ("labkit.engines.train:run_rank", spec)
+        reports = self._execute(runtime.call_named, target, {}, timeout, shown, steps, "steps")
         return RunResult.from_reports(cfg, model, optim, steps, seed, reports, time.perf_counter() - t0, data)
 
     def activate(self, cfg: ParallelConfig | None = None, suffix: str = ""):
@@ -273,10 +335,30 @@ class Lab:
         """Each rank's job state now ('idle', 'running', 'done', 'error', 'cancelled', or 'dead')."""
         return self._runner.states()
 
-    def _execute(self, fn, args: tuple, kwargs: dict, timeout: float | None, progress) -> list:
+    def _execute(
+        self, fn, args: tuple, kwargs: dict, timeout: float | None, progress, total=None, label: str = ""
+    ) -> list:
+        """fn on every rank through the job runner; `progress` as the Lab's (see the class), a bar
+        of `total` steps (None: a count) called `label`."""
         timeout = self.timeout if timeout is None else float(timeout)
-        show = print_progress if progress is True else (progress or None)
-        return self._runner.run(fn, args, kwargs, timeout, StepProgress(show) if show else None)
+        if callable(progress):
+            return self._runner.run(fn, args, kwargs, timeout, StepProgress(progress))
+        shown = bars.bar(progress, total, label)
+        if shown is None:
+            return self._runner.run(fn, args, kwargs, timeout, None)
+        last: dict = {}
+
+        def step(p: dict) -> None:
+            last.update(p)
+            shown.update(p["step"] + 1 if "step" in p else 0, step_note(p))
+
+        try:
+            out = self._runner.run(fn, args, kwargs, timeout, StepProgress(step))
+        except BaseException as e:
+            shown.close(f"{type(e).__name__}", ok=False)
+            raise
+        shown.close(f"done{': ' + step_note(last) if last else ''}")
+        return out
 
     # -- lifetime ---------------------------------------------------------------------------
     def restart(self) -> None:
@@ -297,3 +379,17 @@ class Lab:
 
     def __repr__(self) -> str:
         return f"Lab(engines={self.world}, backend={self.backend!r}, hosts={sorted(set(self.hosts))})"
+
+    def _repr_html_(self) -> str:
+        ranks = Rows(
+            {"rank": r, "host": h, "device": d, "pid": p}
+            for r, (h, d, p) in enumerate(zip(self.hosts, self.devices, self.engines.pids))
+        )
+        last = self.last_config
+        facts = [
+            ("engines", f"{self.world} ranks, {self.backend} on {', '.join(sorted(set(self.devices)))}"),
+            ("hosts", ", ".join(sorted(set(self.hosts)))),
+            ("last layout", MeshLayout.of(last).describe() if last else "none run yet"),
+            ("jobs", f"{self.jobs} run, {len(self.repairs)} repair(s)"),
+        ]
+        return card("Lab", facts, [("ranks", ranks)])

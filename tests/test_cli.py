@@ -29,7 +29,7 @@ def test_default_run_writes_a_report(tmp_path):
         timeout=300,
     )
     assert out.returncode == 0, out.stderr
-    assert "step 3/3" in out.stdout
+    assert "steps [########################] 3/3" in out.stderr  # the CLI's text bar, rewritten in place
     html = report.read_text()
     assert len(re.findall(r'class="plotly-graph-div"', html)) == 4
     for name in ("memory", "comm", "timeline", "loss"):

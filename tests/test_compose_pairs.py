@@ -152,9 +152,8 @@ def test_axes_report_groups_and_hosts():
 @pytest.mark.parametrize(
     "kw, words",
     [
-        (dict(sharding="zero2", pp=2, dp=2, microbatches=2), "DeepSpeed"),
-        (dict(sharding="zero3", pp=2, dp=2, microbatches=2), "DeepSpeed"),
-        (dict(sharding="fsdp", pp=2, dp=2, microbatches=2), "DeepSpeed"),
+        (dict(sharding="fsdp", pp=2, dp=2, microbatches=2, impl="torch"), "FSDP2 on torch.distributed.pipelining"),
+        (dict(pp=2, microbatches=2, schedule="zbh1", checkpoint_activations=True), "nothing to defer"),
         (dict(tp=2, dp=2, impl="torch"), "FSDP2"),
         (dict(tp=2, pp=2, microbatches=2, impl="torch"), "not built yet"),
     ],
@@ -168,6 +167,9 @@ def test_refused_combinations_say_why(kw, words):
     "kw",
     [
         dict(tp=2, pp=2, sharding="zero1", microbatches=2),
+        dict(dp=2, pp=2, sharding="zero2", microbatches=2),
+        dict(dp=2, pp=2, sharding="zero3", microbatches=2, schedule="zbh1"),
+        dict(dp=2, pp=2, sharding="fsdp", microbatches=2, schedule="interleaved", virtual_stages=2),
         dict(tp=2, dp=2, sharding="fsdp"),
         dict(tp=2, dp=2, sharding="fsdp", impl="torch"),
         dict(ep=2, dp=2, sharding="zero3"),

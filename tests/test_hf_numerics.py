@@ -51,7 +51,7 @@ def logits(net, tokens):
     return net.head.proj(net.head.norm(x))
 
 
-def llama_weights(net, cfg) -> dict:
+def llama_weights(net, cfg, fused_experts: bool = False) -> dict:
     """HF's names for labkit's llama-family weights (HF Linear and ours both store (out, in);
     Mixtral's experts are (in, out) here, matmul-ready)."""
     sd = {"model.embed_tokens.weight": net.embed.tok.weight, "model.norm.weight": net.head.norm.weight}
@@ -65,7 +65,11 @@ def llama_weights(net, cfg) -> dict:
             sd[p + f"self_attn.{theirs}.weight"] = lin.weight
             if lin.bias is not None:
                 sd[p + f"self_attn.{theirs}.bias"] = lin.bias
-        if cfg.experts:
+        if cfg.experts and fused_experts:  # transformers >= 5: an expert's gate and up in one (E, 2f, h)
+            sd[p + "mlp.gate.weight"] = b.mlp.router.weight
+            sd[p + "mlp.experts.gate_up_proj"] = torch.cat([b.mlp.w1.transpose(1, 2), b.mlp.w3.transpose(1, 2)], 1)
+            sd[p + "mlp.experts.down_proj"] = b.mlp.w2.transpose(1, 2)
+        elif cfg.experts:  # transformers 4: one Linear per expert and weight
             sd[p + "block_sparse_moe.gate.weight"] = b.mlp.router.weight
             for j in range(cfg.experts):
                 for w in ("w1", "w2", "w3"):
@@ -105,7 +109,11 @@ def test_logits_equal_hugging_faces(name):
     config = T.AutoConfig.for_model(**{k: v for k, v in hf_config.items() if k != "architectures"})
     config._attn_implementation = "eager"
     hf = getattr(T, hf_config["architectures"][0])(config).eval()
-    sd = gpt2_weights(net) if cfg.arch == "gpt2" else llama_weights(net, cfg)
+    sd = (
+        gpt2_weights(net)
+        if cfg.arch == "gpt2"
+        else llama_weights(net, cfg, any(k.endswith("experts.gate_up_proj") for k in hf.state_dict()))
+    )
     missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()}, strict=False)
     assert not unexpected and all(m == "lm_head.weight" and cfg.tied for m in missing), (missing, unexpected)
     tokens = torch.randint(0, cfg.vocab, (2, seq), generator=gen)

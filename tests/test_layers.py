@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"labkit": "labkit", "engines": "labkit.engines", "widgets": "labkit.widgets"}
 
 RUNGS = [
-    ("config", ("labkit.config", "labkit.validation", "labkit.hf")),
+    ("config", ("labkit.config", "labkit.validation", "labkit.hf", "labkit.table")),
     ("plans", ("labkit.plans",)),
     ("engines", ("labkit.engines",)),
     ("theory", ("labkit.theory",)),
@@ -162,6 +162,7 @@ def test_the_ladder_catches_what_it_should():
 
 HEAVY = (
     "torch",
+    "torch.distributed.tensor",  # DTensor's runtime: ~45 MB more in every engine that imports it
     "ipyparallel",
     "plotly",
     "ipywidgets",

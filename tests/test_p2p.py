@@ -77,6 +77,8 @@ def test_ring_hops_are_batched(lab):
         ParallelConfig(pp=4, microbatches=4, schedule="1f1b"),
         ParallelConfig(pp=2, dp=2, microbatches=4, schedule="gpipe"),
         ParallelConfig(pp=2, dp=2, virtual_stages=2, microbatches=4, schedule="interleaved"),
+        ParallelConfig(pp=4, microbatches=4, schedule="zbh1"),
+        ParallelConfig(pp=2, dp=2, virtual_stages=2, microbatches=4, schedule="dualpipev"),
     ],
     ids=lambda c: f"pp{c.pp}-{c.schedule}",
 )

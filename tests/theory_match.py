@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from labkit import theory
 from labkit.plans.mesh import MeshLayout
-from labkit.plans.schedules import chunk_layers, plan
+from labkit.plans.schedules import chunk_layers, plan, style
 from labkit.theory import activations
 from labkit.theory.pipeline import stage_layers
 
@@ -41,7 +41,7 @@ def routing(rank_report, cfg, model) -> dict:
     in the order the rank ran its forwards (the schedule's F actions), layer by layer."""
     elem = 2 if cfg.precision == "bf16" else 4
     p, v, r = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, rank_report.coords["pp"]
-    layers = [len(chunk_layers(model.layers, p, v, r, c, cfg.stage_layers)) for c in range(v)]  # per chunk
+    layers = [len(chunk_layers(model.layers, p, v, r, c, cfg.stage_layers, style(cfg.schedule))) for c in range(v)]
     if cfg.pp == 1:
         order = [(mb, 0) for mb in range(cfg.microbatches)]
     else:

@@ -11,14 +11,17 @@ Linear saves its weight) are not activations and are skipped.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     """What this rank holds of `t`: a DTensor's local shard (DTensor TP), else `t` itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t._local_tensor if isinstance(t, DTensor) else t
+    # DTensor's package is not imported for this: ~45 MB per engine that runs none (labkit's own
+    # strategies); while it is not loaded, no tensor is a DTensor
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -106,7 +109,11 @@ class MemoryMeter:
             self.track("activations", nbytes)
         else:
             ref[1] += 1
-        return _Saved(t, self, key)
+        # detached: a node that saves its own output would otherwise hold, through this object, the
+        # tensor whose grad_fn is that node; a cycle through C++ that Python's collector cannot see,
+        # broken only when backward releases the node's variables, never under retain_graph (a
+        # split backward's B keeps the graph for W: engines/parallel/split_backward.py)
+        return _Saved(t.detach(), self, key)
 
     @staticmethod
     def _unpack(saved):

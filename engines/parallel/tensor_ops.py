@@ -28,7 +28,10 @@ def reduce_scatter_seq(x: torch.Tensor, group) -> torch.Tensor:
     chunks = x.reshape(b, t, s // t, h).transpose(0, 1).contiguous()  # (b, s, h) -> (t, b, s/t, h)
     out = x.new_empty(b, s // t, h)
     dist.reduce_scatter_tensor(out, chunks.view(t * b, s // t, h), group=group)  # -> (b, s/t, h)
-    return out
+    # a view, not `out`: gloo's reduce-scatter Work never reports completion, so the comm meter
+    # holds it, and `out` with it, until a sweep; the tensor an autograd.Function returns gets the
+    # node as grad_fn, and a graph kept for a split backward's W would live that long
+    return out.view_as(out)
 
 
 # -- the conjugate operators ----------------------------------------------------------------

@@ -20,6 +20,7 @@ import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.plans.mesh import DATA_DIMS, MeshLayout
+from labkit.table import Rows, card, human_bytes
 from labkit.theory.comm import Stopped
 from labkit.theory.hardware import HARDWARE, Hardware
 from labkit.theory.memory import (
@@ -55,10 +56,36 @@ class Estimate:
         """One rank's rows {rank, dim, op, calls, payload_bytes, wire_bytes} for one step."""
         return [{**row, "rank": rank} for row in self.rows_of[self.representative[rank]]]
 
-    def comm_table(self) -> list[dict]:
+    def comm_table(self) -> Rows:
         """Every rank's rows, in rank order (like RunResult.comm_table()); built on demand —
         at thousands of ranks prefer rank_rows(r)."""
-        return [row for r in range(len(self.representative)) for row in self.rank_rows(r)]
+        return Rows(row for r in range(len(self.representative)) for row in self.rank_rows(r))
+
+    def memory_table(self) -> Rows:
+        """One row per rank: predicted bytes of each memory category (like RunResult.memory_table())."""
+        return Rows({"rank": r, **m} for r, m in enumerate(self.memory))
+
+    def fullest(self) -> int:
+        """The rank with the highest predicted peak."""
+        return max(range(len(self.memory)), key=lambda r: self.memory[r]["peak"])
+
+    def _repr_html_(self) -> str:
+        cfg, r = self.config, self.fullest()
+        per_dim = Rows(
+            {**row, "sent": human_bytes(row["wire_bytes"])}
+            for row in sorted(self.rank_rows(r), key=lambda row: (row["dim"], row["op"]))
+        )
+        facts = [
+            (
+                "layout",
+                f"{MeshLayout.of(cfg).describe()} ({cfg.order}) on {self.world:,} ranks, "
+                f"sharding={cfg.sharding}, impl={cfg.impl}, {cfg.precision}, microbatches={cfg.microbatches}",
+            ),
+            ("model", f"Ψ = {num_params(self.model):,} parameters"),
+            (f"fullest rank ({r})", ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory[r].items())),
+            ("bubble", f"{self.bubble:.1%}"),
+        ]
+        return card("Estimate (theory)", facts, [(f"communication of rank {r}, one step (ring model)", per_dim)])
 
     @property
     def comm(self) -> list[dict]:
