@@ -152,3 +152,26 @@ def test_a_palette_never_hands_out_a_colour_twice():
     got = [p(f"s{i}", "#4C78A8") for i in range(40)] + [p("s0", "#000000")]
     assert len(set(got[:40])) == 40 and got[40] == got[0] == "#4C78A8"
     assert shade("#4c78a8", 0) == "#4C78A8" and shade("#000000", 1) == "#4C4C4C"
+
+
+def test_a_live_figure_goes_out_whole_and_its_module_is_small(monkeypatch):
+    """anywidget drops every state update of a model whose module takes over 2 s to load: with
+    plotly.js inside the module (4.6 MB) that happened on a loaded CI machine, and notebook 08's
+    mesh views stayed empty axes (reproduced in chromium by delaying the module 3 s). The module
+    must stay small, with plotly.js in one shared model, and a figure's first state must already
+    be the figure."""
+    import anywidget
+    import plotly.graph_objects as go
+
+    from labkit.widgets.live import LiveFigure, plotly_library
+
+    opened = []  # the figure state each model's comm_open carries
+    monkeypatch.setattr(LiveFigure, "open", lambda self: opened.append(self._figure) or anywidget.AnyWidget.open(self))
+    fig = LiveFigure(go.Figure(go.Bar(y=[1, 2], name="b")), height=300)
+    assert len(fig._esm) < 16_000, len(fig._esm)
+    assert "PLOTLY_SOURCE" not in fig._esm
+    library = plotly_library()
+    assert fig._plotly == library.model_id
+    assert len(library.source) > 1_000_000 and "Plotly" in library.source[:5000]
+    assert LiveFigure(go.Figure())._plotly == library.model_id  # one library per kernel
+    assert '"name":"b"' in opened[0] and '"height":300' in opened[0]

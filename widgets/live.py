@@ -22,7 +22,6 @@ compared before it is sent), and react redraws only what changed.
 from __future__ import annotations
 
 import collections
-import json
 import pathlib
 import threading
 
@@ -37,10 +36,26 @@ _JS = pathlib.Path(__file__).with_name("live_figure.js")
 _PLOTLY = pathlib.Path(plotly.__file__).parent / "package_data" / "plotly.min.js"
 
 
-def _module() -> str:
-    """The figure's browser module: plotly.js (the copy plotly's Python package ships) as a
-    string, evaluated once per page, and the view."""
-    return f"const PLOTLY_SOURCE = {json.dumps(_PLOTLY.read_text())};\n" + _JS.read_text()
+class PlotlyLibrary(anywidget.AnyWidget):
+    """plotly.js (the copy plotly's Python package ships) for every LiveFigure of this kernel.
+
+    A model of its own, not part of the figures' module: anywidget drops every state update of
+    a model whose module takes over 2 s to load, and a module carrying these 4.6 MB did on a
+    loaded machine (live_figure.js). One copy per kernel, sent once; each page evaluates it once."""
+
+    _esm = "export default {};"
+    source = traitlets.Unicode("").tag(sync=True)
+
+
+_library: PlotlyLibrary | None = None
+
+
+def plotly_library() -> PlotlyLibrary:
+    """This kernel's PlotlyLibrary, made anew if it was closed (Widget.close_all)."""
+    global _library
+    if _library is None or _library.comm is None:
+        _library = PlotlyLibrary(source=_PLOTLY.read_text())
+    return _library
 
 
 class LiveFigure(anywidget.AnyWidget):
@@ -49,13 +64,17 @@ class LiveFigure(anywidget.AnyWidget):
     `.figure` is the go.Figure shown; `.data`, `.layout` and `to_plotly_json()` read it, as on
     a go.Figure."""
 
-    _esm = _module()
+    _esm = _JS.read_text()
     _figure = traitlets.Unicode("{}").tag(sync=True)
+    _plotly = traitlets.Unicode("").tag(sync=True)  # the PlotlyLibrary's model id
 
     def __init__(self, fig: go.Figure | None = None, **layout):
-        super().__init__()
-        self.figure = go.Figure()
-        self.show(fig if fig is not None else go.Figure(), **layout)
+        fig = fig if fig is not None else go.Figure()
+        if layout:
+            fig.update_layout(layout)
+        # the figure goes out with the model itself: no first view ever draws an empty one
+        super().__init__(_figure=pio.to_json(fig, validate=False), _plotly=plotly_library().model_id)
+        self.figure = fig
 
     def show(self, fig: go.Figure, **layout) -> None:
         """Show `fig` (its layout updated with `layout`, e.g. a fixed height): every view of this

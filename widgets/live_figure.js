@@ -1,21 +1,36 @@
 // labkit's live figure (widgets/live.py): every view draws the widget's whole figure, the
 // `_figure` trait, with Plotly.react, one draw after another. No edit messages: a view made at
 // any time draws the figure as it is now, and a change that arrives while a view is still
-// drawing waits for that draw. plotly.js is evaluated once per page (PLOTLY_SOURCE, inlined by
-// live.py), in a scope where `module`, `exports` and `define` are undefined, so its UMD wrapper
+// drawing waits for that draw.
+//
+// plotly.js is not part of this module: anywidget gives a model 2 s to load its module and
+// drops every later state update of a model that missed that (its comm handler awaits the
+// load), and a module carrying plotly's 4.6 MB missed it on a loaded machine. The source is
+// the `source` trait of one PlotlyLibrary model per kernel (`_plotly` names it), evaluated once
+// per page in a scope where `module`, `exports` and `define` are undefined, so its UMD wrapper
 // always sets globalThis.Plotly.
-function plotly() {
-  if (!globalThis.Plotly) {
-    (0, eval)("(function (module, exports, define) {\n" + PLOTLY_SOURCE + "\n}).call(globalThis)");
+function plotly(model) {
+  if (globalThis.Plotly) return Promise.resolve(globalThis.Plotly);
+  if (!globalThis.labkitPlotly) {
+    globalThis.labkitPlotly = model.widget_manager.get_model(model.get("_plotly")).then((library) => {
+      if (!globalThis.Plotly) {
+        (0, eval)("(function (module, exports, define) {\n" + library.get("source") + "\n}).call(globalThis)");
+      }
+      return globalThis.Plotly;
+    });
+    // a failed load (the library's model not there yet) is tried again by the next view
+    globalThis.labkitPlotly.catch(() => delete globalThis.labkitPlotly);
   }
-  return globalThis.Plotly;
+  return globalThis.labkitPlotly;
 }
 
 export default {
   render({ model, el }) {
-    const Plotly = plotly();
     el.classList.add("labkit-figure");
-    let chain = Promise.resolve();
+    let Plotly = null;
+    let chain = plotly(model).then((loaded) => {
+      Plotly = loaded;
+    });
     let drawn = null;
     let fixedWidth = false;
     const draw = () => {
@@ -36,7 +51,7 @@ export default {
       chain = chain
         .then(() => {
           const full = el._fullLayout;
-          if (!fixedWidth && full && el.clientWidth > 0 && Math.abs(full.width - el.clientWidth) > 1) {
+          if (Plotly && !fixedWidth && full && el.clientWidth > 0 && Math.abs(full.width - el.clientWidth) > 1) {
             return Plotly.Plots.resize(el);
           }
         })
@@ -48,7 +63,7 @@ export default {
     return () => {
       resized.disconnect();
       model.off("change:_figure", draw);
-      Plotly.purge(el);
+      if (Plotly) Plotly.purge(el);
     };
   },
 };
