@@ -138,25 +138,35 @@ def test_pipeline_changes_memory_comm_and_timeline(lab):
         d.close()
 
 
-def test_cancel_stops_the_run_and_the_next_one_works(dash):
+SLOW = ModelConfig(layers=6, hidden=256, heads=4, ffn=1024, vocab=256, seq=128)
+"""0.2 s a step on one CPU rank, so 20 steps outlast a cancel's round trip: TINY's 20 steps took
+0.1 s, and on a busy machine the cancel came after the run had ended (a CI failure)."""
+
+
+def test_cancel_stops_the_run_and_the_next_one_works(lab):
     """The cancel button stops a long run; the figures keep the last finished one.
 
     On one rank: with several, Lab.cancel can stop one rank at a step boundary while the others
     already wait in that step's all-reduce (a hang until the Lab's timeout, then a restart) —
     a race in the engines' cancel, reported; the dashboard's wiring is what this tests."""
-    dash.controls["dp"].value = 1
-    shown = dash.wait(60)
-    dash.controls["steps"].value = 20
-    deadline = time.monotonic() + 60
-    while not (dash.running and dash.progress.value >= 1) and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert not dash.cancel_button.disabled
-    dash.cancel_button.click()
-    dash.wait(120)
-    assert "cancelled" in dash.status.value, (dash.status.value, dash.error_box.value)
-    assert dash.result is shown
-    dash.controls["steps"].value = 2
-    assert dash.wait(60).steps == 2
+    dash = Dashboard(lab, model=SLOW, debounce=0.05)
+    try:
+        dash.wait(120)
+        dash.controls["dp"].value = 1
+        shown = dash.wait(120)
+        dash.controls["steps"].value = 20
+        deadline = time.monotonic() + 60
+        while not (dash.running and dash.progress.value >= 1) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not dash.cancel_button.disabled
+        dash.cancel_button.click()
+        dash.wait(120)
+        assert "cancelled" in dash.status.value, (dash.status.value, dash.error_box.value)
+        assert dash.result is shown
+        dash.controls["steps"].value = 2
+        assert dash.wait(60).steps == 2
+    finally:
+        dash.close()
 
 
 # -- figures from a measured run ------------------------------------------------------------------
