@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import TINY
+from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
 from labkit.checks import assert_matches
@@ -106,14 +107,7 @@ def test_each_chunk_is_reduced_once_after_its_last_backward(run):
 )
 def test_torch_pipelining_trains_like_one_process(run, cfg):
     res = run(cfg)
-    # the same point-to-point volume as ours (each schedule moves the same tensors)
-    ours = {
-        (r["rank"], r["op"]): r["payload_bytes"]
-        for r in theory.estimate(cfg.replace(impl="lab"), M4).comm_table()
-        if r["op"] in ("send", "recv")
-    }
-    got = {(r["rank"], r["op"]): r["payload_bytes"] for r in res.comm_table() if r["op"] in ("send", "recv")}
-    assert got == ours
+    same_p2p_as_ours(res, cfg, M4)
     assert any(e.kind == "F" for rk in res.ranks for e in rk.timeline)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import TINY
+from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
 from labkit.checks import assert_matches
@@ -117,12 +118,6 @@ def test_torch_zero_bubble_schedules_train_like_one_process(run, cfg):
     (With dp > 1 PyTorch's DDP never sees the weight gradients, which the stage's W writes into
     .grad itself: labkit refuses it, test_zero_bubble_plans.py.)"""
     res = run(cfg, M4)
-    ours = {
-        (r["rank"], r["op"]): r["payload_bytes"]
-        for r in theory.estimate(cfg.replace(impl="lab"), M4).comm_table()
-        if r["op"] in ("send", "recv")
-    }
-    got = {(r["rank"], r["op"]): r["payload_bytes"] for r in res.comm_table() if r["op"] in ("send", "recv")}
-    assert got == ours
+    same_p2p_as_ours(res, cfg, M4)
     kinds = {e.kind for rk in res.ranks for e in rk.timeline}
     assert {"F", "B", "W"} <= kinds

@@ -22,6 +22,17 @@ from labkit.theory.pipeline import stage_layers
 STATES = ("params", "grads", "optimizer")
 
 
+def p2p_payloads(rows) -> dict:
+    """(rank, op) -> payload bytes of the sends and receives in a comm table."""
+    return {(r["rank"], r["op"]): r["payload_bytes"] for r in rows if r["op"] in ("send", "recv")}
+
+
+def same_p2p_as_ours(res, cfg, model) -> None:
+    """A torch pipelining run moves what labkit's own executor of the same layout moves: its
+    schedules send the same tensors between the same stages."""
+    assert p2p_payloads(res.comm_table()) == p2p_payloads(theory.estimate(cfg.replace(impl="lab"), model).comm_table())
+
+
 def received_rows(rank_report, passes: int, hidden: int, elem: int = 4) -> list[int]:
     """R of every MoE layer forward of this rank in the last step (`passes` = its layers times
     microbatches), from its forward all-to-alls (per layer: the counts, the dispatch, then the
