@@ -206,6 +206,12 @@ class EngineSet:
                     out[r] = pending.pop(r).get(0)
                 except ipp.error.EngineError as e:
                     raise EngineGone([r], str(e).splitlines()[0] if str(e) else "its engine went away") from None
+                except ipp.error.RemoteError as e:
+                    # when the hub sees the engine go before we do, the client answers its pending
+                    # tasks with the EngineError wrapped like an engine's own exception
+                    if e.ename != "EngineError":
+                        raise
+                    raise EngineGone([r], e.evalue or "its engine went away") from None
             if not pending:
                 return out
             if watch:

@@ -6,6 +6,8 @@ the next call: engines stuck or dead are replaced, and the process groups rebuil
 
 from __future__ import annotations
 
+import contextlib
+import signal
 import threading
 import time
 
@@ -17,6 +19,33 @@ from labkit.errors import Cancelled, LabError
 
 POLL_MIN_S, POLL_MAX_S = 0.02, 0.25
 """The runner polls the engines at first every 20 ms (short runs return at once), backing off to 4 per second."""
+
+
+@contextlib.contextmanager
+def interrupts_remembered():
+    """Yields a function that says whether Ctrl-C came while the block ran.
+
+    Python runs a signal's handler at the next bytecode of the main thread; when that bytecode is
+    a weakref callback or a __del__ (ipyparallel's futures and zmq make many), the
+    KeyboardInterrupt the handler raises is printed as "Exception ignored" and lost, and the
+    call went on to its timeout (a CI run). The handler here notes the signal before it calls
+    the one it replaces, so the poll loop can raise it. Only in the main thread, where signals
+    are handled, and only over a Python-level handler (Python's own, or ipykernel's)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or not callable(previous):
+        yield lambda: False
+        return
+    hit = threading.Event()
+
+    def handler(signum, frame):
+        hit.set()
+        previous(signum, frame)
+
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield hit.is_set
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 class JobRunner:
@@ -42,7 +71,8 @@ class JobRunner:
         try:
             self._cancel_request.clear()
             self.repair_if_needed()
-            return self._job(fn, args, kwargs, timeout, steps)
+            with interrupts_remembered() as interrupted:
+                return self._job(fn, args, kwargs, timeout, steps, interrupted)
         finally:
             lock.release()
 
@@ -61,8 +91,9 @@ class JobRunner:
                     out.append("dead")
         return out
 
-    def _job(self, fn, args, kwargs, timeout: float, steps) -> list:
-        """Start fn on every rank and poll until every rank is done or something goes wrong."""
+    def _job(self, fn, args, kwargs, timeout: float, steps, interrupted) -> list:
+        """Start fn on every rank and poll until every rank is done or something goes wrong
+        (interrupted(): a Ctrl-C that Python may have lost, see interrupts_remembered)."""
         engines = self.engines
         ranks = range(engines.world)
         try:
@@ -72,6 +103,8 @@ class JobRunner:
             deadline = time.monotonic() + timeout
             seen, pause, cancel_sent = [0] * engines.world, POLL_MIN_S, False
             while True:
+                if interrupted():
+                    raise KeyboardInterrupt
                 if self._cancel_request.is_set() and not cancel_sent:
                     engines.each(runtime.cancel, ranks)
                     cancel_sent = True

@@ -164,6 +164,36 @@ def test_a_killed_engine_gives_engine_died_and_is_replaced(flab, ref_cache):
     assert flab.apply(_pid) == flab.engines.pids
 
 
+def test_an_engine_death_the_hub_reports_first_is_engine_died(flab):
+    """When ipyparallel's hub sees an engine die before the Lab's own check does, the client
+    answers the engine's pending tasks with its EngineError wrapped like the engine's own
+    exception (Client._handle_stranded_msgs); a CI run got that RemoteError instead of
+    EngineDied, and the engines were left unrepaired. Built here with ipyparallel's own
+    wrap/unwrap; with a real SIGKILL the hub answered after 35 s on this machine."""
+    from ipyparallel import error
+
+    from labkit.engine_set import EngineGone
+
+    try:
+        raise error.EngineError("Engine 3 died while running task 'x'")
+    except error.EngineError:
+        answer = error.unwrap_exception(error.wrap_exception())
+
+    class Answered:  # an AsyncResult the client has answered so
+        def ready(self):
+            return True
+
+        def get(self, timeout=None):
+            raise answer
+
+    with pytest.raises(EngineGone, match="Engine 3 died") as gone:
+        flab.engines.gather({3: Answered()}, 1.0, watch=False)
+    assert gone.value.ranks == [3]
+    answer.ename = "ValueError"  # an engine's own exception stays what it is
+    with pytest.raises(error.RemoteError):
+        flab.engines.gather({3: Answered()}, 1.0, watch=False)
+
+
 def test_an_interrupt_stops_the_run_on_the_engines(flab, ref_cache):
     sent = {}
 
@@ -180,6 +210,35 @@ def test_an_interrupt_stops_the_run_on_the_engines(flab, ref_cache):
     assert isinstance(err, KeyboardInterrupt), err
     assert took < SLACK
     assert "running" not in flab.engine_states()  # the engines stopped too
+    _matches_reference(flab, ref_cache)
+
+
+class _Finalized:
+    """Calls the SIGINT handler from its __del__, where Python loses the KeyboardInterrupt it
+    raises ("Exception ignored"): what a Ctrl-C landing in a weakref callback did in a CI run."""
+
+    def __del__(self):
+        signal.getsignal(signal.SIGINT)(signal.SIGINT, None)
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
+def test_a_ctrl_c_that_python_loses_in_a_finalizer_still_stops_the_run(flab, ref_cache):
+    sent = {}
+
+    def lost_interrupt(rec):
+        if not sent:
+            sent["at"] = time.monotonic()
+            _Finalized()  # dropped at once: the handler runs inside __del__
+
+    err, _ = _timed(
+        lambda: flab.run(ParallelConfig(dp=4), model=TINY, steps=100000, timeout=120, progress=lost_interrupt)
+    )
+    took = time.monotonic() - sent["at"]
+    print(f"lost interrupt: {type(err).__name__} {took:.1f} s after Ctrl-C")
+    assert isinstance(err, KeyboardInterrupt), err
+    assert took < SLACK
+    assert "running" not in flab.engine_states()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the Lab's handler is gone again
     _matches_reference(flab, ref_cache)
 
 
