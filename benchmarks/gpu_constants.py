@@ -170,7 +170,23 @@ class Llama(nn.Module):
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
-SAVE = None  # torchtitan's op-level selective AC: the ops whose outputs are kept
+# torchtitan's op-level selective AC keeps the outputs of these ops (its _op_sac_save_list, which
+# names every SDPA kernel: on an H100 with torch >= 2.10 and cuDNN > 9.15 SDPA runs cuDNN's, and
+# before this list named it the 'op' measurement recomputed the attention; flash_for_cpu is the
+# CPU's kernel, so that --tiny and tests/test_op_policy.py check the same policy)
+SDPA_KERNELS = tuple(
+    getattr(torch.ops.aten, name).default
+    for name in (
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_scaled_dot_product_attention_math",
+        "_scaled_dot_product_fused_attention_overrideable",
+        "_scaled_dot_product_flash_attention_for_cpu",
+    )
+    if hasattr(torch.ops.aten, name)
+)
+SAVE = frozenset((torch.ops.aten.mm.default, torch.ops.aten.max.default, *SDPA_KERNELS))
 
 
 def checkpointed(block, mode):
@@ -182,8 +198,6 @@ def checkpointed(block, mode):
     if mode == "full":
         block.forward = lambda x, f: checkpoint(inner, x, f, use_reentrant=False)
         return
-    save = {torch.ops.aten.mm.default, torch.ops.aten._scaled_dot_product_flash_attention.default}
-    save.add(torch.ops.aten._scaled_dot_product_efficient_attention.default)
 
     def contexts():
         count = {"forward": 0, "recompute": 0}
@@ -192,7 +206,7 @@ def checkpointed(block, mode):
             mode_ = "recompute" if ctx.is_recompute else "forward"
             if func == torch.ops.aten.mm.default:
                 count[mode_] += 1
-            keep = func in save and not (func == torch.ops.aten.mm.default and count[mode_] % 2 == 0)
+            keep = func in SAVE and not (func == torch.ops.aten.mm.default and count[mode_] % 2 == 0)
             return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
 
         return create_selective_checkpoint_contexts(policy)
