@@ -48,9 +48,15 @@ def compare(run: Run) -> dict:
     return out
 
 
-def rank(run: Run, plan) -> tuple[int | None, float]:
+HELD = ("dp", "tp", "pp", "cp", "ep", "schedule")
+"""What the second ranking holds as the run had it: its mesh and its pipeline schedule (the
+planner then chooses sharding, microbatches, checkpointing, SP and virtual stages)."""
+
+
+def rank(run: Run, plan, held: tuple[str, ...] = ()) -> tuple[int | None, float]:
     """(the published layout's place among the planner's layouts, 1-based, or None past the
-    top 5; its predicted throughput over the best one's)."""
+    top 5; its predicted throughput over the best one's), the planner holding `held` of the
+    run's layout fields."""
     found = theory.plan(
         run.model_config,
         run.config.world,
@@ -58,6 +64,7 @@ def rank(run: Run, plan) -> tuple[int | None, float]:
         global_batch=run.config.global_batch,
         top=5,
         precision=run.config.precision,
+        fixed={k: getattr(run.config, k) for k in held},
     )
     best = found[0].tokens_per_second_per_gpu if found else float("nan")
     place = next(
@@ -80,7 +87,8 @@ def table(rows: list[dict], runs: list[Run], ranked: bool) -> list[str]:
         )
         speed = f"{r['tps']:,.0f} | {run.tokens_per_second_per_gpu:,.0f} | {r['tps_error']:+.0%}"
         line = f"| {run.name} | {speed} | {mem} | {r['bound']}"
-        out.append(line + (f" | {r['place'] or '>5'} | {r['ratio']:.2f} |" if ranked else " |"))
+        held = f" | {r['held_place'] or '>5'} | {r['held_ratio']:.2f}" if ranked else ""
+        out.append(line + (f" | {r['place'] or '>5'} | {r['ratio']:.2f}{held} |" if ranked else " |"))
     return out
 
 
@@ -95,6 +103,8 @@ def summary(rows: list[dict], runs: list[Run], seconds: float) -> list[str]:
     if rows and "place" in rows[0]:
         ok = sum(1 for r in rows if r["place"] is not None or r["ratio"] >= 0.9)
         lines.append(f"{ok}/{len(rows)} runs' own layouts among the planner's top 5 or within 10% of its best")
+        held = sum(1 for r in rows if r["held_place"] is not None or r["held_ratio"] >= 0.9)
+        lines.append(f"{held}/{len(rows)} the same with the planner holding each run's mesh and schedule")
     misses = {term for run in runs for term in run.missing}
     lines += ["", "Terms the model lacks, named by the rows that use them:"] + [f"- {m}" for m in sorted(misses)]
     return lines
@@ -122,6 +132,7 @@ def main(argv=None) -> int:
         r = compare(run)
         if not ns.no_rank:
             r["place"], r["ratio"] = rank(run, r["plan"])
+            r["held_place"], r["held_ratio"] = rank(run, r["plan"], HELD)
         rows.append(r)
         print(table([r], [run], not ns.no_rank)[-1], flush=True)
     lines = table(rows, RUNS, not ns.no_rank) + [""] + summary(rows, RUNS, time.perf_counter() - t0)

@@ -181,12 +181,25 @@ def _preset(name: str | None) -> ModelConfig:
     return model
 
 
+def _held(text: str) -> tuple[str, object]:
+    """'tp=8' -> ('tp', 8); 'sharding=fsdp' -> ('sharding', 'fsdp'); true/false are booleans."""
+    key, sep, value = text.partition("=")
+    if not sep or not key or not value:
+        raise ConfigError([f"--fix {text!r}: write FIELD=VALUE, e.g. --fix tp=8 --fix sharding=fsdp"])
+    if value.isdigit():
+        return key, int(value)
+    return key, {"true": True, "false": False}.get(value.lower(), value)
+
+
 def cmd_plan(ns: argparse.Namespace) -> int:
     """The planner's best layouts for a model on a number of GPUs, one line each, then the first
     one's memory term by term and its time, and what was rejected and why."""
     model = _preset(ns.model).replace(**_pick(ns, ModelConfig, "model_"))
     hw = HARDWARE[ns.hardware]
-    plans = theory.plan(model, ns.gpus, hardware=hw, global_batch=ns.global_batch, top=ns.top, precision=ns.precision)
+    fixed = dict(_held(text) for text in ns.fix or ())
+    plans = theory.plan(
+        model, ns.gpus, hardware=hw, global_batch=ns.global_batch, top=ns.top, precision=ns.precision, fixed=fixed
+    )
     print(
         f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters on {ns.gpus:,} x {hw.name}; "
         f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
@@ -197,7 +210,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         print(f"{'#':>2} {'tokens/s/GPU':>13} {'MFU':>6} {'GiB':>6} {'bound':>8}  layout")
     for i, p in enumerate(plans, 1):
         gib = p.peak_bytes / 2**30
-        print(f"{i:>2} {p.tokens_per_second_per_gpu:>13,.0f} {p.mfu:>6.1%} {gib:>6.1f} {p.bound:>8}  {p.layout()}")
+        mark = "*" if p.tight else " "
+        print(f"{i:>2} {p.tokens_per_second_per_gpu:>13,.0f} {p.mfu:>6.1%} {gib:>6.1f}{mark}{p.bound:>8}  {p.layout()}")
+    if any(p.tight for p in plans):
+        print("   * over the device with the allocator's usual reserve: fits once it gives back its cache")
     if plans:
         best = plans[0]
         mem = best.memory
@@ -205,7 +221,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         print("  " + ", ".join(f"{k} {mem[k] / 2**30:,.2f}" for k in TERMS))
         print(
             f"  allocated {mem['allocated'] / 2**30:,.2f}, reserved {mem['reserved'] / 2**30:,.2f}, "
-            f"peak {mem['peak'] / 2**30:,.2f} of {hw.memory / 2**30:,.1f}"
+            f"peak {mem['peak'] / 2**30:,.2f}, required {mem['required'] / 2**30:,.2f} of {hw.memory / 2**30:,.1f}"
         )
         print("time of #1, s: " + ", ".join(f"{k} {v:,.3f}" for k, v in best.breakdown["time"].items()))
     if plans.counts:
@@ -249,6 +265,13 @@ def parser() -> argparse.ArgumentParser:
     pl.add_argument("--global-batch", dest="global_batch", type=int, default=None, help="sequences per step")
     pl.add_argument("--precision", default=None, choices=["bf16", "fp8"], help="default: both where the GPU has fp8")
     pl.add_argument("--top", type=int, default=10)
+    pl.add_argument(
+        "--fix",
+        action="append",
+        metavar="FIELD=VALUE",
+        help="hold a layout field (dp, tp, pp, cp, ep, sharding, schedule, virtual_stages, microbatches, "
+        "checkpoint_activations, sequence_parallel); repeat for more",
+    )
     _add_fields(pl, ModelConfig, "model_")
     pl.set_defaults(fn=cmd_plan)
     return p

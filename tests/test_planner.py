@@ -110,3 +110,35 @@ def test_every_published_row_is_priced_and_a_miss_names_its_term():
         assert within or run.missing, (run.name, speed, memory)
         if run.params is not None:
             assert theory.num_params(run.model_config) == run.params, run.name
+
+
+def _held(p, fixed: dict) -> bool:
+    return all(getattr(p.config, k) == v for k, v in fixed.items())
+
+
+@pytest.mark.parametrize(
+    "fixed",
+    [{"tp": 2, "sharding": "zero1"}, {"pp": 2, "schedule": "1f1b"}, {"dp": 4, "microbatches": 4}, {"cp": 2}],
+    ids=str,
+)
+def test_a_fixed_search_finds_the_best_layout_that_holds_it(fixed):
+    # with `top` past the number of layouts nothing is pruned by time: every layout that fits is
+    # timed, so the best one holding `fixed` is known, and the held search must find exactly it
+    everything = theory.plan(M, 16, global_batch=32, top=100_000, precision="bf16")
+    holding = [p for p in everything if _held(p, fixed)]
+    found = theory.plan(M, 16, global_batch=32, top=5, precision="bf16", fixed=fixed)
+    assert holding and found and all(_held(p, fixed) for p in found)
+    assert found[0].tokens_per_second_per_gpu == pytest.approx(holding[0].tokens_per_second_per_gpu)
+    assert found[0].tokens_per_second_per_gpu <= everything[0].tokens_per_second_per_gpu
+
+
+def test_fixed_schedules_checkpointing_and_bad_fields():
+    found = theory.plan(
+        M, 16, global_batch=32, top=3, fixed={"pp": 4, "schedule": "gpipe", "checkpoint_activations": "full"}
+    )
+    assert found and all(p.config.schedule == "gpipe" and p.config.pp == 4 for p in found)
+    assert all(p.config.checkpoint_activations is True for p in found)
+    inter = theory.plan(M, 16, global_batch=32, top=3, fixed={"pp": 2, "schedule": "interleaved"})
+    assert inter and all(p.config.virtual_stages in (2, 4) for p in inter)
+    with pytest.raises(ConfigError, match=r"fixed=\['tensor'\] cannot be held.*dp, tp, pp"):
+        theory.plan(M, 16, fixed={"tensor": 2})

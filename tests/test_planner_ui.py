@@ -31,6 +31,15 @@ def test_labkit_plan_refuses_what_it_cannot_plan(capsys):
     assert "llama-70b" in capsys.readouterr().err
 
 
+def test_labkit_plan_holds_what_it_is_told_to(capsys):
+    args = ["plan", "--model", "llama-7b", "--gpus", "64", "--global-batch", "128", "--top", "3"]
+    assert main([*args, "--fix", "tp=8", "--fix", "sharding=fsdp", "--fix", "sequence_parallel=true"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line[:2].strip() in ("1", "2", "3")]
+    assert len(rows) == 3 and all("fsdp" in r and "tp 8" in r and "SP" in r for r in rows), rows
+    assert main([*args, "--fix", "tp"]) == 2
+    assert "write FIELD=VALUE" in capsys.readouterr().err
+
+
 def test_scale_explorer_shows_every_term_and_opens_a_plan_on_a_click():
     x = ScaleExplorer(model="llama-7b", gpus=64, tp=8)
     gpu = x.figures["gpu"]

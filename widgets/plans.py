@@ -45,7 +45,7 @@ def gpu_memory_figure(plan: theory.Plan) -> go.Figure:
             marker_pattern_shape="/" if skipped else "",
             hovertemplate=f"{term}: %{{y:,.2f}} GiB" + (" (not at the peak)" if skipped else "") + "<extra></extra>",
         )
-    fits = "fits" if plan.fits else "does NOT fit"
+    fits = ("fits once the allocator gives back its cache" if plan.tight else "fits") if plan.fits else "does NOT fit"
     title = (
         f"One GPU, term by term: {mem['peak'] / GiB:,.1f} GiB at the peak ({fits}); "
         f"{plan.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, MFU {plan.mfu:.0%}, {plan.bound}-bound"

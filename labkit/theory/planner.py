@@ -17,7 +17,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.theory.gpu_memory import allocated_bytes, memory_terms, peak, peak_bytes, reserved_bytes
+from labkit.theory.gpu_memory import (
+    allocated_bytes,
+    memory_terms,
+    peak_bytes,
+    required,
+    required_bytes,
+    reserved_bytes,
+)
 from labkit.theory.hardware import Hardware, hardware_of
 from labkit.theory.stages import fullest_candidates
 from labkit.theory.timing import StepTime, step_time
@@ -41,11 +48,17 @@ class Plan:
     """'compute', 'memory' or the mesh dim whose exposed communication dominates the step."""
     breakdown: dict = field(repr=False)
     """'memory': the fullest rank's bytes by term (gpu_memory.TERMS) with 'allocated',
-    'reserved', 'peak' and 'pp_rank'; 'time': seconds of compute, bubble, optimizer, exposed
+    'reserved', 'peak', 'required' and 'pp_rank'; 'time': seconds of compute, bubble, optimizer, exposed
     communication per dim, recompute; 'comm': seconds of each dim's collectives."""
     fits: bool = True
+    """The allocated peak, the CUDA context and NCCL's buffers fit in the device
+    (gpu_memory.required_bytes: the allocator gives its cache back before it fails)."""
     why: str = ""
     """Why it does not fit, with the numbers; empty when it fits."""
+    tight: bool = False
+    """Fits, but not with the allocator's usual reserve (peak_bytes is over the device): it runs
+    with the allocator freeing its cache and retrying (torch.cuda.memory_stats'
+    num_alloc_retries; slower steps)."""
 
     @property
     def memory(self) -> dict:
@@ -56,6 +69,7 @@ class Plan:
 
     def __str__(self) -> str:
         fit = "" if self.fits else f"  (does not fit: {self.why})"
+        fit = fit or ("  (tight: fits once the allocator gives back its cache)" if self.tight else "")
         return (
             f"{self.layout()}: {self.tokens_per_second_per_gpu:,.0f} tokens/s/GPU, MFU {self.mfu:.1%}, "
             f"{self.peak_bytes / 2**30:,.1f} GiB, {self.bound}-bound{fit}"
@@ -115,17 +129,18 @@ def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware =
 
 def fullest(cfg: ParallelConfig, model: ModelConfig, hw: Hardware) -> dict:
     """The memory terms of the rank that holds the most (over the pipeline's ranks)."""
-    st = max(fullest_candidates(cfg, model), key=lambda st: peak(cfg, model, hw, st))
+    st = max(fullest_candidates(cfg, model), key=lambda st: required(cfg, model, hw, st))
     best = {**memory_terms(cfg, model, hw, st), "pp_rank": st.rank}
     best["allocated"] = allocated_bytes(best)
     best["reserved"] = reserved_bytes(best)
     best["peak"] = peak_bytes(best)
+    best["required"] = required_bytes(best)
     return best
 
 
-def fullest_peak(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac) -> float:
-    """The fullest rank's peak bytes under checkpointing `ac` (the search's question)."""
-    return max(peak(cfg, model, hw, st, ac) for st in fullest_candidates(cfg, model))
+def fullest_required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac) -> float:
+    """The fullest rank's required bytes under checkpointing `ac` (the search's question)."""
+    return max(required(cfg, model, hw, st, ac) for st in fullest_candidates(cfg, model))
 
 
 def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dict | None = None) -> Plan:
@@ -144,9 +159,10 @@ def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dic
         "comm": dict(t.comm),
         "step": t,
     }
-    fits = memory["peak"] <= hw.memory
-    why = "" if fits else _over(memory["peak"], hw)
-    return Plan(cfg, model, hw.name, memory["peak"], t.total, tokens, t.mfu, t.dominant, breakdown, fits, why)
+    fits = memory["required"] <= hw.memory
+    why = "" if fits else _over(memory["required"], hw)
+    tight = fits and memory["peak"] > hw.memory
+    return Plan(cfg, model, hw.name, memory["peak"], t.total, tokens, t.mfu, t.dominant, breakdown, fits, why, tight)
 
 
 def _over(peak: float, hw: Hardware) -> str:

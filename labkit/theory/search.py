@@ -14,6 +14,8 @@ memory, or the same memory in less time, in this model):
   checkpointing none, selective, op, full in that order of recomputation: the first that fits is
                 the one timed (recomputation only adds time; memory only falls down the list)
   precision     bf16, and fp8 where the hardware has it (or the one asked for)
+`fixed` keeps any of FIXABLE as given (a node's tp, a framework's sharding or schedule) and
+searches the rest; a fixed schedule other than 1F1B and interleaved is searched too.
 
 Pruned, and counted with their reason: microbatch sizes are tried in ascending order, each from the
 lightest checkpointing that fit the one before (memory grows with the microbatch), and stop at the
@@ -29,13 +31,16 @@ from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.theory.hardware import Hardware, hardware_of
-from labkit.theory.planner import Plan, _evaluate, _over, fullest_peak, layout_problems
+from labkit.theory.planner import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.timing import compute_floor
 
 CHECKPOINTING = (False, "selective", "op", True)
 """In order of recomputation (time added) and of memory kept (falling)."""
 NEAREST = 20
 """Layouts that do not fit kept in `.rejected`, the nearest misses first."""
+FIXABLE = ("dp", "tp", "pp", "cp", "ep", "sharding", "schedule", "virtual_stages", "microbatches")
+FIXABLE += ("checkpoint_activations", "sequence_parallel")
+"""The layout fields `plan(fixed=...)` can hold."""
 
 
 @dataclass
@@ -96,32 +101,62 @@ class _Tally:
         self.misses.append((peak, Rejected(cfg, f"does not fit: {_over(peak, hw)}")))
 
 
-def meshes(model: ModelConfig, gpus: int, hw: Hardware):
-    """(tp, cp, ep, pp, dp) whose product is `gpus` and whose degrees the model allows."""
-    tps = [t for t in _pow2(hw.gpus_per_node) if model.heads % t == 0]
-    cps = [c for c in _pow2(32) if model.seq % (2 * c) == 0]
-    eps = [e for e in _divisors(model.experts, 64)] if model.experts else [1]
+def meshes(model: ModelConfig, gpus: int, hw: Hardware, fixed: dict | None = None):
+    """(tp, cp, ep, pp, dp) whose product is `gpus` and whose degrees the model allows (a degree
+    in `fixed` is the only one tried; the layout's checks judge it)."""
+    fixed = fixed or {}
+    tps = [fixed["tp"]] if "tp" in fixed else [t for t in _pow2(hw.gpus_per_node) if model.heads % t == 0]
+    cps = [fixed["cp"]] if "cp" in fixed else [c for c in _pow2(32) if model.seq % (2 * c) == 0]
+    eps = [fixed["ep"]] if "ep" in fixed else [e for e in _divisors(model.experts, 64)] if model.experts else [1]
     for tp in tps:
         for cp in cps:
             for ep in eps:
                 rest, left = gpus // (tp * cp * ep), gpus % (tp * cp * ep)
                 if left:
                     continue
-                for pp in _divisors(rest, min(rest, model.layers)):
-                    yield tp, cp, ep, pp, rest // pp
+                pps = [fixed["pp"]] if "pp" in fixed else _divisors(rest, min(rest, model.layers))
+                for pp in pps:
+                    if rest % pp == 0 and fixed.get("dp", rest // pp) == rest // pp:
+                        yield tp, cp, ep, pp, rest // pp
 
 
-def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally):
+def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally, schedule: str | None = None):
     """The layout of `mesh` with m microbatches, v chunks per pipeline rank (interleaved when
-    v > 1, uneven stages where the layers do not split), or None with the reason tallied."""
+    v > 1 unless `schedule` says, uneven stages where the layers do not split), or None with the
+    reason tallied."""
     pp = mesh.pp
     if v > 1 and (m % pp or model.layers < pp * v):
         tally.invalid("interleaved needs microbatches a multiple of pp and a layer per virtual stage")
         return None
     split = stage_split(model.layers, pp * v) if pp > 1 else ()
-    schedule = "interleaved" if v > 1 else "1f1b"
+    schedule = schedule or ("interleaved" if v > 1 else "1f1b")
     cfg = mesh.replace(microbatches=m, schedule=schedule, virtual_stages=v, sharding=sharding, precision=precision)
     return cfg.replace(stage_layers=split) if split else cfg
+
+
+def _checked(fixed: dict | None) -> dict:
+    """`fixed` with its checkpointing spelled as CHECKPOINTING does, or ConfigError naming the
+    fields the search cannot hold."""
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(FIXABLE))
+    if unknown:
+        raise ConfigError([f"fixed={unknown} cannot be held by the planner; it holds {', '.join(FIXABLE)}"])
+    if "checkpoint_activations" in fixed:
+        ac = fixed["checkpoint_activations"]
+        fixed["checkpoint_activations"] = {"none": False, "full": True}.get(ac, ac) if isinstance(ac, str) else bool(ac)
+    return fixed
+
+
+def _chunks_per_rank(pp: int, fixed: dict) -> tuple[int, ...]:
+    """The v to try: 1F1B and interleaved (2, 4) unless the schedule or v is fixed."""
+    if pp == 1:
+        return (1,)
+    if "virtual_stages" in fixed:
+        return (fixed["virtual_stages"],)
+    schedule = fixed.get("schedule")
+    if schedule is None:
+        return (1, 2, 4)
+    return {"interleaved": (2, 4), "zbv": (2,), "dualpipev": (2,)}.get(schedule, (1,))
 
 
 def plan(
@@ -131,20 +166,26 @@ def plan(
     global_batch: int | None = None,
     top: int = 10,
     precision: str | None = None,
+    fixed: dict | None = None,
 ) -> Plans:
     """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
     tokens/s/GPU). global_batch: sequences per step (default: 4M tokens, Llama 3's batch at
     8k, rounded to sequences); precision: 'bf16' or 'fp8' (default: both where the hardware has
-    fp8). The list's `.rejected` and `.counts` say what was left out and why."""
+    fp8); fixed: layout fields held as given (FIXABLE), e.g. {"tp": 8} for tensor parallelism
+    inside a node or {"sharding": "fsdp"} for a framework that has only FSDP. The list's
+    `.rejected` and `.counts` say what was left out and why."""
     hw = hardware_of(hardware)
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError([f"gpus={gpus!r} must be a positive integer"])
+    fixed = _checked(fixed)
     gb = global_batch or max(1, round(4 * 2**20 / model.seq))
     precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
+    ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else CHECKPOINTING
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
-    for tp, cp, ep, pp, dp in meshes(model, gpus, hw):
-        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=tp > 1)
+    for tp, cp, ep, pp, dp in meshes(model, gpus, hw, fixed):
+        sp = fixed.get("sequence_parallel", tp > 1)
+        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=sp)
         split = stage_split(model.layers, pp) if pp > 1 else ()
         # the degrees' arithmetic, on the uneven split a pipeline would take
         found = layout_problems(mesh.replace(global_batch=dp * ep, stage_layers=split), model)
@@ -155,29 +196,33 @@ def plan(
             tally.invalid("global_batch is not divisible by dp·ep")
             continue
         per = gb // (dp * ep)
-        for sharding in ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp"):
+        shardings = ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp")
+        for sharding in (fixed["sharding"],) if "sharding" in fixed else shardings:
             for prec in precisions:
-                for v in (1, 2, 4) if pp > 1 else (1,):
+                for v in _chunks_per_rank(pp, fixed):
                     first = 0  # the lightest checkpointing that fit a smaller microbatch: a larger one needs as much
-                    for b in _divisors(per, min(per, 64)):  # ascending: memory only grows
+                    sizes = _divisors(per, min(per, 64))  # ascending: memory only grows
+                    if "microbatches" in fixed:
+                        sizes = [b for b in sizes if per // b == fixed["microbatches"]]
+                    for b in sizes:
                         m = per // b
-                        cfg = _layout(mesh, m, v, sharding, prec, model, tally)
+                        cfg = _layout(mesh, m, v, sharding, prec, model, tally, fixed.get("schedule"))
                         if cfg is None:
                             continue
                         considered += 1
-                        if len(floors) == top and compute_floor(cfg, model, hw, CHECKPOINTING[first]) >= -floors[0]:
+                        if len(floors) == top and compute_floor(cfg, model, hw, ckpts[first]) >= -floors[0]:
                             tally.invalid(f"slower than the best {top} on its compute alone")
                             continue
-                        for i in range(first, len(CHECKPOINTING)):
-                            need = fullest_peak(cfg, model, hw, CHECKPOINTING[i])
+                        for i in range(first, len(ckpts)):
+                            need = fullest_required(cfg, model, hw, ckpts[i])
                             if need <= hw.memory:
                                 first = i
                                 break
                         else:
-                            tally.too_big(cfg.replace(checkpoint_activations=True), need, hw)
+                            tally.too_big(cfg.replace(checkpoint_activations=ckpts[-1]), need, hw)
                             break  # larger microbatches hold more
-                        cfg = cfg.replace(checkpoint_activations=CHECKPOINTING[first])
-                        if len(floors) == top and compute_floor(cfg, model, hw, CHECKPOINTING[first]) >= -floors[0]:
+                        cfg = cfg.replace(checkpoint_activations=ckpts[first])
+                        if len(floors) == top and compute_floor(cfg, model, hw, ckpts[first]) >= -floors[0]:
                             tally.invalid(f"slower than the best {top} on its compute alone")
                             continue
                         plan_ = _evaluate(cfg, model, hw)
