@@ -19,10 +19,10 @@ import math
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from labkit.config import ModelConfig
 from labkit.engines.layers import MLP, Attention, Rotary, SwiGLU, norm
+from labkit.engines.loss import cross_entropy
 from labkit.engines.moe import MoE
 
 
@@ -69,11 +69,11 @@ class Head(nn.Module):
         super().__init__()
         self.norm = norm(cfg)
         self.proj = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
+        self.loss = cfg.loss
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.proj(self.norm(x))  # (b, s, h) -> (b, s, V)
-        # the loss is taken in fp32 whatever the compute precision
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return cross_entropy(logits, targets, self.loss)
 
 
 class GPT(nn.Module):

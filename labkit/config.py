@@ -24,6 +24,8 @@ CHECKPOINTING = (False, True, "full", "selective", "op")
 """checkpoint_activations values: off; full recomputation (True is "full"); Korthikanti et al.'s
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 ARCHS = ("gpt", "gpt2", "llama")
+LOSSES = ("fp32", "fused")
+"""How ModelConfig.loss takes the cross-entropy."""
 DATA = ("synthetic", "text")
 """What a run trains on: the synthetic language (engines/data.py) or the Shakespeare corpus in bytes
 (labkit/plans/text.py; needs vocab >= 256)."""
@@ -132,6 +134,13 @@ class ModelConfig(_Dict):
     """Epsilon of every LayerNorm / RMSNorm."""
     qkv_bias: bool = False
     """Biases on the q, k and v projections only (llama family: Qwen2). gpt2 has biases everywhere anyway."""
+    loss: str = "fp32"
+    """How the cross-entropy is taken. 'fp32': the logits cast to fp32, then log-softmax and NLL
+    (F.cross_entropy on logits.float(), as torchtitan calls it): keeps the fp32 log-probabilities,
+    4 bytes a logit, and the backward makes fp32 gradients. 'fused': one function from the logits
+    in the compute dtype, keeping them and each row's fp32 log-sum-exp, its gradient written in
+    the compute dtype (flash-attn's CrossEntropyLoss, llm-foundry's default for MPT; Liger's keeps
+    the same bytes). The same loss to rounding; in bf16 'fused' keeps half the bytes a logit."""
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)

@@ -20,6 +20,7 @@ P = ParallelConfig
 GPT2_3, LLAMA_3, LLAMA_5 = GPT2.replace(layers=3), LLAMA.replace(layers=3), LLAMA.replace(layers=5)
 TIED_4, MIXTRAL_3 = LLAMA_TIED.replace(layers=4), MIXTRAL.replace(layers=3)
 GPT2_MOE = GPT2.replace(experts=4, top_k=2, ffn=32)
+GPT2_FUSED, LLAMA_FUSED = GPT2.replace(loss="fused"), LLAMA.replace(loss="fused")
 SEEDS = {
     GPT2: 0,
     GPT2_3: 0,
@@ -31,6 +32,8 @@ SEEDS = {
     TIED_4: 0,
     MIXTRAL: 0,
     MIXTRAL_3: 1,
+    GPT2_FUSED: 0,
+    LLAMA_FUSED: 0,
 }
 """Seeds whose reference moves well inside 1e-5 when only the order of its sums changes
 (test_seeds_are_well_conditioned; MIXTRAL_3 with seed 0 moves 4.2e-6)."""
@@ -85,6 +88,13 @@ LAYOUTS = {
     "mixtral-ep2-dp2": (P(ep=2, dp=2), MIXTRAL),
     "mixtral-fsdp-dp2": (P(dp=2, sharding="fsdp"), MIXTRAL),
     "mixtral-ep2-pp2-uneven": (P(ep=2, pp=2, microbatches=2, stage_layers=(2, 1)), MIXTRAL_3),
+    # the fused cross-entropy (ModelConfig.loss): the logits and the log-sum-exp kept, not fp32 log-probabilities
+    "llama-dp2-fused": (P(dp=2), LLAMA_FUSED),
+    "llama-dp2-fused-bf16": (P(dp=2, precision="bf16"), LLAMA_FUSED),
+    "gpt2-tp2-fused": (P(tp=2), GPT2_FUSED),  # vocab-parallel, the tied head
+    "gpt2-tp2sp-fused-bf16": (P(tp=2, sequence_parallel=True, precision="bf16"), GPT2_FUSED),
+    "llama-pp2-fused": (P(pp=2, microbatches=2), LLAMA_FUSED),
+    "llama-pp2-fused-torch": (P(pp=2, microbatches=2, impl="torch"), LLAMA_FUSED),
     # composed
     "tied-tp2sp-pp2": (P(tp=2, pp=2, microbatches=2, sequence_parallel=True), TIED_4),
     "gpt2-dp2-cp2-zero1": (P(dp=2, cp=2, sharding="zero1"), GPT2),
@@ -104,7 +114,7 @@ def gap(model, seed: int) -> float:
     return max(model_error(reference(model, steps=3, seed=seed, shards=k).params, ref) for k in (2, 8))
 
 
-@pytest.mark.parametrize("model", list(SEEDS), ids=lambda m: f"{m.arch}-{m.layers}-{m.experts}-{m.tied}")
+@pytest.mark.parametrize("model", list(SEEDS), ids=lambda m: f"{m.arch}-{m.layers}-{m.experts}-{m.tied}-{m.loss}")
 def test_seeds_are_well_conditioned(model):
     assert gap(model, SEEDS[model]) < 3e-6
 

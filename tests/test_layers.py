@@ -13,7 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = {"labkit": "labkit", "engines": "labkit.engines", "widgets": "labkit.widgets"}
 
 RUNGS = [
-    ("config", ("labkit.config", "labkit.validation", "labkit.hf", "labkit.table")),
+    ("config", ("labkit.config", "labkit.validation", "labkit.model_problems", "labkit.hf", "labkit.table")),
     ("plans", ("labkit.plans",)),
     ("engines", ("labkit.engines",)),
     ("theory", ("labkit.theory",)),

@@ -23,10 +23,10 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import OptimConfig
+from labkit.engines.loss import cross_entropy
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import all_reduce_tied, param_piece, tied_params
@@ -84,9 +84,13 @@ class TorchSchedule:
         self.first = any(st.is_first for st in stages)
         self.last = any(st.is_last for st in stages)
 
-        def loss_fn(logits, targets):  # model.Head's loss: (b, s, V) logits -> scalar, in fp32
+        # ModelConfig.loss, as the head holds it (the chunks may be wrapped by DDP or FSDP)
+        heads = (m for c in rank_model.chunks for m in c.modules() if isinstance(getattr(m, "loss", None), str))
+        how = next((m.loss for m in heads), "fp32")
+
+        def loss_fn(logits, targets):  # model.Head's loss: (b, s, V) logits -> scalar
             with meters.memory.saved_tensors():
-                return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+                return cross_entropy(logits, targets, how)
 
         cls = _schedule_class(self.schedule)
         self.sched = cls(

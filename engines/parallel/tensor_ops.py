@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from labkit.engines.loss import row_chunks
+
 
 # -- collectives along the sequence (dim 1 of (b, s, h)) ------------------------------------
 def all_gather_seq(x: torch.Tensor, group) -> torch.Tensor:
@@ -123,31 +125,56 @@ class Split(torch.autograd.Function):
 class VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy from (N, V/t) logit shards (Megatron-LM's vocab_parallel_cross_entropy):
     forward two all-reduces over tp — the (N,) max, then the (2, N) sum of exponentials with the
-    target's logit — backward none (softmax minus one-hot, on this rank's vocabulary slice)."""
+    target's logit — backward none (softmax minus one-hot, on this rank's vocabulary slice).
+    ModelConfig.loss 'fp32' (logits cast to fp32): the fp32 softmax is kept. 'fused' (logits in
+    the compute dtype): they are kept with each row's fp32 log-sum-exp, the softmax is rebuilt
+    backward and the gradient written in their dtype, fp32 LOSS_CHUNK logits at a time
+    (engines/loss.py)."""
 
     @staticmethod
-    def forward(ctx, logits, targets, start, group):
+    def forward(ctx, logits, targets, start, group, fused=False):
         n, v = logits.shape  # this rank: vocabulary [start, start + v)
-        top = logits.max(dim=-1).values  # (N,)
+        acc = torch.promote_types(logits.dtype, torch.float32)  # fp32 at least (fp64 stays fp64)
+        top = logits.max(dim=-1).values.to(acc)  # (N,)
         dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)  # (N,) max over the whole vocabulary
-        shifted = logits - top[:, None]  # (N, V/t)
         outside = (targets < start) | (targets >= start + v)  # (N,) target held by another rank
         local = (targets - start).masked_fill(outside, 0)  # (N,)
-        target_logit = shifted.gather(1, local[:, None]).squeeze(1).masked_fill(outside, 0.0)
-        exp = shifted.exp_()  # (N, V/t)
-        sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
+        picked = logits.gather(1, local[:, None]).squeeze(1).to(acc) - top
+        target_logit = picked.masked_fill(outside, 0.0)
+        if not fused:
+            exp = (logits - top[:, None]).exp_()  # (N, V/t)
+            sums = torch.stack([exp.sum(dim=-1), target_logit])  # (2, N)
+        else:
+            sums = torch.empty(2, n, dtype=acc, device=logits.device)
+            sums[1] = target_logit
+            for a, b in row_chunks(n, v):
+                sums[0, a:b] = (logits[a:b].to(acc) - top[a:b, None]).exp_().sum(dim=-1)
         dist.all_reduce(sums, group=group)  # (2, N) summed over tp
         loss = (sums[0].log() - sums[1]).mean()
-        ctx.save_for_backward(exp.div_(sums[0][:, None]), local, outside)  # softmax (N, V/t)
+        if not fused:
+            ctx.save_for_backward(exp.div_(sums[0][:, None]), local, outside)  # softmax (N, V/t)
+        else:
+            lse = sums[0].log_() + top  # (N,) log-sum-exp over the whole vocabulary
+            ctx.save_for_backward(logits, lse, local, outside)
         return loss
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, outside = ctx.saved_tensors
-        n = softmax.shape[0]
-        g = softmax * (grad / n)  # (N, V/t)
-        g[torch.arange(n, device=g.device), local] -= (~outside).to(g.dtype) * (grad / n)
-        return g, None, None, None
+        if len(ctx.saved_tensors) == 3:
+            softmax, local, outside = ctx.saved_tensors
+            n = softmax.shape[0]
+            g = softmax * (grad / n)  # (N, V/t)
+            g[torch.arange(n, device=g.device), local] -= (~outside).to(g.dtype) * (grad / n)
+            return g, None, None, None, None
+        logits, lse, local, outside = ctx.saved_tensors
+        n, v = logits.shape
+        out = torch.empty_like(logits)
+        scale = grad.to(lse.dtype) / n
+        for a, b in row_chunks(n, v):
+            g = (logits[a:b].to(lse.dtype) - lse[a:b, None]).exp_()  # this slice of the softmax
+            g[torch.arange(b - a, device=g.device), local[a:b]] -= (~outside[a:b]).to(g.dtype)
+            out[a:b] = g.mul_(scale)
+        return out, None, None, None, None
 
 
 class ReduceGrad(torch.autograd.Function):

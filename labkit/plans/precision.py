@@ -13,3 +13,7 @@ GATHER = {"fp32": 4, "bf16": 2, "fp8": 1}
 already cast to fp8 (torchao's enable_fsdp_float8_all_gather), half of bf16's traffic."""
 REDUCE = 4
 """Bytes per element of a gradient reduction: fp32 in both precisions (engines/precision.py)."""
+
+LOSS_CHUNK = 2**24
+"""Logits a fused cross-entropy (ModelConfig.loss='fused') takes to fp32 at a time, forward and
+backward (64 MiB): its only fp32 buffer the size of the logits' rows (engines/loss.py)."""

@@ -11,7 +11,8 @@ term is modelled and named; ARCHITECTURE.md ("What a GPU holds") gives the sourc
                 blocks (one computing, one prefetched); with pp, the whole stage (no reshard)
   reduce_buffers  gradients waiting for their reduction: a block's bf16 gradients and their fp32
                 copy (FSDP), the whole stage's fp32 accumulation (FSDP under pp), two buckets (ZeRO-1/2)
-  logits        the loss's backward: nll's dense fp32 gradient and log_softmax's, 8·b·s·V/tp bytes
+  logits        the loss's backward: nll's dense fp32 gradient and log_softmax's, 8·b·s·V/tp bytes;
+                with ModelConfig.loss='fused' the gradient in the compute dtype and one fp32 chunk
   temporaries   the largest op's backward buffers: the MLP's intermediate gradients, or flash
                 attention's fp32 dq accumulator with dq, dk, dv
   cuda_context  the CUDA context and library handles, outside PyTorch's allocator
@@ -26,7 +27,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.precision import ELEM, GATHER, REDUCE
+from labkit.plans.precision import ELEM, GATHER, LOSS_CHUNK, REDUCE
 from labkit.theory.activations import chunk
 from labkit.theory.hardware import Hardware
 from labkit.theory.pipeline import in_flight
@@ -116,7 +117,12 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
     e = ELEM[cfg.precision]
     b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     tokens = b * model.seq // cfg.cp
-    logits = 8 * tokens * model.vocab / cfg.tp if st.head else 0.0
+    logits = tokens * model.vocab / cfg.tp
+    if model.loss == "fused":  # the gradient in the compute dtype, and one chunk's fp32 softmax
+        logits = e * logits + 4 * min(logits, LOSS_CHUNK)
+    else:
+        logits = 8 * logits
+    logits = logits if st.head else 0.0
     kv = model.n_kv_heads * model.head_dim
     mats = 3 if model.arch == "llama" else 2
     mlp = mats * e * tokens * model.ffn / cfg.tp

@@ -43,7 +43,8 @@ def activation_bytes(
 
       gpt, gpt2  per block  e(6bsh + 2bs·kv + 4bs): LN inputs and outputs, q, attention output,
                             k and v, LN mean and rstd; + 2e·bsf (fc1 out, GELU out) + 4abs (lse)
-                 head       e(2bsh + 2bs) + 4bsV (log-softmax, fp32) + 8bs targets + one fp32 scalar
+                 head       e(2bsh + 2bs) + 4bsV (log-softmax, fp32) + 8bs targets + one fp32 scalar;
+                            with loss='fused' e·bsV (the logits) + 4bs (log-sum-exp) + 8bs targets
                  embedding  8bs token ids + 8s positions
       llama      per block  8(2bsh + bs): two RMSNorms keep input, rstd and normalised input, in fp32
                             whatever the compute dtype (torch's nn.RMSNorm upcasts); e(4bsh + 2bs·kv):
@@ -77,7 +78,10 @@ def activation_bytes(
         total += 2 * e * s * m.head_dim  # the rotary tables
     if head:
         norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if llama else e * (2 * b * s * h + 2 * b * s)
-        total += norm + 4 * b * s * v + 8 * b * s + 4
+        # 'fp32': log_softmax's fp32 output, nll's targets and total weight; 'fused': the
+        # logits, each row's fp32 log-sum-exp and the targets (engines/loss.py)
+        loss = e * b * s * v + 4 * b * s + 8 * b * s if m.loss == "fused" else 4 * b * s * v + 8 * b * s + 4
+        total += norm + loss
     if embed:
         total += 8 * b * s + (0 if llama else 8 * s)
     return total

@@ -126,9 +126,18 @@ and log_softmax (read twice, write once, fp32). Its backward: nll's dense gradie
 log_softmax's backward (read 8, write 4), the cast back (read 4): 20 + e."""
 
 
+def _loss_op(model: ModelConfig, e: int, logits: int) -> Op:
+    """The cross-entropy's passes over the logits: LOSS_FORWARD's, or a fused kernel's (loss='fused':
+    flash-attn's, which reads the logits once forward and reads them and writes the gradient
+    backward, e bytes each)."""
+    if model.loss == "fused":
+        return Op("loss", "memory", 0, e * logits, backward=2.0)
+    return Op("loss", "memory", 0, (e + LOSS_FORWARD) * logits, backward=(20 + e) / (e + LOSS_FORWARD))
+
+
 @lru_cache(maxsize=4096)
 def head_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision: str) -> tuple[Op, ...]:
-    """The final norm, the LM head (vocab-parallel over tp) and the fp32 cross-entropy."""
+    """The final norm, the LM head (vocab-parallel over tp) and the cross-entropy (ModelConfig.loss)."""
     e = ELEM[precision]
     tokens = b * model.seq // cp
     rows = tokens // (tp if sp else 1)
@@ -138,7 +147,7 @@ def head_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision: 
     return (
         Op("head norm", "memory", 0, norm * rows * h),
         *_matmul("lm head", tokens, h, v, precision, kept=True),
-        Op("loss", "memory", 0, (e + LOSS_FORWARD) * logits, backward=(20 + e) / (e + LOSS_FORWARD)),
+        _loss_op(model, e, logits),
     )
 
 

@@ -58,7 +58,8 @@ class Plan:
     tight: bool = False
     """Fits, but not with the allocator's usual reserve (peak_bytes is over the device): it runs
     with the allocator freeing its cache and retrying (torch.cuda.memory_stats'
-    num_alloc_retries; slower steps)."""
+    num_alloc_retries), which the predicted time leaves out; the planner ranks it after every
+    plan that is not tight."""
 
     @property
     def memory(self) -> dict:

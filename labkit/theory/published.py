@@ -17,7 +17,10 @@ llm-foundry: mosaicml/llm-foundry, scripts/train/benchmarking/README.md at commi
 torch 2.0.1 + CUDA 11.8 per sweep.sh, Composer FSDP FULL_SHARD, Triton flash attention). MPT is
 GPT-2's architecture (biases, LayerNorm, learned positions, tied head) at vocab 50368 and the
 widths of scripts/train/yamls/pretrain/mpt-*.yaml; theory.num_params equals the table's NumParams
-for every row (a test checks). No memory is published.
+for every row (a test checks). Its loss is flash-attn's fused cross-entropy (ModelConfig.loss
+'fused': llm-foundry's ComposerMPTCausalLM takes loss_fn 'fused_crossentropy' unless told
+otherwise, llmfoundry/models/mpt/modeling_mpt.py). No memory is published; every run ran, so each
+layout fits (a test holds the planner to that).
 """
 
 from __future__ import annotations
@@ -240,7 +243,7 @@ FOUNDRY_FP8 = """
 
 def mpt(size: str, seq: int) -> dict:
     h, heads, layers = MPT[size]
-    return dict(arch="gpt2", layers=layers, hidden=h, heads=heads, ffn=4 * h, vocab=50368, seq=seq)
+    return dict(arch="gpt2", layers=layers, hidden=h, heads=heads, ffn=4 * h, vocab=50368, seq=seq, loss="fused")
 
 
 def _foundry(text: str, precision: str) -> list[Run]:

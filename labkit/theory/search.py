@@ -14,6 +14,9 @@ memory, or the same memory in less time, in this model):
   checkpointing none, selective, op, full in that order of recomputation: the first that fits is
                 the one timed (recomputation only adds time; memory only falls down the list)
   precision     bf16, and fp8 where the hardware has it (or the one asked for)
+A tight plan (it fits only once the allocator gives back its cache) comes after every plan that
+fits with the allocator's reserve: its predicted time leaves out the allocator's retries (a
+cudaFree and a device synchronisation each), which this model does not price.
 `fixed` keeps any of FIXABLE as given (a node's tp, a framework's sharding or schedule) and
 searches the rest; a fixed schedule other than 1F1B and interleaved is searched too.
 
@@ -169,7 +172,7 @@ def plan(
     fixed: dict | None = None,
 ) -> Plans:
     """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
-    tokens/s/GPU). global_batch: sequences per step (default: 4M tokens, Llama 3's batch at
+    tokens/s/GPU; tight ones after the rest). global_batch: sequences per step (default: 4M tokens, Llama 3's batch at
     8k, rounded to sequences); precision: 'bf16' or 'fp8' (default: both where the hardware has
     fp8); fixed: layout fields held as given (FIXABLE), e.g. {"tp": 8} for tensor parallelism
     inside a node or {"sharding": "fsdp"} for a framework that has only FSDP. The list's
@@ -227,10 +230,11 @@ def plan(
                             continue
                         plan_ = _evaluate(cfg, model, hw)
                         timed.append(plan_)
-                        heapq.heappush(floors, -plan_.step_seconds)
+                        if not plan_.tight:  # a tight plan ranks after every other: no floor for them
+                            heapq.heappush(floors, -plan_.step_seconds)
                         if len(floors) > top:
                             heapq.heappop(floors)
-    timed.sort(key=lambda p: -p.tokens_per_second_per_gpu)
+    timed.sort(key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))
     misses = [r for _, r in sorted(tally.misses, key=lambda x: x[0])[:NEAREST]]
     return Plans(timed[:top], misses, tally.counts, considered, len(timed))
 

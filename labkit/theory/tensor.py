@@ -58,7 +58,10 @@ def activation_bytes(
         total += 2 * e * s * model.head_dim  # the rotary tables, on the gathered sequence
     if head:
         norm = 4 * (2 * b * rows * h + b * rows) if llama else e * (b * rows * h + 2 * b * rows)
-        total += norm + e * b * kept * h + 4 * b * s * v // tp + 8 * b * s + b * s
+        # the loss keeps the fp32 softmax ('fp32') or the logits and the fp32 log-sum-exp ('fused'),
+        # with the local targets (int64) and whether another rank holds them (bool)
+        loss = e * b * s * v // tp + 4 * b * s if model.loss == "fused" else 4 * b * s * v // tp
+        total += norm + e * b * kept * h + loss + 8 * b * s + b * s
     if embed:
         total += 8 * b * s + b * s + (0 if llama else 8 * s)
     return total
