@@ -42,14 +42,21 @@ class FusedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         logits, lse, targets = ctx.saved_tensors
-        n, v = logits.shape
-        out = torch.empty_like(logits)  # the gradient, in the logits' dtype
-        scale = grad.to(lse.dtype) / n
-        for a, b in row_chunks(n, v):
-            g = (logits[a:b].to(lse.dtype) - lse[a:b, None]).exp_()  # softmax of the rows, fp32
-            g[torch.arange(b - a, device=g.device), targets[a:b]] -= 1.0
-            out[a:b] = g.mul_(scale)
-        return out, None
+        return softmax_grad(logits, lse, targets, grad.to(lse.dtype) / logits.shape[0]), None
+
+
+def softmax_grad(logits, lse, targets, scale, held=None) -> torch.Tensor:
+    """(softmax(logits) - one_hot(targets)) * scale in the logits' dtype, the softmax rebuilt
+    from the rows' log-sum-exp `lse` in its dtype LOSS_CHUNK logits at a time; rows whose `held`
+    is False (their target on another rank's vocabulary) get no one-hot."""
+    n, v = logits.shape
+    out = torch.empty_like(logits)
+    for a, b in row_chunks(n, v):
+        g = (logits[a:b].to(lse.dtype) - lse[a:b, None]).exp_()  # the rows' softmax
+        one = torch.ones(b - a, dtype=g.dtype, device=g.device) if held is None else held[a:b].to(g.dtype)
+        g[torch.arange(b - a, device=g.device), targets[a:b]] -= one
+        out[a:b] = g.mul_(scale)
+    return out
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, how: str) -> torch.Tensor:

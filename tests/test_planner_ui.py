@@ -55,3 +55,13 @@ def test_scale_explorer_shows_every_term_and_opens_a_plan_on_a_click():
     assert x.view.plan.tokens_per_second_per_gpu == best.tokens_per_second_per_gpu
     x.controls["checkpoint_activations"].value = "selective"  # the recompute control, by mode
     assert x.view.config.recompute == "selective"
+
+
+def test_scale_explorer_shows_what_the_fused_loss_saves():
+    x = ScaleExplorer(model="llama3.1-8b", gpus=8)
+    x.controls["precision"].value = "bf16"
+    logits = {t.name: t.y[0] for t in x.figures["gpu"].data}["logits"]
+    x.controls["loss"].value = "fused"
+    assert x.model.loss == "fused"
+    fused = {t.name: t.y[0] for t in x.figures["gpu"].data}["logits"]
+    assert 0 < fused < logits / 3  # 2 bytes a logit and one fp32 chunk, against 8 bytes a logit

@@ -118,6 +118,13 @@ class ScaleExplorer:
                 description="recompute",
                 style={"button_width": button_width(["none", "selective", "op", "full"])},
             ),
+            "loss": W.ToggleButtons(
+                options=["fp32", "fused"],
+                value="fp32",
+                description="loss",
+                tooltip="fused: the logits kept in the compute dtype, not fp32 log-probabilities (ModelConfig.loss)",
+                style={"button_width": button_width(["fp32", "fused"])},
+            ),
             "capacity": W.Dropdown(options=list(CAPACITIES), value=list(CAPACITIES)[0], description="GPU", **box),
             "hardware": W.Dropdown(options=list(HARDWARE), value="h100", description="time on", **box),
         }
@@ -148,7 +155,7 @@ class ScaleExplorer:
                         col(c["microbatches"], c["virtual_stages"], c["sequence_parallel"]),
                     ]
                 ),
-                col(c["schedule"], c["sharding"], c["precision"], c["checkpoint_activations"]),
+                col(c["schedule"], c["sharding"], c["precision"], c["checkpoint_activations"], c["loss"]),
                 self.plans.widget,
                 self.status,
                 self.error_box,
@@ -174,7 +181,7 @@ class ScaleExplorer:
 
     @property
     def model(self) -> ModelConfig:
-        return PRESETS[self.controls["model"].value]
+        return PRESETS[self.controls["model"].value].replace(loss=self.controls["loss"].value)
 
     def _degree_options(self, **values) -> None:
         """Offer the degrees the model allows: tp | heads, vocab and ffn (GPT-2's vocab 50257 is odd:

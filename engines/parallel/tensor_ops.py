@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from labkit.engines.loss import row_chunks
+from labkit.engines.loss import row_chunks, softmax_grad
 
 
 # -- collectives along the sequence (dim 1 of (b, s, h)) ------------------------------------
@@ -167,14 +167,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
             g[torch.arange(n, device=g.device), local] -= (~outside).to(g.dtype) * (grad / n)
             return g, None, None, None, None
         logits, lse, local, outside = ctx.saved_tensors
-        n, v = logits.shape
-        out = torch.empty_like(logits)
-        scale = grad.to(lse.dtype) / n
-        for a, b in row_chunks(n, v):
-            g = (logits[a:b].to(lse.dtype) - lse[a:b, None]).exp_()  # this slice of the softmax
-            g[torch.arange(b - a, device=g.device), local[a:b]] -= (~outside[a:b]).to(g.dtype)
-            out[a:b] = g.mul_(scale)
-        return out, None, None, None, None
+        return softmax_grad(logits, lse, local, grad.to(lse.dtype) / logits.shape[0], ~outside), None, None, None, None
 
 
 class ReduceGrad(torch.autograd.Function):
