@@ -151,6 +151,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
                 sums[0, a:b] = (logits[a:b].to(acc) - top[a:b, None]).exp_().sum(dim=-1)
         dist.all_reduce(sums, group=group)  # (2, N) summed over tp
         loss = (sums[0].log() - sums[1]).mean()
+        ctx.fused = fused
         if not fused:
             ctx.save_for_backward(exp.div_(sums[0][:, None]), local, outside)  # softmax (N, V/t)
         else:
@@ -160,7 +161,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if len(ctx.saved_tensors) == 3:
+        if not ctx.fused:
             softmax, local, outside = ctx.saved_tensors
             n = softmax.shape[0]
             g = softmax * (grad / n)  # (N, V/t)

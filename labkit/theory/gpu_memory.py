@@ -117,12 +117,9 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
     e = ELEM[cfg.precision]
     b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     tokens = b * model.seq // cfg.cp
-    logits = tokens * model.vocab / cfg.tp
-    if model.loss == "fused":  # the gradient in the compute dtype, and one chunk's fp32 softmax
-        logits = e * logits + 4 * min(logits, LOSS_CHUNK)
-    else:
-        logits = 8 * logits
-    logits = logits if st.head else 0.0
+    n = tokens * model.vocab / cfg.tp if st.head else 0.0  # the logits on this rank
+    # 'fused': the gradient in the compute dtype and one chunk's fp32 softmax; 'fp32': 8 bytes a logit
+    logits = e * n + 4 * min(n, LOSS_CHUNK) if model.loss == "fused" else 8 * n
     kv = model.n_kv_heads * model.head_dim
     mats = 3 if model.arch == "llama" else 2
     mlp = mats * e * tokens * model.ffn / cfg.tp
@@ -137,6 +134,11 @@ def communicators(cfg: ParallelConfig) -> int:
     return len(dims) + (1 if cfg.dp > 1 and (cfg.cp > 1 or cfg.ep > 1) else 0)
 
 
+def nccl_bytes(cfg: ParallelConfig, hw: Hardware) -> float:
+    """NCCL's buffers: per communicator, 2 directions x channels x NCCL_BUFFSIZE."""
+    return communicators(cfg) * 2 * hw.nccl_channels * hw.nccl_buffer
+
+
 def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, ac=None) -> dict[str, float]:
     """Every term (TERMS) of what one GPU at pipeline rank `st` holds at its peak, in bytes
     (`ac`: the checkpointing to price, default the config's)."""
@@ -144,7 +146,7 @@ def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stag
     del out["total"]
     allocated = allocated_bytes(out)
     out["cuda_context"] = hw.context
-    out["nccl"] = communicators(cfg) * 2 * hw.nccl_channels * hw.nccl_buffer
+    out["nccl"] = nccl_bytes(cfg, hw)
     out["allocator"] = hw.allocator * allocated
     return {k: float(out[k]) for k in TERMS}
 
@@ -155,7 +157,7 @@ def required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, a
     acts = activation_terms(cfg, model, st, ac)
     trans = transient_terms(cfg, model, st)
     allocated = held["total"] + acts["activations"] + max(trans["logits"], acts["recompute"] + trans["temporaries"])
-    return allocated + hw.context + communicators(cfg) * 2 * hw.nccl_channels * hw.nccl_buffer
+    return allocated + hw.context + nccl_bytes(cfg, hw)
 
 
 def _held(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:

@@ -172,11 +172,11 @@ def plan(
     fixed: dict | None = None,
 ) -> Plans:
     """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
-    tokens/s/GPU; tight ones after the rest). global_batch: sequences per step (default: 4M tokens, Llama 3's batch at
-    8k, rounded to sequences); precision: 'bf16' or 'fp8' (default: both where the hardware has
-    fp8); fixed: layout fields held as given (FIXABLE), e.g. {"tp": 8} for tensor parallelism
-    inside a node or {"sharding": "fsdp"} for a framework that has only FSDP. The list's
-    `.rejected` and `.counts` say what was left out and why."""
+    tokens/s/GPU; tight ones after the rest). global_batch: sequences per step (default: 4M
+    tokens, Llama 3's batch at 8k, rounded to sequences); precision: 'bf16' or 'fp8' (default:
+    both where the hardware has fp8); fixed: layout fields held as given (FIXABLE), e.g.
+    {"tp": 8} for tensor parallelism inside a node or {"sharding": "fsdp"} for a framework that
+    has only FSDP. The list's `.rejected` and `.counts` say what was left out and why."""
     hw = hardware_of(hardware)
     if not isinstance(gpus, int) or gpus < 1:
         raise ConfigError([f"gpus={gpus!r} must be a positive integer"])
