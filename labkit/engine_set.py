@@ -316,7 +316,7 @@ class EngineSet:
                 "with ipcluster and call Lab.connect again"
             )
         self._end(range(self.world))
-        self.cluster.stop_engines_sync()
+        launchers.drained(self.cluster.stop_engines)
         self.cluster.start_engines_sync(n=self._n)
         self._watch_jobs()
         self.ids = self._new_engines(self._n)

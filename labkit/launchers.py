@@ -22,10 +22,12 @@ What every Lab's cluster gets (`cluster_settings`):
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
 import sys
+import threading
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -277,9 +279,48 @@ def batch_file(cluster) -> str:
     return os.path.join(cluster.profile_dir, f"labkit-{cluster.cluster_id}-engines.sbatch")
 
 
+STOP_TIMEOUT_S = 120.0
+"""How long a stop waits for the launchers (ssh to a host that is gone included) before it goes on."""
+
+
+def drained(cluster_call) -> None:
+    """Run `cluster_call()` (a coroutine of the Cluster: stop_cluster, stop_engines) to its end on
+    an event loop of its own, in a thread of its own, and finish there whatever it leaves
+    running; raise what it raised. Why not ipyparallel's `_sync` wrappers: their parts run under
+    asyncio.gather, which leaves the others running when one raises (a host ssh cannot reach), and
+    the wrapper closes its loop with them pending. The garbage collector then closes each one in
+    whatever thread it collects in; an SSHLauncher.join closes its thread pool there and waits for
+    it, and when that thread is inside threading's _shutdown_locks_lock (starting a thread) every
+    later Thread.start in the process waits for ever (seen: a test session stuck in Lab.close)."""
+    failed: list[BaseException] = []
+
+    def body() -> None:
+        loop = asyncio.new_event_loop()
+        try:
+            loop.run_until_complete(cluster_call())
+        except Exception as e:
+            failed.append(e)
+        finally:
+            left = asyncio.all_tasks(loop)
+            for task in left:
+                task.cancel()
+            if left:
+                loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+            loop.close()
+
+    # its own thread: a notebook's thread already runs an event loop
+    worker = threading.Thread(target=body, name="labkit-stop", daemon=True)
+    worker.start()
+    worker.join(STOP_TIMEOUT_S)
+    if worker.is_alive():
+        raise TimeoutError(f"the launchers did not stop within {STOP_TIMEOUT_S:g} s")
+    if failed:
+        raise failed[0]
+
+
 def stop(cluster) -> None:
     try:
-        cluster.stop_cluster_sync()
+        drained(cluster.stop_cluster)
     except Exception:  # e.g. a host ssh cannot reach: its engines exit on missed heartbeats
         pass
     # stopped once: the Cluster's __del__ would try again (and raise at garbage collection)

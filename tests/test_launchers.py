@@ -3,6 +3,11 @@ which GPUs a classroom Lab takes from a made-up nvidia-smi table, rank order and
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
+import threading
+import time
+
 import pytest
 
 from labkit import ConfigError
@@ -203,3 +208,48 @@ def test_an_engine_is_watched_by_pid_only_on_this_machine_and_pid_namespace():
     assert not watchable(_info("a", boot="b2"), mine)
     assert not watchable(_info("a", ns="pid:[2]"), mine)
     assert not watchable({"host": "old"}, mine)  # an engine that does not say: by registration
+
+
+class _StopsBadly:
+    """A Cluster whose stop is two parts under asyncio.gather, as ipyparallel's: one raises at once
+    (a host ssh cannot reach), the other is inside an SSHLauncher.join-like thread pool when it does."""
+
+    shutdown_atexit = True
+    profile_dir, cluster_id = "/nonexistent", "test"
+
+    def __init__(self):
+        self.finished_in: int | None = None
+
+    async def _join(self):
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                await asyncio.wrap_future(pool.submit(time.sleep, 0.1))
+                await asyncio.sleep(30)
+        finally:
+            self.finished_in = threading.get_ident()
+
+    async def _unreachable(self):
+        await asyncio.sleep(0.01)
+        raise RuntimeError("ssh: connect to host labkit-b: No route to host")
+
+    async def stop_cluster(self):
+        await asyncio.gather(self._join(), self._unreachable())
+
+    def stop_cluster_sync(self):  # ipyparallel's wrapper, outside a running loop
+        from ipyparallel._async import _asyncio_run
+
+        return _asyncio_run(self.stop_cluster())
+
+
+def test_a_stop_finishes_what_it_leaves_running_before_it_returns():
+    """ipyparallel's _sync wrapper returns with the join still pending, for the garbage collector
+    to close in any thread (one that holds threading's _shutdown_locks_lock then deadlocks the
+    process: launchers.drained). launchers.stop cancels and finishes it first, in its own thread."""
+    from labkit import launchers
+
+    cluster = _StopsBadly()
+    launchers.stop(cluster)
+    assert cluster.finished_in is not None and cluster.finished_in != threading.get_ident()
+    assert cluster.shutdown_atexit is False
+    with pytest.raises(RuntimeError, match="No route to host"):
+        launchers.drained(_StopsBadly().stop_cluster)
