@@ -18,10 +18,24 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
+def _driver() -> str:
+    """The NVIDIA driver's version, as nvidia-smi reports it ('' without one)."""
+    import subprocess
+
+    try:
+        got = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"], capture_output=True, text=True
+        )
+    except OSError:
+        return ""
+    return got.stdout.strip().splitlines()[0] if got.returncode == 0 and got.stdout.strip() else ""
 
 
 def timed(fn, repeats: int = 10, warmup: int = 3) -> float:
@@ -268,8 +282,10 @@ def main() -> None:
     p.add_argument("--llama-only", action="store_true", help="only the Llama steps")
     ns = p.parse_args()
     dev = "cpu" if ns.tiny or not torch.cuda.is_available() else "cuda"
-    out: dict = {"torch": torch.__version__}
+    out: dict = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "cuda": torch.version.cuda}
     if dev == "cuda":
+        out["driver"] = _driver()
+        out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
         torch.cuda.init()
         free, total = torch.cuda.mem_get_info()
         torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # cuBLAS handle

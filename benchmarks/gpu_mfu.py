@@ -1,36 +1,49 @@
-"""Model FLOPs utilisation of GPT-2 124M (exact architecture, tied head) in bf16 on one GPU.
+"""Model FLOPs utilisation on one GPU, and labkit's strategies against PyTorch's at world 2 (issue 34).
 
-    python benchmarks/gpu_mfu.py [--batch 16 32] [--steps 20]      # on a machine with a CUDA GPU
+    python benchmarks/gpu_mfu.py --out mfu.json [--trace trace.json] [--parts one lab pairs]
 
 MFU = model FLOPs per step / (step seconds · peak). The peak is this device's own measured bf16
 matrix-multiply rate (an 8192³ product, median of 10 after warm-up), not the datasheet's. Model
 FLOPs per token are PaLM's count (Chowdhery et al. 2022, appendix B): 6·N + 12·L·h·s, N the
-parameters a token's matmuls touch (every parameter but the position table; the tied embedding
-counts once, as the LM head's matmul), the second term attention's scores and weighted sum.
+parameters a token's matmuls touch (every parameter but the position table; a tied embedding
+counts once, as the LM head's matmul), the second term attention's scores and weighted sum over
+the whole s×s square (causal attention does half of it; PaLM, and nanoGPT's estimate_mfu, count
+it whole, so these MFUs are comparable with theirs).
 
-What is measured, each on labkit's own model code (engines/model.py):
-  lab        Lab(engines=1) on the GPU, precision='bf16', every meter on (the comm log, the
-             saved-tensor hooks, CUDA-event timeline): what a notebook user sees
-  lab-gil5ms the same with the engine's GIL switch interval at Python's 5 ms instead of labkit's 0.1 ms
-  eager      one process, fp32 master weights under torch.autocast(bf16), fused AdamW, no meters
-  compiled   the same under torch.compile (flash attention through scaled_dot_product_attention)
+The models, each on labkit's own model code (engines/model.py), exact architectures:
+  GPT-2 124M     12 x 768, seq 1024, batch 16 (16,384 tokens a step)
+  Llama 3.2 1B   16 x 2048, GQA 32/8, tied, seq 2048 (the preset's 8192 cut for one GPU's step), batch 8
+
+What is measured (median step of the steady steps, CUDA events):
+  one       a plain one-process loop: fp32 master weights under torch.autocast(bf16), fused AdamW,
+            no meters; eager, and compiled (torch.compile of the whole model)
+  lab       Lab(engines=1) on the GPU, precision='bf16', every meter on: what a notebook user sees
+  pairs     world 2 on one GPU (the two ranks time-share it; NCCL when it runs two ranks on one
+            GPU, else gloo on CUDA: the JSON says which), GPT-2 124M, labkit's implementation and
+            PyTorch's of the same layout: DDP, FSDP (ZeRO-3 / FSDP2), TP (DTensor), 1F1B
+            (torch.distributed.pipelining). Step time ours / PyTorch's.
+The JSON is rewritten after every row; --trace saves one Lab run's timeline (CUDA events) for Perfetto.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import statistics
 import sys
 import time
+import traceback
 
 import torch
 
-sys.path.insert(0, __file__.rsplit("/", 1)[0])
+from labkit import theory
+from labkit.theory.presets import GPT2_124M, LLAMA32_1B
 
-from common import machine, table  # noqa: E402
-
-from labkit import theory  # noqa: E402
-from labkit.theory.presets import GPT2_124M  # noqa: E402
+MODELS = {
+    "gpt2-124m": (GPT2_124M, 16),
+    "llama3.2-1b": (LLAMA32_1B.replace(seq=2048), 8),
+}
 
 
 def matmul_peak(n: int = 8192, repeats: int = 10) -> float:
@@ -55,7 +68,7 @@ def flops_per_token(model) -> float:
     return 6 * n + 12 * model.layers * model.hidden * model.seq
 
 
-def one_process(model_cfg, batch: int, steps: int, compiled: bool) -> float:
+def one_process(model_cfg, batch: int, steps: int, compiled: bool) -> dict:
     """Median step seconds of a plain training loop on labkit's model: bf16 autocast, fused AdamW."""
     from labkit.engines.model import build_model
 
@@ -66,7 +79,10 @@ def one_process(model_cfg, batch: int, steps: int, compiled: bool) -> float:
     tokens = torch.randint(0, model_cfg.vocab, (batch, model_cfg.seq), device="cuda", generator=gen)
     targets = torch.roll(tokens, -1, dims=1)
     times = []
-    for i in range(steps + 5):
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.monotonic()
+    warm = 3
+    for i in range(steps + warm):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         with torch.autocast("cuda", dtype=torch.bfloat16):
@@ -76,70 +92,159 @@ def one_process(model_cfg, batch: int, steps: int, compiled: bool) -> float:
         opt.zero_grad(set_to_none=True)
         end.record()
         torch.cuda.synchronize()
-        if i >= 5:  # warm-up (and compilation) left out
+        if i >= warm:  # warm-up (and compilation) left out
             times.append(start.elapsed_time(end) / 1e3)
-    del net, opt
+        if i == warm - 1:
+            first = time.monotonic() - t0
+    peak = torch.cuda.max_memory_allocated()
+    kernels = profile_step(functools.partial(step, fwd, opt, tokens, targets))
+    del net, opt, fwd
     torch.cuda.empty_cache()
-    return statistics.median(times)
+    return {"step_s": statistics.median(times), "warmup_s": first, "peak_bytes": peak, "kernels": kernels}
 
 
-def in_the_lab(model_cfg, batch: int, steps: int, switch: float | None) -> tuple[float, float]:
-    """Median steady step seconds of lab.run (bf16, every meter on) and the allocator peak."""
-    from labkit import Lab, ParallelConfig
+def step(fwd, opt, tokens, targets) -> None:
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = fwd(tokens, targets)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
 
-    def set_switch(s):
-        import sys as _sys
 
-        _sys.setswitchinterval(s)
+KINDS = (
+    ("attention", ("flash", "fmha", "cudnn", "attention", "efficient")),
+    ("matmul", ("gemm", "nvjet", "xmma", "cutlass", "sm90_", "gemv")),
+    ("optimizer", ("adam", "foreach", "multi_tensor")),
+)
 
-    cfg = ParallelConfig(dp=1, global_batch=batch, precision="bf16")
-    with Lab(engines=1, device="cuda", progress=False, timeout=600) as lab:
-        if switch is not None:
-            lab.apply(set_switch, switch)
-        res = lab.run(cfg, model=model_cfg, steps=steps)
-    return statistics.median(res.ranks[0].step_times[3:]), res.ranks[0].memory["peak"]
+
+def profile_step(fn) -> dict:
+    """Where one step's GPU time goes: kernel time by kind (matmul, attention, optimizer, the
+    rest: elementwise, norms, softmax, copies), the SDPA kernels by name (which backend SDPA
+    chose: flash, cuDNN, efficient or the math path's matmuls), and the step's wall time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by_kind = {k: 0.0 for k, _ in KINDS} | {"other": 0.0}
+    names: dict[str, float] = {}
+    calls = 0
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.device_time if hasattr(e, "device_time") else e.cuda_time
+        name = e.name.lower()
+        kind = next((k for k, keys in KINDS if any(x in name for x in keys)), "other")
+        by_kind[kind] += us / 1e6
+        calls += 1
+        if kind == "attention":
+            names[e.name[:120]] = names.get(e.name[:120], 0.0) + us / 1e6
+    return {"wall_s": wall, "kernel_s": by_kind, "kernels": calls, "attention_kernels": names}
+
+
+def in_the_lab(lab, model_cfg, batch: int, steps: int, cfg=None, trace: str | None = None) -> dict:
+    """Median steady step seconds of lab.run (every meter on) and the allocator peak of rank 0."""
+    from labkit import ParallelConfig
+
+    cfg = cfg or ParallelConfig(dp=1, global_batch=batch, precision="bf16")
+    res = lab.run(cfg, model=model_cfg, steps=steps, timeout=600)
+    if trace:
+        res.save_trace(trace)
+    times = res.ranks[0].step_times[2:]
+    return {"step_s": statistics.median(times), "peak_bytes": res.ranks[0].memory["peak"], "steps": len(times)}
+
+
+PAIRS = [
+    ("ddp", dict(dp=2), "fp32"),
+    ("fsdp", dict(dp=2, sharding="fsdp"), "bf16"),
+    ("tp", dict(tp=2), "fp32"),
+    ("1f1b", dict(pp=2, microbatches=4, schedule="1f1b"), "fp32"),
+]
 
 
 def main() -> None:
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, nargs="+", default=[16, 32])
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--skip-lab", action="store_true")
+    ap.add_argument("--out", default="mfu.json")
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--parts", nargs="+", default=["one", "lab", "pairs"])
+    ap.add_argument("--models", nargs="+", default=list(MODELS))
     ns = ap.parse_args()
+    from labkit import Lab, ParallelConfig
+
+    out = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "rows": [],
+        "pairs": [],
+    }
+
+    def save():
+        with open(ns.out, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+
     peak = matmul_peak()
-    model = GPT2_124M
-    per_token = flops_per_token(model)
-    rows = [
-        ("device", f"{torch.cuda.get_device_name()}, torch {torch.__version__}, CUDA {torch.version.cuda}"),
-        ("measured bf16 matmul peak (8192³)", f"{peak / 1e12:.0f} TFLOP/s"),
-        ("model FLOPs per token (6N + 12·L·h·s)", f"{per_token / 1e9:.3f} GFLOP"),
-    ]
-    t0 = time.time()
-    for batch in ns.batch:
+    out["peak_bf16_flops"] = peak
+    print(f"{out['device']}: bf16 matmul peak {peak / 1e12:.0f} TFLOP/s", flush=True)
+    save()
+
+    def row(name, model_name, fn):
+        model, batch = MODELS[model_name]
         tokens = batch * model.seq
-        variants = [
-            ("compiled", lambda b=batch: one_process(model, b, ns.steps, True)),
-            ("eager", lambda b=batch: one_process(model, b, ns.steps, False)),
-        ]
-        if not ns.skip_lab:
-            variants += [
-                ("lab", lambda b=batch: in_the_lab(model, b, ns.steps, None)[0]),
-                ("lab-gil5ms", lambda b=batch: in_the_lab(model, b, ns.steps, 5e-3)[0]),
-            ]
-        for name, fn in variants:
-            step = fn()
-            mfu = per_token * tokens / step / peak
-            rows.append(
-                (
-                    f"{name:<10} batch {batch:>2} x {model.seq}",
-                    f"{step * 1e3:7.1f} ms  {tokens / step:9,.0f} tok/s  MFU {mfu:5.1%}",
-                )
-            )
-            print(rows[-1], flush=True)
-    print(f"machine: {machine()}  ({time.time() - t0:.0f} s)")
-    print(table(rows))
+        r = {"what": name, "model": model_name, "batch": batch, "seq": model.seq}
+        t0 = time.monotonic()
+        try:
+            r.update(fn(model, batch))
+            r["tokens_per_s"] = tokens / r["step_s"]
+            r["mfu"] = flops_per_token(model) * tokens / r["step_s"] / peak
+        except Exception as e:  # noqa: BLE001 - a row records what failed and the next one runs
+            r["error"] = f"{type(e).__name__}: {e}"[:1500]
+            traceback.print_exc()
+        r["seconds"] = round(time.monotonic() - t0, 1)
+        print(json.dumps(r), flush=True)
+        out["rows"].append(r)
+        save()
+
+    for model_name in ns.models:
+        if "lab" in ns.parts:
+            with Lab(engines=1, device="cuda", progress=False, timeout=600) as lab:
+                row("lab eager", model_name, lambda m, b: in_the_lab(lab, m, b, ns.steps + 2))
+        if "one" in ns.parts:
+            row("one eager", model_name, lambda m, b: one_process(m, b, ns.steps, False))
+            row("one compiled", model_name, lambda m, b: one_process(m, b, ns.steps, True))
+    if "pairs" in ns.parts:
+        model, batch = MODELS["gpt2-124m"]
+        with Lab(engines=2, device="cuda", progress=False, timeout=600) as lab:
+            out["pairs_backend"], out["pairs_backend_reason"] = lab.backend, lab.backend_reason
+            for name, kw, precision in PAIRS:
+                pair = {"layout": name, "precision": precision}
+                for impl in ("lab", "torch"):
+                    cfg = ParallelConfig(global_batch=batch, precision=precision, impl=impl, **kw)
+                    try:
+                        got = in_the_lab(
+                            lab,
+                            model,
+                            batch,
+                            ns.steps + 2,
+                            cfg,
+                            trace=ns.trace if (name, impl) == ("ddp", "lab") else None,
+                        )
+                        pair[impl] = got["step_s"]
+                    except Exception as e:  # noqa: BLE001
+                        pair[f"{impl}_error"] = f"{type(e).__name__}: {e}"[:1500]
+                if "lab" in pair and "torch" in pair:
+                    pair["ours_over_torch"] = pair["lab"] / pair["torch"]
+                print(json.dumps(pair), flush=True)
+                out["pairs"].append(pair)
+                save()
 
 
 if __name__ == "__main__":

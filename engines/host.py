@@ -25,9 +25,10 @@ LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 def engine_info(toward: str | None = None) -> dict:
     """host, pid, addr (an address of this host others can reach, if it has one), addrs (all of
     its non-loopback IPv4 addresses), gpus (how many this engine sees), gpu_uuids (which physical
-    GPUs those are), cpus (this host's), python; with `toward` (the controller's address) also
-    route_addr and route_ifname, the local address and interface that reach it; boot_id and
-    pid_ns (one machine, one pid namespace: the Lab can watch the engine's pid); launcher_rank."""
+    GPUs those are), nccl (its NCCL's version, '' without GPUs), cpus (this host's), python; with
+    `toward` (the controller's address) also route_addr and route_ifname, the local address and
+    interface that reach it; boot_id and pid_ns (one machine, one pid namespace: the Lab can watch
+    the engine's pid); launcher_rank."""
     import torch  # engines only (see the module docstring)
 
     if not runtime.in_world():  # before torch listens on anything: the engine's own sockets
@@ -42,6 +43,7 @@ def engine_info(toward: str | None = None) -> dict:
         "addrs": addrs,
         "gpus": gpus,
         "gpu_uuids": [_gpu_uuid(torch, k) for k in range(gpus)],
+        "nccl": _nccl(torch) if gpus else "",
         "cpus": os.cpu_count() or 1,
         "python": sys.executable,
         **route(toward),
@@ -115,6 +117,16 @@ def _interface_addresses() -> list[str]:
         for a in found
         if a.family == socket.AF_INET and not a.address.startswith("127.")
     ]
+
+
+def _nccl(torch) -> str:
+    """The version of the NCCL this process loaded ('2.30.7'; LD_PRELOAD or a newer
+    nvidia-nccl wheel replaces torch's own), '' where torch has none."""
+    try:
+        v = torch.cuda.nccl.version()
+    except (RuntimeError, AttributeError, OSError):
+        return ""
+    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
 
 
 def _gpu_uuid(torch, k: int) -> str:

@@ -221,6 +221,26 @@ def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     return found + parameters(result, ref, b.params)
 
 
+def margins(result, ref, within: Bounds | None = None) -> dict[str, float]:
+    """How close `result` comes to each bound: the worst error over its bound, per check that
+    has a bound (losses, grad norms, gradients, parameters); <= 1 passes, NaN fails. What a
+    benchmark reports beside pass/fail, e.g. how far GPU arithmetic sits inside the CPU-derived
+    bounds (benchmarks/gpu_layouts.py)."""
+    b = within or bounds(result.config.precision, result.model.layers)
+    worst = lambda xs: float(max(xs, key=lambda x: np.inf if np.isnan(x) else x)) if xs else 0.0
+    out = {
+        "losses": worst(loss_errors(result.losses, ref.losses)) / b.losses,
+        "grad norms": worst([e for rk in result.ranks for e in loss_errors(rk.grad_norms, ref.grad_norms)])
+        / b.grad_norms,
+    }
+    if result.grads is not None and ref.first_grads:
+        errs = tensor_errors(result.grads, ref.first_grads).values()
+        out["gradients"] = worst([e / scale if scale else (0.0 if e == 0 else np.inf) for e, scale in errs]) / b.grads
+    if result.params is not None:
+        out["parameters"] = model_error(result.params, ref.params) / b.params
+    return out
+
+
 def assert_matches(result, ref, within: Bounds | None = None) -> None:
     """Raise AssertionError listing every mismatch of `result` with the fp32 reference `ref`."""
     found = mismatches(result, ref, within)

@@ -52,7 +52,7 @@ def start(n: int, launcher: str, options: dict, gpu: dict, choices: dict, regist
     visible = gpus.visible_devices(gpu["gpus"], n, gpu["ranks_per_gpu"])
     if visible is not None:
         env["CUDA_VISIBLE_DEVICES"] = visible
-        if choices["device"] == "auto":  # GPUs were asked for: gloo on CUDA when ranks share them
+        if choices["device"] == "auto":  # GPUs were asked for: ranks on them even when they share one (labkit/world.py)
             choices = {**choices, "device": "cuda"}
     guard = watchdog.Watchdog(token)
     try:
@@ -128,6 +128,8 @@ class EngineSet:
         self.here: list[bool] = []
         self.devices: list[str] = []
         self.backend = ""
+        self.backend_reason = ""
+        self.world_env: dict[str, str] = {}
         self.port = 0
         self.runtimes: list[dict] = []  # each rank's runtime.Runtime, as a dict
         self.generation = 0  # how many times the world has been built
@@ -162,7 +164,8 @@ class EngineSet:
             master_addr=self.master_addr,
             default_cpus=os.cpu_count() or 1,
         )
-        self.backend, self.devices = world.backend, world.devices
+        self.backend, self.devices, self.backend_reason = world.backend, world.devices, world.why
+        self.world_env = world.env
         self._rendezvous(world.addr, world.threads, world.loopback, world.ifnames)
 
     def _rendezvous(self, addr: str, threads: list[int], loopback: bool, ifnames: list[str] | None = None) -> None:
@@ -183,7 +186,7 @@ class EngineSet:
                     self.generation,
                     threads[rank],
                     loopback,
-                    forwarded_env(os.environ),
+                    {**self.world_env, **forwarded_env(os.environ)},  # the notebook's own NCCL_* win
                     ifnames[rank] if ifnames else None,
                     self.gpu_memory_fraction,
                 )

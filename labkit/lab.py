@@ -72,8 +72,9 @@ class Lab:
           ranks_per_gpu (for 'auto') and gpu_memory_fraction (each rank's cap on its GPU's memory).
     backend: 'auto' (nccl when every engine has a GPU of its own, else gloo), 'gloo' or 'nccl'.
     device: 'auto' (a GPU each under nccl, else the CPU), 'cpu', or 'cuda': ranks on the GPUs
-            even when several share one — NCCL refuses two ranks on one GPU, so with more engines
-            than GPUs 'cuda' runs gloo on CUDA tensors (a classroom on one GPU server).
+            even when several share one — then NCCL where every engine's NCCL is >= 2.30 and a GPU
+            holds at most 2 ranks (NCCL_MULTI_RANK_GPU_ENABLE, experimental), else gloo on CUDA
+            tensors (a classroom on one GPU server); `backend_reason` says which and why.
             'auto' on a host with a GPU per engine is NCCL, where collectives take CUDA tensors
             only: code that builds CPU tensors says device='cpu' (labkit/world.py decides).
     timeout: seconds a run or apply may take before it is diagnosed as a hang (default for the
@@ -153,7 +154,8 @@ class Lab:
             self.close()
             raise
         if shown:
-            shown.close(f"{self.world} ranks ready: {self.backend} on {self.devices[0].split(':')[0]}")
+            why = f" ({self.backend_reason})" if self.backend_reason else ""
+            shown.close(f"{self.world} ranks ready: {self.backend} on {self.devices[0].split(':')[0]}{why}")
 
     @classmethod
     def connect(
@@ -201,6 +203,12 @@ class Lab:
     def backend(self) -> str:
         """The process groups' backend: 'gloo' or 'nccl'."""
         return self.engines.backend
+
+    @property
+    def backend_reason(self) -> str:
+        """Why the backend is what it is where ranks share GPUs ('' otherwise): NCCL with several
+        ranks on one GPU (NCCL >= 2.30), or gloo on CUDA tensors and what ruled NCCL out."""
+        return self.engines.backend_reason
 
     @property
     def repairs(self) -> list[dict]:
@@ -388,6 +396,7 @@ class Lab:
         last = self.last_config
         facts = [
             ("engines", f"{self.world} ranks, {self.backend} on {', '.join(sorted(set(self.devices)))}"),
+            *([("backend", self.backend_reason)] if self.backend_reason else []),
             ("hosts", ", ".join(sorted(set(self.hosts)))),
             ("last layout", MeshLayout.of(last).describe() if last else "none run yet"),
             ("jobs", f"{self.jobs} run, {len(self.repairs)} repair(s)"),

@@ -7,8 +7,10 @@ GPUs, one GPU per engine). What it decides:
   - one GPU per engine is judged by physical GPU (UUIDs), not by counts: launchers that bind one
     GPU per task (`srun --gpus-per-task=1`, a CUDA_VISIBLE_DEVICES per engine) show every engine
     one GPU, and those GPUs are all different;
-  - backend='auto' is NCCL when every engine has a GPU of its own and device is not 'cpu', else
-    gloo (device='cuda' with shared GPUs: gloo on CUDA tensors);
+  - backend='auto' is NCCL when every engine has a GPU of its own and device is not 'cpu'; with
+    device='cuda' and ranks sharing GPUs it is NCCL too where every engine's NCCL runs several
+    ranks on one GPU (>= 2.30, at most NCCL_SHARED_RANKS a GPU; `shared_nccl_problem`), else gloo
+    on CUDA tensors, and WorldPlan.why says which of those it was and why;
   - the rendezvous is 127.0.0.1 for a local cluster on one host; across hosts it is master_addr,
     or the address rank 0 reaches the controller from (its host's address on the cluster's
     network), or rank 0's address, which must not be a loopback one (Debian and Ubuntu map the
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from labkit.config import ParallelConfig
 from labkit.errors import LabError
@@ -33,6 +35,58 @@ FORWARDED_PREFIXES = ("NCCL_", "TORCH_NCCL_")
 FORWARDED_NAMES = ("GLOO_SOCKET_IFNAME",)
 """Environment variables the notebook's process passes on to the engines (the network interfaces
 NCCL and gloo use, NCCL's tuning): a connected cluster's engines did not start from it."""
+
+
+NCCL_SHARED_SINCE = (2, 30)
+"""The NCCL that runs several ranks of one communicator on one GPU (NVIDIA/nccl src/init.cc,
+docs/userguide env.rst 'NCCL_MULTI_RANK_GPU_ENABLE', since 2.30, experimental). Before it, a
+communicator's init fails with 'Duplicate GPU detected'; from it, without the flag, with 'Multiple
+Ranks are using the same GPU/Partition'."""
+
+NCCL_SHARED_RANKS = 2
+"""Ranks per GPU that backend='auto' puts on NCCL: 'with the default configuration, NCCL should be
+able to run up to 2 ranks per GPU' (env.rst). backend='nccl' asks for more on purpose."""
+
+NCCL_SHARED_ENV = {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "4"}
+"""What a world of ranks sharing GPUs on NCCL sets on its engines: the flag, and a cap on each rank's
+channels (CTAs), since 'each rank sharing a GPU allocates its own set of channels ... failing to [fit]
+will result in a hang' (env.rst, which asks users to set NCCL_MAX_CTAS). The notebook's own NCCL_*
+variables, forwarded, win over these."""
+
+
+def nccl_version(info: dict) -> tuple[int, ...] | None:
+    """The NCCL an engine reported ('2.30.7' -> (2, 30, 7)); None if it has none."""
+    text = info.get("nccl") or ""
+    try:
+        return tuple(int(x) for x in text.split(".")) if text else None
+    except ValueError:
+        return None
+
+
+def shared_nccl_problem(infos: list[dict], devices: list[str], limit: int | None = NCCL_SHARED_RANKS) -> str | None:
+    """Why ranks on `devices` (some sharing a GPU) cannot be one NCCL world, or None if they can:
+    every engine's NCCL must be >= NCCL_SHARED_SINCE, and (with a limit) no GPU may hold more ranks."""
+    old = sorted({info.get("nccl") or "none" for info in infos if (nccl_version(info) or (0,)) < NCCL_SHARED_SINCE})
+    if old:
+        since = ".".join(map(str, NCCL_SHARED_SINCE))
+        return (
+            f"NCCL {', '.join(old)} cannot run two ranks on one GPU (NCCL >= {since} can, with "
+            f"NCCL_MULTI_RANK_GPU_ENABLE=1; e.g. pip install 'nvidia-nccl-cu13>={since}')"
+        )
+    per_gpu = Counter((info["host"], _gpu_id(info, d)) for info, d in zip(infos, devices))
+    most = max(per_gpu.values())
+    if limit is not None and most > limit:
+        return (
+            f"{most} ranks on one GPU: NCCL runs up to {limit} a GPU in its default configuration "
+            f"(NCCL_MULTI_RANK_GPU_ENABLE, env.rst); pass backend='nccl' to try more"
+        )
+    return None
+
+
+def _gpu_id(info: dict, device: str) -> str:
+    k = int(device.split(":")[1])
+    uuids = info.get("gpu_uuids") or []
+    return uuids[k] if k < len(uuids) and uuids[k] else f"#{k}"
 
 
 @dataclass(frozen=True)
@@ -49,6 +103,10 @@ class WorldPlan:
     """Per rank: intra-op threads, the host's CPUs shared among its engines."""
     ifnames: list[str] | None = None
     """Per rank: the network interface its gloo (and NCCL, across hosts) sockets use; None: torch's choice."""
+    env: dict[str, str] = field(default_factory=dict)
+    """Variables every engine sets before the world is built (NCCL_SHARED_ENV for ranks sharing GPUs on NCCL)."""
+    why: str = ""
+    """Why the backend is what it is, where that is not the plain rule (shared GPUs: NCCL, or gloo and why)."""
 
 
 def is_loopback(addr: str) -> bool:
@@ -98,19 +156,30 @@ def plan_world(
     if device == "cuda" and not has_gpu:
         raise LabError(f"device='cuda' but the engines see {[i['gpus'] for i in infos]} GPUs; use device='cpu'")
     own = own_gpus(infos) if has_gpu else None
-    if backend == "auto":
-        backend = "nccl" if own is not None and device != "cpu" else "gloo"
-    if backend == "nccl" and own is None:
-        raise LabError(
-            f"backend='nccl' needs one GPU per engine; the engines see {[i['gpus'] for i in infos]} GPUs "
-            f"for {dict(per_host)} engines per host. Use device='cuda' (gloo on shared GPUs) or the CPU"
-        )
-    if backend == "nccl" or (device == "cuda" and own is not None):
+    if own is not None and (device == "cuda" or (device == "auto" and backend != "gloo")):
         devices = [f"cuda:{k}" for k in own]
-    elif device == "cuda":  # shared GPUs: round-robin over what each engine sees
+    elif has_gpu and (device == "cuda" or backend == "nccl"):  # shared GPUs: round-robin over what each sees
         devices = [f"cuda:{k % i['gpus']}" for k, i in zip(local_index, infos)]
     else:
         devices = ["cpu"] * len(infos)
+    env, why = {}, ""
+    shared = own is None and devices[0] != "cpu"
+    if backend == "nccl" and not has_gpu:
+        raise LabError(
+            f"backend='nccl' needs a GPU for every engine; the engines see {[i['gpus'] for i in infos]} GPUs. "
+            "Use backend='gloo' or 'auto'"
+        )
+    if shared and backend in ("auto", "nccl"):
+        problem = shared_nccl_problem(infos, devices, NCCL_SHARED_RANKS if backend == "auto" else None)
+        if problem is None:
+            backend, env = "nccl", dict(NCCL_SHARED_ENV)
+            why = f"ranks share GPUs: NCCL {infos[0].get('nccl')} with NCCL_MULTI_RANK_GPU_ENABLE=1 (experimental)"
+        elif backend == "nccl":
+            raise LabError(f"backend='nccl' with {dict(per_host)} engines per host on shared GPUs: {problem}")
+        else:
+            backend, why = "gloo", f"ranks share GPUs and {problem}: gloo on CUDA tensors"
+    elif backend == "auto":
+        backend = "nccl" if own is not None and device != "cpu" else "gloo"
     one_host = len(per_host) == 1
     loopback = local and one_host
     addr = master_addr or ("127.0.0.1" if loopback else infos[0].get("route_addr") or infos[0]["addr"])
@@ -123,7 +192,7 @@ def plan_world(
         )
     threads = [max(1, (i.get("cpus") or default_cpus) // per_host[h]) for i, h in zip(infos, hosts)]
     ifnames = ["lo"] * len(infos) if loopback else [i.get("route_ifname") or "" for i in infos]
-    return WorldPlan(backend, devices, addr, loopback, threads, ifnames if any(ifnames) else None)
+    return WorldPlan(backend, devices, addr, loopback, threads, ifnames if any(ifnames) else None, env, why)
 
 
 def host_order(infos: list[dict]) -> list[int]:
@@ -161,7 +230,7 @@ def forwarded_env(environ) -> dict[str, str]:
 def layout_problems(cfg: ParallelConfig, backend: str, devices: list[str]) -> list[str]:
     """What a layout cannot do on this world's backend and devices, each with a fix (a
     ConfigError before any engine work)."""
-    shared_gpus = backend == "gloo" and any(d.startswith("cuda") for d in devices)
+    shared_gpus = backend == "gloo" and any(d.startswith("cuda") for d in devices)  # gloo on CUDA tensors
     if shared_gpus and cfg.impl == "torch" and cfg.pp > 1:
         return [
             "impl='torch' with pp > 1 on ranks sharing GPUs (gloo on CUDA tensors): torch.distributed.pipelining "

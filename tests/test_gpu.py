@@ -1,5 +1,8 @@
-"""The GPU path (marked `gpu`, skipped without CUDA): NCCL, the allocator's memory, CUDA-event
-timelines, and ranks sharing one GPU through gloo. Run on a GPU server with `pytest -m gpu`."""
+"""The GPU path (marked `gpu`, skipped without CUDA): NCCL at world 2 or more — two ranks on one
+GPU where the machine has one (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE: labkit/world.py), one
+GPU each where it has more —, the allocator's memory, CUDA-event timelines, and ranks sharing one
+GPU through gloo. Run on a GPU server with `pytest -m gpu`; scripts/gpu-check.sh runs it with the
+NCCL it needs on a lent one-GPU machine."""
 
 from __future__ import annotations
 
@@ -16,15 +19,29 @@ MODEL = ModelConfig(layers=2, hidden=64, heads=4, ffn=256, vocab=256, seq=64)
 
 @pytest.fixture(scope="module")
 def gpu_lab():
-    n = torch.cuda.device_count()
-    with Lab(engines=n, timeout=300, progress=False) as lab:
+    """An NCCL world of at least two ranks: one GPU each, or two sharing the only one."""
+    n = max(2, torch.cuda.device_count())
+    with Lab(engines=n, device="cuda", timeout=300, progress=False) as lab:
+        if lab.backend != "nccl":
+            pytest.skip(f"no NCCL world of {n} ranks on {torch.cuda.device_count()} GPU(s): {lab.backend_reason}")
         yield lab
 
 
-def test_nccl_is_chosen_when_every_engine_has_a_gpu(gpu_lab):
-    assert gpu_lab.backend == "nccl"
+def _nccl_env():
+    import os
+
+    return {k: v for k, v in os.environ.items() if k in ("NCCL_MULTI_RANK_GPU_ENABLE", "NCCL_MAX_CTAS")}
+
+
+def test_the_gpu_lab_is_an_nccl_world_of_two_or_more(gpu_lab):
+    assert gpu_lab.backend == "nccl" and gpu_lab.world >= 2
     assert all(d.startswith("cuda:") for d in gpu_lab.devices)
-    assert len(set(gpu_lab.devices)) == gpu_lab.world  # one GPU each
+    env = gpu_lab.apply(_nccl_env, timeout=30)
+    if torch.cuda.device_count() == 1:  # two ranks on the one GPU, with NCCL's flag on every engine
+        assert gpu_lab.devices == ["cuda:0", "cuda:0"] and "NCCL_MULTI_RANK_GPU_ENABLE" in gpu_lab.backend_reason
+        assert all(e.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1" for e in env)
+    else:  # one GPU each, no flag needed
+        assert len(set(gpu_lab.devices)) == gpu_lab.world and gpu_lab.backend_reason == ""
 
 
 def test_ddp_on_nccl_trains_like_one_process(gpu_lab):
@@ -32,6 +49,9 @@ def test_ddp_on_nccl_trains_like_one_process(gpu_lab):
     res = gpu_lab.run(cfg, model=MODEL, steps=3, return_params=True)
     # the reference runs on the CPU; GPU kernels sum in another order, well inside 1e-5 in fp32
     assert_matches(res, reference(MODEL, steps=3, global_batch=cfg.global_batch))
+    # the gradients crossed between the ranks: one all-reduce row per rank over dp
+    rows = [r for r in res.comm_table() if r["dim"] == "dp" and r["op"] == "all_reduce"]
+    assert len(rows) == gpu_lab.world and all(r["payload_bytes"] > 0 for r in rows)
 
 
 def test_cuda_memory_comes_from_the_allocator(gpu_lab):
@@ -58,21 +78,16 @@ def test_timeline_from_cuda_events_is_ordered(gpu_lab):
 def test_bf16_on_gpu(gpu_lab):
     """Against the fp32 reference (on the CPU), with the bounds derived from bf16's rounding
     (labkit/bounds.py): CUDA's bf16 kernels round like any others."""
-    cfg = ParallelConfig(
-        dp=gpu_lab.world,
-        global_batch=8 * gpu_lab.world,
-        precision="bf16",
-        sharding="zero1" if gpu_lab.world > 1 else "none",
-    )
+    cfg = ParallelConfig(dp=gpu_lab.world, global_batch=8 * gpu_lab.world, precision="bf16", sharding="zero1")
     res = gpu_lab.run(cfg, model=MODEL, steps=3, return_params=True)
     assert_matches(res, reference(MODEL, steps=3, global_batch=cfg.global_batch))
 
 
-def test_ranks_share_one_gpu_through_gloo():
-    """NCCL refuses two ranks on one GPU; device='cuda' with more engines than GPUs runs gloo on
-    CUDA tensors (tensors stay on the GPU, gloo stages them through the host)."""
+def test_ranks_sharing_a_gpu_on_gloo_train_like_one_process():
+    """backend='gloo' with more engines than GPUs: gloo on CUDA tensors (tensors stay on the GPU,
+    gloo stages them through the host), what a shared GPU gets where NCCL is older than 2.30."""
     n = torch.cuda.device_count() + 1
-    with Lab(engines=n, device="cuda", progress=False, timeout=300) as lab:
+    with Lab(engines=n, device="cuda", backend="gloo", progress=False, timeout=300) as lab:
         assert lab.backend == "gloo" and all(d.startswith("cuda:") for d in lab.devices)
         cfg = ParallelConfig(dp=n, global_batch=4 * n)
         res = lab.run(cfg, model=MODEL, steps=3, return_params=True)
@@ -141,8 +156,8 @@ def test_every_rank_computes_on_its_own_device(gpu_lab):
 
 
 @pytest.fixture(scope="module")
-def nccl1():
-    """An NCCL world of one rank (device='auto' on a host with a GPU: NCCL)."""
+def nccl_world_of_one():
+    """One engine on a host with a GPU and device='auto': NCCL, what a notebook gets by default."""
     with Lab(engines=1, timeout=60, progress=False) as lab:
         assert lab.backend == "nccl"
         yield lab
@@ -181,8 +196,8 @@ def _enqueue_against_gpu() -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_nccl_enqueues_and_the_flight_recorder_sees_the_gpu(nccl1):
-    got = nccl1.apply(_enqueue_against_gpu, timeout=60)[0]
+def test_nccl_enqueues_and_the_flight_recorder_sees_the_gpu(gpu_lab):
+    got = gpu_lab.apply(_enqueue_against_gpu, timeout=60)[0]
     assert got["enqueue"] < 0.2 * got["done"] and got["done"] > 0.3  # the host did not wait for the GPU
     assert got["ev"]["op"] == "all_reduce" and got["ev"]["end"] is None  # the log polls the GPU's progress
     assert got["end"] is not None and got["end"] - got["ev"]["start"] > 0.5 * got["done"]
@@ -191,20 +206,22 @@ def test_nccl_enqueues_and_the_flight_recorder_sees_the_gpu(nccl1):
     assert not any(e["op"] == "all_reduce" for e in got["after"]["open"])
 
 
-def _batched_self_p2p() -> bool:
+def _batched_ring_p2p() -> bool:
+    """One batch per rank: send 1M floats to the next rank, receive the previous rank's."""
     import torch.distributed as dist
 
     from labkit.engines.p2p import Link
 
-    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    t = torch.arange(1 << 20, dtype=torch.float32, device="cuda") + rank
     buf = torch.empty_like(t)
-    Link(dist.group.WORLD).batch([(t, 0, 0)], [(buf, 0, 0)]).wait()
-    return bool(torch.equal(buf, t))
+    Link(dist.group.WORLD).batch([(t, (rank + 1) % world, 0)], [(buf, (rank - 1) % world, 0)]).wait()
+    return bool(torch.equal(buf, t - rank + (rank - 1) % world))
 
 
 @pytest.mark.timeout(300)
-def test_batched_point_to_point_completes_on_nccl(nccl1):
-    assert nccl1.apply(_batched_self_p2p, timeout=30) == [True]
+def test_batched_point_to_point_crosses_between_ranks_on_nccl(gpu_lab):
+    assert gpu_lab.apply(_batched_ring_p2p, timeout=30) == [True] * gpu_lab.world
 
 
 def _clock_with_two_hosts() -> float:
@@ -223,9 +240,9 @@ def _clock_with_two_hosts() -> float:
 
 
 @pytest.mark.timeout(300)
-def test_the_clock_handshake_runs_on_an_nccl_world(nccl1):
+def test_the_clock_handshake_runs_on_an_nccl_world(gpu_lab):
     """Before: 'No backend type associated with device type cpu' in Lab.connect across hosts."""
-    assert abs(nccl1.apply(_clock_with_two_hosts, timeout=30)[0]) < 1.0
+    assert all(abs(x) < 1.0 for x in gpu_lab.apply(_clock_with_two_hosts, timeout=30))
 
 
 def _engine_gpus() -> dict:
@@ -235,14 +252,17 @@ def _engine_gpus() -> dict:
 
 
 @pytest.mark.timeout(300)
-def test_engines_report_physical_gpus_and_sharing_one_is_seen(nccl1):
+def test_engines_report_physical_gpus_and_sharing_one_is_seen(gpu_lab):
     from labkit.world import own_gpus, plan_world
 
-    info = nccl1.apply(_engine_gpus, timeout=30)[0]
+    info = gpu_lab.apply(_engine_gpus, timeout=30)[0]
+    assert info["nccl"] == ".".join(map(str, torch.cuda.nccl.version()))  # what this process loaded too
     assert info["gpus"] >= 1 and len(set(info["gpu_uuids"])) == info["gpus"] and all(info["gpu_uuids"])
     one = dict(info, gpus=1, gpu_uuids=info["gpu_uuids"][:1])
     twin = dict(one, host=one["host"])  # a second engine bound to the same GPU
-    assert own_gpus([one, twin]) is None and plan_world([one, twin]).backend == "gloo"
+    assert own_gpus([one, twin]) is None and plan_world([one, twin]).devices == ["cpu", "cpu"]
+    shared = plan_world([one, twin], device="cuda")
+    assert shared.devices == ["cuda:0", "cuda:0"] and shared.backend == ("nccl" if gpu_lab.backend_reason else "gloo")
     other = dict(one, host=one["host"] + "-b", addr="10.9.9.9")  # faked second host, its own GPU
     assert plan_world([dict(one, addr="10.9.9.8"), other], local=False).backend == "nccl"
 
@@ -256,13 +276,13 @@ def _all_reduce_cpu_tensor():  # notebook 01's first cell body, on CPU tensors
 
 
 @pytest.mark.timeout(300)
-def test_device_auto_is_nccl_and_a_cpu_notebook_asks_for_the_cpu(nccl1):
+def test_device_auto_with_one_engine_is_nccl_and_a_cpu_notebook_asks_for_the_cpu(nccl_world_of_one):
     """On a GPU host 'auto' is NCCL, which refuses CPU tensors; device='cpu' (what the notebooks
     and the CPU fixtures say) gives gloo, where notebook 01's cells run."""
     from labkit import RankError
 
     with pytest.raises(RankError):
-        nccl1.apply(_all_reduce_cpu_tensor, timeout=30)
+        nccl_world_of_one.apply(_all_reduce_cpu_tensor, timeout=30)
     with Lab(engines=1, device="cpu", timeout=60, progress=False) as cpu:
         assert cpu.backend == "gloo" and cpu.devices == ["cpu"]
         assert cpu.apply(_all_reduce_cpu_tensor, timeout=30) == [1.0]
@@ -289,12 +309,21 @@ def _reserved_after_collectives(log: bool) -> tuple[int, int]:
 
 
 @pytest.mark.timeout(300)
-def test_the_collective_log_does_not_hold_freed_buffers(nccl1):
+def _log_is_on() -> bool:
+    from labkit.engines import runtime
+
+    return runtime.job_comm_meter() is not None
+
+
+@pytest.mark.timeout(300)
+def test_the_collective_log_does_not_hold_freed_buffers(gpu_lab):
     """A CUDA future's callback records its outputs on a side stream (recordStream semantics):
     freed buffers then wait for it before they are reused, and reserved memory grows with the log
-    on. The log polls CUDA works instead, so on and off reserve alike."""
-    on = nccl1.apply(_reserved_after_collectives, True, timeout=60)[0]
-    off = nccl1.apply(_reserved_after_collectives, False, timeout=60)[0]
+    on. The log polls CUDA works instead, so on and off reserve alike. The log is off for the one
+    call that asks (runtime.comm_log_off ends with the job): the next call has it again."""
+    on = gpu_lab.apply(_reserved_after_collectives, True, timeout=60)[0]
+    off = gpu_lab.apply(_reserved_after_collectives, False, timeout=60)[0]
+    assert gpu_lab.apply(_log_is_on, timeout=30) == [True] * gpu_lab.world
     mib = 1 << 20
     assert on[1] <= off[1] + 16 * mib, (on, off)
     assert on[0] <= off[0] + 64 * mib, (on, off)

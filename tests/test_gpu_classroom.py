@@ -1,6 +1,7 @@
 """A classroom's GPU server on a real GPU (marked gpu: skipped without CUDA; the CPU side of the
 choice is tests/test_launchers.py): the engines see only the GPUs chosen for them, several ranks
-share one, and each rank's allocator stops at its cap instead of taking a neighbour's memory."""
+share one (on NCCL where it runs two ranks on one GPU, >= 2.30, else gloo on CUDA tensors), and
+each rank's allocator stops at its cap instead of taking a neighbour's memory."""
 
 from __future__ import annotations
 
@@ -40,9 +41,13 @@ def test_two_ranks_share_the_chosen_gpu_each_capped(ref_cache):
     import torch
 
     from labkit import Lab
+    from labkit.world import NCCL_SHARED_SINCE
 
     with Lab(engines=2, gpus="auto", ranks_per_gpu=2, gpu_memory_fraction=0.25, progress=False, timeout=300) as lab:
-        assert lab.backend == "gloo" and lab.devices == ["cuda:0", "cuda:0"]  # gloo on CUDA: the GPU is shared
+        assert lab.devices == ["cuda:0", "cuda:0"]  # the GPU is shared
+        # two students' ranks on one card over NCCL where it runs two ranks on one GPU (>= 2.30)
+        want = "nccl" if torch.cuda.nccl.version() >= NCCL_SHARED_SINCE else "gloo"
+        assert lab.backend == want, lab.backend_reason
         seen = lab.apply(_what_this_rank_sees)
         assert len({s[0] for s in seen}) == 1 and all(s[1] == 1 for s in seen)  # one GPU visible, the same
         assert lab.apply(_allocate, 0.1) == ["ok", "ok"]

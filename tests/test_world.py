@@ -55,6 +55,27 @@ def test_one_gpu_per_engine_is_judged_by_physical_gpu_not_by_count():
     assert world.threads == [2] * 16  # 16 CPUs per host for 8 engines
 
 
+def test_engines_sharing_one_gpu_on_nccl_2_30_get_nccl_with_the_flag():
+    """NCCL >= 2.30 runs several ranks on one GPU (NCCL_MULTI_RANK_GPU_ENABLE): auto takes it for
+    up to two ranks a GPU, as NCCL's docs promise for the default configuration; backend='nccl'
+    asks for more on purpose; one engine on an older NCCL rules it out."""
+    one_gpu = lambda n, v: [dict(i, nccl=v) for i in engines({"box": n}, gpus=1, uuids=lambda h, k: ["GPU-0"])]
+    two = plan_world(one_gpu(2, "2.30.7"), device="cuda")
+    assert (two.backend, two.devices) == ("nccl", ["cuda:0", "cuda:0"])
+    assert two.env == {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "4"} and "2.30.7" in two.why
+    assert plan_world(one_gpu(2, "2.30.7")).devices == ["cpu", "cpu"]  # device='auto' with shared GPUs: the CPU
+    four = plan_world(one_gpu(4, "2.31.2"), device="cuda")
+    assert four.backend == "gloo" and "4 ranks on one GPU: NCCL runs up to 2" in four.why
+    assert plan_world(one_gpu(4, "2.31.2"), backend="nccl").backend == "nccl"
+    mixed = one_gpu(2, "2.30.7")
+    mixed[1]["nccl"] = "2.29.7"
+    assert plan_world(mixed, device="cuda").backend == "gloo"
+    # four engines over two GPUs: two a GPU, round-robin
+    pairs = [dict(i, nccl="2.30.7") for i in engines({"box": 4}, gpus=2, uuids=lambda h, k: ["GPU-0", "GPU-1"])]
+    world = plan_world(pairs, device="cuda")
+    assert world.backend == "nccl" and world.devices == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
+
+
 def test_engines_that_see_the_whole_node_take_one_gpu_each():
     world = plan_world(engines({"node0": 8}, gpus=8, uuids=whole_node), local=True)
     assert world.backend == "nccl" and world.devices == [f"cuda:{k}" for k in range(8)]
@@ -63,14 +84,15 @@ def test_engines_that_see_the_whole_node_take_one_gpu_each():
     assert plan_world(engines({"node0": 8}, gpus=8), local=True).devices == [f"cuda:{k}" for k in range(8)]
 
 
-def test_engines_sharing_one_gpu_get_gloo_and_nccl_is_refused():
-    same = engines({"box": 2}, gpus=1, uuids=lambda h, k: ["GPU-only"])
+def test_engines_sharing_one_gpu_on_an_old_nccl_get_gloo_and_nccl_is_refused():
+    same = [dict(i, nccl="2.28.9") for i in engines({"box": 2}, gpus=1, uuids=lambda h, k: ["GPU-only"])]
     assert own_gpus(same) is None
     auto = plan_world(same)
     assert (auto.backend, auto.devices) == ("gloo", ["cpu", "cpu"])
     shared = plan_world(same, device="cuda")  # a classroom on one GPU: gloo on CUDA tensors
     assert (shared.backend, shared.devices) == ("gloo", ["cuda:0", "cuda:0"])
-    with pytest.raises(LabError, match="needs one GPU per engine"):
+    assert shared.env == {} and "NCCL 2.28.9 cannot run two ranks on one GPU" in shared.why
+    with pytest.raises(LabError, match=r"NCCL 2.28.9 cannot run two ranks on one GPU \(NCCL >= 2.30"):
         plan_world(same, backend="nccl")
     # counts alone cannot tell one-GPU-per-engine from one shared GPU: without UUIDs, gloo
     assert plan_world(engines({"box": 2}, gpus=1)).backend == "gloo"

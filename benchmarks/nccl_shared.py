@@ -1,0 +1,164 @@
+"""Two NCCL ranks on one GPU, without labkit: does this NCCL run them, with which settings, and what
+do its collectives and point-to-point cost there (issue 33).
+
+    python benchmarks/nccl_shared.py --out nccl.json [--ranks 2]    # on a machine with one CUDA GPU
+
+Tries the settings in SETTINGS in order, each in fresh processes bounded by a timeout (NCCL's
+docs: 'it may exhaust resources and lock NCCL'), and stops at the first that passes every op; the
+refusal without the flag is recorded too (NCCL >= 2.30: 'Multiple Ranks are using the same
+GPU/Partition'; older: 'Duplicate GPU detected'). It prints `export NAME=VALUE` lines of the
+settings that worked, which scripts/gpu-check.sh hands to the Lab (the notebook's NCCL_*
+variables are forwarded to the engines and win over labkit's defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SETTINGS = [
+    ("no flag (expect a refusal)", {}),
+    ("flag, 4 CTAs (labkit's default)", {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "4"}),
+    ("flag, 2 CTAs, GDR local", {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "2", "NCCL_NET_GDR_LEVEL": "LOC"}),
+    (
+        "flag, 2 CTAs, no P2P (through host memory)",
+        {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "2", "NCCL_P2P_DISABLE": "1"},
+    ),
+    (
+        "flag, 2 CTAs, no P2P, no SHM",
+        {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "2", "NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"},
+    ),
+]
+
+
+def worker(rank: int, world: int, port: int) -> dict:
+    """One rank: every op labkit's strategies use, checked, and a 64 MiB all-reduce timed."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    dev = torch.device("cuda", 0)
+    torch.cuda.set_device(dev)
+    t0 = time.perf_counter()
+    store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=30))
+    dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=dev)
+    got = {"init_s": time.perf_counter() - t0, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    x = torch.full((1 << 20,), float(rank + 1), device=dev)
+    dist.all_reduce(x)
+    ok = {"all_reduce": bool((x == world * (world + 1) / 2).all())}
+    out = torch.empty(world << 10, device=dev)
+    dist.all_gather_into_tensor(out, torch.full((1 << 10,), float(rank), device=dev))
+    ok["all_gather"] = bool((out.view(world, -1)[:, 0] == torch.arange(world, device=dev)).all())
+    rs = torch.empty(1 << 10, device=dev)
+    dist.reduce_scatter_tensor(rs, torch.ones(world << 10, device=dev))
+    ok["reduce_scatter"] = bool((rs == world).all())
+    a2a = torch.empty(world * 4, device=dev)
+    dist.all_to_all_single(a2a, torch.arange(world * 4, device=dev, dtype=torch.float32) + 100 * rank)
+    ok["all_to_all"] = bool(a2a.view(world, 4)[:, 0].tolist() == [100 * r + 4 * rank for r in range(world)])
+    b = torch.full((8,), float(rank), device=dev)
+    dist.broadcast(b, 0)
+    ok["broadcast"] = bool((b == 0).all())
+    nxt, prv = (rank + 1) % world, (rank - 1) % world
+    send, recv = torch.full((1 << 16,), float(rank), device=dev), torch.empty(1 << 16, device=dev)
+    ops = [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, recv, prv)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+    ok["batched p2p ring"] = bool((recv == prv).all())
+    big = torch.ones(16 << 20, device=dev)  # 64 MiB
+    for _ in range(3):
+        dist.all_reduce(big)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        dist.all_reduce(big)
+    end.record()
+    torch.cuda.synchronize()
+    sec = start.elapsed_time(end) / 1e3 / 10
+    # the ring model's bus bandwidth (nccl-tests' busbw): 2(n-1)/n bytes per byte reduced
+    got.update(ok=ok, all_reduce_64mib_ms=sec * 1e3, busbw_gbs=2 * (world - 1) / world * big.numel() * 4 / sec / 1e9)
+    dist.barrier()
+    dist.destroy_process_group()
+    return got
+
+
+def attempt(env: dict, ranks: int, limit: float) -> dict:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    base = {k: v for k, v in os.environ.items() if not k.startswith("NCCL_")}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "--worker", str(r), str(ranks), str(port)],
+            env={**base, **env, "NCCL_DEBUG": "WARN"},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(ranks)
+    ]
+    t0 = time.monotonic()
+    outs = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=max(1.0, limit - (time.monotonic() - t0)))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            return {"ok": False, "error": f"timed out after {limit:.0f} s (a hang)", "seconds": limit}
+        outs.append((p.returncode, o, e))
+    row = {"seconds": round(time.monotonic() - t0, 2)}
+    results = []
+    for rc, o, e in outs:
+        line = next((x for x in o.splitlines()[::-1] if x.startswith("{")), None)
+        if rc != 0 or line is None:
+            row.update(ok=False, error=(e.strip().splitlines() or [f"rc {rc}"])[-1][:500], stderr=e[-1500:])
+            return row
+        results.append(json.loads(line))
+    row["ranks"] = results
+    row["ok"] = all(all(r["ok"].values()) for r in results)
+    return row
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        print(json.dumps(worker(int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]))), flush=True)
+        return
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="nccl.json")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2])
+    ap.add_argument("--limit", type=float, default=40)
+    ns = ap.parse_args()
+    import torch
+
+    report = {"nccl": ".".join(map(str, torch.cuda.nccl.version())), "torch": torch.__version__, "tries": []}
+    chosen = None
+    for ranks in ns.ranks:
+        for name, env in SETTINGS:
+            if ranks > 2 and not env:
+                continue
+            row = {"ranks": ranks, "setting": name, "env": env, **attempt(env, ranks, ns.limit)}
+            report["tries"].append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "stderr"})[:1200], file=sys.stderr, flush=True)
+            with open(ns.out, "w") as f:
+                json.dump(report, f, indent=1)
+            if row["ok"] and env:
+                if ranks == ns.ranks[0]:
+                    chosen = env
+                break
+    report["chosen"] = chosen
+    with open(ns.out, "w") as f:
+        json.dump(report, f, indent=1)
+    for k, v in (chosen or {}).items():
+        print(f"export {k}={v}")
+
+
+if __name__ == "__main__":
+    main()
