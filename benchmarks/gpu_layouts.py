@@ -35,6 +35,7 @@ import torch
 
 from labkit import CollectiveTimeout, EngineDied, Lab, ModelConfig, ParallelConfig, RankError, reference, theory
 from labkit.checks import margins, mismatches
+from labkit.engines.host import nccl_version
 
 GPT = ModelConfig(layers=2, hidden=64, heads=4, ffn=256, vocab=256, seq=64)
 GPT4 = GPT.replace(layers=4)  # pp=2 x v=2: one layer per chunk
@@ -262,7 +263,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if gpu else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
-        "nccl_in_this_process": ".".join(map(str, torch.cuda.nccl.version())) if gpu else "",
+        "nccl_in_this_process": ".".join(map(str, nccl_version() or ())) if gpu else "",
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "layouts": [],
         "faults": [],

@@ -42,12 +42,14 @@ def worker(rank: int, world: int, port: int) -> dict:
     import torch
     import torch.distributed as dist
 
+    from labkit.engines.host import nccl_version
+
     dev = torch.device("cuda", 0)
     torch.cuda.set_device(dev)
     t0 = time.perf_counter()
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0, datetime.timedelta(seconds=30))
     dist.init_process_group("nccl", store=store, rank=rank, world_size=world, device_id=dev)
-    got = {"init_s": time.perf_counter() - t0, "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+    got = {"init_s": time.perf_counter() - t0, "nccl": ".".join(map(str, nccl_version() or ()))}
     x = torch.full((1 << 20,), float(rank + 1), device=dev)
     dist.all_reduce(x)
     ok = {"all_reduce": bool((x == world * (world + 1) / 2).all())}
@@ -138,7 +140,9 @@ def main() -> None:
     ns = ap.parse_args()
     import torch
 
-    report = {"nccl": ".".join(map(str, torch.cuda.nccl.version())), "torch": torch.__version__, "tries": []}
+    from labkit.engines.host import nccl_version
+
+    report = {"nccl": ".".join(map(str, nccl_version() or ())), "torch": torch.__version__, "tries": []}
     chosen = None
     for ranks in ns.ranks:
         for name, env in SETTINGS:

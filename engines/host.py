@@ -120,13 +120,30 @@ def _interface_addresses() -> list[str]:
 
 
 def _nccl(torch) -> str:
-    """The version of the NCCL this process loaded ('2.30.7'; LD_PRELOAD or a newer
-    nvidia-nccl wheel replaces torch's own), '' where torch has none."""
+    """The version of the NCCL this process runs ('2.30.7'), '' where torch has none."""
+    v = nccl_version()
+    return ".".join(map(str, v)) if v else ""
+
+
+def nccl_version() -> tuple[int, int, int] | None:
+    """The NCCL this process has loaded, asked at run time (ncclGetVersion): an LD_PRELOAD or a
+    newer nvidia-nccl wheel replaces torch's own, and torch.cuda.nccl.version() reports the one
+    torch was built with, not this. None where no NCCL is loaded (a CPU build of torch)."""
+    import ctypes
+
+    import torch  # loads libtorch_cuda and its NCCL, where there are
+
+    if not torch.cuda.is_available():
+        return None
     try:
-        v = torch.cuda.nccl.version()
-    except (RuntimeError, AttributeError, OSError):
-        return ""
-    return ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        lib = ctypes.CDLL("libnccl.so.2")  # the soname already loaded, if any
+    except OSError:
+        return None
+    code = ctypes.c_int()
+    if lib.ncclGetVersion(ctypes.byref(code)) != 0:
+        return None
+    c = code.value  # NCCL_VERSION_CODE: major*10000 + minor*100 + patch since 2.9
+    return (c // 10000, c // 100 % 100, c % 100) if c >= 20900 else (c // 1000, c // 100 % 10, c % 100)
 
 
 def _gpu_uuid(torch, k: int) -> str:

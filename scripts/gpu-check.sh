@@ -42,14 +42,14 @@ if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
     $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-$PY -c "import labkit" 2>/dev/null || $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . \
+(cd /tmp && $PY -c "import labkit.engines" 2>/dev/null) || $PY -m pip install -q --no-deps --no-build-isolation --no-index -e . \
     || $PY -m pip install -q --no-deps --no-build-isolation --no-index --target /tmp/site .
 if [ -f .nccl/libnccl.so.2.xz ]; then
     $PY -c "import lzma, shutil; shutil.copyfileobj(lzma.open('.nccl/libnccl.so.2.xz'), open('/tmp/libnccl.so.2', 'wb'))"
     export LD_PRELOAD=/tmp/libnccl.so.2${LD_PRELOAD:+:$LD_PRELOAD}
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-$PY -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL', torch.cuda.nccl.version(), torch.cuda.get_device_name())"
+$PY -c "import torch; from labkit.engines.host import nccl_version; print('torch', torch.__version__, 'CUDA', torch.version.cuda, 'NCCL built', torch.cuda.nccl.version(), 'NCCL run', nccl_version(), torch.cuda.get_device_name())"
 
 # -- 1. NCCL with two ranks on one GPU, without labkit ------------------------------------------
 : >/tmp/nccl_env.sh
