@@ -201,7 +201,7 @@ def faults(lab, out: dict, save) -> None:
             isinstance(e, CollectiveTimeout)
             and took < HANG_TIMEOUT + 5
             and "rank 0 (" in str(e)
-            and "all_reduce" in str(e)
+            and "entered and never left all_reduce" in str(e)  # the diagnosis sees where rank 0 waits
         ),
     )
     attempt(
@@ -245,6 +245,16 @@ def memory(out: dict, save) -> None:
         save()
 
 
+def guarded(part: str, fn, out: dict, save) -> None:
+    """Run one part; a failure is recorded and the next part runs."""
+    try:
+        fn()
+    except Exception:  # noqa: BLE001
+        out[f"{part}_error"] = traceback.format_exc()[-3000:]
+        print(out[f"{part}_error"], flush=True)
+        save()
+
+
 def main() -> None:
     global DEVICE
     ap = argparse.ArgumentParser()
@@ -280,20 +290,14 @@ def main() -> None:
         out["start_seconds"] = round(time.monotonic() - t0, 1)
         print(f"Lab: {lab.backend} on {lab.devices} ({lab.backend_reason}) in {out['start_seconds']} s", flush=True)
         save()
-        for part, fn in (("layouts", layouts), ("faults", faults)):
-            if part in ns.only:
-                try:
-                    fn(lab, out, save)
-                except Exception:  # noqa: BLE001
-                    out[f"{part}_error"] = traceback.format_exc()[-3000:]
-                    print(out[f"{part}_error"], flush=True)
-                    save()
+        if "layouts" in ns.only:
+            guarded("layouts", lambda: layouts(lab, out, save), out, save)
+    # memory before the faults: on NCCL each fault's release and repair take 15-35 s (H200, 2026-11-26)
     if "memory" in ns.only:
-        try:
-            memory(out, save)
-        except Exception:  # noqa: BLE001
-            out["memory_error"] = traceback.format_exc()[-3000:]
-            print(out["memory_error"], flush=True)
+        guarded("memory", lambda: memory(out, save), out, save)
+    if "faults" in ns.only:
+        with Lab(engines=ns.engines, device=DEVICE, backend=ns.backend, progress=False, timeout=120) as lab:
+            guarded("faults", lambda: faults(lab, out, save), out, save)
     rows = out["layouts"]
     out["summary"] = {
         "layouts_ok": sum(r["ok"] for r in rows),

@@ -176,6 +176,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--parts", nargs="+", default=["one", "lab", "pairs"])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
+    ap.add_argument("--pairs", nargs="+", default=[p[0] for p in PAIRS])
     ns = ap.parse_args()
     from labkit import Lab, ParallelConfig
 
@@ -224,14 +225,16 @@ def main() -> None:
         model, batch = MODELS["gpt2-124m"]
         with Lab(engines=2, device="cuda", progress=False, timeout=600) as lab:
             out["pairs_backend"], out["pairs_backend_reason"] = lab.backend, lab.backend_reason
-            for name, kw, precision in PAIRS:
+            for name, kw, precision in [p for p in PAIRS if p[0] in ns.pairs]:
                 pair = {"layout": name, "precision": precision}
                 for impl in ("lab", "torch"):
                     cfg = ParallelConfig(global_batch=batch, precision=precision, impl=impl, **kw)
+                    # tp splits the vocabulary: GPT-2's 50257 padded to 50304 as nanoGPT pads it
+                    m = model.replace(vocab=50304) if kw.get("tp", 1) > 1 else model
                     try:
                         got = in_the_lab(
                             lab,
-                            model,
+                            m,
                             batch,
                             ns.steps + 2,
                             cfg,

@@ -121,12 +121,22 @@ def attempt(env: dict, ranks: int, limit: float) -> dict:
     for rc, o, e in outs:
         line = next((x for x in o.splitlines()[::-1] if x.startswith("{")), None)
         if rc != 0 or line is None:
-            row.update(ok=False, error=(e.strip().splitlines() or [f"rc {rc}"])[-1][:500], stderr=e[-1500:])
+            row.update(ok=False, error=_cause(e) or f"rc {rc}", stderr=e[-1500:])
             return row
         results.append(json.loads(line))
     row["ranks"] = results
     row["ok"] = all(all(r["ok"].values()) for r in results)
     return row
+
+
+def _cause(stderr: str) -> str:
+    """NCCL's own reason ('Last error:' and the line after it), else the last error line."""
+    lines = [x.strip() for x in stderr.splitlines() if x.strip()]
+    for k, x in enumerate(lines):
+        if x.startswith("Last error:") and k + 1 < len(lines):
+            return lines[k + 1][:500]
+    errors = [x for x in lines if "Error" in x or "error" in x]
+    return (errors or lines or [""])[-1][:500]
 
 
 def main() -> None:

@@ -7,6 +7,11 @@
 #   3. pytest -m gpu
 #   4. MFU on one GPU, and ours against PyTorch's at world 2 (benchmarks/gpu_mfu.py)
 #   5. the device's constants (benchmarks/gpu_constants.py)
+# Measured on an H200 (2026-11-26): nccl 12-19 s, layouts 36 rows in 25 s + faults ~110 s (NCCL's
+# release and repair are slow) + memory, pytest 110 s, mfu ~220 s (cold torch.compile of two
+# models), constants 18 s: about 9 minutes, more than one call should hold with a rerun left. Run it
+# as two calls, each within the machine's warm window of the last:
+#   STAGES="nccl layouts pytest" scripts/gpu-check.sh;   STAGES="nccl mfu constants" scripts/gpu-check.sh
 # Each stage is bounded; the results land in $OUT (8 files at most come back from the device):
 #   log.txt  stages.jsonl  nccl.json  layouts.json  pytest.xml  mfu.json  trace.json  gpu_constants.json
 #
@@ -62,16 +67,16 @@ cat /tmp/nccl_env.sh
 # where no setting ran two NCCL ranks on the GPU, the same layouts on gloo still say something
 BACKEND=auto
 if [ -f "$OUT/nccl.json" ] && ! grep -q NCCL_MULTI_RANK_GPU_ENABLE /tmp/nccl_env.sh; then BACKEND=gloo; fi
-stage layouts 150 $PY benchmarks/gpu_layouts.py --out "$OUT/layouts.json" --backend "$BACKEND"
+stage layouts 240 $PY benchmarks/gpu_layouts.py --out "$OUT/layouts.json" --backend "$BACKEND"
 
 # -- 3. the GPU tests ---------------------------------------------------------------------------
 stage pytest 150 $PY -m pytest -m gpu -v -rfEs -p no:cacheprovider --timeout 120 --junitxml="$OUT/pytest.xml" \
     tests/test_gpu.py tests/test_gpu_classroom.py
 
 # -- 4. MFU and ours against PyTorch's --------------------------------------------------------------
-stage mfu 140 $PY benchmarks/gpu_mfu.py --out "$OUT/mfu.json" --trace "$OUT/trace.json"
+stage mfu 240 $PY benchmarks/gpu_mfu.py --out "$OUT/mfu.json" --trace "$OUT/trace.json"
 
 # -- 5. the device's constants ------------------------------------------------------------------
-stage constants 90 env OUT="$OUT" $PY benchmarks/gpu_constants.py
+stage constants 60 env OUT="$OUT" $PY benchmarks/gpu_constants.py
 
 echo "=== done in $SECONDS s"

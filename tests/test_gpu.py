@@ -102,9 +102,10 @@ M4 = MODEL.replace(layers=4)  # pp=2 x v=2: one layer per chunk
 
 @pytest.fixture(scope="module")
 def shared_lab():
-    """Two ranks on the GPUs through gloo (device='cuda', backend='gloo'): with one GPU both on
-    cuda:0, gloo carrying CUDA tensors — what a classroom on one GPU server runs."""
-    with Lab(engines=2, device="cuda", backend="gloo", timeout=60, progress=False) as lab:
+    """Four ranks on the GPUs through gloo (device='cuda', backend='gloo'): with one GPU all on
+    cuda:0, gloo carrying CUDA tensors — what a classroom on one GPU server runs where NCCL is
+    older than 2.30. Four, for FSDP x PP; the other layouts use the first two."""
+    with Lab(engines=4, device="cuda", backend="gloo", timeout=60, progress=False) as lab:
         assert lab.backend == "gloo" and all(d.startswith("cuda:") for d in lab.devices)
         yield lab
 
