@@ -10,6 +10,7 @@ it sends to the engines, and never loads torch.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import socket
 import sys
@@ -129,9 +130,7 @@ def nccl_version() -> tuple[int, int, int] | None:
     """The NCCL this process has loaded, asked at run time (ncclGetVersion): an LD_PRELOAD or a
     newer nvidia-nccl wheel replaces torch's own, and torch.cuda.nccl.version() reports the one
     torch was built with, not this. None where no NCCL is loaded (a CPU build of torch)."""
-    import ctypes
-
-    import torch  # loads libtorch_cuda and its NCCL, where there are
+    import torch  # engines only; loads libtorch_cuda and its NCCL, where there are
 
     if not torch.cuda.is_available():
         return None

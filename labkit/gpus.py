@@ -1,7 +1,7 @@
 """A classroom's GPU server: which GPUs a Lab's engines get, when many notebooks share one machine.
 
     Lab(engines=4, gpus=None)        every GPU the machine has (CUDA's default)
-    Lab(engines=4, gpus=[2, 3])      GPUs 2 and 3 only; two ranks on each (gloo on CUDA)
+    Lab(engines=4, gpus=[2, 3])      GPUs 2 and 3 only; two ranks on each (NCCL >= 2.30, else gloo)
     Lab(engines=4, gpus="auto")      four GPUs: those with the most free memory, then the fewest
                                      processes, so a new Lab goes where the others are not
     Lab(engines=4, gpus="auto", ranks_per_gpu=2, gpu_memory_fraction=0.2)
@@ -10,8 +10,8 @@
 
 The engines see the chosen GPUs only (CUDA_VISIBLE_DEVICES, by UUID), and each takes its device
 by its local rank on its host (labkit/world.py): one GPU each is NCCL, more ranks than GPUs is
-gloo on CUDA tensors. The table comes from NVML (nvidia-ml-py) or nvidia-smi; `pick` is a pure
-function of it, tested with made-up tables.
+NCCL where it runs two ranks on one GPU (>= 2.30), else gloo on CUDA tensors. The table comes from
+NVML (nvidia-ml-py) or nvidia-smi; `pick` is a pure function of it, tested with made-up tables.
 """
 
 from __future__ import annotations

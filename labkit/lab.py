@@ -70,13 +70,11 @@ class Lab:
               process the Lab starts ends within seconds when the kernel dies (labkit/watchdog.py).
     gpus: None (every GPU), a list of GPU indices, or 'auto' (the least used: labkit/gpus.py), with
           ranks_per_gpu (for 'auto') and gpu_memory_fraction (each rank's cap on its GPU's memory).
-    backend: 'auto' (nccl when every engine has a GPU of its own, else gloo), 'gloo' or 'nccl'.
+    backend: 'auto' (nccl when every engine has a GPU of its own, see device; else gloo), 'gloo' or 'nccl'.
     device: 'auto' (a GPU each under nccl, else the CPU), 'cpu', or 'cuda': ranks on the GPUs
-            even when several share one — then NCCL where every engine's NCCL is >= 2.30 and a GPU
-            holds at most 2 ranks (NCCL_MULTI_RANK_GPU_ENABLE, experimental), else gloo on CUDA
-            tensors (a classroom on one GPU server); `backend_reason` says which and why.
-            'auto' on a host with a GPU per engine is NCCL, where collectives take CUDA tensors
-            only: code that builds CPU tensors says device='cpu' (labkit/world.py decides).
+            even when several share one (NCCL >= 2.30 with at most 2 ranks a GPU, else gloo on
+            CUDA tensors: `backend_reason`). NCCL's collectives take CUDA tensors only: code that
+            builds CPU tensors says device='cpu' (labkit/world.py decides).
     timeout: seconds a run or apply may take before it is diagnosed as a hang (default for the
              calls' own `timeout`; each job's process groups time out just after it).
     progress: 'auto' (a bar that updates in place while engines start and runs run: a widget in a
@@ -154,7 +152,7 @@ class Lab:
             self.close()
             raise
         if shown:
-            why = f" ({self.backend_reason})" if self.backend_reason else ""
+            why = f" ({self.backend_reason})" * bool(self.backend_reason)
             shown.close(f"{self.world} ranks ready: {self.backend} on {self.devices[0].split(':')[0]}{why}")
 
     @classmethod
@@ -204,11 +202,7 @@ class Lab:
         """The process groups' backend: 'gloo' or 'nccl'."""
         return self.engines.backend
 
-    @property
-    def backend_reason(self) -> str:
-        """Why the backend is what it is where ranks share GPUs ('' otherwise): NCCL with several
-        ranks on one GPU (NCCL >= 2.30), or gloo on CUDA tensors and what ruled NCCL out."""
-        return self.engines.backend_reason
+    backend_reason = property(lambda self: self.engines.backend_reason, doc="Why NCCL or gloo where ranks share GPUs.")
 
     @property
     def repairs(self) -> list[dict]:
@@ -396,7 +390,7 @@ class Lab:
         last = self.last_config
         facts = [
             ("engines", f"{self.world} ranks, {self.backend} on {', '.join(sorted(set(self.devices)))}"),
-            *([("backend", self.backend_reason)] if self.backend_reason else []),
+            *[("backend", why) for why in [self.backend_reason] if why],
             ("hosts", ", ".join(sorted(set(self.hosts)))),
             ("last layout", MeshLayout.of(last).describe() if last else "none run yet"),
             ("jobs", f"{self.jobs} run, {len(self.repairs)} repair(s)"),
