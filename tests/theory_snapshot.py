@@ -36,7 +36,7 @@ DEGREES = (1, 2, 4)
 
 def candidates():
     """Every combination of the choice fields over small meshes, in a fixed order."""
-    for name, model in MODELS.items():
+    for name in MODELS:
         for dp, tp, pp, cp, ep in itertools.product(DEGREES, DEGREES, DEGREES, (1, 2), (1, 2)):
             for sharding, impl, precision, schedule, ckpt, sp in itertools.product(
                 ("none", "zero1", "zero2", "zero3", "fsdp"),
