@@ -1,4 +1,4 @@
-"""What Lab(engines=4) holds in memory after one run, per process (labkit/footprint.py).
+"""What Lab(engines=4) holds in memory after one run, per process (labkit/cluster/footprint.py).
 
     python benchmarks/footprint.py [--engines 4] [--launcher local]
 
@@ -17,7 +17,7 @@ import time
 import psutil
 
 from labkit import Lab, ModelConfig, ParallelConfig
-from labkit.footprint import MIB, by_role, footprint, table
+from labkit.cluster.footprint import MIB, by_role, footprint, table
 
 
 def lab_pids(lab) -> tuple[list[int], int | None]:

@@ -1,4 +1,4 @@
-"""The hardware constants the time and memory models cite (labkit/theory/hardware.py), measured on
+"""The hardware constants the time and memory models cite (labkit/theory/planner/hardware.py), measured on
 one GPU: matrix products (bf16 and fp8) by shape, flash attention forward and backward, HBM
 copies, the CUDA context, and one torchtitan-style Llama step under FSDP2 (a world of one) with
 its allocator's allocated and reserved peaks, for each activation-checkpointing mode.

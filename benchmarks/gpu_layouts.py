@@ -4,7 +4,7 @@ memory by category against the theory (issue 33).
 
     python benchmarks/gpu_layouts.py --out layouts.json        # on a machine with a CUDA GPU
 
-Each row: the layout, its precision, whether it trains like one process (labkit.checks, the CPU
+Each row: the layout, its precision, whether it trains like one process (labkit.oracle.checks, the CPU
 reference and the bounds as they are, never loosened), how close it comes to each bound (error over
 bound: `checks.margins`), whether its measured comm rows and model-state bytes equal the theory's
 (labkit's own implementations), and seconds. The JSON is rewritten after every row, so a run cut
@@ -15,7 +15,7 @@ On the arithmetic: the reference runs on the CPU, the ranks on the GPU. TF32 sta
 default for matmuls, `torch.backends.cuda.matmul.allow_tf32 = False`; the row records it), so fp32
 kernels round like fp32 and differ from the CPU's only in the order of their sums: cuBLAS's tiles
 and split-K, the attention kernels' online softmax. Two orders of an n-term fp32 sum differ by
-~2·sqrt(n)·u (labkit/bounds.py): the fp32 bound of 1e-5 holds that for n up to ~10^4 terms, far past
+~2·sqrt(n)·u (labkit/oracle/bounds.py): the fp32 bound of 1e-5 holds that for n up to ~10^4 terms, far past
 these models' b·s = 128 rows and 256-wide contractions. bf16 rounds the same tensors the CPU run
 rounds, so its bound (one rounding per tensor on the backward path) is the same derivation.
 """
@@ -34,8 +34,8 @@ import traceback
 import torch
 
 from labkit import CollectiveTimeout, EngineDied, Lab, ModelConfig, ParallelConfig, RankError, reference, theory
-from labkit.checks import margins, mismatches
 from labkit.engines.host import nccl_version
+from labkit.oracle.checks import margins, mismatches
 
 GPT = ModelConfig(layers=2, hidden=64, heads=4, ffn=256, vocab=256, seq=64)
 GPT4 = GPT.replace(layers=4)  # pp=2 x v=2: one layer per chunk

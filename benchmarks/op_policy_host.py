@@ -2,7 +2,7 @@
 forward and backward with no checkpointing, full, and torchtitan's per-op policy, at widths so
 small that every kernel is trivial (what is left is Python, the dispatcher and autograd, as on
 the host of a GPU whose kernels run asynchronously). It tests one explanation of the published
-rows the planner misses with the per-op policy (labkit/theory/published.py OP_POLICY): a step
+rows the planner misses with the per-op policy (labkit/theory/planner/published.py OP_POLICY): a step
 whose host time stays below its GPU time hides that cost entirely.
 
     python benchmarks/op_policy_host.py     # about a minute on one core; prints a table

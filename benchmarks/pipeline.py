@@ -21,7 +21,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import machine, steady_step_time, table  # noqa: E402
 
 from labkit import Lab, ModelConfig, ParallelConfig, theory  # noqa: E402
-from labkit.theory.pipeline import costs_from_result, simulated  # noqa: E402
+from labkit.theory.exact.pipeline import costs_from_result, simulated  # noqa: E402
 
 MODEL = ModelConfig(layers=8, hidden=128, heads=4, ffn=512, vocab=256, seq=64)
 STEPS = 4

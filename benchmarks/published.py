@@ -1,4 +1,4 @@
-"""The planner held against published training runs (labkit/theory/published.py): for every row
+"""The planner held against published training runs (labkit/theory/planner/published.py): for every row
 the predicted and the published memory per GPU and tokens/s/GPU, with the errors; then, for each
 run, where its own layout ranks among the planner's layouts of the same model on the same GPUs,
 global batch and precision.
@@ -8,7 +8,7 @@ global batch and precision.
     python benchmarks/published.py --out ''     # print only
 
 Memory is compared as the source measures it: torchtitan's max_memory_reserved is the allocated
-peak plus the allocator's slack (theory/gpu_memory.py reserved_bytes), without the CUDA context.
+peak plus the allocator's slack (theory/planner/gpu_memory.py reserved_bytes), without the CUDA context.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ import sys
 import time
 
 from labkit import theory
-from labkit.theory.gpu_memory import reserved_bytes
-from labkit.theory.published import RUNS, Run
+from labkit.theory.planner.gpu_memory import reserved_bytes
+from labkit.theory.planner.published import RUNS, Run
 
 GiB = 2**30
 MEMORY_OK, SPEED_OK = 0.15, 0.25

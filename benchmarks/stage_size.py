@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import machine, table  # noqa: E402
 
 from labkit import Lab, ModelConfig, ParallelConfig  # noqa: E402
-from labkit.theory.pipeline import costs_from_result, simulated  # noqa: E402
+from labkit.theory.exact.pipeline import costs_from_result, simulated  # noqa: E402
 
 STEPS = 4
 

@@ -18,7 +18,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import ab, machine, table  # noqa: E402
 
 from labkit import Lab, ModelConfig, ParallelConfig, theory  # noqa: E402
-from labkit.theory import tensor as tp_theory  # noqa: E402
+from labkit.theory.exact import tensor as tp_theory  # noqa: E402
 
 KIB = 1024
 

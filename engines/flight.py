@@ -6,7 +6,7 @@ The flight recorder, on by default (TORCH_FR_BUFFER_SIZE, 2000 entries), keeps e
 GPU-side state ('scheduled', 'started', 'completed', from the CUDA events the watchdog queries)
 and is readable in-process through torch._C._distributed_c10d._dump_fr_trace_json, which not
 every build has (guarded). On gloo its states say nothing (entries stay 'scheduled' once done,
-checked with torch 2.13), so the Lab reads it on NCCL only. labkit/diagnose.py reads `summary`.
+checked with torch 2.13), so the Lab reads it on NCCL only. labkit/cluster/diagnose.py reads `summary`.
 """
 
 from __future__ import annotations

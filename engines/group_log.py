@@ -3,7 +3,7 @@
 Creating a group is collective: every rank of the world must create the same groups in the same
 order, or ranks pair up in the wrong groups and wait forever (torch names groups by a counter).
 Each creation is logged as a 'new_group' op on the world group, its members beside it, so the
-diagnosis (labkit/diagnose.py) sees where two ranks' creation orders part.
+diagnosis (labkit/cluster/diagnose.py) sees where two ranks' creation orders part.
 
 Runs on the engines; torch is imported inside the functions because the Lab imports
 engines/runtime.py (and so this module) in the notebook kernel only to name what it sends.

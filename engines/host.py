@@ -1,5 +1,5 @@
 """What an engine is before it has a rank: its host, pid, addresses, GPUs (by physical identity)
-and CPUs, which the Lab reads to lay out the world (labkit/world.py); and where it is: the address
+and CPUs, which the Lab reads to lay out the world (labkit/cluster/world.py); and where it is: the address
 and interface it reaches the controller through (the cluster's network, on which its host's ranks
 should listen and talk), the machine and pid namespace (whether the Lab can watch its pid), its
 rank in the launcher that started it (mpiexec's, srun's).

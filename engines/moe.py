@@ -18,7 +18,7 @@ SwiGLU experts, w2(SiLU(w1 x) * w3 x), and gates renormalised over the chosen k 
 of the top-k logits, as Mixtral's router computes them (HF MixtralSparseMoeBlock: softmax,
 top-k, divide by their sum).
 
-Parameters, as labkit/theory/model.py lists them: w1 (E, h, f), w2 (E, f, h), [w3 (E, h, f),]
+Parameters, as labkit/theory/exact/model.py lists them: w1 (E, h, f), w2 (E, f, h), [w3 (E, h, f),]
 router.weight (E, h).
 """
 

@@ -1,6 +1,6 @@
 """Releasing a rank: cut its torch connections so that every rank waiting on it is freed at once.
 
-The Lab calls `release(peers)` on each rank whose job is over (labkit/faults.py), with `peers`
+The Lab calls `release(peers)` on each rank whose job is over (labkit/cluster/faults.py), with `peers`
 the other engines' listening sockets (engines/sockets.py `listening()`); see engines/runtime.py
 for why destroying the process groups alone is not enough.
 """

@@ -8,7 +8,7 @@ collective log of a rank that is stuck in a collective, and asks it to cancel.
 The collective log. Every job runs under one CommMeter (engines/meters/comm.py) from its
 first line to its last, so each collective and point-to-point op the job issues — and each
 process group it creates — is recorded when entered and when left, with its group and a
-sequence number per group. That is what the Lab's hang diagnosis reads (labkit/diagnose.py);
+sequence number per group. That is what the Lab's hang diagnosis reads (labkit/cluster/diagnose.py);
 a training run's report takes the slice of the same log that covers its steps.
 
 Releasing a stuck rank. A thread blocked inside a gloo collective cannot be interrupted from
@@ -136,8 +136,8 @@ def init_distributed(
     memory_fraction: float | None = None,
 ) -> dict:
     """Join the process group (tearing down an old one first). Returns this rank's Runtime.
-    env: variables to set first (the notebook's NCCL_* and GLOO_SOCKET_IFNAME, labkit/world.py);
-    ifname: the interface this host's ranks talk on (labkit/world.py), unless env names one;
+    env: variables to set first (the notebook's NCCL_* and GLOO_SOCKET_IFNAME, labkit/cluster/world.py);
+    ifname: the interface this host's ranks talk on (labkit/cluster/world.py), unless env names one;
     memory_fraction: the cap on this rank's share of its GPU (a classroom's shared GPUs)."""
     import torch  # engines only, like the comm meter that imports it
     import torch.distributed as dist

@@ -4,18 +4,18 @@ from labkit import Lab, ParallelConfig, ModelConfig, reference, theory
 """
 
 from labkit import theory
+from labkit.cluster.errors import Cancelled, CollectiveTimeout, EngineDied, LabError, RankError
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
-from labkit.dryrun import dry_run
-from labkit.errors import Cancelled, CollectiveTimeout, EngineDied, LabError, RankError
-from labkit.measurement import Measurement
-from labkit.reference import Reference, reference
-from labkit.results import CommEvent, Event, RankReport, RunResult
-from labkit.validation import validate
+from labkit.config.validation import validate
+from labkit.oracle.reference import Reference, reference
+from labkit.results.dryrun import dry_run
+from labkit.results.measurement import Measurement
+from labkit.results.run import CommEvent, Event, RankReport, RunResult
 
 
 def __getattr__(name):
     if name == "Lab":
-        from labkit.lab import (
+        from labkit.cluster.lab import (
             Lab,  # deferred: ipyparallel, so that theory-only users stay light
         )
 

@@ -9,7 +9,7 @@ from conftest import TINY
 from test_sharding import check_against_theory, oracle  # noqa: F401  (oracle is a fixture)
 
 from labkit import ParallelConfig, theory
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 
 @pytest.mark.parametrize("kw", [dict(dp=2, tp=2), dict(dp=2, cp=2)])

@@ -11,10 +11,10 @@ import pytest
 from conftest import TINY
 
 from labkit import ParallelConfig, reference
-from labkit.assembly import assemble
-from labkit.bounds import FP32, bounds, round_to, tensor_errors
-from labkit.checks import assert_matches, mismatches
-from labkit.results import RankReport, RunResult
+from labkit.oracle.assembly import assemble
+from labkit.oracle.bounds import FP32, bounds, round_to, tensor_errors
+from labkit.oracle.checks import assert_matches, mismatches
+from labkit.results.run import RankReport, RunResult
 
 STEPS = 2
 

@@ -5,7 +5,7 @@ One 8-engine Lab for the module (the session's 4-engine Lab is left alone), clos
 Tiny models: 4 layers where the pipeline needs them, hidden 32, seq 16, 3 steps.
 
 bf16 layouts, tensor, context and expert parallelism included, are held to the one-process fp32
-reference like every other layout, with the bounds of labkit/bounds.py (derived from bf16's
+reference like every other layout, with the bounds of labkit/oracle/bounds.py (derived from bf16's
 rounding): no layout is compared only with another run of the same engines.
 
 The slow suite (pytest -m slow) adds a layout with four dims above 1 on 16 engines of its own.
@@ -18,7 +18,7 @@ from conftest import TINY
 from theory_match import compare, format_table, reference_gap
 
 from labkit import ParallelConfig, reference
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 M4 = TINY.replace(layers=4)
 MOE = TINY.replace(experts=4, top_k=2)

@@ -12,7 +12,7 @@ from conftest import TINY
 from theory_match import compare
 
 from labkit import ConfigError, ParallelConfig, reference, validate
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 from labkit.plans.mesh import MeshLayout
 
 M4 = TINY.replace(layers=4)
@@ -182,7 +182,7 @@ def test_compositions_are_accepted(kw):
 
 def test_buffers_are_sharded_over_their_reduce_groups():
     """ZeRO x TP+SP x EP: one flat buffer per reduce group, each sharded over that group's ranks."""
-    from labkit.theory import sharding
+    from labkit.theory.exact import sharding
 
     cfg = P(tp=2, ep=2, dp=2, sharding="zero1", sequence_parallel=True)
     plans = sharding.plans(cfg, MOE, None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ConfigError, ModelConfig, OptimConfig, ParallelConfig, validate
-from labkit.validation import problems
+from labkit.config.validation import problems
 
 M = ModelConfig()
 
@@ -25,7 +25,7 @@ def test_default_is_valid():
 
 def test_built_strategies_are_not_refused():
     """Every strategy alone is built: none of them is reported as not built, and each validates."""
-    from labkit.validation import not_built_yet
+    from labkit.config.validation import not_built_yet
 
     for cfg, model in [
         (ParallelConfig(sharding="zero1"), M),
@@ -49,7 +49,7 @@ def test_built_strategies_are_not_refused():
     ids=["torch-tp-pp", "torch-tp-moe"],
 )
 def test_unbuilt_combinations_are_refused_with_a_way_out(cfg, model):
-    from labkit.validation import not_built_yet
+    from labkit.config.validation import not_built_yet
 
     lines = not_built_yet(cfg, model)
     assert len(lines) == 1

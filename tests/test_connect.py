@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY
 
 from labkit import Lab, ParallelConfig
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 
 def _ipcluster(*args, **kw):

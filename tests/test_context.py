@@ -7,8 +7,8 @@ import pytest
 from conftest import TINY
 
 from labkit import ConfigError, ParallelConfig, theory, validate
-from labkit.checks import assert_matches, loss_errors
 from labkit.engines.parallel.context import ring_plan, zigzag_chunks, zigzag_index
+from labkit.oracle.checks import assert_matches, loss_errors
 from labkit.plans.mesh import MeshLayout
 
 # (cp, seq, batch, heads, head_dim): odd shapes on purpose (3 heads, chunks of 3 and 5 tokens)

@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY
 
 from labkit import ParallelConfig, theory
-from labkit.checks import assert_matches, param_errors
+from labkit.oracle.checks import assert_matches, param_errors
 
 PSI = theory.num_params(TINY)
 

@@ -11,7 +11,7 @@ import threading
 
 import pytest
 
-from labkit.diagnose import analyse
+from labkit.cluster.diagnose import analyse
 from labkit.engines.flight import summary
 
 

@@ -6,7 +6,7 @@ import pytest
 from conftest import TINY
 
 from labkit import ConfigError, ModelConfig, ParallelConfig
-from labkit.dryrun import dry_run
+from labkit.results.dryrun import dry_run
 
 
 def test_the_private_pytorch_pieces_are_there():

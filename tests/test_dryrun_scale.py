@@ -1,5 +1,5 @@
 """Real architectures at full size, one rank each, through the dry run (a fake process group and
-fake tensors: labkit/dryrun.py): what the engines measure equals the theory exactly — model
+fake tensors: labkit/results/dryrun.py): what the engines measure equals the theory exactly — model
 states, activations, every comm row. Slow (measured on the 2-core CI machine: 8B ~50 s, each 70B
 rank ~75 s), hence the marker."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ParallelConfig
-from labkit.dryrun import dry_run
+from labkit.results.dryrun import dry_run
 from labkit.theory.presets import LLAMA31_8B, LLAMA31_70B
 
 pytestmark = pytest.mark.slow

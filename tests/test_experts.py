@@ -9,12 +9,12 @@ import torch
 from conftest import TINY
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
-from labkit.checks import assert_matches, loss_errors
 from labkit.engines import data
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.model import build_model
+from labkit.oracle.checks import assert_matches, loss_errors
 from labkit.plans.mesh import MeshLayout
-from labkit.theory.experts import layer_activation_bytes
+from labkit.theory.exact.experts import layer_activation_bytes
 
 MOE2 = TINY.replace(experts=4, top_k=2)
 MOE1 = TINY.replace(experts=4, top_k=1)

@@ -1,5 +1,5 @@
 """Every model family under every strategy on the session's 4-engine cluster: each layout trains
-like one process (labkit.checks.assert_matches: losses, gradient norms, the final parameters) and
+like one process (labkit.oracle.checks.assert_matches: losses, gradient norms, the final parameters) and
 measures what the theory predicts, to the byte (tests/theory_match.py `compare`: model states,
 activations, every comm row; PyTorch's implementations: states, FSDP2's rows, activations within
 10%). Families (tests/families.py): GPT-2 (biases, tanh GELU, tied head), Llama (RMSNorm, RoPE
@@ -14,7 +14,7 @@ from families import GPT2, LLAMA, LLAMA_TIED, MIXTRAL
 from theory_match import STATES, compare
 
 from labkit import ParallelConfig, reference, theory
-from labkit.checks import assert_matches, model_error
+from labkit.oracle.checks import assert_matches, model_error
 
 P = ParallelConfig
 GPT2_3, LLAMA_3, LLAMA_5 = GPT2.replace(layers=3), LLAMA.replace(layers=3), LLAMA.replace(layers=5)
@@ -127,7 +127,7 @@ def oracle(lab):
     cache = {}
 
     def get(cfg, model):
-        # the fp32 reference is every layout's oracle, bf16 ones included (labkit/bounds.py)
+        # the fp32 reference is every layout's oracle, bf16 ones included (labkit/oracle/bounds.py)
         key = (model, cfg.global_batch)
         if key not in cache:
             cache[key] = reference(model, steps=3, seed=SEEDS[model], global_batch=cfg.global_batch, threads=threads)

@@ -18,8 +18,8 @@ import pytest
 from conftest import TINY
 
 from labkit import CollectiveTimeout, EngineDied, ParallelConfig, RankError
-from labkit.checks import assert_matches
-from labkit.diagnose import analyse
+from labkit.cluster.diagnose import analyse
+from labkit.oracle.checks import assert_matches
 
 HANG_TIMEOUT = 10.0
 SLACK = 6.0
@@ -172,7 +172,7 @@ def test_an_engine_death_the_hub_reports_first_is_engine_died(flab):
     wrap/unwrap; with a real SIGKILL the hub answered after 35 s on this machine."""
     from ipyparallel import error
 
-    from labkit.engine_set import EngineGone
+    from labkit.cluster.engine_set import EngineGone
 
     try:
         raise error.EngineError("Engine 3 died while running task 'x'")

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.measurement import Measurement
 from labkit.plans.mesh import MeshLayout
-from labkit.results import CommEvent, Event, RankReport, RunResult
-from labkit.theory import pipeline as tp
+from labkit.results.measurement import Measurement
+from labkit.results.run import CommEvent, Event, RankReport, RunResult
+from labkit.theory.exact import pipeline as tp
 from labkit.widgets import figures, theory_figures
 from labkit.widgets.at_scale import at_scale
 from labkit.widgets.plans import gpu_memory_figure

@@ -4,7 +4,7 @@ are refused (hypothesis).
 The fuzz draws from every field of ParallelConfig and ModelConfig. Most draws keep the
 other fields at their defaults (7 in 9 perturb none, the rest one or two), so most examples
 run a data-parallel layout. Each example must end one of two ways: a RunResult that matches the
-single-process fp32 reference (labkit/checks.py, bounds.py), or a ConfigError raised before any
+single-process fp32 reference (labkit/oracle/checks.py, bounds.py), or a ConfigError raised before any
 job started on the engines. A hang, a crashed engine or a wrong loss fails, and so does a fuzz
 that did not run its examples or reached too few built layouts (the counts are asserted inside
 the one test, so it cannot pass by running alone or out of order).
@@ -21,8 +21,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from labkit import ConfigError, Lab, OptimConfig, ParallelConfig, reference
-from labkit.checks import assert_matches
 from labkit.config import DIMS, PRECISIONS, SCHEDULES, SHARDINGS
+from labkit.oracle.checks import assert_matches
 
 EXAMPLES = 30
 

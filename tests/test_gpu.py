@@ -1,5 +1,5 @@
 """The GPU path (marked `gpu`, skipped without CUDA): NCCL at world 2 or more — two ranks on one
-GPU where the machine has one (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE: labkit/world.py), one
+GPU where the machine has one (NCCL >= 2.30, NCCL_MULTI_RANK_GPU_ENABLE: labkit/cluster/world.py), one
 GPU each where it has more —, the allocator's memory, CUDA-event timelines, and ranks sharing one
 GPU through gloo. Run on a GPU server with `pytest -m gpu`; scripts/gpu-check.sh runs it with the
 NCCL it needs on a lent one-GPU machine."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from labkit import Lab, ModelConfig, ParallelConfig, reference
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 pytestmark = pytest.mark.gpu
 
@@ -77,7 +77,7 @@ def test_timeline_from_cuda_events_is_ordered(gpu_lab):
 
 def test_bf16_on_gpu(gpu_lab):
     """Against the fp32 reference (on the CPU), with the bounds derived from bf16's rounding
-    (labkit/bounds.py): CUDA's bf16 kernels round like any others."""
+    (labkit/oracle/bounds.py): CUDA's bf16 kernels round like any others."""
     cfg = ParallelConfig(dp=gpu_lab.world, global_batch=8 * gpu_lab.world, precision="bf16", sharding="zero1")
     res = gpu_lab.run(cfg, model=MODEL, steps=3, return_params=True)
     assert_matches(res, reference(MODEL, steps=3, global_batch=cfg.global_batch))
@@ -254,8 +254,8 @@ def _engine_gpus() -> dict:
 
 @pytest.mark.timeout(300)
 def test_engines_report_physical_gpus_and_sharing_one_is_seen(gpu_lab):
+    from labkit.cluster.world import own_gpus, plan_world
     from labkit.engines.host import nccl_version
-    from labkit.world import own_gpus, plan_world
 
     info = gpu_lab.apply(_engine_gpus, timeout=30)[0]
     assert info["nccl"] == ".".join(map(str, nccl_version()))  # what this process runs too

@@ -9,7 +9,7 @@ import pytest
 from conftest import TINY
 
 from labkit import ParallelConfig
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 pytestmark = pytest.mark.gpu
 
@@ -41,8 +41,8 @@ def test_two_ranks_share_the_chosen_gpu_each_capped(ref_cache):
     import torch
 
     from labkit import Lab
+    from labkit.cluster.world import NCCL_SHARED_SINCE
     from labkit.engines.host import nccl_version
-    from labkit.world import NCCL_SHARED_SINCE
 
     with Lab(engines=2, gpus="auto", ranks_per_gpu=2, gpu_memory_fraction=0.25, progress=False, timeout=300) as lab:
         assert lab.devices == ["cuda:0", "cuda:0"]  # the GPU is shared

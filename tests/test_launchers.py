@@ -11,9 +11,9 @@ import time
 import pytest
 
 from labkit import ConfigError
-from labkit.errors import LabError
-from labkit.gpus import Gpu, gpu_problems, parse_smi, pick, visible_devices
-from labkit.launchers import (
+from labkit.cluster.errors import LabError
+from labkit.cluster.gpus import Gpu, gpu_problems, parse_smi, pick, visible_devices
+from labkit.cluster.launchers import (
     HEARTBEAT_MISSES,
     TAG,
     MPIEngines,
@@ -24,7 +24,7 @@ from labkit.launchers import (
     mpi_args,
     slurm_script,
 )
-from labkit.world import host_order, plan_world, watchable
+from labkit.cluster.world import host_order, plan_world, watchable
 
 GIB = 2**30
 
@@ -245,7 +245,7 @@ def test_a_stop_finishes_what_it_leaves_running_before_it_returns():
     """ipyparallel's _sync wrapper returns with the join still pending, for the garbage collector
     to close in any thread (one that holds threading's _shutdown_locks_lock then deadlocks the
     process: launchers.drained). launchers.stop cancels and finishes it first, in its own thread."""
-    from labkit import launchers
+    from labkit.cluster import launchers
 
     cluster = _StopsBadly()
     launchers.stop(cluster)

@@ -9,8 +9,8 @@ import torch
 
 import labkit.engines.loss as loss_module
 from labkit import ConfigError, ModelConfig, ParallelConfig, theory
+from labkit.config.validation import problems
 from labkit.engines.loss import cross_entropy
-from labkit.validation import problems
 
 
 def _saved_bytes(fn) -> int:

@@ -1,5 +1,5 @@
 """The oracle cannot be fooled: bugs injected into the real strategies on the real cluster, each of
-which `labkit.checks` must catch, with a message that names the right tensor, rank or step.
+which `labkit.oracle.checks` must catch, with a message that names the right tensor, rank or step.
 
 A mutation replaces one function or method of a real strategy on every engine for the length of a
 `with mutated(...)` block (`lab.apply` ships the replacement by value; the original comes back at
@@ -19,7 +19,7 @@ import pytest
 from conftest import TINY
 
 from labkit import OptimConfig, ParallelConfig, reference
-from labkit.checks import mismatches
+from labkit.oracle.checks import mismatches
 
 STEPS = 2
 MOE = TINY.replace(experts=4, top_k=2)

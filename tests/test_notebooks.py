@@ -3,7 +3,7 @@
 A notebook's last cells assert what it showed (measured bytes equal the theory, the run equals
 the one-process reference), so executing it is a test. Each starts its own Lab (4 engines), so
 they run one after another; the kernel runs this interpreter (the same labkit), its cwd is
-notebooks/. Strip outputs before committing with `python -m labkit.strip_notebooks`.
+notebooks/. Strip outputs before committing with `python -m labkit.cli.strip_notebooks`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from labkit.strip_notebooks import strip
+from labkit.cli.strip_notebooks import strip
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
 PATHS = sorted(NOTEBOOKS.glob("*.ipynb"))
@@ -79,4 +79,4 @@ def test_notebook_executes(path, kernel):
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_notebook_is_committed_stripped(path):
     nb = json.loads(path.read_text())
-    assert not strip(nb), f"{path.name} has outputs or execution counts: run python -m labkit.strip_notebooks"
+    assert not strip(nb), f"{path.name} has outputs or execution counts: run python -m labkit.cli.strip_notebooks"

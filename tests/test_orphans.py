@@ -1,6 +1,6 @@
 """No orphans: a kernel that owns a Lab is killed with SIGKILL (no cleanup runs), and within 10 s
 nothing the Lab started is left (controller, engines, whatever the launcher started here, the
-watchdog itself) and its Slurm job is out of the queue (labkit/watchdog.py)."""
+watchdog itself) and its Slurm job is out of the queue (labkit/cluster/watchdog.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import psutil
 import pytest
 from launch_tools import slurm, slurm_jobs  # noqa: F401  (slurm: a fixture)
 
-from labkit.watchdog import tagged
+from labkit.cluster.watchdog import tagged
 
 KERNEL = """
 import json, sys, time
 from labkit import Lab
-from labkit.launchers import batch_file
+from labkit.cluster.launchers import batch_file
 lab = Lab(progress=False, device="cpu", timeout=120, **json.loads(sys.argv[1]))
 print(json.dumps({"token": lab.engines.watchdog.token, "watchdog": lab.engines.watchdog.proc.pid,
                   "jobs": [cmd[-1] for cmd in lab.engines.started.cancels],

@@ -8,7 +8,7 @@ from conftest import TINY
 from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 from labkit.plans.schedules import plan
 
 M4 = TINY.replace(layers=4)  # 4 layers: one per stage at pp=4, one per chunk at pp=2 x v=2
@@ -112,7 +112,7 @@ def test_torch_pipelining_trains_like_one_process(run, cfg):
 
 
 def test_measured_and_simulated_timelines_side_by_side(run):
-    from labkit.theory.pipeline import costs_from_result, simulated
+    from labkit.theory.exact.pipeline import costs_from_result, simulated
     from labkit.widgets.figures import report_figures, timeline_comparison_figure
 
     cfg = ParallelConfig(pp=2, dp=2, microbatches=2, schedule="1f1b")

@@ -9,8 +9,8 @@ import time
 import pytest
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, theory
-from labkit.theory.gpu_memory import TERMS
-from labkit.theory.hardware import H100
+from labkit.theory.planner.gpu_memory import TERMS
+from labkit.theory.planner.hardware import H100
 
 M = ModelConfig(layers=16, hidden=2048, heads=16, ffn=8192, vocab=32000, seq=4096)
 
@@ -100,7 +100,7 @@ def test_plan_405b_on_16k_gpus_quickly():
 def test_every_published_row_is_priced_and_a_miss_names_its_term():
     """On every row memory within 15% and tokens/s/GPU within 25% (the issue's tolerances), or the
     row names the term the model lacks (published.py, `missing`)."""
-    from labkit.theory.published import RUNS
+    from labkit.theory.planner.published import RUNS
 
     for run in RUNS:
         p = theory.evaluate(run.config, run.model_config, hardware=run.hardware)
@@ -116,7 +116,7 @@ def test_every_published_run_fits_as_it_ran():
     """Each published run ran on its GPUs, so the planner must not call its layout too big. (Before
     fits counted the allocator's reserve, 37 of the 83 did not fit; before MPT's fused loss, 13 did
     not fit even on their allocated bytes.)"""
-    from labkit.theory.published import RUNS
+    from labkit.theory.planner.published import RUNS
 
     too_big = []
     for run in RUNS:

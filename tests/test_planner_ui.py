@@ -5,7 +5,7 @@ one on a click (widget logic, no browser)."""
 from __future__ import annotations
 
 from labkit.cli import main
-from labkit.theory.gpu_memory import TERMS
+from labkit.theory.planner.gpu_memory import TERMS
 from labkit.widgets import ScaleExplorer
 
 

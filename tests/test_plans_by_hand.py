@@ -13,7 +13,8 @@ from labkit import ParallelConfig, theory
 from labkit.plans.buckets import plan_buckets, plan_groups, torch_ddp_buckets
 from labkit.plans.flat import bucket_plans, unit_plans
 from labkit.plans.wire import WIRE
-from labkit.theory import param_shapes, sharding
+from labkit.theory import param_shapes
+from labkit.theory.exact import sharding
 
 # TINY (h 32, f 128, V 128, s 16, 2 layers), parameter by parameter:
 #   embedding  tok 128*32 = 4096, pos 16*32 = 512                          ->  4,608

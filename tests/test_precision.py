@@ -8,9 +8,9 @@ from conftest import TINY
 from test_sharding import ODD, check_against_theory, oracle  # noqa: F401  (oracle is a fixture)
 
 from labkit import ConfigError, ParallelConfig, theory, validate
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 from labkit.plans.flat import padded, unit_plans
-from labkit.theory import sharding
+from labkit.theory.exact import sharding
 
 PSI = theory.num_params(TINY)
 
@@ -112,7 +112,7 @@ def test_combinations_without_an_implementation_are_refused(kw, fix):
 
 def test_reference_shards_change_nothing_in_fp32():
     from labkit import reference
-    from labkit.checks import param_errors
+    from labkit.oracle.checks import param_errors
 
     whole, split = reference(TINY, steps=2), reference(TINY, steps=2, shards=4)
     assert max(param_errors(split.params, whole.params).values()) < 1e-5

@@ -13,8 +13,8 @@ from conftest import TINY
 from launch_tools import need, slurm, slurm_jobs  # noqa: F401  (slurm: a fixture)
 
 from labkit import Lab, ParallelConfig
-from labkit.checks import assert_matches
-from labkit.launchers import batch_file
+from labkit.cluster.launchers import batch_file
+from labkit.oracle.checks import assert_matches
 
 pytestmark = pytest.mark.slow
 

@@ -11,7 +11,7 @@ import pytest
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.plans.schedules import COMPUTE, Action, Plan, batches, local_problems, plan, with_comm
 from labkit.plans.simulator import Costs, ScheduleDeadlock, check, simulate, simulate_nccl
-from labkit.theory import pipeline as tp
+from labkit.theory.exact import pipeline as tp
 
 PS = (2, 3, 4, 5, 8, 16, 64)
 MS = (1, 2, 3, 5, 8, 13, 64, 256)
@@ -204,7 +204,7 @@ def test_measured_bubble_means_what_the_formula_means():
     """RunResult.bubble_fraction on a timeline laid out exactly as the ideal schedule gives the
     formula, also when the two data-parallel replicas' pipelines run at different times (the
     window is per pipeline, not the union over replicas)."""
-    from labkit.results import Event, RankReport, RunResult
+    from labkit.results.run import Event, RankReport, RunResult
 
     p, m, dp = 4, 8, 2
     cfg = ParallelConfig(pp=p, dp=dp, microbatches=m, schedule="1f1b", global_batch=16)

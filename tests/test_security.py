@@ -12,7 +12,7 @@ import pytest
 from conftest import TINY
 
 from labkit import Lab, ParallelConfig
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 LOOPBACK = {"127.0.0.1", "::1", "::ffff:127.0.0.1"}
 

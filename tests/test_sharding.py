@@ -13,7 +13,7 @@ import pytest
 from conftest import TINY
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 ODD = ModelConfig(layers=2, hidden=27, heads=3, ffn=81, vocab=125, seq=18)
 """Sizes that no flat buffer and no dim 0 divides by 4 (hidden 27, vocab 125, seq 18): padding everywhere."""
@@ -29,7 +29,7 @@ CASES = [(s, True, "lab") for s in ("zero1", "zero2", "zero3", "fsdp")] + [
 @pytest.fixture(scope="module")
 def oracle():
     """The fp32 reference (3 steps) by model and global batch: the oracle of fp32 and bf16 runs alike
-    (labkit/bounds.py holds bf16 to bounds derived from its rounding)."""
+    (labkit/oracle/bounds.py holds bf16 to bounds derived from its rounding)."""
     from labkit import reference
 
     cache = {}

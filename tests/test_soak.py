@@ -19,7 +19,7 @@ import pytest
 from conftest import TINY
 
 from labkit import CollectiveTimeout, EngineDied, ParallelConfig, RankError, reference
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 
 RUNS = 50
 STEPS = 2  # the second step's loss shows the first update

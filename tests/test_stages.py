@@ -8,7 +8,7 @@ import pytest
 from labkit import ParallelConfig, theory
 from labkit.plans.schedules import chunk_layers, plan
 from labkit.plans.simulator import Costs, simulate
-from labkit.theory.pipeline import chunk_full_shapes, stage_scale, step_bubble
+from labkit.theory.exact.pipeline import chunk_full_shapes, stage_scale, step_bubble
 from labkit.theory.presets import LLAMA31_405B
 
 STAGES_8 = (15, 16, 16, 16, 16, 16, 16, 15)
@@ -29,7 +29,7 @@ def test_each_stage_holds_its_own_layers_parameters():
     cfg = ParallelConfig(pp=8, stage_layers=STAGES_8, microbatches=8)
     per_stage = [sum(n.startswith("blocks.") for n, _ in chunk_full_shapes(cfg, LLAMA31_405B, r)[0]) for r in range(8)]
     assert per_stage == [9 * n for n in STAGES_8]  # 9 tensors per llama block
-    total = sum(theory.params.rank_param_count(cfg, LLAMA31_405B, r) for r in range(8))
+    total = sum(theory.exact.params.rank_param_count(cfg, LLAMA31_405B, r) for r in range(8))
     assert total == theory.num_params(LLAMA31_405B)  # untied: nothing held twice
 
 

@@ -7,9 +7,9 @@ import pytest
 from conftest import TINY
 
 from labkit import ParallelConfig, theory
-from labkit.checks import assert_matches
 from labkit.config import ConfigError
-from labkit.validation import validate
+from labkit.config.validation import validate
+from labkit.oracle.checks import assert_matches
 
 LAYOUTS = {
     "tp4": ParallelConfig(tp=4),
@@ -177,7 +177,7 @@ def test_config_accepts_tp_and_refuses_what_is_not_built():
 def test_activation_theory_shrinks_as_korthikanti_says():
     """Per block, TP leaves the LayerNorm regions (and the column-parallel inputs) whole; SP with
     Megatron's re-gather divides every saved tensor by t (Korthikanti et al. 2022, table 2)."""
-    from labkit.theory import tensor
+    from labkit.theory.exact import tensor
 
     def block(t, sp, regather=False):
         one, two = TINY.replace(layers=1), TINY.replace(layers=2)

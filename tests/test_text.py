@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, RunResult, reference
-from labkit.checks import FP32_RTOL, assert_matches
 from labkit.engines import data
+from labkit.oracle.checks import FP32_RTOL, assert_matches
 from labkit.plans import text
 
 TEXT = ModelConfig(layers=2, hidden=32, heads=4, ffn=128, vocab=256, seq=16)

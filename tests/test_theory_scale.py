@@ -8,10 +8,10 @@ import itertools
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
+from labkit.config.validation import problems
 from labkit.plans.mesh import MeshLayout
-from labkit.theory import comm as tcomm
-from labkit.theory.per_rank import comm_rows, rank_memory
-from labkit.validation import problems
+from labkit.theory.exact import comm as tcomm
+from labkit.theory.exact.per_rank import comm_rows, rank_memory
 
 MODEL = ModelConfig(layers=4, hidden=32, heads=4, ffn=128, vocab=128, seq=32, experts=0)
 MOE = MODEL.replace(experts=4, top_k=2)

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.theory.hardware import H100, attention_rate
-from labkit.theory.ops import Op, block_ops, head_ops, model_flops_per_token
-from labkit.theory.overlap import collective_seconds, link_of, spans_nodes
-from labkit.theory.timing import Link, op_seconds, phase, step_time
+from labkit.theory.planner.hardware import H100, attention_rate
+from labkit.theory.planner.ops import Op, block_ops, head_ops, model_flops_per_token
+from labkit.theory.planner.overlap import collective_seconds, link_of, spans_nodes
+from labkit.theory.planner.timing import Link, op_seconds, phase, step_time
 
 M = ModelConfig(layers=8, hidden=1024, heads=16, ffn=4096, vocab=32000, seq=2048)
 

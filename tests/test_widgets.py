@@ -15,9 +15,9 @@ import pytest
 from conftest import TINY
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, theory, validate
+from labkit.config.validation import problems
 from labkit.plans.mesh import MeshLayout
 from labkit.theory.presets import PRESETS, PUBLISHED_PARAMS
-from labkit.validation import problems
 from labkit.widgets import Dashboard, MeshView, ScaleExplorer, figures
 from labkit.widgets.controls import DEGREES
 from labkit.widgets.scale import at_scale
@@ -302,7 +302,7 @@ def test_scale_explorer_updates_quickly_and_reaches_16k_gpus():
     assert view.config.world == 16384 and not view.comm_pending
     n = view.config.dp
     dp_rows = [r for r in view.comm[0] if r["op"] == "all_reduce" and r["dim"] == "dp"]
-    from labkit.theory.params import rank_param_count
+    from labkit.theory.exact.params import rank_param_count
 
     held = rank_param_count(view.config, view.model, 0)  # the rank's tp slice of the model
     assert held < view.psi / 7  # tp=8: about an eighth (norms replicated)

@@ -1,4 +1,4 @@
-"""How a Lab lays out its world (labkit/world.py), decided from engine infos made up for machines
+"""How a Lab lays out its world (labkit/cluster/world.py), decided from engine infos made up for machines
 this one is not: two hosts, eight GPUs, one GPU per engine. Pure: no cluster, no GPU."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import re
 import pytest
 
 from labkit import ParallelConfig
-from labkit.errors import LabError
-from labkit.world import forwarded_env, layout_problems, own_gpus, plan_world
+from labkit.cluster.errors import LabError
+from labkit.cluster.world import forwarded_env, layout_problems, own_gpus, plan_world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,5 +1,5 @@
 """Zero-bubble schedules (ZB-H1, ZB-V, DualPipeV) and FSDP / ZeRO-2/3 under pipeline parallelism
-on the 4-engine gloo cluster: every layout trains like one process (labkit.checks against the
+on the 4-engine gloo cluster: every layout trains like one process (labkit.oracle.checks against the
 fp32 reference), measures what the theory predicts to the byte (model states, activations, what
 W holds, the gathered stages and their gradient buffers, every collective), and runs its plan:
 the timeline's F, B and W in the plan's order. impl='torch' runs PyTorch's zero-bubble schedules
@@ -12,7 +12,7 @@ from conftest import TINY
 from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
-from labkit.checks import assert_matches
+from labkit.oracle.checks import assert_matches
 from labkit.plans.schedules import plan
 
 M4 = TINY.replace(layers=4)  # pp=2: one layer per V chunk; pp=4: one per stage

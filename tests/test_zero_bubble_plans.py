@@ -8,12 +8,12 @@ import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.config import ConfigError
+from labkit.config.validation import validate
 from labkit.plans.schedules import chunk_layers, plan, rank_chunk_of, stage_of
 from labkit.plans.simulator import Costs, simulate
-from labkit.theory import pipeline as tp
-from labkit.theory import sharding
+from labkit.theory.exact import pipeline as tp
+from labkit.theory.exact import sharding
 from labkit.theory.presets import LLAMA31_405B
-from labkit.validation import validate
 
 M8 = ModelConfig(layers=8, hidden=32, heads=4, ffn=128, vocab=128, seq=16)
 

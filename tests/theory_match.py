@@ -6,7 +6,7 @@ depend on the router under expert parallelism, so they are checked the way tests
 checks them: the all-to-alls match in calls, per ep group in bytes, and per rank once the rank's
 routing (R rows received per layer, read off its forward combine all-to-all) replaces the
 balanced R = N; activations likewise (the schedule walked again with each microbatch's R,
-theory/activations.py `peak(..., received)`). PyTorch's FSDP2 rows (over dp) and model states
+theory/exact/activations.py `peak(..., received)`). PyTorch's FSDP2 rows (over dp) and model states
 equal the theory and its activations are within 10% of ours (DTensor saves what our TP saves, to 60
 bytes); DTensor's own TP collectives are its implementation's, not compared here.
 """
@@ -16,8 +16,8 @@ from __future__ import annotations
 from labkit import theory
 from labkit.plans.mesh import MeshLayout
 from labkit.plans.schedules import chunk_layers, plan, style
-from labkit.theory import activations
-from labkit.theory.pipeline import stage_layers
+from labkit.theory.exact import activations
+from labkit.theory.exact.pipeline import stage_layers
 
 STATES = ("params", "grads", "optimizer")
 
@@ -125,7 +125,7 @@ def compare(res, cfg, model, world: int) -> list[dict]:
 
 def format_table(name: str, res, ref_losses, table: list[dict]) -> str:
     """The measured-vs-theory rows of one layout as text (the issue's table)."""
-    from labkit.checks import loss_errors
+    from labkit.oracle.checks import loss_errors
 
     lines = [f"{name}: max loss error {max(loss_errors(res.losses, ref_losses)):.2e}"]
     for e in table:
@@ -153,11 +153,11 @@ def reference_gap(model, seed: int, steps: int = 3) -> float:
     import numpy as np
 
     from labkit import reference
-    from labkit.checks import param_errors
     from labkit.config import OptimConfig
     from labkit.engines import data
     from labkit.engines.model import build_model
     from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
+    from labkit.oracle.checks import param_errors
 
     def float64():
         net = build_model(model, seed).double()

@@ -50,21 +50,24 @@ def candidates():
                     continue
                 virtual = 2 if schedule in ("interleaved", "zbv", "dualpipev") else 1
                 micro = 2 * pp if pp > 1 else 1
-                yield name, dict(
-                    dp=dp,
-                    tp=tp,
-                    pp=pp,
-                    cp=cp,
-                    ep=ep,
-                    sharding=sharding,
-                    impl=impl,
-                    precision=precision,
-                    schedule=schedule,
-                    virtual_stages=virtual,
-                    microbatches=micro,
-                    checkpoint_activations=ckpt,
-                    sequence_parallel=sp,
-                    global_batch=8 * dp * ep * micro,
+                yield (
+                    name,
+                    dict(
+                        dp=dp,
+                        tp=tp,
+                        pp=pp,
+                        cp=cp,
+                        ep=ep,
+                        sharding=sharding,
+                        impl=impl,
+                        precision=precision,
+                        schedule=schedule,
+                        virtual_stages=virtual,
+                        microbatches=micro,
+                        checkpoint_activations=ckpt,
+                        sequence_parallel=sp,
+                        global_batch=8 * dp * ep * micro,
+                    ),
                 )
 
 

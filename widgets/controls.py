@@ -1,7 +1,7 @@
 """Controls for a ParallelConfig: one ipywidget per field, offering only values that fit.
 
 Which values fit is not written down twice: a value is offered when setting it adds no
-problem that `labkit.validation.problems` would report (degrees whose product exceeds the engines,
+problem that `labkit.config.validation.problems` would report (degrees whose product exceeds the engines,
 heads % tp, layers % (pp * virtual_stages), seq % 2cp, global_batch % (dp * ep * microbatches),
 ...). So the offered values follow the config's own arithmetic as it grows. Layouts that are
 arithmetically fine but not built yet stay selectable: `validate` refuses them and the
@@ -13,7 +13,7 @@ from __future__ import annotations
 import ipywidgets as W
 
 from labkit.config import IMPLS, PRECISIONS, SCHEDULES, SHARDINGS, ModelConfig, ParallelConfig
-from labkit.validation import problems
+from labkit.config.validation import problems
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 SLIDERS = DEGREES + ("microbatches", "virtual_stages", "global_batch")

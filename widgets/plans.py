@@ -11,7 +11,7 @@ import plotly.graph_objects as go
 
 from labkit import theory
 from labkit.config import ModelConfig
-from labkit.theory.gpu_memory import ALLOCATED, OUTSIDE, TRANSIENT
+from labkit.theory.planner.gpu_memory import ALLOCATED, OUTSIDE, TRANSIENT
 from labkit.widgets.style import CATEGORY_COLORS, _figure, _layout, _level
 
 GiB = 2**30
@@ -29,7 +29,7 @@ TERM_COLORS = {
 
 
 def gpu_memory_figure(plan: theory.Plan) -> go.Figure:
-    """The fullest GPU's memory under `plan`, one bar per term of theory/gpu_memory.py (a
+    """The fullest GPU's memory under `plan`, one bar per term of theory/planner/gpu_memory.py (a
     transient that does not count towards the peak, the smaller of the loss's and a block's
     backward, drawn hatched), against the hardware's memory."""
     mem = plan.memory

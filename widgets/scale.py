@@ -7,7 +7,7 @@ ZeRO stage, bytes each GPU sends per step by dim, and the pipeline bubble. Every
 from labkit.theory's per-rank functions (`rank_memory`, `rank_comm`, `model_state_bytes`,
 `pipeline_bubble`), so the explorer shows whatever the theory models and grows with it. Below
 them the planner (widgets/plans.py): what the fullest GPU holds under the layout, every term of
-theory/gpu_memory.py by name, the step's time on the chosen hardware, and the best layouts of the
+theory/planner/gpu_memory.py by name, the step's time on the chosen hardware, and the best layouts of the
 model on these GPUs (theory.plan), a click on one setting every control to it.
 
 Why not `theory.estimate`: it fills every class of rank (20-70 ms for Llama-70B on 16k GPUs,
@@ -32,8 +32,8 @@ import plotly.graph_objects as go
 
 from labkit import theory
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.theory.hardware import HARDWARE
-from labkit.theory.planner import layout_problems
+from labkit.theory.planner.evaluate import layout_problems
+from labkit.theory.planner.hardware import HARDWARE
 from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF
 from labkit.widgets.at_scale import AtScale, at_scale, comm_at_scale, comm_cached, comm_work

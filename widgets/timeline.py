@@ -6,7 +6,7 @@ from __future__ import annotations
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from labkit.theory import pipeline as pipeline_theory
+from labkit.theory.exact import pipeline as pipeline_theory
 from labkit.widgets.style import (
     KIND_COLORS,
     KIND_PATTERNS,
@@ -155,7 +155,7 @@ def _gantt(
 
 
 def simulated_timeline_figure(sim, unit: str = "units", title: str | None = None) -> go.Figure:
-    """The simulator's ideal timeline of a pipeline plan (labkit.theory.pipeline.simulated):
+    """The simulator's ideal timeline of a pipeline plan (labkit.theory.exact.pipeline.simulated):
     one row per pipeline rank, F/B/W coloured by microbatch, messages in flight on a thin
     lane below; the predicted bubble in the title, or why the plan would deadlock.
     unit: 'units' for unit costs; 'ms' for a simulation with measured costs (in seconds)."""
@@ -188,7 +188,7 @@ def simulated_timeline_figure(sim, unit: str = "units", title: str | None = None
 def timeline_comparison_figure(result, sim=None, step: int = -1) -> go.Figure:
     """Measured (top) and simulated (bottom) timelines of a pipeline run on one ms axis. By
     default the simulation replays the run's schedule with its own measured mean t_F, t_B
-    and fastest receive per stage (labkit.theory.pipeline.costs_from_result), so what differs
+    and fastest receive per stage (labkit.theory.exact.pipeline.costs_from_result), so what differs
     is what the ideal model leaves out: jitter, contention for cores, Python overhead."""
 
     wanted = step % result.steps

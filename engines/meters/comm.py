@@ -13,7 +13,7 @@ still ahead of them. (A TorchDispatchMode would see them too, but it sends every
 through Python: 35-130% slower steps on the lab's models, measured. It is kept as
 `CommAudit`, which the tests run beside this meter to prove it missed nothing.)
 
-What it records, per op (a plain dict, see labkit.results.CommEvent): op, dim (the mesh
+What it records, per op (a plain dict, see labkit.results.run.CommEvent): op, dim (the mesh
 dimension whose group it ran on), group ranks, numel, dtype, payload bytes (B: the logical full
 tensor), wire bytes this rank sends under the ring model (labkit/plans/wire.py), a sequence
 number per group, start/end on the run's clock, and the phase of the step. An op is 'left' when

@@ -5,7 +5,7 @@ Korthikanti et al., MLSys 2023, section 4: "full activation recomputation"): a b
 runs without building a graph and saves only its input x (b, s, h); when backward reaches the
 block, its forward runs again with grad on and is backpropagated at once. A block then holds
 s·b·h elements until backward instead of the sbh(34 + 5as/h) bytes of the Korthikanti table
-(in the lab model: 8bsh + 2bsf + ...; labkit/theory/memory.py), at the price of one more
+(in the lab model: 8bsh + 2bsf + ...; labkit/theory/exact/memory.py), at the price of one more
 forward per block — and of its forward collectives again (TP's, the ring's, the all-to-alls).
 The model has no dropout, so the recomputation needs no saved RNG state.
 

@@ -65,7 +65,7 @@ class GradSync(Protocol):
 
     def grad_pieces(self) -> list[dict]:
         """This rank's part of every parameter's gradient between `finish()` and `step()`: reduced
-        over its group and divided by the loss shards, before clipping (labkit/checks.py compares the
+        over its group and divided by the loss shards, before clipping (labkit/oracle/checks.py compares the
         first step's with the reference's, tensor by tensor)."""
 
     def compute_pieces(self) -> list[dict] | None:

@@ -23,7 +23,7 @@ them), so the input operator sits once at the input of the attention / MLP (a fo
 pre-hook named in the plan), not inside each linear layer. And under SP the column-parallel
 layers keep their gathered input for backward; Megatron keeps the s/t shard and all-gathers
 it again in backward, trading two more all-gathers per layer for 2bsh(1 - 1/t) bytes
-(labkit/theory/tensor.py gives both).
+(labkit/theory/exact/tensor.py gives both).
 
 MoE layers are replicated over tp (ARCHITECTURE.md says why): no f or g around them, and under
 SP an all-gather in (`GatherReplicated`) and a slice out (`Split`). Biases (gpt2, Qwen2's q, k,

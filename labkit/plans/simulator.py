@@ -43,7 +43,7 @@ class Costs:
     """Latency of one point-to-point message, from the send to its arrival."""
     scale: dict | None = None
     """{(rank, chunk): factor} on that chunk's F/B/W: uneven stages (ParallelConfig.stage_layers)
-    cost in proportion to their layers (theory/pipeline.py `stage_scale`)."""
+    cost in proportion to their layers (theory/exact/pipeline.py `stage_scale`)."""
 
     def of(self, op: str, rank: int) -> float:
         c = getattr(self, op if op in COMPUTE else "comm")

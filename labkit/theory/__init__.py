@@ -19,23 +19,23 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.config.table import Rows, card, human_bytes
+from labkit.config.validation import problems
 from labkit.plans.mesh import DATA_DIMS, MeshLayout
-from labkit.table import Rows, card, human_bytes
-from labkit.theory.comm import Stopped
-from labkit.theory.hardware import HARDWARE, Hardware
-from labkit.theory.memory import (
+from labkit.theory.exact.comm import Stopped
+from labkit.theory.exact.memory import (
     activation_bytes,
     korthikanti_layer_bytes,
     model_state_bytes,
 )
-from labkit.theory.model import active_params, num_params, param_shapes
-from labkit.theory.per_rank import rank_comm, rank_memory
-from labkit.theory.pipeline import bubble_fraction as pipeline_bubble
-from labkit.theory.pipeline import step_bubble
-from labkit.theory.planner import Plan, evaluate
-from labkit.theory.search import Plans, plan
-from labkit.theory.timing import H100, StepTime, step_time
-from labkit.validation import problems
+from labkit.theory.exact.model import active_params, num_params, param_shapes
+from labkit.theory.exact.per_rank import rank_comm, rank_memory
+from labkit.theory.exact.pipeline import bubble_fraction as pipeline_bubble
+from labkit.theory.exact.pipeline import step_bubble
+from labkit.theory.planner.evaluate import Plan, evaluate
+from labkit.theory.planner.hardware import HARDWARE, Hardware
+from labkit.theory.planner.search import Plans, plan
+from labkit.theory.planner.timing import H100, StepTime, step_time
 
 
 @dataclass
@@ -95,7 +95,7 @@ class Estimate:
         return {"per_rank": {r: self.bubble for r in range(len(self.representative))}, "overall": self.bubble}
 
     def step_time(self, hw: Hardware | None = None, rank: int = 0) -> StepTime:
-        """The time model (theory/timing.py) for one step of this layout on `hw` (default the
+        """The time model (theory/planner/timing.py) for one step of this layout on `hw` (default the
         H100): compute op by op on a roofline, each dim's collectives by α-β on the link its
         groups span, what overlaps hidden, the bubble; `.dominant` names what dominates. The
         step is the slowest pipeline rank's, whichever `rank` is asked for."""

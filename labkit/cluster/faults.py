@@ -1,0 +1,185 @@
+"""A job's faults turned into errors, and the ranks left waiting released (the job runner's
+fault paths, labkit/cluster/jobs.py). Every wait is bounded; each error is raised as soon as it is known.
+
+  fault                          error               right away
+  a rank raises                  RankError           release the ranks waiting on it
+  no progress within timeout     CollectiveTimeout   read the logs, diagnose, release
+  an engine dies / goes silent   EngineDied          release the others
+  Ctrl-C, progress callback      (re-raised)         cancel, release
+  Lab.cancel()                   Cancelled           (ranks stop at a boundary)
+
+The functions hold no state: what they learn about engines (one to replace) they mark on the
+EngineSet. How releasing works, and why a rank is sometimes replaced instead: notes/faults.md.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+from labkit.cluster.diagnose import analyse
+from labkit.cluster.engine_set import EngineGone, EngineSet
+from labkit.cluster.errors import CollectiveTimeout, EngineDied, RankError
+from labkit.engines import release, runtime, sockets
+
+ERROR_GRACE_S = 0.5
+"""After a first rank fails, how long other ranks may still fail on their own (the same bug on
+every rank) before the rest are released; later failures are consequences, not causes."""
+RELEASE_S = 3.0
+"""Bound on the release cascade."""
+CANCEL_GRACE_S = 5.0
+"""How long a cancelled job may take to reach its next step or microbatch boundary."""
+SETTLE_S = 0.5
+"""Once one rank has stopped, how long the others may take to stop too before those still
+running are taken to wait for it in a collective, and released."""
+LOG_TAIL = 400
+"""Collective-log entries read from each rank for a diagnosis."""
+
+_COLLECTIVE_TIMEOUT = re.compile(
+    r"Timed out waiting \d+ms for (recv|send)|Watchdog caught collective operation timeout"
+)
+
+
+# -- fault paths (each raises) ---------------------------------------------------------------
+def on_error(engines: EngineSet, states: list[dict], timeout: float) -> None:
+    """Some rank's job raised: RankError with every rank that failed on its own (EngineDied if
+    an engine is gone, CollectiveTimeout if gloo's own timeout fired first)."""
+    world = range(engines.world)
+    failures = {r: s["error"] for r, s in enumerate(states) if s["state"] == "error"}
+    end = time.monotonic() + ERROR_GRACE_S
+    while time.monotonic() < end and any(s["state"] == "running" for s in states):
+        time.sleep(0.05)
+        got = engines.each(runtime.poll, world, 10**9)
+        states = [got[r] for r in world]
+        failures.update({r: s["error"] for r, s in enumerate(states) if s["state"] == "error" and r not in failures})
+    dead = engines.dead(world)
+    if dead:  # the others' "connection closed" errors are the consequence
+        raise EngineGone(dead, "its process is gone")
+    if all(_COLLECTIVE_TIMEOUT.search(tb) for tb in failures.values()):
+        on_timeout(engines, timeout)  # gloo's own timeout fired first: diagnose it as a hang
+    final = release_cascade(engines)
+    released = [r for r, s in final.items() if r not in failures and s["state"] == "error"]
+    raise RankError({r: {"host": engines.hosts[r], "traceback": tb} for r, tb in failures.items()}, released)
+
+
+def on_timeout(engines: EngineSet, timeout: float) -> None:
+    """No progress within the timeout: CollectiveTimeout with the diagnosis of the ranks' logs."""
+    got = engines.each(runtime.poll, range(engines.world), 10**9, LOG_TAIL)
+    found = analyse(got, dict(enumerate(engines.hosts)))
+    try:
+        engines.each(runtime.cancel, range(engines.world))
+        release_cascade(engines, bound=1.0)  # ranks waiting only on each other are freed by the groups' timeout
+    except EngineGone as d:
+        engines.condemn(d.ranks, d.detail)
+    raise CollectiveTimeout(timeout, found["text"], found)
+
+
+def on_died(engines: EngineSet, gone: EngineGone) -> None:
+    """Engines went away: EngineDied naming the first rank; the others are released."""
+    engines.condemn(gone.ranks, gone.detail)
+    try:
+        release_cascade(engines)
+    except Exception:
+        pass
+    first = gone.ranks[0]
+    raise EngineDied(first, engines.hosts[first], gone.detail, gone.ranks)
+
+
+# -- stopping a job ---------------------------------------------------------------------------
+def abandon(engines: EngineSet) -> bool:
+    """The call is leaving early (Ctrl-C, a progress callback raised): stop the job everywhere.
+    Best effort and bounded; whatever is left is repaired at the next call. Returns whether the
+    process groups can be kept (see stop_after_cancel)."""
+    try:
+        engines.each(runtime.cancel, engines.live(), bound=5.0)
+        return stop_after_cancel(engines)
+    except EngineGone as d:
+        engines.condemn(d.ranks, d.detail)
+    except BaseException:  # a second Ctrl-C: leave the rest to the repair
+        pass
+    return False
+
+
+def stop_after_cancel(engines: EngineSet) -> bool:
+    """Wait for the cancelled job to stop on every rank (at most CANCEL_GRACE_S, and SETTLE_S
+    after the first rank stopped). Returns True if the ranks stopped in step, so the process
+    groups can be kept; else releases whoever still waits and returns False."""
+    end, first_stop = time.monotonic() + CANCEL_GRACE_S, None
+    while time.monotonic() < end:
+        got = engines.each(runtime.poll, engines.live(), 10**9, LOG_TAIL)
+        running = [r for r, s in got.items() if s["state"] == "running"]
+        if not running:
+            if len(got) == engines.world and consistent(got):
+                return True
+            break
+        if len(running) < len(got):
+            first_stop = first_stop or time.monotonic()
+            if time.monotonic() - first_stop > SETTLE_S:
+                break
+        time.sleep(0.05)
+    release_cascade(engines)
+    return False
+
+
+def free_stuck(engines: EngineSet) -> None:
+    """Before a repair: ranks still running a job are cancelled and released; those still
+    running after that are condemned (their engines are replaced)."""
+    try:
+        got = engines.each(runtime.poll, engines.live(), 10**9)
+    except EngineGone as d:
+        engines.condemn(d.ranks, d.detail)
+        return free_stuck(engines)
+    running = [r for r, s in got.items() if s["state"] == "running"]
+    if not running:
+        return
+    engines.each(runtime.cancel, running)
+    final = release_cascade(engines, CANCEL_GRACE_S)
+    engines.condemn(
+        [r for r, s in final.items() if s["state"] == "running"], "its job still ran after cancel and release"
+    )
+
+
+# -- releasing --------------------------------------------------------------------------------
+def release_cascade(engines: EngineSet, bound: float = RELEASE_S) -> dict:
+    """Release every rank whose job is over (engines/release.py), until no rank is left waiting
+    or `bound` passes: each release frees the ranks that waited on it, whose jobs then end too.
+    Returns the ranks' last states."""
+    end = time.monotonic() + bound
+    released: set[int] = set()
+    got: dict = {}
+    while True:
+        live = engines.live()
+        try:
+            got = engines.each(runtime.poll, live, 10**9)
+            over = [r for r in live if got[r]["state"] != "running" and r not in released]
+            if over:
+                peers = sorted({ep for eps in engines.each(sockets.listening, live).values() for ep in eps})
+                for r, out in engines.each(release.release, over, peers).items():
+                    if out["held"]:
+                        engines.taint(
+                            r,
+                            f"torch still held its old process groups ({out['held']} "
+                            "listening sockets): a new engine frees them",
+                        )
+                released |= set(over)
+        except EngineGone as d:
+            engines.condemn(d.ranks, d.detail)
+            continue
+        if all(s["state"] != "running" for s in got.values()) or time.monotonic() > end:
+            return got
+        time.sleep(0.05)
+
+
+def consistent(polls: dict[int, dict]) -> bool:
+    """Whether the ranks stopped in step: no op left open, and every process group's members
+    entered the same number of ops (then the groups can be used again as they are)."""
+    counts: dict[tuple, dict[int, int]] = {}
+    for r, p in polls.items():
+        if p.get("open"):
+            return False
+        for pg, (n, ranks) in (p.get("groups") or {}).items():
+            counts.setdefault((pg, tuple(ranks)), {})[r] = n
+    for (_, ranks), per in counts.items():
+        if len({per.get(m, 0) for m in ranks if m in polls}) > 1:
+            return False
+    return True

@@ -1,0 +1,56 @@
+"""ipyparallel's %px / %%px magics on a Lab's engines (Lab.activate), each engine's namespace
+ready for distributed code: rank, world_size, mesh, device, torch and dist.
+
+It only prepares the namespaces and registers the magics; the engines and their process groups
+are the Lab's (labkit/cluster/engine_set.py).
+"""
+
+from __future__ import annotations
+
+from labkit.config import ConfigError, ParallelConfig
+from labkit.engines import runtime
+from labkit.plans.mesh import MeshLayout
+
+
+def _build_mesh(layout) -> None:
+    """On every rank (through Lab.apply): create the layout's groups, cached for Mesh.build."""
+    from labkit.engines.mesh import (
+        Mesh,  # imports torch: it runs on the engines, never in the kernel
+    )
+
+    Mesh.build(layout, runtime.current().rank)
+
+
+_PX_SETUP = """\
+import torch
+import torch.distributed as dist
+from labkit.engines import runtime as _lk_runtime
+from labkit.engines.mesh import Mesh as _lk_Mesh
+assert _lk_runtime.current().rank == rank and dist.is_initialized()
+mesh = _lk_Mesh.build(_lk_layout, rank)   # cached by the apply before: no collective here
+device = torch.device(_lk_runtime.current().device)
+del _lk_layout, _lk_runtime, _lk_Mesh
+"""
+"""What %%px cells find on every engine (rank and world_size are pushed per engine first)."""
+
+
+def activate(lab, cfg: ParallelConfig | None = None, suffix: str = ""):
+    """Lab.activate (its docstring says what the engines get): build the mesh on every rank,
+    push rank / world_size, run the set-up, register the magics. Returns the DirectView."""
+    cfg = cfg or lab.last_config or ParallelConfig(dp=lab.world)
+    if not isinstance(cfg, ParallelConfig) or cfg.world > lab.world:
+        raise ConfigError([f"cfg={cfg!r} must be a ParallelConfig of at most {lab.world} ranks"])
+    layout = MeshLayout.of(cfg)
+    lab.apply(_build_mesh, layout)  # every rank creates the groups, in order
+    engines = lab.engines
+    with engines.lock:
+        engines.push([{"rank": rank, "world_size": lab.world, "_lk_layout": layout} for rank in range(lab.world)])
+        engines.execute(_PX_SETUP)
+        view = engines.view()  # its own view: blocking, as a cell expects
+        view.block = True
+        view.activate(suffix)  # warns (and registers nothing) outside IPython
+        from IPython import get_ipython  # heavy; only activate needs it
+
+        if get_ipython() is not None:  # whole outputs after the cell, in rank order
+            get_ipython().run_line_magic("pxconfig" + suffix, "--no-stream")
+    return view

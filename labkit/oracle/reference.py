@@ -1,0 +1,129 @@
+"""The oracle: one process, no parallelism, the whole global batch at once.
+
+Every layout must reproduce its losses, gradient norms, first-step gradients and final
+parameters (labkit/oracle/checks.py; the fp32 reference is the oracle of bf16 layouts too, with bounds
+derived from bf16's rounding in labkit/oracle/bounds.py). It shares only the model, the data and the
+optimizer formula with the engines, never a strategy, so a bug in a strategy cannot hide in it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from labkit.config import ConfigError, ModelConfig, OptimConfig
+from labkit.config.validation import data_problems
+
+
+@dataclass
+class Reference:
+    losses: list[float]
+    """Mean loss over the global batch, per step (before that step's update)."""
+    grad_norms: list[float]
+    """Global gradient norm per step, before clipping."""
+    params: dict[str, np.ndarray] = field(repr=False)
+    """Final parameters, full tensors, by name (fp32)."""
+    first_grads: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """The first step's gradient of every parameter, by name (fp32): the mean over the global
+    batch (over the shards' fp32 sum), before clipping and the update — what a layout's reduced
+    gradient must equal (labkit/oracle/checks.py, gradient parity)."""
+    precision: str = "fp32"
+    """The precision it computed in (checks.py holds every layout to the fp32 one)."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """The model trained (what generate builds)."""
+    data: str = "synthetic"
+    """What it trained on: 'synthetic' or 'text'."""
+    validation_loss: float | None = None
+    """data='text': the mean loss of the final model on the held-out validation windows (the same
+    windows, in the same global batches, as a run's RunResult.validation_loss); else None."""
+
+    def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
+        """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
+        RunResult.generate does (engines/generate.py)."""
+        from labkit.engines.generate import generate  # torch: loaded when sampling, not with the reference
+
+        return generate(self.model, self.params, prompt, tokens, temperature, seed)
+
+
+def reference(
+    model: ModelConfig | None = None,
+    steps: int = 3,
+    seed: int = 0,
+    global_batch: int = 8,
+    precision: str = "fp32",
+    optim: OptimConfig | None = None,
+    shards: int = 1,
+    threads: int | None = None,
+    data: str = "synthetic",
+) -> Reference:
+    """Train `steps` steps of `model` on one process and return losses and final parameters.
+
+    data='text' trains on the corpus (labkit/plans/text.py, the same batches as Lab.run(...,
+    data='text')) and computes the validation loss after the last step; steps=0 gives the
+    untrained model (its validation loss, its samples).
+
+    precision='bf16' computes forward and backward on a bf16 copy of the fp32 master weights
+    (engines/precision.py: the ZeRO paper's mixed precision). shards > 1 splits each step's batch
+    into that many equal parts, each with its own backward, and sums their gradients in fp32
+    (then divides by `shards`): the arithmetic of a layout with that many data shards. In fp32 it
+    changes nothing that matters (~1e-7). In bf16 it does: each shard's gradient is rounded to
+    bf16 before the sum, and AdamW turns any gradient element whose sign that rounding flips
+    into a full step of lr the other way (checks.py). One process splitting its batch in two
+    already moves a LayerNorm bias of the tiny test model by 25% (relative L2) against the
+    unsplit run, with no parallel code involved: one reason the checks hold bf16 layouts to the
+    fp32 reference with bf16-derived bounds, and compare per tensor only the first step's
+    gradients.
+
+    threads: intra-op threads for this run (default: leave torch's setting). bf16 results depend
+    on how a kernel splits its work: the same bf16 run on 1 and on 2 threads differs by ~1e-2 in
+    that LayerNorm bias. Give the engines' count to compute exactly their arithmetic.
+    """
+    if data_problems(data, model or ModelConfig()):
+        raise ConfigError(data_problems(data, model or ModelConfig()))
+    import torch
+
+    if threads is not None:
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return reference(model, steps, seed, global_batch, precision, optim, shards, data=data)
+        finally:
+            torch.set_num_threads(before)
+
+    from labkit.engines import data as batches
+    from labkit.engines.evaluate import reference_validation_loss
+    from labkit.engines.model import build_model
+    from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
+    from labkit.engines.precision import compute_copy
+
+    model = model or ModelConfig()
+    optim = optim or OptimConfig()
+    torch.manual_seed(seed)  # nothing random is drawn from it; set for any future dropout
+    net = build_model(model, seed)
+    names, params = zip(*net.named_parameters())
+    opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
+    compute = compute_copy(net, precision)  # the module that runs forward/backward
+    losses, norms, first = [], [], {}
+    for step in range(steps):
+        tokens, targets = batches.batch(data, step, seed, global_batch, model)
+        loss, grads = 0.0, None
+        for i in range(shards):
+            part = compute.module(batches.shard(tokens, i, shards), batches.shard(targets, i, shards))
+            part.backward()
+            loss = loss + part.detach()
+            mine = compute.master_grads()
+            grads = mine if grads is None else [a + b for a, b in zip(grads, mine)]
+            compute.zero_grads()
+        if shards > 1:
+            loss, grads = loss / shards, [g / shards for g in grads]
+        norm = grad_norm(grads)
+        if step == 0:
+            first = {n: g.detach().float().numpy().copy() for n, g in zip(names, grads)}
+        opt.step(grads, clip_coefficient(norm, optim.clip))
+        compute.after_step()
+        losses.append(loss.item())
+        norms.append(float(norm))
+    validation = reference_validation_loss(compute.module, model, global_batch) if data == "text" else None
+    final = {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()}
+    return Reference(losses, norms, final, first, precision, model, data, validation)

@@ -1,0 +1,159 @@
+"""Activations saved for backward on one rank, for any composed layout: each strategy's
+module counts what its ops keep for one microbatch (memory.py the plain model, tensor.py TP /
+SP, experts.py an MoE layer, with s/cp positions under CP); this module adds them up per
+pipeline chunk, with recomputation, and walks the schedule (pipeline.peak_in_flight). The peak
+of that walk is what the saved-tensor meter reports; the rules of the walk: ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.plans.precision import ELEM
+from labkit.plans.schedules import chunk_layers, plan, stage_of, style
+from labkit.theory.exact import memory, tensor
+from labkit.theory.exact.batch import microbatch_rows, stream_rows
+from labkit.theory.exact.experts import layer_activation_bytes
+from labkit.theory.exact.pipeline import peak_in_flight
+
+
+def _bytes(cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: bool, embed: bool) -> int:
+    """What one microbatch of `b` sequences keeps in `layers` blocks (+ head / embedding), no recompute."""
+    act = ELEM[cfg.precision]
+    seq = model.seq // cfg.cp
+    if cfg.tp == 1:
+        return memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act)
+    return tensor.activation_bytes(
+        model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act, head=head, embed=embed
+    )
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Bytes one microbatch leaves saved after a chunk's forward, and what its backward adds on
+    top; `block`, `x` and `head` are the parts the routed variant recomputes."""
+
+    forward: int
+    backward_extra: int = 0
+    block: int = 0
+    x: int = 0
+    head: int = 0
+
+
+def lse_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
+    """The attention kernel's log-sum-exp one block keeps, fp32 (b, heads/tp, s/cp): all that
+    selective recomputation drops here (engines/parallel/checkpoint.py RecomputeCore)."""
+    return 4 * b * (model.heads // cfg.tp) * (model.seq // cfg.cp)
+
+
+def _kv(model: ModelConfig) -> int:
+    """Width of k (and of v): KV heads times head dim."""
+    return model.n_kv_heads * model.head_dim
+
+
+def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
+    """What a block keeps under torchtitan's per-op selective checkpointing (selective_ac_option
+    'op'; torchtitan 9dec370, parallelize_llama.py `_save_list`): its input, the outputs of its
+    1st, 3rd, 5th ... matmul (every second one is recomputed), the attention kernel's output and
+    log-sum-exp, and under SP the reduce-scatters' outputs. Matmuls run wq, wk, wv, wo, then fc1,
+    fc2 (gpt) or gate, up, down (llama); a row-parallel one's output is the full-width partial
+    sum. An MoE layer's grouped products are not matmuls to the policy: recomputed whole."""
+    e, t, h, f = ELEM[cfg.precision], cfg.tp, model.hidden, model.ffn
+    s, rows = model.seq // cfg.cp, stream_rows(cfg, model)
+    widths = [h // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
+    if not model.experts:
+        widths += [f // t, f // t, h] if model.arch == "llama" else [f // t, h]
+    mm = sum(widths[::2]) * e * b * s
+    scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
+    return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
+
+
+def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> Chunk:
+    """One pipeline chunk (or the whole model when pp == 1) for one microbatch, under the
+    config's recomputation: none; 'selective' (the attention core: its log-sum-exp is not kept,
+    and its recomputation never adds to the peak, as the rest of its block is freed by then);
+    'full' (a block keeps its input, one block at a time is rebuilt in backward); 'op'
+    (`op_block_bytes` kept, the rest rebuilt one block at a time)."""
+    b = microbatch_rows(cfg)
+    ac = cfg.recompute
+    if ac in ("none", "selective"):
+        dropped = layers * lse_bytes(cfg, model, b) if ac == "selective" else 0
+        return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
+    if ac == "op":
+        x = op_block_bytes(cfg, model, b)
+    else:
+        x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
+    block = _bytes(cfg, model, b, 1, False, False)
+    head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
+    kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
+    extra = max(0, block - x - head_bytes) if layers else 0
+    return Chunk(kept + layers * x + head_bytes, extra, block, x, head_bytes)
+
+
+def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int]) -> Chunk:
+    """Chunk `c` for a microbatch whose MoE layers' experts received `received[l]` rows each
+    (routing dependent under ep; `c` assumes the balanced R = N): every layer's R rows kept; or,
+    recomputed, block l rebuilt while the inputs of blocks 0..l are still kept (later ones were
+    freed by their backward): the backward adds max_l(block_l + l·x) - L·x - head."""
+    b, act = microbatch_rows(cfg), ELEM[cfg.precision]
+    seq = model.seq // cfg.cp
+    delta = [
+        layer_activation_bytes(model, b, seq, act, received=r) - layer_activation_bytes(model, b, seq, act)
+        for r in received
+    ]
+    if cfg.recompute in ("none", "selective"):
+        return Chunk(c.forward + sum(delta))
+    rebuilt = max((c.block + d + l * c.x for l, d in enumerate(delta)), default=0)
+    return Chunk(c.forward, max(0, rebuilt - len(delta) * c.x - c.head) if delta else 0, c.block, c.x, c.head)
+
+
+def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, Chunk]:
+    """Each of pipeline rank `pp_rank`'s chunks (chunk 0: the whole model when pp == 1)."""
+    p, v, placement = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
+    out = {}
+    for c in range(v):
+        s = stage_of(pp_rank, c, p, placement)
+        layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement))
+        out[c] = chunk(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
+    return out
+
+
+def peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0, received: dict | None = None) -> int:
+    """Peak bytes saved for backward on a rank at pipeline coordinate `pp_rank` over one step.
+    received: {(microbatch, chunk): [R of each MoE layer of the chunk]}, rows each layer's experts
+    got (routing dependent under ep; read off a run's combine all-to-alls) for the exact value;
+    default the balanced R = N."""
+    if received is None:
+        return _peak(cfg, model, pp_rank)
+    return _walk(cfg, model, pp_rank, received)
+
+
+@lru_cache(maxsize=4096)
+def _peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
+    return _walk(cfg, model, pp_rank, None)
+
+
+def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict | None) -> int:
+    base = chunks(cfg, model, pp_rank)
+
+    def per(mb: int, c: int) -> Chunk:
+        return base[c] if received is None else routed(cfg, model, base[c], received[mb, c])
+
+    if cfg.pp == 1:  # accumulation: each microbatch's graph is freed before the next forward
+        return max(per(mb, 0).forward + per(mb, 0).backward_extra for mb in range(cfg.microbatches))
+    v = cfg.virtual_stages
+    first = tuple(c for c in range(v) if stage_of(pp_rank, c, cfg.pp, style(cfg.schedule)) == 0)
+    # under CP the first stage's positions (this rank's zigzag indices, 8·s/cp bytes) are one
+    # tensor for every microbatch: counted once however many are in flight (the meter counts storages)
+    # (llama has no position table: nothing keeps them)
+    shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first and model.arch != "llama" else 0
+    actions = plan(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
+    return peak_in_flight(
+        actions,
+        kept=lambda mb, c: per(mb, c).forward - (shared if c in first else 0),
+        extra=lambda mb, c: per(mb, c).backward_extra,
+        shared=shared,
+        first=first,
+    )

@@ -1,0 +1,109 @@
+"""Memory formulas of the papers and of the lab's model: model states per ZeRO stage
+(Rajbhandari et al., SC 2020, section 3.1 and figure 1), activations the plain lab model saves
+for backward, and Korthikanti et al.'s published per-layer activation table. What one rank of
+a composed layout holds is theory/exact/per_rank.py's roll-up of every strategy's rules.
+"""
+
+from __future__ import annotations
+
+from labkit.config import ModelConfig
+from labkit.theory.exact.experts import layer_activation_bytes
+
+
+def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str, dict[str, float]]:
+    """Bytes per rank of params / grads / optimizer for each ZeRO stage (ZeRO paper, figure 1):
+    with K bytes of optimizer state per parameter and N_d = dp ranks,
+        none (2 + 2 + K)Ψ,  zero1 (2 + 2)Ψ + KΨ/N_d,  zero2 2Ψ + (2 + K)Ψ/N_d,  zero3 (2 + 2 + K)Ψ/N_d.
+
+    precision 'bf16' (or 'fp16'): 2 + 2 + 12 bytes per parameter; 'fp32': 4 + 4 + 8.
+    Returns {'none' | 'zero1' | 'zero2' | 'zero3': {'params', 'grads', 'optimizer', 'total'}}.
+    """
+    if precision in ("bf16", "fp16", "fp8"):  # fp8 training keeps bf16 weights and fp32 masters
+        p, g, k = 2, 2, 12
+    elif precision == "fp32":
+        p, g, k = 4, 4, 8
+    else:
+        raise ValueError(f"precision={precision!r}: use 'fp32', 'bf16' or 'fp8'")
+    psi, n = float(params), float(dp)
+    stages = {
+        "none": (p * psi, g * psi, k * psi),
+        "zero1": (p * psi, g * psi, k * psi / n),
+        "zero2": (p * psi, g * psi / n, k * psi / n),
+        "zero3": (p * psi / n, g * psi / n, k * psi / n),
+    }
+    return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in stages.items()}
+
+
+def activation_bytes(
+    m: ModelConfig, batch: int, layers: int | None = None, head: bool = True, embed: bool = True, act_bytes: int = 4
+) -> int:
+    """Bytes the model saves for backward for one (batch, seq) microbatch, counted from what each
+    op keeps (pre-norm block, no dropout, PyTorch's CPU flash attention; a = heads, kv = KV heads
+    times head_dim, e = act_bytes):
+
+      gpt, gpt2  per block  e(6bsh + 2bs·kv + 4bs): LN inputs and outputs, q, attention output,
+                            k and v, LN mean and rstd; + 2e·bsf (fc1 out, GELU out) + 4abs (lse)
+                 head       e(2bsh + 2bs) + 4bsV (log-softmax, fp32) + 8bs targets + one fp32 scalar;
+                            with loss='fused' e·bsV (the logits) + 4bs (log-sum-exp) + 8bs targets
+                 embedding  8bs token ids + 8s positions
+      llama      per block  8(2bsh + bs): two RMSNorms keep input, rstd and normalised input, in fp32
+                            whatever the compute dtype (torch's nn.RMSNorm upcasts); e(4bsh + 2bs·kv):
+                            the norms' outputs, rotated q, attention output, rotated k and v;
+                            4e·bsf (SwiGLU: gate out, SiLU out, up out, their product) + 4abs (lse)
+                 head       4(2bsh + bs) + e·bsh + 4bsV + 8bs + 4
+                 embedding  8bs token ids; the rotary cos and sin tables 2e·s·hd, one pair per
+                            forward of a chunk with blocks (every block keeps the same two)
+    An MoE layer keeps what theory/exact/experts.py lists in place of the dense MLP's.
+
+    act_bytes: bytes per activation element (4 fp32, 2 bf16). PyTorch's CPU LayerNorm keeps its
+    mean and rstd in the activation dtype (its CUDA kernel keeps them in fp32).
+
+    (Korthikanti et al.'s sbh(34 + 5as/h) counts a different block: dropout masks, stored
+    softmax scores; `korthikanti_layer_bytes` gives that published formula.)
+    """
+    b, s, h, f, a, v, e = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab, act_bytes
+    kv = m.n_kv_heads * m.head_dim
+    layers = m.layers if layers is None else layers
+    llama = m.arch == "llama"
+    if m.experts:
+        mlp = layer_activation_bytes(m, b, s, e)
+    else:
+        mlp = e * (4 if llama else 2) * b * s * f
+    if llama:
+        block = 8 * (2 * b * s * h + b * s) + e * (4 * b * s * h + 2 * b * s * kv) + mlp + 4 * a * b * s
+    else:
+        block = e * (6 * b * s * h + 2 * b * s * kv + 4 * b * s) + mlp + 4 * a * b * s
+    total = layers * block
+    if llama and layers:
+        total += 2 * e * s * m.head_dim  # the rotary tables
+    if head:
+        norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if llama else e * (2 * b * s * h + 2 * b * s)
+        # 'fp32': log_softmax's fp32 output, nll's targets and total weight; 'fused': the
+        # logits, each row's fp32 log-sum-exp and the targets (engines/loss.py)
+        loss = e * b * s * v + 4 * b * s + 8 * b * s if m.loss == "fused" else 4 * b * s * v + 8 * b * s + 4
+        total += norm + loss
+    if embed:
+        total += 8 * b * s + (0 if llama else 8 * s)
+    return total
+
+
+def korthikanti_layer_bytes(
+    s: int, b: int, h: int, a: int, t: int = 1, sp: bool = False, recompute: str = "none"
+) -> float:
+    """Activation bytes per transformer layer, Korthikanti et al., "Reducing Activation
+    Recomputation in Large Transformer Models" (MLSys 2023), table 2 (16-bit activations):
+      no parallelism                 sbh (34 + 5as/h)
+      tensor parallel                sbh (10 + 24/t + 5as/(ht))
+      tensor + sequence parallel     sbh (34/t + 5as/(ht))
+      + selective recomputation      sbh (34/t) with SP, sbh (10 + 24/t) without
+      full recomputation             2sbh (the layer's input only)
+    """
+    base = s * b * h
+    if recompute == "full":
+        return 2.0 * base
+    attn = 5 * a * s / (h * t)
+    if recompute == "selective":
+        attn = 0.0
+    if sp:
+        return base * (34 / t + attn)
+    return base * (10 + 24 / t + attn)

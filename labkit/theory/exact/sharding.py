@@ -1,0 +1,310 @@
+"""Data parallelism, predicted per rank: DDP, ZeRO-1/2/3 and FSDP under either precision —
+model-state bytes after a step, the transients they track (gathered parameters, reduce
+buffers), and their collectives per step. The accounting is the ZeRO paper's (Rajbhandari et
+al., SC 2020, section 5 and figure 1; section 7 for the traffic: DDP and ZeRO-1/2 2Ψ(N-1)/N,
+ZeRO-3 / FSDP 3Ψ(N-1)/N), here exactly as the lab lays its flat buffers out
+(labkit/plans/flat.py); PyTorch's FSDP2 pads each parameter on dim 0 instead. Under pipeline
+parallelism ZeRO-2/3 and FSDP reduce once per step and ZeRO-3 / FSDP keep a stage gathered over
+it (engines/parallel/zero.py, zero3.py; torchtitan's composition): one all-gather and one
+reduce-scatter per buffer and step, the transients replayed along the schedule (`keep_peaks`).
+ARCHITECTURE.md derives every case.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from math import prod
+
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.plans.buckets import plan_groups, torch_ddp_buckets
+from labkit.plans.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
+from labkit.plans.mesh import DATA_DIMS
+from labkit.plans.precision import ELEM, REDUCE
+from labkit.plans.schedules import SPLIT, plan, stage_of, style
+from labkit.theory.exact.params import chunk_local_params, rank_entries
+
+
+def group_size(cfg: ParallelConfig, dims) -> int:
+    return prod(getattr(cfg, d) for d in dims)
+
+
+def plans(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> list[FlatPlan]:
+    """The flat buffers of our ZeRO / FSDP on a rank at pipeline coordinate `pp_rank` (the
+    engines build the same ones). n: one group size for every buffer (data parallelism alone);
+    default each buffer's own reduce group."""
+    return list(_plans(cfg, model, n, pp_rank))
+
+
+@lru_cache(maxsize=4096)
+def _plans(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> tuple[FlatPlan, ...]:
+    entries = rank_entries(cfg, model, pp_rank)
+    sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
+    if cfg.sharding in ("zero1", "zero2"):
+        return tuple(bucket_plans(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
+    return tuple(unit_plans(entries, sizes, unit_kind(cfg.sharding, model.tied)))
+
+
+def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
+    """FSDP2's Shard(0): (padded rows every rank stores, rows rank `index` really holds)."""
+    chunk = -(-d0 // n)
+    return chunk, max(0, min(chunk, d0 - index * chunk))
+
+
+def state_bytes(
+    cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0, pp_rank: int = 0
+) -> dict[str, int]:
+    """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
+    `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `plans`."""
+    e, k = ELEM[cfg.precision], 8 + (4 if cfg.precision != "fp32" else 0)  # + fp32 master weights
+    entries = rank_entries(cfg, model, pp_rank)
+    if cfg.sharding == "none":
+        psi = sum(prod(s) for _, s, _, _ in entries)
+        return {"params": e * psi, "grads": e * psi, "optimizer": k * psi}
+    if cfg.sharding == "fsdp" and cfg.impl == "torch":
+        n_dp = n if n is not None else cfg.dp
+        padded_local = held = 0
+        for _, shape, _, _ in entries:  # TP-local tensors, dim 0 over dp
+            chunk, rows = fsdp2_rows(shape[0], n_dp, index)
+            rest = prod(shape[1:])
+            padded_local += chunk * rest
+            held += rows * rest
+        # parameters and gradients are views of padded flat storage; Adam's moments are not
+        return {"params": 4 * padded_local, "grads": 4 * padded_local, "optimizer": 8 * held}
+    ps = plans(cfg, model, n, pp_rank)
+    P, S = sum(p.padded for p in ps), sum(p.shard for p in ps)
+    return {
+        "params": e * (P if cfg.sharding in ("zero1", "zero2") else S),
+        "grads": e * (P if cfg.sharding == "zero1" else S),
+        "optimizer": k * S,
+    }
+
+
+def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, int]:
+    """Elements of each unit's gathered (padded) buffers, in forward order (a module with
+    buffers for several reduce groups counts them together: they are gathered together)."""
+    if cfg.impl != "torch":
+        out: dict[str, int] = {}
+        for p in plans(cfg, model, n, pp_rank):
+            out[p.unit] = out.get(p.unit, 0) + p.padded
+        return out
+    n_dp = n if n is not None else cfg.dp
+    sizes: dict[str, int] = {}
+    for name, shape, _, _ in rank_entries(cfg, model, pp_rank):  # FSDP2: each parameter padded on dim 0
+        unit = unit_of(name, "fsdp")
+        sizes[unit] = sizes.get(unit, 0) + fsdp2_rows(shape[0], n_dp, 0)[0] * n_dp * prod(shape[1:])
+    return {u: sizes[u] for u in sorted(sizes, key=lambda u: (u != "", len(u), u))}
+
+
+def unit_peaks(size: dict[str, int], reshard: bool) -> dict[str, int]:
+    """Peak bytes of gathered parameters and of unsharded gradient buffers for units, replaying
+    the order in which ZeRO3's hooks act (engines/parallel/zero.py):
+      forward   a unit is gathered just before it runs and freed after it (reshard) or kept;
+                the root ('') is gathered around the whole forward;
+      backward  when the gradient of a unit's output arrives the unit is gathered (if it was
+                freed) and its gradient buffer allocated; when its last gradient is in, its
+                parameters are freed and its reduce-scatter launched, after waiting for the one
+                still in flight, whose buffer is then freed (one reduce-scatter in flight).
+                The root's hook fires first (on the loss) and its gradients complete last.
+    `size`: elements of each unit, in forward order (root first); returns elements."""
+    blocks = [u for u in size if u != ""]
+    root = [""] if "" in size else []
+    live = peak = 0
+    for u in root + blocks:  # forward
+        live += size[u]
+        peak = max(peak, live)
+        if reshard and u != "":
+            live -= size[u]
+    if reshard:
+        live -= sum(size[u] for u in root)
+    grads = gpeak = 0
+    in_flight = None
+    for u in root + blocks[::-1]:  # backward
+        if reshard:
+            live += size[u]
+            peak = max(peak, live)
+        grads += size[u]
+        gpeak = max(gpeak, grads)
+        if u == "":
+            continue
+        live -= size[u]
+        if in_flight is not None:
+            grads -= size[in_flight]
+        in_flight = u
+    return {"gathered": peak, "reduce_buffers": gpeak}
+
+
+def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, int]:
+    """Peak bytes of the transients the engines track beside activations: 'gathered' parameters
+    (ZeRO-3 / FSDP) and 'reduce_buffers', the full gradient buffers that exist for a reduction
+    (ZeRO-2's buckets, ZeRO-3 / FSDP's units, and under bf16 the fp32 copies that DDP and ZeRO-1
+    reduce). FSDP2 (impl='torch') has only its gathered parameters tracked. A ZeRO-3 / FSDP module
+    with buffers for several reduce groups is replayed as one unit (an upper bound on its
+    reduce buffers: the engines reduce each buffer as soon as its own gradients are in)."""
+    e = ELEM[cfg.precision]
+    if cfg.sharding == "none":
+        if cfg.precision == "fp32" or cfg.impl == "torch":
+            return {}
+        # every bucket's fp32 copy (its microbatches' sum, with several) lives until finish();
+        # with one microbatch, buckets whose group has one rank need none
+        reduced = sum(
+            prod(s)
+            for _, s, d, _ in rank_entries(cfg, model, pp_rank)
+            if cfg.microbatches > 1 or (n if n is not None else group_size(cfg, d)) > 1
+        )
+        return {"reduce_buffers": REDUCE * reduced} if reduced else {}
+    if cfg.sharding in ("zero1", "zero2"):
+        if cfg.sharding == "zero1" and cfg.precision == "fp32":
+            return {}  # reduced in place
+        once = cfg.sharding == "zero1" or cfg.pp > 1  # zero2 under a pipeline sums microbatches too
+        if once and cfg.microbatches > 1:  # every bucket's fp32 sum from the first microbatch
+            return {"reduce_buffers": REDUCE * sum(p.padded for p in plans(cfg, model, n, pp_rank))}
+        # a buffer lives from its first gradient (zero2) or its launch (zero1) to the end of its
+        # reduce-scatter, one in flight: two neighbours at most, as backward fills them in order
+        sizes = [p.padded * REDUCE for p in plans(cfg, model, n, pp_rank)]
+        return {"reduce_buffers": max([a + b for a, b in zip(sizes, sizes[1:])] or sizes)}
+    if cfg.pp > 1 and cfg.impl == "lab":
+        peaks = keep_peaks(cfg, model, n, pp_rank)
+    else:
+        reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
+        peaks = unit_peaks(unit_sizes(cfg, model, n, pp_rank), reshard)
+    if cfg.impl == "torch":
+        return {"gathered": peaks["gathered"] * e}
+    return {"gathered": peaks["gathered"] * e, "reduce_buffers": peaks["reduce_buffers"] * REDUCE}
+
+
+def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> dict[str, int]:
+    """Peak elements of gathered parameters and of gradient buffers of our ZeRO-3 / FSDP under a
+    pipeline, replaying the rank's schedule as engines/parallel/zero3.py (`keep`) acts:
+      F of a chunk    gathers each of its units not gathered yet (the root: once for all its chunks);
+      a backward      (B, or W when backward is split) delivers a chunk's units' gradients, in
+                      reverse forward order (W of a stage with an input: forward order, one weight
+                      group after the other); a unit's buffer is made at its first gradient of the
+                      step; once every microbatch's have arrived (in each chunk it spans) it is
+                      freed and its reduce-scatter launched after waiting for the one in flight,
+                      whose buffer then goes. A tied embedding's unit waits for the step's end.
+    Every buffer of the rank is a unit here (one per reduce group of a module)."""
+    p, v, m, placement = cfg.pp, cfg.virtual_stages, cfg.microbatches, style(cfg.schedule)
+    entries = rank_entries(cfg, model, pp_rank)
+    where = {name: (i, c) for i, (name, _, _, c) in enumerate(entries)}
+    units = plans(cfg, model, n, pp_rank)
+    chunks = [{where[x][1] for x in u.names} for u in units]
+    first = [min(where[x][0] for x in u.names) for u in units]  # forward position
+    tied = [model.tied and any(x == "embed.tok.weight" for x in u.names) and p > 1 for u in units]
+    split = cfg.schedule in SPLIT
+    gathered, buffers, arrived = set(), set(), [dict.fromkeys(c, 0) for c in chunks]
+    live = top = grads = gtop = 0
+    in_flight = None
+
+    def reduce(k: int) -> None:
+        nonlocal live, grads, in_flight
+        gathered.discard(k)
+        live -= units[k].padded
+        if in_flight is not None:
+            grads -= units[in_flight].padded
+        in_flight = k
+
+    for a in plan(cfg.schedule, p, m, v).actions[pp_rank]:
+        mine = [k for k in range(len(units)) if a.chunk in chunks[k]]
+        if a.op == "F":
+            for k in mine:
+                if k not in gathered:
+                    gathered.add(k)
+                    live += units[k].padded
+                    top = max(top, live)
+        elif a.op == ("W" if split else "B"):
+            has_input = stage_of(pp_rank, a.chunk, p, placement) > 0
+            for k in sorted(mine, key=lambda k: first[k], reverse=not (split and has_input)):
+                if k not in buffers:
+                    buffers.add(k)
+                    grads += units[k].padded
+                    gtop = max(gtop, grads)
+                arrived[k][a.chunk] += 1
+                if all(x == m for x in arrived[k].values()) and not tied[k]:
+                    reduce(k)
+    return {"gathered": top, "reduce_buffers": gtop}
+
+
+def norm_dims(layout) -> tuple[str, ...]:
+    """The dims of the global norm's all-reduce under sharding: every dim that splits parameters
+    or shards their buffers (engines/parallel/common.py norm_plan, sharded)."""
+    return tuple(d for d in ("tp", "pp", "ep", "dp", "cp") if layout.size(d) > 1)
+
+
+def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+    """Every data-parallel collective of one step, per rank, in the order the engines issue them:
+    DDP's buckets and then the global norm (sharding='none'); or ZeRO / FSDP's buffers, each over
+    its own group (FlatPlan.dims), and the norm over `norm_dims`. Ranks at one pipeline
+    coordinate issue the same ones, so they are listed once per coordinate."""
+    if cfg.sharding == "none":
+        ddp_rows(comm, cfg, model, layout)
+        grad_norm(comm, cfg, layout)
+        return
+    of_stage = torch_fsdp_ops if cfg.impl == "torch" else ops
+    comm.per_stage(layout, lambda pp_rank: of_stage(cfg, model, layout, pp_rank))
+
+
+def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+    """DDP (sharding='none'): each bucket of gradients all-reduced once per step over the dims its
+    parameters are reduced over (dp x ep x cp; experts under ep: dp x cp; SP's LayerNorms add tp),
+    bucketed per group and per pipeline chunk (the whole model when pp == 1), as
+    engines/parallel/ddp.py `plan` does. Buckets are cut by gradient bytes in the compute dtype
+    and reduced in fp32 (bf16 gradients go through an fp32 copy: engines/precision.py)."""
+    elem = ELEM[cfg.precision]
+    cap = int(cfg.bucket_mb * 2**20)
+
+    def buckets(pp_rank: int):
+        for chunk in chunk_local_params(cfg, model, pp_rank):
+            numels = [prod(s) for _, s, _ in chunk]
+            sizes = [k * elem for k in numels]
+            if cfg.impl == "torch":  # PyTorch's DDP: one process group
+                groups = [(DATA_DIMS, b) for b in torch_ddp_buckets(sizes, cap)]
+            else:
+                groups = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
+            for dims, b in groups:
+                yield layout.label(*dims), "all_reduce", REDUCE * sum(numels[i] for i in b), layout.size(*dims), 1
+
+    comm.per_stage(layout, buckets)
+
+
+def grad_norm(comm, cfg: ParallelConfig, layout) -> None:
+    """DDP's global gradient norm (engines/parallel/common.py norm_plan): one fp32 scalar
+    all-reduced over the dims that split the parameters (tp, pp, ep), in the optimizer phase."""
+    split = tuple(d for d in ("tp", "pp", "ep") if layout.size(d) > 1)
+    if not split:
+        return
+    for rank in comm.ranks(layout):
+        comm.add(rank, layout.label(*split), "all_reduce", 4, layout.size(*split))
+
+
+def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
+    """(dim, op, payload bytes, group size, calls) of our ZeRO / FSDP on one rank, one step."""
+    e, m = ELEM[cfg.precision], cfg.microbatches
+    norm = norm_dims(layout)
+    the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)  # the global norm
+    once = cfg.pp > 1  # under a pipeline: gathered once, reduced once per step (zero.py, zero3.py)
+    out = []
+    for p in plans(cfg, model, None, pp_rank):
+        dim = layout.label(*p.dims)
+        if cfg.sharding in ("zero1", "zero2"):
+            scatters = m if cfg.sharding == "zero2" and not once else 1
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, scatters))
+            out.append((dim, "all_gather", p.padded * e, p.n, 1))
+        else:  # gathered before its forward, and again before its backward unless kept
+            reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
+            out.append((dim, "all_gather", p.padded * e, p.n, 1 if once else (2 if reshard else 1) * m))
+            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, 1 if once else m))
+    return out + [the_norm]
+
+
+def torch_fsdp_ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[tuple]:
+    """FSDP2 over dp: per unit and microbatch an all-gather before forward, another before
+    backward (reshard_after_forward), a reduce-scatter of fp32 gradients; clip_grad_norm_ over
+    its DTensor gradients all-reduces one fp32 per parameter tensor (each parameter's norm is a
+    Partial DTensor; stacking them and taking the norm reduces them together)."""
+    n, dim = cfg.dp, layout.label("dp")
+    calls = (2 if cfg.reshard_after_forward else 1) * cfg.microbatches
+    out = []
+    for size in unit_sizes(cfg, model, n, pp_rank).values():
+        out.append((dim, "all_gather", size * ELEM[cfg.precision], n, calls))
+        out.append((dim, "reduce_scatter", size * REDUCE, n, cfg.microbatches))
+    return out + [(dim, "all_reduce", 4 * len(rank_entries(cfg, model, pp_rank)), n, 1)]

@@ -1,0 +1,136 @@
+"""Tensor and sequence parallelism, predicted (our implementation, engines/parallel/tensor.py):
+activations saved for backward and the tp collectives per step (Shoeybi et al. 2019;
+Korthikanti et al. 2022). Which parameters a tp rank holds is the plan's (plans/tensor.py,
+read by theory/exact/params.py). Per block and microbatch, with s' = s/t under SP (else s), for the gpt
+family with multi-head attention:
+    activations  act·(2bs'h + 2bsh + 4bsh/t + 2bsf/t + 4bs') + 4(a/t)bs
+    comm         TP: 4L + 2 all-reduces of B = act·b·s·h; SP: as many all-gathers and
+                 reduce-scatters of B, which cost on the wire what the all-reduce does
+                 (+ tp > kv_heads: the shared KV heads' gradient sums, `shared_kv`)
+What each term is, the llama family, GQA, MoE layers (replicated over tp), pipelines and
+recomputation: ARCHITECTURE.md.
+"""
+
+from __future__ import annotations
+
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.plans.precision import ELEM, REDUCE
+from labkit.theory.exact.batch import microbatch_rows
+from labkit.theory.exact.experts import layer_activation_bytes
+from labkit.theory.exact.pipeline import stage_layers
+
+
+def activation_bytes(
+    model: ModelConfig,
+    batch: int,
+    tp: int,
+    sp: bool = False,
+    seq: int | None = None,
+    act_bytes: int = 4,
+    megatron_regather: bool = False,
+    head: bool = True,
+    embed: bool = True,
+) -> int:
+    """Bytes our TP (+ SP) model saves for backward for one microbatch of `batch` rows on one
+    rank (ARCHITECTURE.md counts them): model.layers blocks, plus the head and the embedding if
+    asked. seq: the rank's sequence (default the model's; s/cp under CP). megatron_regather: count the
+    column-parallel inputs as s/t shards, as Megatron keeps them. llama's RMSNorms keep their
+    input, rstd and normalised input in fp32 (memory.activation_bytes); k and v are the rank's
+    KV heads (kv_heads/tp of them, or the one it shares when tp > kv_heads)."""
+    b, h, f, a, v, e = batch, model.hidden, model.ffn, model.heads, model.vocab, act_bytes
+    s = seq or model.seq
+    rows = s // tp if sp else s  # residual-stream rows this rank holds
+    kept = rows if megatron_regather else s  # rows of the column-parallel inputs kept
+    kv = max(1, model.n_kv_heads // tp) * model.head_dim  # width of the rank's k (and v)
+    llama = model.arch == "llama"
+    if model.experts:
+        mlp = layer_activation_bytes(model, b, s, e)
+    else:
+        mlp = e * (4 if llama else 2) * b * s * f // tp
+    attn = e * (2 * b * s * h // tp + 2 * b * s * kv)  # q and the attention output of the local heads; k, v
+    if llama:
+        block = 8 * (2 * b * rows * h + b * rows) + e * 2 * b * kept * h + attn + mlp
+    else:
+        block = e * (2 * b * rows * h + 2 * b * kept * h + 4 * b * rows) + attn + mlp
+    block += 4 * (a // tp) * b * s
+    total = model.layers * block
+    if llama and model.layers:
+        total += 2 * e * s * model.head_dim  # the rotary tables, on the gathered sequence
+    if head:
+        norm = 4 * (2 * b * rows * h + b * rows) if llama else e * (b * rows * h + 2 * b * rows)
+        # the loss keeps the fp32 softmax ('fp32') or the logits and the fp32 log-sum-exp ('fused'),
+        # with the local targets (int64) and whether another rank holds them (bool)
+        loss = e * b * s * v // tp + 4 * b * s if model.loss == "fused" else 4 * b * s * v // tp
+        total += norm + e * b * kept * h + loss + 8 * b * s + b * s
+    if embed:
+        total += 8 * b * s + b * s + (0 if llama else 8 * s)
+    return total
+
+
+def collectives(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> list[tuple[str, int, int, str]]:
+    """(op, payload bytes, calls per step, what) of every tp collective a rank at pipeline
+    coordinate `pp_rank` issues per step (ARCHITECTURE.md counts them)."""
+    if cfg.tp == 1:
+        return []
+    m = cfg.microbatches
+    L, first, last = stage_layers(cfg, model, pp_rank)
+    ends = int(first) + int(last)  # the embedding's and the head's
+    again = 2 if cfg.recompute in ("full", "op") else 1  # recomputation repeats a block's forward
+    b = microbatch_rows(cfg)
+    B = ELEM[cfg.precision] * b * (model.seq // cfg.cp) * model.hidden
+    moe = bool(model.experts)
+    if cfg.sequence_parallel:  # per layer forward (+ backward): attention AG, RS (+ RS, AG); MLP the same,
+        gather = L * (2 * again + 2) + ends  # MoE AG (+ AG of its output's gradient)
+        scatter = L * ((1 if moe else 2) * (again + 1)) + ends
+        rows = [
+            ("all_gather", B, gather * m, "into column-parallel / MoE regions (fwd), out of row-parallel (bwd)"),
+            ("reduce_scatter", B, scatter * m, "out of row-parallel regions (fwd), into column-parallel (bwd)"),
+        ]
+    else:  # per layer: g after wo (and fc2) forward, f before attention (and MLP) backward
+        reduce = L * ((1 if moe else 2) * (again + 1)) + ends
+        rows = [("all_reduce", B, reduce * m, "g after row-parallel layers (fwd), f before column-parallel (bwd)")]
+    if last:
+        s = model.seq // cfg.cp
+        rows += [
+            ("all_reduce", 4 * b * s, m, "vocab-parallel loss: max logit"),
+            ("all_reduce", 8 * b * s, m, "vocab-parallel loss: sum of exponentials, target logit"),
+        ]
+    # the squared gradient norm's all-reduce is theory/exact/sharding.py grad_norm (over every splitting dim)
+    return rows
+
+
+def shared_kv(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> list[tuple[str, int, int, int]]:
+    """(op, payload bytes, calls per step, group size) of the gradient sums of KV heads shared by
+    k = tp/kv_heads ranks (tp > kv_heads): per layer and microbatch, in backward, wk's and wv's
+    (head_dim, h) gradient slices — and their biases (gpt2, Qwen2) — all-reduced in fp32 over the
+    k ranks that hold the head (engines/parallel/tensor_ops.py ReduceGrad)."""
+    kv = model.n_kv_heads
+    if cfg.tp <= kv:
+        return []
+    k = cfg.tp // kv
+    calls = stage_layers(cfg, model, pp_rank)[0] * cfg.microbatches
+    out = [("all_reduce", REDUCE * model.head_dim * model.hidden, 2 * calls, k)]
+    if model.arch == "gpt2" or model.qkv_bias:
+        out.append(("all_reduce", REDUCE * model.head_dim, 2 * calls, k))
+    return out
+
+
+def per_layer(cfg: ParallelConfig, model: ModelConfig) -> dict[str, int]:
+    """Payload bytes one transformer layer moves per microbatch, per op (forward + backward)."""
+    B = ELEM[cfg.precision] * microbatch_rows(cfg) * (model.seq // cfg.cp) * model.hidden
+    if cfg.sequence_parallel:
+        return {"all_gather": 4 * B, "reduce_scatter": 4 * B}
+    return {"all_reduce": 4 * B}
+
+
+def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+    """Add every rank's tp collectives (one step) to `comm` (a theory/exact/comm.py Comm)."""
+    if cfg.tp == 1:
+        return
+    label = layout.label("tp")
+    for rank in comm.ranks(layout):
+        pp_rank = layout.coords(rank)["pp"]
+        for op, payload, calls, _ in collectives(cfg, model, pp_rank):
+            comm.add(rank, label, op, payload, cfg.tp, calls)
+        for op, payload, calls, n in shared_kv(cfg, model, pp_rank):
+            comm.add(rank, label, op, payload, n, calls)

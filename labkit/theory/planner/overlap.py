@@ -1,0 +1,158 @@
+"""Data-parallel traffic in time, and what of it hides behind compute: the ring model's seconds of
+DDP's all-reduce, ZeRO's reduce-scatter and all-gather, FSDP's per-block gathers (Rajbhandari et
+al., SC 2020, section 7, for the volumes; Zhao et al., VLDB 2023, section 3.3, for FSDP's
+prefetching). Each is returned as (dim, total seconds, seconds hidden) for theory/planner/timing.py.
+
+  DDP          the gradients' all-reduce behind the last microbatch's backward
+  ZeRO-1       the reduce-scatter behind the last backward, the parameters' gather behind the next
+               forward (Megatron-LM's --overlap-param-gather)
+  ZeRO-2       a reduce-scatter behind every microbatch's backward, the gather behind the forward
+  ZeRO-3/FSDP  per microbatch, block by block: the next block's gather behind this one's forward,
+               (gather again and) reduce-scatter behind its backward; the root unit (embedding,
+               head) exposed. With pp > 1 (torchtitan): parameters gathered once per step and
+               gradients reduce-scattered once, after the last microbatch
+Gradients are reduced in fp32, parameters gathered in the compute dtype (fp8 under fp8 training).
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.plans.mesh import DATA_DIMS
+from labkit.plans.precision import GATHER, REDUCE
+from labkit.plans.wire import WIRE
+from labkit.theory.planner.hardware import Hardware, Link
+from labkit.theory.planner.stages import Stage, rank_params, stage_params
+
+RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 0}
+
+
+def collective_seconds(op: str, wire_bytes: float, n: int, link: Link) -> float:
+    """α·steps + bytes/β for one collective of a ring over n ranks sending wire_bytes per rank."""
+    if n <= 1:
+        return 0.0
+    steps = RING_STEPS.get(op, lambda k: k - 1)(n)
+    return steps * link.alpha + wire_bytes / link.beta
+
+
+def ring(op: str, payload: float, n: int, link: Link) -> float:
+    """Seconds of one collective of `payload` bytes (the whole tensor) over n ranks."""
+    return collective_seconds(op, WIRE[op](payload, n), n, link) if n > 1 else 0.0
+
+
+def spans_nodes(group: list[int], gpus_per_node: int) -> bool:
+    return len({r // gpus_per_node for r in group}) > 1
+
+
+def link_of(cfg: ParallelConfig, dims: tuple[str, ...], hw: Hardware) -> Link:
+    """The link a group of `dims` runs on. In the mesh order (innermost first) a dim's ranks are
+    `stride` apart, so its group spans stride · size consecutive ranks: inside a node, NVLink;
+    across nodes, the NICs of the group's ranks on each node, k of them, since NCCL lays one ring
+    (channel) over each NIC (so k · the NIC's β, up to NVLink's; Jeaugey, "Massively Scale Your
+    Deep Learning Training with NCCL 2.4", NVIDIA 2019: rings per NIC on DGX nodes)."""
+    return _link(cfg.order, tuple(getattr(cfg, d) for d in ("tp", "cp", "ep", "dp", "pp")), dims, hw)
+
+
+@lru_cache(maxsize=4096)
+def _link(order_text: str, sizes: tuple[int, ...], dims: tuple[str, ...], hw: Hardware) -> Link:
+    """link_of, memoised on the degrees (the search asks it for thousands of layouts)."""
+    size = dict(zip(("tp", "cp", "ep", "dp", "pp"), sizes))
+    order = order_text.split("-")
+    extent, inner = 1, hw.gpus_per_node
+    for d in dims:
+        stride = 1
+        for other in order[: order.index(d)]:
+            stride *= size[other]
+        extent = max(extent, stride * size[d])
+        if size[d] > 1:
+            inner = min(inner, stride)
+    if extent <= hw.gpus_per_node:
+        return hw.intra
+    k = max(1, hw.gpus_per_node // inner)
+    return Link(hw.inter.alpha, min(hw.intra.beta, k * hw.inter.beta))
+
+
+class DataParallel:
+    """The data-parallel traffic of one layout on one pipeline rank."""
+
+    def __init__(self, cfg: ParallelConfig, model: ModelConfig, hw: Hardware):
+        self.cfg, self.model = cfg, model
+        order = cfg.order.split("-")
+        data = tuple(d for d in order if d in DATA_DIMS and getattr(cfg, d) > 1)
+        self.dim = "-".join(data) or "dp"
+        self.n = cfg.dp * cfg.ep * cfg.cp  # dense weights: reduced (and sharded) over dp x ep x cp
+        self.n_expert = cfg.dp * cfg.cp if cfg.ep > 1 else self.n
+        self.link = link_of(cfg, data or ("dp",), hw)
+        self.expert_link = link_of(cfg, ("dp", "cp"), hw)
+        self.gather = GATHER[cfg.precision]
+        self.sharded = cfg.sharding in ("zero3", "fsdp")
+        self.reshard = cfg.sharding == "zero3" or (cfg.reshard_after_forward and cfg.pp == 1)
+
+    def _both(self, op: str, per_elem: int, dense: float, expert: float) -> float:
+        return ring(op, per_elem * dense, self.n, self.link) + ring(
+            op, per_elem * expert, self.n_expert, self.expert_link
+        )
+
+    def per_microbatch(self, st: Stage, block) -> list[tuple[str, float, float]]:
+        """(dim, seconds, hidden) of the traffic each microbatch repeats."""
+        cfg = self.cfg
+        if cfg.sharding == "zero2":
+            dense, expert = stage_params(self.model, cfg, st)
+            total = self._both("reduce_scatter", REDUCE, dense, expert)
+            return [(self.dim, total, st.layers * block.backward)]
+        if not self.sharded or cfg.pp > 1:
+            return []
+        rp = rank_params(self.model, cfg.tp, cfg.ep)
+        ag = self._both("all_gather", self.gather, rp.dense, rp.expert)
+        rs = self._both("reduce_scatter", REDUCE, rp.dense, rp.expert)
+        root = rp.embed * st.embed + rp.head * st.head
+        L = st.layers
+        back = (ag if self.reshard else 0.0) + rs
+        again = block.recompute(cfg.recompute)
+        return [
+            (self.dim, L * ag, max(0, L - 1) * min(ag, block.forward)),  # the first block's gather is exposed
+            (self.dim, L * back, max(0, L - 1) * min(back, block.backward + again)),
+            (self.dim, self._both("all_gather", self.gather, root, 0) * (1 + self.reshard), 0.0),
+            (self.dim, self._both("reduce_scatter", REDUCE, root, 0), 0.0),
+        ]
+
+    def per_step(self, st: Stage, block, m: int) -> list[tuple[str, float, float]]:
+        """(dim, seconds, hidden) of the traffic once per step."""
+        cfg = self.cfg
+        if self.n == 1:
+            return []
+        dense, expert = stage_params(self.model, cfg, st)
+        backward = st.layers * (block.backward + block.recompute(cfg.recompute))
+        forward = st.layers * block.forward
+        if cfg.sharding == "none":
+            return [(self.dim, self._both("all_reduce", REDUCE, dense, expert), backward)]
+        gather = self._both("all_gather", self.gather, dense, expert)
+        if cfg.sharding in ("zero1", "zero2"):
+            scatter = self._both("reduce_scatter", REDUCE, dense, expert) if cfg.sharding == "zero1" else 0.0
+            return [(self.dim, scatter, backward), (self.dim, gather, forward)]
+        if cfg.pp == 1:
+            return []
+        rs = self._both("reduce_scatter", REDUCE, dense, expert)
+        L = max(st.layers, 1)  # once per step, block by block behind the first forward and last backward
+        return [(self.dim, gather, forward * (L - 1) / L), (self.dim, rs, backward * (L - 1) / L)]
+
+    def copy_bytes(self, st: Stage, per_step: bool) -> float:
+        """Bytes FSDP2 copies around its collectives on the compute device: per all-gather the
+        shard cast into the send buffer ((4 + e)/N per parameter) and the gathered buffer split
+        into the parameters (2e); per reduce-scatter the gradients packed in fp32 (e + 4) and the
+        shard added into the sharded gradient (12/N). Per microbatch (per step under pp)."""
+        if not self.sharded or (cfg := self.cfg).pp > 1 and not per_step or cfg.pp == 1 and per_step:
+            return 0.0
+        dense, expert = stage_params(self.model, cfg, st)
+        e = self.gather
+        gathers = 1 + (self.reshard and cfg.pp == 1)
+        per_param = gathers * (2 * e + (4 + e) / self.n) + (e + 4) + 12 / self.n
+        return per_param * (dense + expert)
+
+    def optimizer_elements(self, st: Stage) -> float:
+        """Parameter elements this rank's optimizer updates (its shard under ZeRO / FSDP)."""
+        dense, expert = stage_params(self.model, self.cfg, st)
+        if self.cfg.sharding == "none":
+            return dense + expert
+        return dense / self.n + expert / self.n_expert

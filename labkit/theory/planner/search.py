@@ -1,0 +1,242 @@
+"""The planner's search: every layout of a model on a number of GPUs, pruned by memory before it
+is timed, ranked by predicted tokens/s/GPU (theory/planner/evaluate.py prices one layout).
+
+What is enumerated, and what is left out because another choice dominates it (same time, less
+memory, or the same memory in less time, in this model):
+  mesh          tp (powers of two within a node, dividing heads), cp (2·cp | seq), ep (| experts),
+                pp (| the GPUs left; uneven stages when the layers do not split), dp the rest
+  batch         the microbatch size b (a divisor of the sequences per data rank), m = the rest
+  pipeline      1F1B, interleaved with v = 2, 4 (m a multiple of pp, as Megatron needs); GPipe is
+                left out (1F1B's bubble with more activations in flight)
+  sharding      none, ZeRO-1, ZeRO-2, FSDP (ZeRO-3 is FSDP's traffic); under pp none, ZeRO-1, FSDP
+  SP            always on with tp: the same bytes on the wire as TP's all-reduces, less memory
+                (Korthikanti et al. 2022, section 4.2.2)
+  checkpointing none, selective, op, full in that order of recomputation: the first that fits is
+                the one timed (recomputation only adds time; memory only falls down the list)
+  precision     bf16, and fp8 where the hardware has it (or the one asked for)
+A tight plan (it fits only once the allocator gives back its cache) comes after every plan that
+fits with the allocator's reserve: its predicted time leaves out the allocator's retries (a
+cudaFree and a device synchronisation each), which this model does not price.
+`fixed` keeps any of FIXABLE as given (a node's tp, a framework's sharding or schedule) and
+searches the rest; a fixed schedule other than 1F1B and interleaved is searched too.
+
+Pruned, and counted with their reason: microbatch sizes are tried in ascending order, each from the
+lightest checkpointing that fit the one before (memory grows with the microbatch), and stop at the
+first that does not fit even with full checkpointing; a layout whose compute alone (its slowest
+rank's blocks, stretched by the bubble: timing.compute_floor) is slower than the slowest of the
+best `top` so far is not timed.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
+from labkit.theory.planner.hardware import Hardware, hardware_of
+from labkit.theory.planner.timing import compute_floor
+
+CHECKPOINTING = (False, "selective", "op", True)
+"""In order of recomputation (time added) and of memory kept (falling)."""
+NEAREST = 20
+"""Layouts that do not fit kept in `.rejected`, the nearest misses first."""
+FIXABLE = ("dp", "tp", "pp", "cp", "ep", "sharding", "schedule", "virtual_stages", "microbatches")
+FIXABLE += ("checkpoint_activations", "sequence_parallel")
+"""The layout fields `plan(fixed=...)` can hold."""
+
+
+@dataclass
+class Rejected:
+    config: ParallelConfig
+    reason: str
+
+
+class Plans(list):
+    """The best layouts, fastest first (a list of Plan), with what was left out:
+    `.rejected` (the nearest misses, each with its reason), `.counts` (reason -> layouts),
+    `.considered` (layouts priced for memory) and `.timed` (layouts that fit and were timed; the
+    others that fit were slower than the best on their compute alone)."""
+
+    def __init__(self, plans, rejected, counts, considered: int, timed: int):
+        super().__init__(plans)
+        self.rejected: list[Rejected] = rejected
+        self.counts: dict[str, int] = counts
+        self.considered, self.timed = considered, timed
+
+
+def _pow2(limit: int) -> list[int]:
+    out, v = [], 1
+    while v <= limit:
+        out.append(v)
+        v *= 2
+    return out
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+
+
+def stage_split(layers: int, stages: int) -> tuple[int, ...]:
+    """Uneven stages as Llama 3 lays them out (Llama Team 2024, section 3.3.2: one layer fewer on
+    the first and the last stage, which hold the embedding and the head): the remainder of
+    layers / stages goes to the middle stages first."""
+    q, r = divmod(layers, stages)
+    if r == 0:
+        return ()
+    sizes = [q] * stages
+    middle = list(range(1, stages - 1)) or list(range(stages))
+    for i in range(r):
+        sizes[middle[i % len(middle)]] += 1
+    return tuple(sizes)
+
+
+@dataclass
+class _Tally:
+    counts: dict[str, int] = field(default_factory=dict)
+    misses: list[tuple[float, Rejected]] = field(default_factory=list)
+
+    def invalid(self, reason: str, n: int = 1) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + n
+
+    def too_big(self, cfg: ParallelConfig, peak: float, hw: Hardware) -> None:
+        self.invalid("does not fit in memory even with full checkpointing")
+        self.misses.append((peak, Rejected(cfg, f"does not fit: {_over(peak, hw)}")))
+
+
+def meshes(model: ModelConfig, gpus: int, hw: Hardware, fixed: dict | None = None):
+    """(tp, cp, ep, pp, dp) whose product is `gpus` and whose degrees the model allows (a degree
+    in `fixed` is the only one tried; the layout's checks judge it)."""
+    fixed = fixed or {}
+    tps = [fixed["tp"]] if "tp" in fixed else [t for t in _pow2(hw.gpus_per_node) if model.heads % t == 0]
+    cps = [fixed["cp"]] if "cp" in fixed else [c for c in _pow2(32) if model.seq % (2 * c) == 0]
+    eps = [fixed["ep"]] if "ep" in fixed else [e for e in _divisors(model.experts, 64)] if model.experts else [1]
+    for tp in tps:
+        for cp in cps:
+            for ep in eps:
+                rest, left = gpus // (tp * cp * ep), gpus % (tp * cp * ep)
+                if left:
+                    continue
+                pps = [fixed["pp"]] if "pp" in fixed else _divisors(rest, min(rest, model.layers))
+                for pp in pps:
+                    if rest % pp == 0 and fixed.get("dp", rest // pp) == rest // pp:
+                        yield tp, cp, ep, pp, rest // pp
+
+
+def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally, schedule: str | None = None):
+    """The layout of `mesh` with m microbatches, v chunks per pipeline rank (interleaved when
+    v > 1 unless `schedule` says, uneven stages where the layers do not split), or None with the
+    reason tallied."""
+    pp = mesh.pp
+    if v > 1 and (m % pp or model.layers < pp * v):
+        tally.invalid("interleaved needs microbatches a multiple of pp and a layer per virtual stage")
+        return None
+    split = stage_split(model.layers, pp * v) if pp > 1 else ()
+    schedule = schedule or ("interleaved" if v > 1 else "1f1b")
+    cfg = mesh.replace(microbatches=m, schedule=schedule, virtual_stages=v, sharding=sharding, precision=precision)
+    return cfg.replace(stage_layers=split) if split else cfg
+
+
+def _checked(fixed: dict | None) -> dict:
+    """`fixed` with its checkpointing spelled as CHECKPOINTING does, or ConfigError naming the
+    fields the search cannot hold."""
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(FIXABLE))
+    if unknown:
+        raise ConfigError([f"fixed={unknown} cannot be held by the planner; it holds {', '.join(FIXABLE)}"])
+    if "checkpoint_activations" in fixed:
+        ac = fixed["checkpoint_activations"]
+        fixed["checkpoint_activations"] = {"none": False, "full": True}.get(ac, ac) if isinstance(ac, str) else bool(ac)
+    return fixed
+
+
+def _chunks_per_rank(pp: int, fixed: dict) -> tuple[int, ...]:
+    """The v to try: 1F1B and interleaved (2, 4) unless the schedule or v is fixed."""
+    if pp == 1:
+        return (1,)
+    if "virtual_stages" in fixed:
+        return (fixed["virtual_stages"],)
+    schedule = fixed.get("schedule")
+    if schedule is None:
+        return (1, 2, 4)
+    return {"interleaved": (2, 4), "zbv": (2,), "dualpipev": (2,)}.get(schedule, (1,))
+
+
+def plan(
+    model: ModelConfig,
+    gpus: int,
+    hardware: str | Hardware = "h100",
+    global_batch: int | None = None,
+    top: int = 10,
+    precision: str | None = None,
+    fixed: dict | None = None,
+) -> Plans:
+    """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
+    tokens/s/GPU; tight ones after the rest). global_batch: sequences per step (default: 4M
+    tokens, Llama 3's batch at 8k, rounded to sequences); precision: 'bf16' or 'fp8' (default:
+    both where the hardware has fp8); fixed: layout fields held as given (FIXABLE), e.g.
+    {"tp": 8} for tensor parallelism inside a node or {"sharding": "fsdp"} for a framework that
+    has only FSDP. The list's `.rejected` and `.counts` say what was left out and why."""
+    hw = hardware_of(hardware)
+    if not isinstance(gpus, int) or gpus < 1:
+        raise ConfigError([f"gpus={gpus!r} must be a positive integer"])
+    fixed = _checked(fixed)
+    gb = global_batch or max(1, round(4 * 2**20 / model.seq))
+    precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
+    ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else CHECKPOINTING
+    tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
+    considered = 0
+    for tp, cp, ep, pp, dp in meshes(model, gpus, hw, fixed):
+        sp = fixed.get("sequence_parallel", tp > 1)
+        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=sp)
+        split = stage_split(model.layers, pp) if pp > 1 else ()
+        # the degrees' arithmetic, on the uneven split a pipeline would take
+        found = layout_problems(mesh.replace(global_batch=dp * ep, stage_layers=split), model)
+        if found:
+            tally.invalid(found[0].split(";")[0])
+            continue
+        if gb % (dp * ep):
+            tally.invalid("global_batch is not divisible by dp·ep")
+            continue
+        per = gb // (dp * ep)
+        shardings = ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp")
+        for sharding in (fixed["sharding"],) if "sharding" in fixed else shardings:
+            for prec in precisions:
+                for v in _chunks_per_rank(pp, fixed):
+                    first = 0  # the lightest checkpointing that fit a smaller microbatch: a larger one needs as much
+                    sizes = _divisors(per, min(per, 64))  # ascending: memory only grows
+                    if "microbatches" in fixed:
+                        sizes = [b for b in sizes if per // b == fixed["microbatches"]]
+                    for b in sizes:
+                        m = per // b
+                        cfg = _layout(mesh, m, v, sharding, prec, model, tally, fixed.get("schedule"))
+                        if cfg is None:
+                            continue
+                        considered += 1
+                        if len(floors) == top and compute_floor(cfg, model, hw, ckpts[first]) >= -floors[0]:
+                            tally.invalid(f"slower than the best {top} on its compute alone")
+                            continue
+                        for i in range(first, len(ckpts)):
+                            need = fullest_required(cfg, model, hw, ckpts[i])
+                            if need <= hw.memory:
+                                first = i
+                                break
+                        else:
+                            tally.too_big(cfg.replace(checkpoint_activations=ckpts[-1]), need, hw)
+                            break  # larger microbatches hold more
+                        cfg = cfg.replace(checkpoint_activations=ckpts[first])
+                        if len(floors) == top and compute_floor(cfg, model, hw, ckpts[first]) >= -floors[0]:
+                            tally.invalid(f"slower than the best {top} on its compute alone")
+                            continue
+                        plan_ = _evaluate(cfg, model, hw)
+                        timed.append(plan_)
+                        if not plan_.tight:  # a tight plan ranks after every other: no floor for them
+                            heapq.heappush(floors, -plan_.step_seconds)
+                        if len(floors) > top:
+                            heapq.heappop(floors)
+    timed.sort(key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))
+    misses = [r for _, r in sorted(tally.misses, key=lambda x: x[0])[:NEAREST]]
+    return Plans(timed[:top], misses, tally.counts, considered, len(timed))
+
+
+__all__ = ["plan", "Plans", "Rejected", "Plan", "stage_split"]

@@ -1,0 +1,133 @@
+"""What each pipeline rank holds, in closed form, for the planner's memory and time models (which
+price thousands of layouts a second): its blocks, whether it holds the embedding and the head, and
+the parameters one rank holds of a block and of the two ends after the tp and ep splits. The exact,
+parameter-by-parameter version for labkit's engines is theory/exact/params.py; these counts agree with
+it up to the flat buffers' padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from math import prod
+
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.plans.schedules import chunk_layers, stage_of
+from labkit.theory.exact.model import param_shapes
+from labkit.theory.planner.ops import ROWWISE
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline rank (the whole model when pp == 1)."""
+
+    rank: int
+    layers: int
+    """Blocks on this rank, over all its chunks."""
+    chunks: int
+    largest_chunk: int
+    embed: bool
+    head: bool
+
+
+def _layers(cfg: ParallelConfig, model: ModelConfig, rank: int, chunk: int) -> int:
+    return len(chunk_layers(model.layers, cfg.pp, cfg.virtual_stages, rank, chunk, cfg.stage_layers))
+
+
+def stages(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, ...]:
+    """Every pipeline rank's Stage."""
+    return _stages(model, cfg.pp, cfg.virtual_stages, cfg.stage_layers)
+
+
+def fullest_candidates(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, ...]:
+    """The ranks one of which holds the most: the first two and the last two (the embedding, the
+    head, the most microbatches in flight, which fall with the rank in every schedule here), and
+    the first rank with the most blocks (uneven stages)."""
+    return _candidates(model, cfg.pp, cfg.virtual_stages, cfg.stage_layers)
+
+
+@lru_cache(maxsize=4096)
+def _candidates(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, ...]:
+    every = _stages(model, p, v, uneven)
+    most = max(every, key=lambda st: st.layers)
+    picked = {0, min(1, p - 1), max(p - 2, 0), p - 1, most.rank}
+    return tuple(every[r] for r in sorted(picked))
+
+
+def distinct(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, ...]:
+    """One rank of each kind (blocks, chunks, embedding, head): the ranks whose step differs."""
+    return _distinct(model, cfg.pp, cfg.virtual_stages, cfg.stage_layers)
+
+
+@lru_cache(maxsize=4096)
+def _distinct(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, ...]:
+    seen: dict[tuple, Stage] = {}
+    for st in _stages(model, p, v, uneven):
+        seen.setdefault((st.layers, st.chunks, st.embed, st.head), st)
+    return tuple(seen.values())
+
+
+@lru_cache(maxsize=4096)
+def _stages(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, ...]:
+    if p == 1:
+        return (Stage(0, model.layers, 1, model.layers, True, True),)
+    cfg = ParallelConfig(pp=p, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b")
+    if uneven:
+        cfg = cfg.replace(stage_layers=uneven)
+    out = []
+    for r in range(p):
+        per = [_layers(cfg, model, r, c) for c in range(v)]
+        ids = [stage_of(r, c, p) for c in range(v)]
+        out.append(Stage(r, sum(per), v, max(per), 0 in ids, p * v - 1 in ids))
+    return tuple(out)
+
+
+@dataclass(frozen=True)
+class RankParams:
+    """Parameters one rank holds of one block and of the two ends, after the tp and ep splits."""
+
+    dense: int
+    """Of a block: everything but the experts (gradients reduced over dp x ep x cp)."""
+    expert: int
+    """Of a block: its E/ep experts (reduced over dp x cp)."""
+    embed: int
+    head: int
+
+
+def _column_parallel(module: str) -> bool:
+    return module.startswith(("attn.", "mlp.")) and module not in ROWWISE
+
+
+@lru_cache(maxsize=1024)
+def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
+    """Matrices of a block split over tp (row- or column-wise), vectors whole, experts over ep
+    (and whole over tp, plans/tensor.py), the token table and the LM head over tp."""
+    dense = expert = embed = head = 0
+    for name, shape in param_shapes(model):
+        n = prod(shape)
+        if name.startswith("blocks.0."):
+            if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
+                expert += n // ep
+            elif len(shape) == 2 and not name.endswith("router.weight"):
+                dense += n // tp
+            elif name.endswith(".bias") and _column_parallel(name[len("blocks.0.") : -len(".bias")]):
+                dense += n // tp  # split with its layer's rows
+            else:
+                dense += n  # norms, a row-parallel layer's bias (added once), the router
+        elif name.startswith("embed."):
+            embed += n // tp if name.startswith("embed.tok") else n
+        elif name.startswith("head."):
+            head += n // tp if name.startswith("head.proj") else n
+    if model.tied:
+        head += model.vocab // tp * model.hidden  # the head's copy when it sits on another stage
+    return RankParams(dense, expert, embed, head)
+
+
+def stage_params(model: ModelConfig, cfg: ParallelConfig, st: Stage) -> tuple[int, int]:
+    """(dense, expert) parameters of rank `st` (a tied head counted once when one rank holds both
+    ends)."""
+    rp = rank_params(model, cfg.tp, cfg.ep)
+    ends = rp.embed * st.embed + rp.head * st.head
+    if model.tied and st.embed and st.head:
+        ends -= model.vocab // cfg.tp * model.hidden
+    return st.layers * rp.dense + ends, st.layers * rp.expert

@@ -1,0 +1,220 @@
+"""The time model: one training step of a layout, priced op by op, so that it can be right for
+the right reason (the derivation and its sources: ARCHITECTURE.md, "The time model").
+
+Compute: each op of a microbatch (theory/planner/ops.py) on a roofline, max(FLOPs / (peak · efficiency),
+bytes / (HBM · efficiency)) with the hardware's measured efficiencies (theory/planner/hardware.py); the
+backward at its multiple of the forward; recomputation by mode (full: the block's forward again;
+selective: the attention kernel's; op: the forward of what torchtitan's policy does not keep).
+
+Communication: α·steps + wire bytes / β per collective (Hockney; wire bytes by the ring model,
+labkit/plans/wire.py) on NVLink inside a node, the NIC across nodes. Overlap: tensor-parallel
+collectives, expert all-to-alls and pipeline sends are on the critical path; ring attention's hops
+hide behind each layer's attention kernel; the data-parallel traffic is theory/planner/overlap.py's. The
+pipeline stretches the slowest stage's microbatches by (m·v + p − 1) / (m·v).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from labkit.config import ModelConfig, ParallelConfig, recompute_mode
+from labkit.plans.precision import ELEM, REDUCE
+from labkit.theory.planner.hardware import H100, HARDWARE, Hardware, Link, attention_rate
+from labkit.theory.planner.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
+from labkit.theory.planner.overlap import DataParallel, collective_seconds, link_of, ring, spans_nodes
+from labkit.theory.planner.stages import Stage, distinct
+
+__all__ = [
+    "H100",
+    "HARDWARE",
+    "Hardware",
+    "Link",
+    "StepTime",
+    "step_time",
+    "Phase",
+    "phase",
+    "collective_seconds",
+    "spans_nodes",
+]
+
+
+@dataclass(frozen=True)
+class Phase:
+    """Seconds of a list of ops for one microbatch."""
+
+    forward: float
+    backward: float
+    attention_forward: float
+    unkept_forward: float
+    """The forward of the ops torchtitan's per-op policy does not keep (recomputed)."""
+    compute_bound: float
+    memory_bound: float
+    """Forward + backward seconds of the ops on each side of the roofline."""
+
+    def recompute(self, mode: str) -> float:
+        return {"none": 0.0, "full": self.forward, "selective": self.attention_forward, "op": self.unkept_forward}[mode]
+
+
+def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
+    """(seconds, whether memory-bound) of `scale` times the op's forward, on the roofline."""
+    rate = {
+        "matmul": hw.flops * hw.matmul_eff,
+        "fp8-matmul": hw.fp8_flops * hw.fp8_matmul_eff,
+        "attention": attention_rate(hw, op.head_dim, op.length),
+    }.get(op.kind)
+    compute = scale * op.flops / rate if rate else 0.0
+    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff)
+    return max(compute, memory), memory > compute
+
+
+@lru_cache(maxsize=8192)
+def phase(ops: tuple[Op, ...], hw: Hardware) -> Phase:
+    fwd = bwd = attn = unkept = bound_c = bound_m = 0.0
+    for op in ops:
+        f, f_mem = op_seconds(op, hw)
+        b, b_mem = op_seconds(op, hw, op.backward)
+        fwd, bwd = fwd + f, bwd + b
+        attn += f if op.kind == "attention" else 0.0
+        unkept += 0.0 if op.kept else f
+        bound_m += f * f_mem + b * b_mem
+        bound_c += f * (not f_mem) + b * (not b_mem)
+    return Phase(fwd, bwd, attn, unkept, bound_c, bound_m)
+
+
+@dataclass
+class StepTime:
+    total: float
+    """Seconds of one optimizer step."""
+    compute: float
+    """Seconds the slowest pipeline rank computes (recomputation included)."""
+    bubble: float
+    """Seconds it idles in the pipeline's fill and drain."""
+    optimizer: float
+    comm: dict[str, float]
+    """Seconds of each dim's collectives in one step (on the slowest pipeline rank)."""
+    exposed: dict[str, float]
+    """What of each dim's communication is not hidden behind compute."""
+    parts: dict[str, float] = field(default_factory=dict)
+    """Compute seconds: compute-bound ops, memory-bound ops (recomputation included in both), and
+    of those the recomputation."""
+    flops: float = 0.0
+    """Model FLOPs per GPU per step (PaLM's 6N + 12·L·h·s per token)."""
+    mfu: float = 0.0
+    """flops / (total · the hardware's dense bf16 peak)."""
+    dominant: str = "compute"
+    """'compute' or 'memory' (whichever side of the roofline the step's ops spend more time on),
+    or the dim whose exposed communication outweighs both."""
+
+
+@dataclass
+class Microbatch:
+    """One microbatch on one pipeline rank."""
+
+    compute: float
+    parts: dict[str, float]
+    comm: dict[str, float]
+    exposed: dict[str, float]
+
+    @property
+    def seconds(self) -> float:
+        return self.compute + sum(self.exposed.values())
+
+
+def microbatch(
+    cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, b: int, dp: DataParallel
+) -> Microbatch:
+    """Compute and critical-path communication of one microbatch of b sequences on rank `st`."""
+    key = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision)
+    block, head, embed = phase(block_ops(*key), hw), phase(head_ops(*key), hw), phase(embed_ops(*key), hw)
+    mode, L = cfg.recompute, st.layers
+    ends = [(head, st.head), (embed, st.embed)]
+    again = L * block.recompute(mode)
+    compute = L * (block.forward + block.backward) + again
+    compute += sum((p.forward + p.backward) * held for p, held in ends)
+    parts = {
+        "compute-bound": L * block.compute_bound + sum(p.compute_bound * h for p, h in ends),
+        "memory-bound": L * block.memory_bound + sum(p.memory_bound * h for p, h in ends),
+        "recompute": again,
+    }
+    parts["compute-bound" if block.compute_bound >= block.memory_bound else "memory-bound"] += again
+    comm: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+
+    def add(dim: str, total: float, hidden: float = 0.0) -> None:
+        if total > 0:
+            comm[dim] = comm.get(dim, 0.0) + total
+            exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
+
+    e, s, h = ELEM[cfg.precision], model.seq // cfg.cp, model.hidden
+    repeat = mode in ("full", "op")  # the block's forward collectives run again
+    # tensor parallelism: per layer 4 all-reduces of (b, s, h) (SP: all-gather + reduce-scatter
+    # pairs, the same bytes), 2 more when the forward is recomputed; the embedding's and the
+    # head's input on the end stages
+    tp_calls = L * (4 + 2 * repeat) + 2 * (st.head + st.embed)
+    add("tp", tp_calls * ring("all_reduce", e * b * s * h, cfg.tp, link_of(cfg, ("tp",), hw)))
+    if cfg.cp > 1:  # ring attention: cp-1 hops of K/V forward, of K/V and fp32 dK/dV backward
+        link = link_of(cfg, ("cp",), hw)
+        kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
+        hop, dhop = link.alpha + e * kv / link.beta, link.alpha + REDUCE * kv / link.beta
+        fwd, bwd = (cfg.cp - 1) * hop, (cfg.cp - 1) * (hop + dhop)
+        again_cp = fwd if mode != "none" else 0.0
+        for total, kernel in (
+            (fwd, block.attention_forward),
+            (bwd + again_cp, (2.5 + (mode != "none")) * block.attention_forward),
+        ):
+            add("cp", L * total, L * kernel)
+    if cfg.ep > 1 and model.experts:  # dispatch and combine, forward and backward
+        a2a = ring("all_to_all", e * b * s * model.top_k * h, cfg.ep, link_of(cfg, ("ep",), hw))
+        add("ep", L * (4 + 2 * repeat) * a2a)
+    if cfg.pp > 1:  # each chunk sends its output forward and its input's gradient back
+        rows = s // (cfg.tp if cfg.sequence_parallel else 1)
+        add("pp", st.chunks * 2 * ring("send", e * b * rows * h, 2, link_of(cfg, ("pp",), hw)))
+    for dim, total, hidden in dp.per_microbatch(st, block):
+        add(dim, total, hidden)
+    copies = dp.copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
+    parts["memory-bound"] += copies
+    return Microbatch(compute + copies, parts, comm, exposed)
+
+
+def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, world: int | None = None) -> StepTime:
+    """One optimizer step of `cfg` on `model` (global_batch sequences of model.seq tokens); the
+    pipeline's pace is its slowest rank's."""
+    m, p = cfg.microbatches, cfg.pp
+    b = cfg.global_batch // (cfg.dp * cfg.ep * m)
+    dp = DataParallel(cfg, model, hw)
+    per = [(st, microbatch(cfg, model, hw, st, b, dp)) for st in distinct(cfg, model)]
+    st, mb = max(per, key=lambda x: x[1].seconds)
+    v = cfg.virtual_stages if p > 1 else 1
+    busy = m * mb.seconds
+    bubble = busy * (p - 1) / (m * v) if p > 1 else 0.0
+    comm = {d: m * t for d, t in mb.comm.items()}
+    exposed = {d: m * t for d, t in mb.exposed.items()}
+    key = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision)
+    for dim, total, hidden in dp.per_step(st, phase(block_ops(*key), hw), m):
+        comm[dim] = comm.get(dim, 0.0) + total
+        exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
+    optimizer = (dp.optimizer_elements(st) * OPTIMIZER_BYTES + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
+    total = m * mb.compute + bubble + optimizer + sum(exposed.values())
+    flops = model_flops_per_token(model) * cfg.global_batch * model.seq / (world or cfg.world)
+    parts = {k: m * x for k, x in mb.parts.items()}
+    worst = max(exposed, key=exposed.get) if exposed else None
+    dominant = "memory" if parts["memory-bound"] > parts["compute-bound"] else "compute"
+    if worst is not None and exposed[worst] > max(parts["memory-bound"], parts["compute-bound"]):
+        dominant = worst
+    return StepTime(
+        total, m * mb.compute, bubble, optimizer, comm, exposed, parts, flops, flops / (total * hw.flops), dominant
+    )
+
+
+def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None) -> float:
+    """A lower bound on step_time's total: the slowest rank's blocks alone (no head, no
+    communication, no optimizer), stretched by the bubble. The search skips a layout whose floor
+    is above the slowest of the best it has. `ac`: the checkpointing to price (default the config's)."""
+    b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
+    block = phase(block_ops(model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision), hw)
+    layers = max(st.layers for st in distinct(cfg, model))
+    m, v = cfg.microbatches, cfg.virtual_stages if cfg.pp > 1 else 1
+    mode = recompute_mode(cfg.checkpoint_activations if ac is None else ac)
+    busy = m * layers * (block.forward + block.backward + block.recompute(mode))
+    return busy * (1 + (cfg.pp - 1) / (m * v))
