@@ -133,7 +133,7 @@ def test_what_the_link_carries_per_step(lab2):
     assert set(meter) == {"dp"}  # tp stays on each host
     # the link carries the algorithm's bytes plus 66 B of headers per packet (at most 5% at MTU
     # 1500; a veth counts GSO packets, ~12 kB each here: <1%), acknowledgements of b's data and the
-    # Lab's polls of b's engines (ARCHITECTURE.md, Derivations: measured 1.014)
+    # Lab's polls of b's engines (DERIVATIONS.md, "What a link between hosts carries": measured 1.014)
     assert 1.0 <= ratio < 1.25
 
 

@@ -1,7 +1,7 @@
 """Figures as pure functions: a RunResult (or a theory Estimate) in, a plotly go.Figure out.
 
 They hold no state and touch no cluster, so the notebook's FigureWidgets, the CLI's HTML
-report and the tests all draw the same thing. Wire bytes are the ring model's (ARCHITECTURE.md):
+report and the tests all draw the same thing. Wire bytes are the ring model's (DERIVATIONS.md):
 gloo runs reduce-scatter as an all-reduce underneath, and the figures show the algorithm, not
 gloo's own traffic.
 
@@ -144,7 +144,7 @@ def traffic_matrix(result, step: int = -1) -> tuple[list[int], np.ndarray]:
     """Bytes each rank sends to each other rank in one step: (ranks, M) with M[i, j] the bytes
     ranks[i] sends to ranks[j]. Each row sums to that rank's wire bytes in `comm_table()`.
 
-    Attribution under the ring model (ARCHITECTURE.md), group members in the order the
+    Attribution under the ring model (DERIVATIONS.md), group members in the order the
     group lists them (ascending ranks, as NCCL and gloo build their rings):
       all_reduce, all_gather, reduce_scatter, broadcast, reduce: the ring algorithms pass every
           chunk to the next member, so a rank's wire bytes all go to its successor in the group;

@@ -25,7 +25,7 @@ layers keep their gathered input for backward; Megatron keeps the s/t shard and 
 it again in backward, trading two more all-gathers per layer for 2bsh(1 - 1/t) bytes
 (labkit/theory/exact/tensor.py gives both).
 
-MoE layers are replicated over tp (ARCHITECTURE.md says why): no f or g around them, and under
+MoE layers are replicated over tp (DERIVATIONS.md says why): no f or g around them, and under
 SP an all-gather in (`GatherReplicated`) and a slice out (`Split`). Biases (gpt2, Qwen2's q, k,
 v): a column-parallel bias is split with its rows, a row-parallel one added once, after the
 sum. Grouped-query attention: wk and wv split by KV heads when tp <= kv_heads; when tp >

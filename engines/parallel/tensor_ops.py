@@ -174,7 +174,7 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 class ReduceGrad(torch.autograd.Function):
     """f on a weight: identity forward, all-reduce of its gradient backward (in fp32, the reduce
     dtype). A KV head shared by tp/kv_heads ranks: each computes the part of its gradient that its
-    own query heads cause; the sum over those ranks is the gradient (ARCHITECTURE.md)."""
+    own query heads cause; the sum over those ranks is the gradient (DERIVATIONS.md)."""
 
     @staticmethod
     def forward(ctx, w, group):

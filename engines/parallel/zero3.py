@@ -1,7 +1,7 @@
 """ZeRO stage 3 / FSDP units, labkit's own: parameters, gradients and optimizer state sharded, a
 unit's parameters all-gathered just before it runs and freed after (Rajbhandari et al., SC 2020,
 section 5.3; Zhao et al., "PyTorch FSDP", VLDB 2023, section 3). engines/parallel/zero.py has the
-stages 1 and 2 and the overview; ARCHITECTURE.md the derivations.
+stages 1 and 2 and the overview; DERIVATIONS.md the derivations.
 
 Under pipeline parallelism a stage runs m forwards and m backwards per step, interleaved with
 other microbatches', so a unit is gathered at its first forward and kept until its last backward,

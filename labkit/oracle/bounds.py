@@ -1,6 +1,6 @@
 """How far a correct layout may sit from the fp32 reference, per quantity and precision; the
-derivations (rounding of reordered sums, bf16's unit roundoff, AdamW) are in ARCHITECTURE.md,
-"Derivations: the oracle's bounds".
+derivations (rounding of reordered sums, bf16's unit roundoff, AdamW) are in DERIVATIONS.md,
+"The oracle's bounds".
 
 Every layout is checked against the one-process fp32 reference (labkit/oracle/reference.py), bf16 ones
 too: an oracle that shares no arithmetic with any strategy. The per-tensor gradient bound is
@@ -43,7 +43,7 @@ float64, 1e-7 to 3e-6 on the final parameters. Bugs move a tensor's gradient by 
 
 
 def bounds(precision: str, layers: int) -> Bounds:
-    """The bounds of `precision` for a model of `layers` blocks (ARCHITECTURE.md derives them)."""
+    """The bounds of `precision` for a model of `layers` blocks (DERIVATIONS.md derives them)."""
     if precision == "fp32":
         return FP32
     if precision != "bf16":

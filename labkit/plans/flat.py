@@ -8,7 +8,7 @@ it is cut into N equal shards, rank i holding the i-th. Pure Python: the engines
 Matrices come first in a buffer, vectors after, so a shard's weight-decay mask is two runs.
 Two groupings: `bucket_plans` (ZeRO-1/2, DDP's buckets) and `unit_plans` (ZeRO-3 / FSDP, one
 buffer per module gathered as a whole). A buffer only holds parameters reduced over the same
-dims and is sharded over exactly that group (`FlatPlan.dims`); ARCHITECTURE.md says why.
+dims and is sharded over exactly that group (`FlatPlan.dims`); DERIVATIONS.md, "Flat buffers", says why.
 Entries are (name, shape) — whole-model data parallelism, dims dp-ep-cp — or
 (name, shape, dims) or (name, shape, dims, chunk); `n` is one group size or {dims: size}.
 """

@@ -3,7 +3,7 @@ Korthikanti et al. 2022, section 4.2.2 for SP). The executor (engines/parallel/t
 tensor_torch.py), the theory (labkit/theory/exact/params.py, tensor.py) and the notebooks read this
 one table. The styles are listed at `tp_plan`; why an MoE layer is replicated over tp, what its
 'all-gather-replicated' input and 'split' output are, and how KV heads are shared when tp >
-kv_heads, is in ARCHITECTURE.md.
+kv_heads, is in DERIVATIONS.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) ->
                  bias is split with its rows. `kv_groups`: wk / wv when tp > kv_heads — the rows
                  cut into kv_heads groups (one KV head each), group j held whole by the tp/kv_heads
                  consecutive tp ranks whose query heads read it (as vLLM replicates KV heads); their
-                 partial gradients are summed over those ranks (ARCHITECTURE.md)
+                 partial gradients are summed over those ranks (DERIVATIONS.md)
       rowwise    weight columns (input features) split: partial Y = X_i B_i, then `output`; a bias
                  is added once, after `output` (replicated; partial per rank under SP)
       vocab      an embedding table / LM head split along the vocabulary (a tied head is the
@@ -50,7 +50,7 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) ->
         plan[b + "attn.wv"] = dict(kv_style)
         plan[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
         plan[b + "ln2"] = dict(norm)
-        if model.experts:  # replicated over tp, split by ep instead (ARCHITECTURE.md)
+        if model.experts:  # replicated over tp, split by ep instead (DERIVATIONS.md)
             plan[b + "mlp"] = (
                 {"style": "replicate", "input": "all-gather-replicated", "output": "split"}
                 if sequence_parallel

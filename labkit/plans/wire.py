@@ -3,7 +3,7 @@
 
 B is the bytes of the full (logical) tensor, n the group size. Gloo runs some of these
 differently on the wire (reduce-scatter as an all-reduce); labkit counts the algorithm, as
-the papers do (ARCHITECTURE.md).
+the papers do (DERIVATIONS.md, "The ring model").
 """
 
 from __future__ import annotations

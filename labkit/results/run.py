@@ -29,7 +29,7 @@ class CommEvent:
     payload_bytes: int
     """B: bytes of the logical full tensor (the all-reduced tensor, the gathered output, ...)."""
     wire_bytes: float
-    """Bytes this rank sends under the ring model (ARCHITECTURE.md)."""
+    """Bytes this rank sends under the ring model (DERIVATIONS.md, "The ring model")."""
     start: float
     end: float | None
     """Seconds on the run's clock; None if the op never completed (a hang)."""

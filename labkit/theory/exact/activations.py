@@ -2,7 +2,7 @@
 module counts what its ops keep for one microbatch (memory.py the plain model, tensor.py TP /
 SP, experts.py an MoE layer, with s/cp positions under CP); this module adds them up per
 pipeline chunk, with recomputation, and walks the schedule (pipeline.peak_in_flight). The peak
-of that walk is what the saved-tensor meter reports; the rules of the walk: ARCHITECTURE.md.
+of that walk is what the saved-tensor meter reports; the rules of the walk: DERIVATIONS.md.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Context parallelism (ring attention, engines/parallel/context.py), predicted: what a cp rank
 sends per step (Liu et al. 2023, zigzag layout). Activations need nothing of their own: a cp
-rank keeps those of its s/cp tokens (theory/exact/activations.py). The derivation: ARCHITECTURE.md.
+rank keeps those of its s/cp tokens (theory/exact/activations.py). The derivation: DERIVATIONS.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Mixture of experts and expert parallelism, predicted (engines/moe.py, parallel/experts.py):
 which experts an ep rank holds, the dims their gradients are reduced over, what an MoE layer
 keeps for backward and its all-to-alls per step (dropless top-k, MegaBlocks-style; balanced
-routing, R = N, where the real R depends on the router). The accounting: ARCHITECTURE.md.
+routing, R = N, where the real R depends on the router). The accounting: DERIVATIONS.md.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The schedules and their simulator are plans (labkit/plans/schedules.py, simulato
 module reads them. The bubble is GPipe's and 1F1B's (p-1)/(m+p-1) (Huang et al. 2019;
 Narayanan et al., SC 2021, section 2.1), interleaved 1F1B's (p-1)/(v·m+p-1) (ibid., section
 2.2); the zero-bubble schedules' is the simulator's with t_F = t_B = t_W (`step_bubble`; their
-published formulas: ARCHITECTURE.md, "Zero-bubble schedules"). The derivations: ARCHITECTURE.md.
+published formulas: DERIVATIONS.md, "Zero-bubble schedules"). The derivations: DERIVATIONS.md.
 """
 
 from __future__ import annotations

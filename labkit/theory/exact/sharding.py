@@ -7,7 +7,7 @@ ZeRO-3 / FSDP 3Ψ(N-1)/N), here exactly as the lab lays its flat buffers out
 parallelism ZeRO-2/3 and FSDP reduce once per step and ZeRO-3 / FSDP keep a stage gathered over
 it (engines/parallel/zero.py, zero3.py; torchtitan's composition): one all-gather and one
 reduce-scatter per buffer and step, the transients replayed along the schedule (`keep_peaks`).
-ARCHITECTURE.md derives every case.
+DERIVATIONS.md derives every case.
 """
 
 from __future__ import annotations

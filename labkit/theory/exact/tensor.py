@@ -8,7 +8,7 @@ family with multi-head attention:
                  reduce-scatters of B, which cost on the wire what the all-reduce does
                  (+ tp > kv_heads: the shared KV heads' gradient sums, `shared_kv`)
 What each term is, the llama family, GQA, MoE layers (replicated over tp), pipelines and
-recomputation: ARCHITECTURE.md.
+recomputation: DERIVATIONS.md.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def activation_bytes(
     embed: bool = True,
 ) -> int:
     """Bytes our TP (+ SP) model saves for backward for one microbatch of `batch` rows on one
-    rank (ARCHITECTURE.md counts them): model.layers blocks, plus the head and the embedding if
+    rank (DERIVATIONS.md counts them): model.layers blocks, plus the head and the embedding if
     asked. seq: the rank's sequence (default the model's; s/cp under CP). megatron_regather: count the
     column-parallel inputs as s/t shards, as Megatron keeps them. llama's RMSNorms keep their
     input, rstd and normalised input in fp32 (memory.activation_bytes); k and v are the rank's
@@ -69,7 +69,7 @@ def activation_bytes(
 
 def collectives(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> list[tuple[str, int, int, str]]:
     """(op, payload bytes, calls per step, what) of every tp collective a rank at pipeline
-    coordinate `pp_rank` issues per step (ARCHITECTURE.md counts them)."""
+    coordinate `pp_rank` issues per step (DERIVATIONS.md counts them)."""
     if cfg.tp == 1:
         return []
     m = cfg.microbatches

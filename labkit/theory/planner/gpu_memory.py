@@ -1,6 +1,6 @@
 """What a GPU really holds at the peak of a training step, term by term: besides the model states
 and the activations saved for backward, the terms that decide an out-of-memory in practice. Each
-term is modelled and named; ARCHITECTURE.md ("What a GPU holds") gives the sources.
+term is modelled and named; DERIVATIONS.md ("What a GPU holds") gives the sources.
 
   params, grads, optimizer  the ZeRO paper's accounting (Rajbhandari et al., SC 2020, figure 1),
                 FSDP2's for FSDP; gradients only where they exist at the peak

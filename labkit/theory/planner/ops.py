@@ -100,7 +100,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     attn_bytes = e * tokens * (2 * h + 2 * _kv(model)) / tp
     ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5, head_dim=hd, length=s))
     # eager kernels, bytes per element forward / backward (each reads its inputs and writes its
-    # output once; ARCHITECTURE.md counts them kernel by kernel):
+    # output once; DERIVATIONS.md, "The time model", counts them kernel by kernel):
     #   RMSNorm upcast as torch and torchtitan write it (x.float(), x², mean, x·rsqrt, .type_as,
     #   ·weight) 28 + 4e / 52 + 6e; LayerNorm (fused) 2e / 5e; residual add 3e / 3e; RoPE through
     #   complex fp32, on q and k, 16 + 2e / 16 + 2e; k and v repeated to every head (GQA,

@@ -1,5 +1,5 @@
 """The time model: one training step of a layout, priced op by op, so that it can be right for
-the right reason (the derivation and its sources: ARCHITECTURE.md, "The time model").
+the right reason (the derivation and its sources: DERIVATIONS.md, "The time model").
 
 Compute: each op of a microbatch (theory/planner/ops.py) on a roofline, max(FLOPs / (peak · efficiency),
 bytes / (HBM · efficiency)) with the hardware's measured efficiencies (theory/planner/hardware.py); the
