@@ -287,4 +287,3 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"labkit: {e}", file=sys.stderr)
         return 2
-
