@@ -66,10 +66,11 @@ class ParamMeta:
 class ParamMetas:
     """This rank's ParamMeta of every parameter, looked up by the parameter itself.
 
-    parallelize makes one per run; the strategies that change parameters (TP, EP, the pipeline's
-    split) write into it and the data-parallel step keeps it. It lives beside the model, not on
-    the tensors: attributes stuck on a tensor and read back with getattr and a default turn a
-    misspelt name into a silent default. Keyed by identity and held weakly (torch's
+    parallelize makes one per run and passes it, as it passes the mesh (no module-level registry:
+    parallel state is an argument, never a global); the strategies that change parameters (TP,
+    EP, the pipeline's split) write into it and the data-parallel step keeps it. It lives beside
+    the model, not on the tensors: attributes stuck on a tensor and read back with getattr and a
+    default turn a misspelt name into a silent default. Keyed by identity and held weakly (torch's
     WeakIdKeyDictionary; a plain WeakKeyDictionary compares keys with ==, elementwise on
     tensors): a parameter a strategy replaced (TP's full weight, by its slice) leaves with its
     record, and a new tensor at a freed one's address never inherits it.
