@@ -7,7 +7,9 @@ so re-running a layout on a warm cluster creates no new groups.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.config import DIMS
 from labkit.plans.mesh import COMBINED, MeshLayout, dim_name
@@ -31,6 +33,7 @@ class Mesh:
         self._group_ranks: dict[tuple[str, ...], list[int]] = {}
         self.dim_of: dict[str, str] = {}  # process group name -> dim name (for the comm meter)
         self._sub: dict[tuple, object] = {}  # (dim, run length | 'ends') -> group (MeshLayout.subgroups)
+        self._device_mesh: DeviceMesh | None = None  # device_mesh_2d's, once built
 
     @classmethod
     def build(cls, layout: MeshLayout, rank: int) -> Mesh:
@@ -74,6 +77,20 @@ class Mesh:
                 self._pg_cache[key] = dist.new_group(ranks)
             if self.rank in ranks:
                 self._sub[dim, len(ranks) if dim == "tp" else "ends"] = self._pg_cache[key]
+
+    def device_mesh_2d(self, device_type: str) -> DeviceMesh:
+        """One (dp, tp) DeviceMesh over this layout, from this mesh's own dp and tp groups (no new
+        process group), built on first use and kept with the mesh: DTensor TP takes its ["tp"]
+        slice, FSDP2 its ["dp"] (engines/parallel/tensor_torch.py, fsdp.py)."""
+        if self._device_mesh is None:
+            lay, here = self.layout, self.coords
+            ranks = [
+                [lay.rank(**{**here, "dp": d, "tp": t}) for t in range(lay.size("tp"))] for d in range(lay.size("dp"))
+            ]  # (dp, tp) global ranks
+            self._device_mesh = DeviceMesh.from_group(
+                [self.group("dp"), self.group("tp")], device_type, torch.tensor(ranks), mesh_dim_names=("dp", "tp")
+            )
+        return self._device_mesh
 
     def run_group(self, dim: str, k: int):
         """This rank's run of k consecutive coordinates along `dim` (the tp ranks sharing a KV head)."""

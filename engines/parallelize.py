@@ -26,9 +26,10 @@ The step's schedule and the input map are chosen here from the layout, beside th
 belong to: gradient accumulation or a pipeline schedule (DTensor's loss_parallel around it),
 and context parallelism's zigzag slice of the inputs.
 
-They compose through the parameters' metadata (engines/parallel/common.py), not by knowing
-each other: TP slices and marks replicas and SP's extra reduce dim; EP slices the experts,
-which it reduces over dp-cp, and keeps TP's marks (MoE layers are replicated over tp); the
+They compose through the parameters' metadata (engines/parallel/common.py: a ParamMeta per
+parameter, in the one ParamMetas this function makes and hands to each), not by knowing each
+other: TP slices and marks replicas and SP's extra reduce dim; EP slices the experts, which it
+reduces over dp-cp, and keeps TP's marks (MoE layers are replicated over tp); the
 pipeline keeps this stage's chunks under their full names; the data-parallel step reduces each
 gradient over its own group, buckets or shards per group and chunk, and counts each parameter
 once in the global norm. labkit.config refuses, with the reason, the few combinations that are
@@ -47,7 +48,7 @@ from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.accumulate import accumulate
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.checkpoint import apply_ac
-from labkit.engines.parallel.common import GradSync, on_device
+from labkit.engines.parallel.common import GradSync, ParamMetas, on_device
 from labkit.engines.parallel.context import apply_cp, zigzag_inputs
 from labkit.engines.parallel.ddp import DDP, TorchDDP
 from labkit.engines.parallel.experts import apply_ep
@@ -87,6 +88,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     """Apply every strategy of `cfg` to the full, seeded `model`; return this rank's share."""
     model = on_device(model, meters.device)
     schedule, inputs, info = accumulate, whole_sequence, {}
+    metas = ParamMetas()  # what 1, 3 and 5 say of the parameters they change, for 7
 
     # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py, or DTensor's
     if cfg.tp > 1 and cfg.impl == "torch":
@@ -97,7 +99,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         model, info["tp_plan"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
         schedule = in_loss_parallel(schedule)
     elif cfg.tp > 1:
-        model, info["tp_plan"] = apply_tp(model, mesh, sequence_parallel=cfg.sequence_parallel)
+        model, info["tp_plan"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel)
 
     # 2. context parallelism: engines/parallel/context.py
     if cfg.cp > 1:
@@ -106,7 +108,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
     # 3. expert parallelism: engines/parallel/experts.py
     if cfg.ep > 1:
-        model, info["ep"] = apply_ep(model, mesh)
+        model, info["ep"] = apply_ep(model, mesh, metas)
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
     if cfg.checkpoint_activations:
@@ -116,7 +118,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     chunks = [model]
     if mesh.size("pp") > 1:
         chunks, stages = apply_pipeline(
-            model, mesh, virtual_stages=cfg.virtual_stages, stage_layers=cfg.stage_layers, schedule=cfg.schedule
+            model, mesh, metas, virtual_stages=cfg.virtual_stages, stage_layers=cfg.stage_layers, schedule=cfg.schedule
         )
         info["pipeline"] = {"schedule": cfg.schedule, **stages}
         if cfg.impl == "torch":
@@ -147,6 +149,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         sync = apply_fsdp(
             chunks,
             mesh,
+            metas,
             reshard=cfg.reshard_after_forward,
             pol=pol,
             optim=optim,
@@ -157,6 +160,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         sync = apply_zero(
             chunks,
             mesh,
+            metas,
             stage=ZERO_STAGES[cfg.sharding],
             bucket_bytes=bucket_bytes,
             pol=pol,
@@ -165,16 +169,23 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
             loss_shards=loss_shards,
         )
     elif cfg.impl == "torch" and mesh.size("pp") > 1:
-        sync = TorchStageGrads(chunks, mesh, cfg.bucket_mb, optim)  # PyTorch's DDP per stage chunk
+        sync = TorchStageGrads(chunks, mesh, metas, cfg.bucket_mb, optim)  # PyTorch's DDP per stage chunk
     elif cfg.impl == "torch" and cfg.tp > 1:
         from labkit.engines.parallel.tensor_torch import TorchTP  # DTensor: only its runs load it
 
         sync = TorchTP(chunks[0], mesh, optim)  # no dp: labkit.config refuses DDP with DTensor TP
     elif cfg.impl == "torch":
-        sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), cfg.bucket_mb, optim)
+        sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), metas, cfg.bucket_mb, optim)
     else:
         sync = DDP(
-            chunks, mesh, loss_shards=loss_shards, bucket_bytes=bucket_bytes, optim=optim, pol=pol, meters=meters
+            chunks,
+            mesh,
+            metas,
+            loss_shards=loss_shards,
+            bucket_bytes=bucket_bytes,
+            optim=optim,
+            pol=pol,
+            meters=meters,
         )
     if hasattr(sync, "plans"):  # ours: the flat buffers, for the report
         info["flat_buffers"] = [

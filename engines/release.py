@@ -12,7 +12,7 @@ import socket
 
 import psutil
 
-from labkit.engines import runtime, sockets
+from labkit.engines import process_group, runtime, sockets
 
 
 def release(peers: list | tuple = ()) -> dict:
@@ -32,7 +32,7 @@ def release(peers: list | tuple = ()) -> dict:
     if job.alive:
         return {"state": job.state, "held": 0}
     mine = {port for _, port in sockets.listening()}
-    runtime.shutdown_distributed()
+    process_group.shutdown_distributed()
     targets = {(ip, port) for ip, port in peers}
     wildcard = {port for ip, port in peers if ip in ("0.0.0.0", "::")}
     for c in psutil.Process().net_connections("inet"):

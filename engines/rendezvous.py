@@ -3,7 +3,7 @@
 torch's TCPStore has no authentication: whoever connects can read and write the keys every rank
 trusts. It is needed while the ranks meet (each rank's client connects then) and afterwards only
 through those connections. `seal` closes the listening socket the store was given
-(runtime.open_rendezvous's, passed as master_listen_fd) and leaves the store serving the
+(process_group.open_rendezvous's, passed as master_listen_fd) and leaves the store serving the
 connections it has. A socket shut down under libuv's event loop makes accept() fail forever (a
 busy loop), so the socket is not shut down: a fresh unbound socket takes its descriptor number
 (dup2), which drops the last reference to the listening one, the kernel closes it, and its port is
@@ -40,6 +40,6 @@ def served() -> list[tuple[str, int]]:
 
 
 def forget() -> None:
-    """The store is gone (runtime.shutdown_distributed)."""
+    """The store is gone (process_group.shutdown_distributed)."""
     global _served
     _served = None

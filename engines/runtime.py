@@ -1,8 +1,9 @@
-"""What one engine process is: its rank, its process group, and the job it is running.
+"""What one engine process is: its rank, and the job it is running.
 
 The Lab calls these functions on every engine (through ipyparallel, which this module never
-imports). Work runs in a job thread, not in the engine's request loop, so the engine keeps
-answering while a step is under way: the Lab polls it for per-step progress, reads the
+imports); engines/process_group.py joins the engine to a torch world and records its rank here.
+Work runs in a job thread, not in the engine's request loop, so the engine keeps answering while
+a step is under way: the Lab polls it for per-step progress, reads the
 collective log of a rank that is stuck in a collective, and asks it to cancel.
 
 The collective log. Every job runs under one CommMeter (engines/meters/comm.py) from its
@@ -21,25 +22,21 @@ waiting. A cycle of ranks that all wait on each other is freed by the process gr
 timeout (set per job, slightly above the Lab's), or by replacing an engine.
 
 The module keeps the one piece of per-process state an engine has (`_state`): which rank it
-is, its store and the current job. Parallel layouts keep none here; they live in the Mesh.
+is and the current job. Parallel layouts keep none here; they live in the Mesh.
 torch (and the comm meter, which imports it) is imported inside the functions: the notebook
 imports this module only to name the functions the Lab sends, and never loads torch.
 """
 
 from __future__ import annotations
 
-import datetime
-import gc
 import importlib
-import os
-import socket
 import sys
 import threading
 import time
 import traceback
 from dataclasses import dataclass, field
 
-from labkit.engines import flight, group_log, rendezvous
+from labkit.engines import flight, group_log
 
 PG_MARGIN_S = 2.0
 """A job's process groups time out this much later than the Lab gives up on the job, so the Lab
@@ -50,7 +47,8 @@ GIL_SWITCH_S = 1e-4
 (in every collective: the comm meter's kernel takes it back on the dispatch path, its done-callback
 on gloo's thread) and wants it again waits until the thread that took it meanwhile (one of
 ipyparallel's) yields it, up to the interval. With 4 ranks on 2 cores that cost ~0.9 ms per
-collective at 5 ms and ~0.1 ms at 0.1 ms (benchmarks/RESULTS.md, 'profile')."""
+collective at 5 ms and ~0.1 ms at 0.1 ms (benchmarks/RESULTS.md, 'profile'). Set when the engine
+joins a world (engines/process_group.py)."""
 
 
 @dataclass
@@ -89,8 +87,6 @@ class Job:
 
 class _State:
     runtime: Runtime | None = None
-    listener: socket.socket | None = None
-    store: object = None
     job: Job = Job()
     jobs: int = 0
 
@@ -98,140 +94,17 @@ class _State:
 _state = _State()
 
 
-# -- rendezvous -----------------------------------------------------------------------------
+# -- the rank -------------------------------------------------------------------------------
 def in_world() -> bool:
     """Whether this engine has joined a torch world (has a rank). engines/host.py says what it
     is before that."""
     return _state.runtime is not None
 
 
-def open_rendezvous(bind: str) -> int:
-    """Rank 0: listen on `bind` (127.0.0.1 for a local cluster) on a port the OS picks as free.
-
-    The socket is handed to the TCPStore (master_listen_fd), so the store never listens on
-    another address and no port is guessed (two Labs on one machine cannot collide).
-    """
-    if _state.listener is not None:
-        _state.listener.close()
-    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    s.bind((bind, 0))
-    s.listen(256)
-    _state.listener = s
-    return s.getsockname()[1]
-
-
-def init_distributed(
-    rank: int,
-    world_size: int,
-    addr: str,
-    port: int,
-    backend: str,
-    device: str,
-    timeout_s: float,
-    generation: int,
-    threads: int,
-    loopback: bool,
-    env: dict | None = None,
-    ifname: str | None = None,
-    memory_fraction: float | None = None,
-) -> dict:
-    """Join the process group (tearing down an old one first). Returns this rank's Runtime.
-    env: variables to set first (the notebook's NCCL_* and GLOO_SOCKET_IFNAME, labkit/cluster/world.py);
-    ifname: the interface this host's ranks talk on (labkit/cluster/world.py), unless env names one;
-    memory_fraction: the cap on this rank's share of its GPU (a classroom's shared GPUs)."""
-    import torch  # engines only, like the comm meter that imports it
-    import torch.distributed as dist
-
-    from labkit.engines.meters import comm
-
-    if _state.job.alive:
-        raise RuntimeError("a job is still running on this engine; it must end before the process group is rebuilt")
-    shutdown_distributed()
-    os.environ.update(env or {})
-    if loopback:
-        os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # gloo's own connections stay on 127.0.0.1
-    elif ifname:  # gloo listens and connects on the cluster's network only, NCCL bootstraps there
-        for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-            os.environ[name] = (env or {}).get(name) or ifname
-    # On a timeout NCCL's watchdog aborts the communicators and leaves the process alive (2:
-    # CleanUpOnly; the default tears the process down), so the Lab can still read this rank's
-    # logs and the next call rebuilds the groups. Read by ProcessGroupNCCL when a group is made.
-    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "2")
-    torch.set_num_threads(max(1, threads))
-    sys.setswitchinterval(GIL_SWITCH_S)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    if rank == 0:
-        fd = _state.listener.detach()
-        _state.listener = None
-        store = dist.TCPStore(
-            addr, port, world_size, True, timeout, master_listen_fd=fd, wait_for_workers=False, use_libuv=True
-        )
-    else:
-        store = dist.TCPStore(addr, port, world_size, False, timeout)
-    _state.store = store
-    if device.startswith("cuda"):
-        torch.cuda.set_device(torch.device(device))
-        if memory_fraction:
-            torch.cuda.set_per_process_memory_fraction(memory_fraction, torch.device(device))
-    dist.init_process_group(
-        backend,
-        store=store,
-        rank=rank,
-        world_size=world_size,
-        timeout=timeout,
-        device_id=torch.device(device) if backend == "nccl" else None,
-    )
-    comm.install()
-    group_log.install(_group_timeout)
-    _state.runtime = Runtime(rank, world_size, backend, device, socket.gethostname(), timeout_s, generation)
-    _state.runtime.clock_offset = _clock_offset()
-    if rank == 0 and backend == "gloo":
-        # Every rank's store client has connected by now (gloo's rendezvous read each rank's
-        # address from the store), and gloo's later groups reuse those connections: the store,
-        # which has no authentication, stops taking new ones. NCCL's communicator splits clone
-        # the store (a new connection), so on NCCL it listens for as long as the world.
-        rendezvous.seal(fd, (addr, port))
-    return _state.runtime.__dict__.copy()
-
-
-def _clock_offset() -> float:
-    """Offset of this host's perf_counter from rank 0's, from a barrier handshake (0 on one host)."""
-    import torch  # engines only
-    import torch.distributed as dist
-
-    rt = _state.runtime
-    hosts = [None] * rt.world_size
-    dist.all_gather_object(hosts, rt.host)
-    if len(set(hosts)) == 1:
-        return 0.0
-    dist.barrier()
-    # on the rank's device: an NCCL-only world has no backend for CPU tensors
-    t = torch.tensor([time.perf_counter()], dtype=torch.float64, device=rt.device)
-    dist.broadcast(t, src=0)
-    return float(t) - time.perf_counter()
-
-
-def shutdown_distributed() -> None:
-    """Destroy every process group of this rank (closing its connections) and forget them."""
-    import torch.distributed as dist  # engines only, like the comm meter that imports torch
-
-    from labkit.engines.mesh import Mesh
-    from labkit.engines.meters import comm
-
-    if dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:
-            pass
-    Mesh.forget_groups()
-    comm.forget_groups()  # group names are reused by the next world: drop their cached ranks
-    _state.store = None  # the TCPStore (and on rank 0 its listening socket) goes with it
-    rendezvous.forget()
-    _state.runtime = None
-    # A gloo group closes its connections only when its last reference goes, and a finished
-    # run's DDP keeps its groups in reference cycles (gradient hooks): collect them now, or the
-    # peers of a released rank would go on waiting.
-    gc.collect()
+def set_current(rt: Runtime | None) -> None:
+    """This engine's rank in the world it just joined, or None when it left it
+    (engines/process_group.py)."""
+    _state.runtime = rt
 
 
 def current_job() -> Job:
@@ -253,7 +126,7 @@ def process_groups() -> int:
 
 
 # -- the job's process groups ----------------------------------------------------------------
-def _group_timeout() -> float | None:
+def group_timeout() -> float | None:
     """Seconds a group created now should wait: the running job's timeout plus the margin."""
     job = _state.job
     if job.timeout_s is None or job.state != "running":

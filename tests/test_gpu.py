@@ -226,16 +226,16 @@ def test_batched_point_to_point_crosses_between_ranks_on_nccl(gpu_lab):
 
 
 def _clock_with_two_hosts() -> float:
-    """runtime._clock_offset as on two hosts (all_gather_object faked): its barrier and broadcast
+    """process_group.clock_offset as on two hosts (all_gather_object faked): its barrier and broadcast
     run on this NCCL world, which has no backend for CPU tensors."""
     import torch.distributed as dist
 
-    from labkit.engines import runtime
+    from labkit.engines import process_group
 
     real = dist.all_gather_object
     dist.all_gather_object = lambda out, obj, group=None: out.__setitem__(slice(None), [obj, obj + "-other"])
     try:
-        return runtime._clock_offset()
+        return process_group.clock_offset()
     finally:
         dist.all_gather_object = real
 

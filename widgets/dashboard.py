@@ -8,9 +8,9 @@
 
 A change of any control narrows the other sliders to what fits, validates the layout (an
 invalid one shows its ConfigError inline and does not run) and, after a short debounce, asks
-the one background thread to run it. The Lab is not safe to call concurrently, so that thread
-is the only caller and runs are serialised; the kernel's thread only reads controls and
-draws the mesh, so the notebook stays responsive while a run is in flight. The figures are
+the one background thread to run it (widgets/run_queue.py). The Lab is not safe to call
+concurrently, so that thread is the only caller and runs are serialised; the kernel's thread only
+reads controls and draws the mesh, so the notebook stays responsive while a run is in flight. The figures are
 rebuilt from the result by the pure builders in figures.py and shown in place (live.refresh).
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import threading
 import time
 
 import ipywidgets as W
@@ -33,6 +32,7 @@ from labkit.widgets import figures
 from labkit.widgets.controls import DEGREES, config_of, make_controls, sync_options
 from labkit.widgets.device import total_memory
 from labkit.widgets.live import UI, figure_widget, refresh
+from labkit.widgets.run_queue import RunQueue
 
 NAMES = ("memory", "comm", "traffic", "timeline", "mesh", "loss")
 TITLES = {
@@ -122,19 +122,13 @@ class Dashboard:
         self.runs = 0
         self.timings: dict[str, float] = {}
         self._refs: dict[tuple, object] = {}
-        self._cv = threading.Condition()
-        self._pending: tuple | None = None
-        self._due = 0.0
-        self._busy = False
-        self._closed = False
         self._syncing = False
         self.widget = self._assemble()
         for w in self.controls.values():
             w.observe(self._changed, names="value")
         self.mesh_dim.observe(lambda _: self._draw_mesh(config_of(self.controls)), names="value")
         self.cancel_button.on_click(lambda _: self.cancel())
-        self._thread = threading.Thread(target=self._worker, name="labkit-dashboard", daemon=True)
-        self._thread.start()
+        self.queue = RunQueue(lambda request: self._run(*request), self._failed, name="labkit-dashboard")
         self._changed(None, schedule=run)
 
     # -- what the notebook shows ------------------------------------------------------------
@@ -205,20 +199,15 @@ class Dashboard:
         try:
             validate(cfg, self.model, self.engines)
         except ConfigError as e:
-            with self._cv:
-                self._pending = None
-                self._cv.notify_all()
+            self.queue.drop()
             self._show_error(str(e))
             self._say(f"{describe(cfg)}: not run (see below)")
             return
         self._show_error("")
         if not schedule:
             return
-        with self._cv:
-            self._pending = (cfg, self.controls["steps"].value, time.perf_counter())
-            self._due = time.monotonic() + self.debounce
-            self._cv.notify_all()
-        self._say(f"{describe(cfg)}: queued" + (" after the run in flight" if self._busy else ""))
+        self.queue.put((cfg, self.controls["steps"].value, time.perf_counter()), self.debounce)
+        self._say(f"{describe(cfg)}: queued" + (" after the run in flight" if self.queue.busy else ""))
 
     def _draw_mesh(self, cfg: ParallelConfig) -> None:
         if cfg.order.count("-") != len(DIMS) - 1 or sorted(cfg.order.split("-")) != sorted(DIMS):
@@ -229,25 +218,10 @@ class Dashboard:
             hosts = devices = None
         refresh(self.figures["mesh"], figures.mesh_figure(layout, self.mesh_dim.value, hosts, devices), **SIZE)
 
-    # -- the one thread that calls the Lab --------------------------------------------------
-    def _worker(self) -> None:
-        while True:
-            with self._cv:
-                while not self._closed and (self._pending is None or time.monotonic() < self._due):
-                    self._cv.wait(None if self._pending is None else max(0.0, self._due - time.monotonic()))
-                if self._closed:
-                    return
-                (cfg, steps, asked), self._pending = self._pending, None
-                self._busy = True
-            try:
-                self._run(cfg, steps, asked)
-            except Exception as e:  # noqa: BLE001 - shown in the notebook, never lost in a thread
-                self.error = e
-                self._show_error(f"{type(e).__name__}: {e}")
-            finally:
-                with self._cv:
-                    self._busy = False
-                    self._cv.notify_all()
+    # -- in the one thread that calls the Lab (self.queue) -----------------------------------
+    def _failed(self, e: Exception) -> None:
+        self.error = e
+        self._show_error(f"{type(e).__name__}: {e}")
 
     def _run(self, cfg: ParallelConfig, steps: int, asked: float) -> None:
         self._set(self.progress, max=steps, value=0)
@@ -336,7 +310,7 @@ class Dashboard:
     @property
     def running(self) -> bool:
         """Whether a run is in flight on the cluster now."""
-        return self._busy
+        return self.queue.busy
 
     def wait(self, timeout: float | None = None):
         """Block until no run is pending or in flight and its figures are drawn; the last result.
@@ -345,13 +319,12 @@ class Dashboard:
         while True:
             if self.ui.here:
                 self.ui.flush()  # the kernel's thread is blocked here: run the updates it owes
-            with self._cv:
-                if self._pending is None and not self._busy and not self.ui.pending:
-                    return self.result
-                left = None if deadline is None else deadline - time.monotonic()
-                if left is not None and left <= 0:
-                    raise TimeoutError(f"the dashboard was still busy after {timeout} s")
-                self._cv.wait(0.02 if left is None else min(0.02, left))
+            if self.queue.idle and not self.ui.pending:
+                return self.result
+            left = None if deadline is None else deadline - time.monotonic()
+            if left is not None and left <= 0:
+                raise TimeoutError(f"the dashboard was still busy after {timeout} s")
+            self.queue.wait(0.02 if left is None else min(0.02, left))
 
     def set(self, **values) -> None:
         """Set several controls at once (one run): e.g. dash.set(dp=1, pp=4, microbatches=8)."""
@@ -365,20 +338,13 @@ class Dashboard:
 
     def cancel(self) -> None:
         """Drop any queued run and ask the engines to stop the one in flight."""
-        with self._cv:
-            self._pending = None
-            busy = self._busy
-        if busy:
+        if self.queue.drop():
             self._say("cancelling…")
             self.lab.cancel()
 
     def close(self) -> None:
         """Stop the background thread (after the run in flight) and close the widgets."""
-        with self._cv:
-            self._closed = True
-            self._pending = None
-            self._cv.notify_all()
-        self._thread.join(timeout=60)
+        self.queue.close(timeout=60)
         self.widget.close()
 
 

@@ -1,30 +1,19 @@
 """What every data-parallel flavour provides (the GradSync protocol), and the conventions that
-let strategies compose.
-
-Parameter metadata. A strategy that changes a parameter says so on the tensor, so that the
-later steps (gradient reduction, clipping, checking) need not know which strategy made it:
-  _lk_name        its name in the full model (set when a strategy renames modules)
-  _lk_full_shape  the full tensor's shape, and
-  _lk_box         [start, stop) per dim of the full tensor that this rank holds (TP, EP slices)
-  _lk_reduce      mesh dims its gradient is summed over before dividing by the loss shards
-                  (default ('dp', 'ep', 'cp'): every dim whose ranks see different tokens;
-                  an expert's: ('dp', 'cp'); a sequence-parallel LayerNorm's adds 'tp')
-  _lk_replicas    mesh dims over which other ranks hold the same values (a TP-replicated
-                  LayerNorm: ('tp',)); the global gradient norm counts it on one of them only
-  _lk_tp_share    k: the same slice is held by runs of k consecutive tp ranks (a KV head when
-                  tp > kv_heads); counted on the first of each run
-  _lk_tied        the copy of a tied embedding on the first or the last pipeline stage: its
-                  gradient is all-reduced over the two (`tied_params`, Megatron's embedding group)
+let strategies compose: the parameters' metadata (`ParamMeta`, one record per parameter, kept in
+the run's `ParamMetas`), which strategies that change a parameter write and the later steps
+(gradient reduction, clipping, checking) read, so that those need not know which strategy made it.
 """
 
 from __future__ import annotations
 
 import weakref
 from contextlib import AbstractContextManager
+from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
+from torch.utils.weak import WeakIdKeyDictionary
 
 from labkit.plans.mesh import DATA_DIMS
 
@@ -34,6 +23,68 @@ from labkit.plans.mesh import DATA_DIMS
 # _reduce_scatter_base_), which the comm meter calls all_gather and reduce_scatter.
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(slots=True)
+class ParamMeta:
+    """What the strategies that changed one parameter say about it.
+
+    The words: the *full* parameter is the one-process model's tensor, under its name there; a
+    rank's *local* parameter is what the rank holds of it, the whole tensor or a TP / EP slice
+    (`box`). A parameter no strategy marked keeps every default: whole, named as its module names
+    it, reduced over every data dim, held by no other rank. Slotted: a misspelt field is an
+    AttributeError, read or written.
+    """
+
+    name: str | None = None
+    """Its name in the full model where a strategy renamed its module (a pipeline chunk's); None:
+    the name its module gives it."""
+    full_shape: tuple[int, ...] | None = None
+    """The full tensor's shape where this rank holds a slice (TP, EP); None: the tensor is whole."""
+    box: list[list[int]] | None = None
+    """[start, stop) per dim of the full tensor that this rank holds, beside `full_shape`."""
+    reduce: tuple[str, ...] = DATA_DIMS
+    """Mesh dims its gradient is summed over before dividing by the loss shards: every dim whose
+    ranks see different tokens; an expert's ('dp', 'cp'); a sequence-parallel LayerNorm's adds 'tp'."""
+    replicas: tuple[str, ...] = ()
+    """Mesh dims over which other ranks hold the same values (a TP-replicated LayerNorm: ('tp',));
+    the global gradient norm counts it on one of them only."""
+    tp_share: int = 1
+    """k: the same slice is held by runs of k consecutive tp ranks (a KV head when tp > kv_heads);
+    counted on the first of each run."""
+    chunk: int = 0
+    """Which of this rank's pipeline chunks holds it: DDP and ZeRO bucket per chunk."""
+    tied: bool = False
+    """The copy of a tied embedding on the first or the last pipeline stage: its gradient is
+    all-reduced over the two (`tied_params`, Megatron's embedding group)."""
+
+    def full_name(self, local: str) -> str:
+        """Its name in the full model, given the one its module gives it."""
+        return local if self.name is None else self.name
+
+
+class ParamMetas:
+    """This rank's ParamMeta of every parameter, looked up by the parameter itself.
+
+    parallelize makes one per run and passes it, as it passes the mesh (no module-level registry:
+    parallel state is an argument, never a global); the strategies that change parameters (TP,
+    EP, the pipeline's split) write into it and the data-parallel step keeps it. It lives beside
+    the model, not on the tensors: attributes stuck on a tensor and read back with getattr and a
+    default turn a misspelt name into a silent default. Keyed by identity and held weakly (torch's
+    WeakIdKeyDictionary; a plain WeakKeyDictionary compares keys with ==, elementwise on
+    tensors): a parameter a strategy replaced (TP's full weight, by its slice) leaves with its
+    record, and a new tensor at a freed one's address never inherits it.
+    """
+
+    def __init__(self):
+        self._of = WeakIdKeyDictionary()
+
+    def __getitem__(self, p: torch.Tensor) -> ParamMeta:
+        """p's record, made with the defaults on first use; read it, or change it in place."""
+        meta = self._of.get(p)
+        if meta is None:
+            meta = self._of[p] = ParamMeta()
+        return meta
 
 
 class GradSync(Protocol):
@@ -76,15 +127,6 @@ class GradSync(Protocol):
         unit is all-gathered here."""
 
 
-def full_name(p: torch.nn.Parameter, fallback: str) -> str:
-    """The parameter's name in the full model (strategies that rename modules set `_lk_name`)."""
-    return getattr(p, "_lk_name", fallback)
-
-
-def reduce_dims(p: torch.Tensor) -> tuple[str, ...]:
-    return getattr(p, "_lk_reduce", DATA_DIMS)
-
-
 def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> dict:
     """A part of a full parameter: `box` is [start, stop) per tensor dim, `flat` a [start, stop)
     range of the flattened tensor, both a flat range of the box (a ZeRO shard of a TP slice);
@@ -100,41 +142,40 @@ def piece(name: str, full_shape, values: torch.Tensor, box=None, flat=None) -> d
     }
 
 
-def param_piece(name: str, p: torch.Tensor, values: torch.Tensor | None = None) -> dict:
-    """The piece a (possibly sliced) parameter holds (see `_lk_full_shape` / `_lk_box`); `values`
+def param_piece(name: str, p: torch.Tensor, meta: ParamMeta, values: torch.Tensor | None = None) -> dict:
+    """The piece a (possibly sliced) parameter holds, placed by its record (`meta`); `values`
     replaces its own (its fp32 master under mixed precision)."""
-    shape = getattr(p, "_lk_full_shape", tuple(p.shape))
-    return piece(full_name(p, name), shape, p if values is None else values, box=getattr(p, "_lk_box", None))
+    shape = tuple(p.shape) if meta.full_shape is None else meta.full_shape
+    return piece(meta.full_name(name), shape, p if values is None else values, box=meta.box)
 
 
-def norm_plan(params: list[torch.Tensor], mesh, sharded: bool = False):
-    """How to assemble the global gradient norm with each parameter counted once.
+def norm_plan(records: list[ParamMeta], mesh, sharded: bool = False):
+    """How to assemble the global gradient norm with each parameter counted once, from the
+    parameters' records.
 
     Returns (group, counted): `group` spans the dims over which parameters are split (tp, pp,
     ep; with `sharded` — ZeRO / FSDP, whose buffers are sharded over each parameter's reduce
     dims — dp and cp too) or is None when nothing is split; `counted[i]` is False where
-    parameter i is a replica that another rank in `group` counts: a replica dim (`_lk_replicas`)
+    parameter i is a replica that another rank in `group` counts: a replica dim (`replicas`)
     counts only at coordinate 0, unless the parameter is sharded over it (then every rank
     holds a different slice: a dense weight under ZeRO x EP, a sequence-parallel LayerNorm).
     """
     split = tuple(d for d in ("tp", "pp", "ep", *(("dp", "cp") if sharded else ())) if mesh.size(d) > 1)
     coords = mesh.coords
 
-    def counts(p) -> bool:
-        over = reduce_dims(p) if sharded else ()
-        share = getattr(p, "_lk_tp_share", 1)  # a KV head held by `share` consecutive tp ranks
-        return coords["tp"] % share == 0 and all(
-            coords[d] == 0 for d in getattr(p, "_lk_replicas", ()) if d in split and d not in over
-        )
+    def counts(meta: ParamMeta) -> bool:
+        over = meta.reduce if sharded else ()
+        first_of_run = coords["tp"] % meta.tp_share == 0  # a KV head held by `tp_share` consecutive tp ranks
+        return first_of_run and all(coords[d] == 0 for d in meta.replicas if d in split and d not in over)
 
     group = mesh.group(*split) if split else None
-    return group, [counts(p) for p in params]
+    return group, [counts(m) for m in records]
 
 
-def tied_params(params: list[torch.Tensor], mesh) -> tuple[object, set[int]]:
+def tied_params(params: list[torch.Tensor], metas: ParamMetas, mesh) -> tuple[object, set[int]]:
     """(the group of the first and last pipeline stage, ids of the tied embedding copies among
     `params`): engines/parallel/pipeline.py `split_model` marks them. (None, {}) without any."""
-    tied = {id(p) for p in params if getattr(p, "_lk_tied", False)}
+    tied = {id(p) for p in params if metas[p].tied}
     return (mesh.ends_group("pp") if tied else None), tied
 
 

@@ -22,10 +22,10 @@ from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, torch_adamw
 from labkit.engines.parallel.common import (
+    ParamMetas,
     all_reduce_tied,
     norm_plan,
     param_piece,
-    reduce_dims,
     tied_params,
     weak_method,
 )
@@ -51,22 +51,22 @@ class _Bucket:
         self.acc = None  # bf16 with microbatches: the fp32 sum of their gradients
 
 
-def plan(params: list[nn.Parameter], bucket_bytes: int) -> list[list[int]]:
+def plan(params: list[nn.Parameter], metas: ParamMetas, bucket_bytes: int) -> list[list[int]]:
     """Buckets (parameter indices) in launch order: parameters are grouped by the dims their
-    gradient is reduced over (`_lk_reduce`) and by pipeline chunk (`_lk_chunk`: a chunk's
+    gradient is reduced over (ParamMeta.reduce) and by pipeline chunk (ParamMeta.chunk: a chunk's
     buckets can go as soon as its last backward is over), each group bucketed in reverse order
     (plans/buckets.py), and the buckets of all groups launched by their last parameter, latest
     first — the order backward produces them. The same on every rank that holds the same
     parameters."""
     sizes = [p.numel() * p.element_size() for p in params]
-    keys = [(reduce_dims(p), getattr(p, "_lk_chunk", 0)) for p in params]
+    keys = [(metas[p].reduce, metas[p].chunk) for p in params]
     return [b for _, b in plan_groups(sizes, keys, bucket_bytes)]
 
 
 class DDP:
     """labkit's DDP; implements GradSync (engines/parallel/common.py).
 
-    Each parameter's gradient is summed over the mesh dims named by its `_lk_reduce` (default
+    Each parameter's gradient is summed over the mesh dims its record names (ParamMeta.reduce, default
     dp x ep x cp) and divided by `loss_shards`, the number of ranks whose local mean losses
     average to the global loss (dp * ep * cp). `norm_plan` (common.py) says how the global
     gradient norm is assembled when tp / pp / ep split the parameters. Under bf16 (precision.py)
@@ -82,6 +82,7 @@ class DDP:
         self,
         chunks: list[nn.Module],
         mesh,
+        metas: ParamMetas,
         loss_shards: int,
         bucket_bytes: int,
         optim: OptimConfig,
@@ -94,16 +95,17 @@ class DDP:
         self.reduce, self.meters = pol.reduce, meters
         self.names = [n for n, _ in named_params]
         self.params = [p for _, p in named_params]
+        self.metas = metas
         self.masters = split_masters(self.params, pol)
         self.loss_shards = loss_shards
         self.optim_cfg = optim
-        self.norm_group, self.counted = norm_plan(self.params, mesh)
+        self.norm_group, self.counted = norm_plan([metas[p] for p in self.params], mesh)
         self.buckets = [
-            _Bucket([self.params[i] for i in idx], mesh.group(*reduce_dims(self.params[idx[0]])))
-            for idx in plan(self.params, bucket_bytes)
+            _Bucket([self.params[i] for i in idx], mesh.group(*metas[self.params[idx[0]]].reduce))
+            for idx in plan(self.params, metas, bucket_bytes)
         ]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self.tied_group, self.tied = tied_params(self.params, mesh)
+        self.tied_group, self.tied = tied_params(self.params, metas, mesh)
         self.next_launch = 0
         self.sync = True
         self.accumulate = False
@@ -195,45 +197,34 @@ class DDP:
         }
 
     def param_pieces(self) -> list[dict]:
-        return [param_piece(n, p, values=m) for n, p, m in zip(self.names, self.params, self.masters)]
+        return [param_piece(n, p, self.metas[p], values=m) for n, p, m in zip(self.names, self.params, self.masters)]
 
     def grad_pieces(self) -> list[dict]:
-        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+        return [param_piece(n, p, self.metas[p], values=p.grad) for n, p in zip(self.names, self.params)]
 
     def compute_pieces(self) -> list[dict] | None:
         """bf16: the parameters forward reads, the masters rounded; fp32: they are the masters."""
         if all(m is p for m, p in zip(self.masters, self.params)):
             return None
-        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+        return [param_piece(n, p, self.metas[p]) for n, p in zip(self.names, self.params)]
 
 
-class TorchDDP:
-    """PyTorch's DistributedDataParallel with torch.optim.AdamW and clip_grad_norm_, as a user
-    would write it. gradient_as_bucket_view keeps one copy of the gradients (the grads are views
-    of the reducer's buckets), so its memory is comparable with ours. The comm meter sees the C++
-    reducer's all-reduces at the dispatcher (engines/meters/comm.py)."""
+class TorchUpdate:
+    """torch.optim.AdamW over the plain (not DTensor) parameters of one of PyTorch's strategies, as
+    a user would write it, and what GradSync reports of them: the part TorchDDP and
+    TorchStageGrads share. Each of them says how its gradients are reduced and its norm taken."""
 
-    def __init__(self, module: nn.Module, group, bucket_mb: float, optim: OptimConfig):
-        self.names = [n for n, _ in module.named_parameters()]
-        self.params = [p for _, p in module.named_parameters()]
-        self.ddp = DistributedDataParallel(
-            module, process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, broadcast_buffers=False
-        )
-        self.modules = [self.ddp]
+    def __init__(self, named: list[tuple[str, nn.Parameter]], metas: ParamMetas, optim: OptimConfig):
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.metas = metas
         self.clip = optim.clip
         self.opt = torch_adamw(self.names, self.params, optim)
 
-    def microbatch(self, index: int, count: int):
-        return nullcontext() if index == count - 1 else self.ddp.no_sync()
-
-    def finish(self) -> None:
-        pass  # DDP's reducer waits for its all-reduces at the end of backward
-
-    def step(self) -> float:
-        norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf"))
+    def step(self) -> None:
+        """Update, then zero the gradients in place (views of DDP's buckets: gradient_as_bucket_view)."""
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
-        return float(norm)
 
     def memory(self) -> dict[str, int]:
         state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
@@ -244,10 +235,46 @@ class TorchDDP:
         }
 
     def param_pieces(self) -> list[dict]:
-        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+        return [param_piece(n, p, self.metas[p]) for n, p in zip(self.names, self.params)]
 
     def grad_pieces(self) -> list[dict]:
-        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+        return [param_piece(n, p, self.metas[p], values=p.grad) for n, p in zip(self.names, self.params)]
+
+
+class TorchDDP:
+    """PyTorch's DistributedDataParallel with torch.optim.AdamW and clip_grad_norm_, as a user
+    would write it. gradient_as_bucket_view keeps one copy of the gradients (the grads are views
+    of the reducer's buckets), so its memory is comparable with ours. The comm meter sees the C++
+    reducer's all-reduces at the dispatcher (engines/meters/comm.py)."""
+
+    def __init__(self, module: nn.Module, group, metas: ParamMetas, bucket_mb: float, optim: OptimConfig):
+        named = list(module.named_parameters())
+        self.ddp = DistributedDataParallel(
+            module, process_group=group, bucket_cap_mb=bucket_mb, gradient_as_bucket_view=True, broadcast_buffers=False
+        )
+        self.modules = [self.ddp]
+        self.update = TorchUpdate(named, metas, optim)
+
+    def microbatch(self, index: int, count: int):
+        return nullcontext() if index == count - 1 else self.ddp.no_sync()
+
+    def finish(self) -> None:
+        pass  # DDP's reducer waits for its all-reduces at the end of backward
+
+    def step(self) -> float:
+        clip = self.update.clip
+        norm = torch.nn.utils.clip_grad_norm_(self.update.params, clip if clip else float("inf"))
+        self.update.step()
+        return float(norm)
+
+    def memory(self) -> dict[str, int]:
+        return self.update.memory()
+
+    def param_pieces(self) -> list[dict]:
+        return self.update.param_pieces()
+
+    def grad_pieces(self) -> list[dict]:
+        return self.update.grad_pieces()
 
     def compute_pieces(self) -> None:
         return None  # fp32 only (labkit.config): forward reads the masters

@@ -10,7 +10,7 @@ per-expert counts (a small all-to-all) and then call all_to_all_single with thos
 Gradients: the router, attention and every dense weight are replicas over ep (each ep rank
 saw different tokens), reduced over dp x ep x cp as usual; an expert's weights live on one ep
 rank and their gradient already holds every ep rank's tokens (the backward all-to-all brought
-them), so it is reduced over dp x cp only (`_lk_reduce`). Under tensor parallelism the MoE
+them), so it is reduced over dp x cp only (ParamMeta.reduce). Under tensor parallelism the MoE
 layer is replicated over tp (plans/tensor.py): each tp rank runs this all-to-all with the ep
 ranks of its own tp coordinate, and the experts keep TP's replica mark for the norm.
 """
@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.engines.moe import MoE
+from labkit.engines.parallel.common import ParamMetas
 
 
 class _AllToAll(torch.autograd.Function):
@@ -66,10 +67,10 @@ class ExpertParallel:
         return _AllToAll.apply(back, send, recv, self.group)  # (R, h) -> (N, h)
 
 
-def apply_ep(model: nn.Module, mesh) -> tuple[nn.Module, dict]:
+def apply_ep(model: nn.Module, mesh, metas: ParamMetas) -> tuple[nn.Module, dict]:
     """Keep this ep rank's E/ep experts of every MoE layer (slices of the full seeded tensors),
-    route through the all-to-all on the mesh's ep group, and mark what the gradient reduction and
-    the norm must know. Returns (model, the experts it keeps as data for the report)."""
+    route through the all-to-all on the mesh's ep group, and mark in `metas` what the gradient
+    reduction and the norm must know. Returns (model, the experts it keeps as data for the report)."""
     ep, rank = mesh.size("ep"), mesh.coord("ep")
     n_exp = model.cfg.experts
     local = n_exp // ep
@@ -82,14 +83,15 @@ def apply_ep(model: nn.Module, mesh) -> tuple[nn.Module, dict]:
             if full is None:  # w3: SwiGLU experts only
                 continue
             part = nn.Parameter(full.detach()[lo:hi].clone())  # (E, h, f) -> (E/ep, h, f)
-            part._lk_full_shape = tuple(full.shape)
-            part._lk_box = [[lo, hi]] + [[0, n] for n in full.shape[1:]]
-            part._lk_reduce = ("dp", "cp")
-            part._lk_replicas = tuple(getattr(full, "_lk_replicas", ()))  # e.g. ('tp',): MoE replicated over tp
+            meta = metas[part]
+            meta.full_shape = tuple(full.shape)
+            meta.box = [[lo, hi]] + [[0, n] for n in full.shape[1:]]
+            meta.reduce = ("dp", "cp")
+            meta.replicas = tuple(metas[full].replicas)  # e.g. ('tp',): MoE replicated over tp
             setattr(moe, name, part)
             sharded.add(id(part))
         moe.dispatch = dispatch
     for p in model.parameters():  # everything else is the same on every ep rank: count it once in the norm
         if id(p) not in sharded:
-            p._lk_replicas = tuple(getattr(p, "_lk_replicas", ())) + ("ep",)
+            metas[p].replicas += ("ep",)
     return model, {"experts": [lo, hi]}

@@ -25,7 +25,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import piece
+from labkit.engines.parallel.common import ParamMetas, piece
 from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
 from labkit.plans.mesh import DATA_DIMS
@@ -33,12 +33,20 @@ from labkit.plans.tensor import shard_box
 
 
 def apply_fsdp(
-    chunks: list[nn.Module], mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters, loss_shards: int
+    chunks: list[nn.Module],
+    mesh,
+    metas: ParamMetas,
+    *,
+    reshard: bool,
+    pol: Policy,
+    optim: OptimConfig,
+    meters,
+    loss_shards: int,
 ) -> ZeRO3:
     """sharding='fsdp', impl='lab': our units (a ZeRO-3 per block plus the root) over this rank's
     pipeline chunks, as its GradSync; with a pipeline each unit stays gathered over the step and is
     reduced once, whatever `reshard` says (zero3.py)."""
-    return ZeRO3(chunks, mesh, "fsdp", reshard, pol, optim, meters, loss_shards, keep=mesh.size("pp") > 1)
+    return ZeRO3(chunks, mesh, metas, "fsdp", reshard, pol, optim, meters, loss_shards, keep=mesh.size("pp") > 1)
 
 
 def apply_fsdp_torch(model: nn.Module, mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters) -> TorchFSDP:
@@ -65,9 +73,7 @@ class TorchFSDP:
 
         device_type = next(model.parameters()).device.type
         if mesh.size("tp") > 1:  # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
-            from labkit.engines.parallel.tensor_torch import device_mesh_2d  # DTensor: only its runs load it
-
-            dm = device_mesh_2d(mesh, device_type)["dp"]
+            dm = mesh.device_mesh_2d(device_type)["dp"]
         else:
             dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)
         mp = (

@@ -3,8 +3,8 @@
 The model's blocks are split over pp·v virtual stages, evenly or as ParallelConfig.stage_layers
 says (plans.schedules.chunk_layers); the embedding lives on the first, the final norm, LM head
 and loss on the last (a tied embedding on both: `split_model`). Each rank keeps
-its v chunks (`Chunk`), whose parameters keep their names in the full model (`_lk_name`), so
-DDP, clipping and the reference check work unchanged; `_lk_chunk` tells DDP which chunk a
+its v chunks (`Chunk`), whose parameters keep their names in the full model (ParamMeta.name), so
+DDP, clipping and the reference check work unchanged; ParamMeta.chunk tells DDP which chunk a
 parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
 that chunk's last backward is over.
 
@@ -36,6 +36,7 @@ import torch.nn as nn
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.model import aux_loss
 from labkit.engines.p2p import Link
+from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.split_backward import backward_input, backward_weight
 from labkit.plans.schedules import Action, Plan, batches, chunk_layers, message, plan, rank_chunk_of, stage_of, style
 from labkit.plans.simulator import ScheduleDeadlock, check
@@ -77,17 +78,24 @@ class Chunk(nn.Module):
 
 
 def split_model(
-    model: nn.Module, p: int, v: int, rank: int, stage_layers: tuple[int, ...] = (), placement: str = "loop"
+    model: nn.Module,
+    metas: ParamMetas,
+    p: int,
+    v: int,
+    rank: int,
+    stage_layers: tuple[int, ...] = (),
+    placement: str = "loop",
 ) -> list[Chunk]:
-    """This pipeline rank's v chunks of the full (seeded) model (`placement`: schedules.style).
+    """This pipeline rank's v chunks of the full (seeded) model (`placement`: schedules.style),
+    each parameter's full name and chunk recorded in `metas`.
 
     A tied embedding (gpt2, Llama 3.2) has two copies: the embedding on the first stage and the
     head on the last, each under the one full name; the last stage's is marked a replica over pp
-    (the norm counts the first's) and both `_lk_tied`: their gradients are all-reduced over the
+    (the norm counts the first's) and both `tied`: their gradients are all-reduced over the
     two stages before the update (`tied_params`), so they stay equal, as in Megatron-LM."""
     for name, prm in model.named_parameters():
-        if not hasattr(prm, "_lk_name"):
-            prm._lk_name = name
+        if metas[prm].name is None:
+            metas[prm].name = name
     chunks = []
     tied = model.head.proj.weight if model.cfg.tied and p > 1 else None
     for c in range(v):
@@ -95,24 +103,30 @@ def split_model(
         layers = chunk_layers(len(model.blocks), p, v, rank, c, stage_layers, placement)
         chunk = Chunk(model, layers, first=s == 0, last=s == p * v - 1)
         for prm in chunk.parameters():
-            prm._lk_chunk = c
+            metas[prm].chunk = c
         if tied is not None and (chunk.embed is not None or chunk.head is not None):
-            tied._lk_tied = True
+            metas[tied].tied = True
             if chunk.head is not None:
-                tied._lk_replicas = tuple(getattr(tied, "_lk_replicas", ())) + ("pp",)
+                metas[tied].replicas += ("pp",)
         chunks.append(chunk)
     return chunks
 
 
 def apply_pipeline(
-    model: nn.Module, mesh, *, virtual_stages: int, stage_layers: tuple[int, ...] = (), schedule: str = "1f1b"
+    model: nn.Module,
+    mesh,
+    metas: ParamMetas,
+    *,
+    virtual_stages: int,
+    stage_layers: tuple[int, ...] = (),
+    schedule: str = "1f1b",
 ) -> tuple[list[Chunk], dict]:
     """Slot 5 of parallelize: (this pp rank's chunks, its stage and layers as data for the report).
     The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule;
     `schedule` says where the chunks sit (a V for zbv and dualpipev)."""
     p, v, r, placement = mesh.size("pp"), virtual_stages, mesh.coord("pp"), style(schedule)
     layers = [list(chunk_layers(len(model.blocks), p, v, r, c, stage_layers, placement)) for c in range(v)]
-    chunks = split_model(model, p, v, r, stage_layers, placement)
+    chunks = split_model(model, metas, p, v, r, stage_layers, placement)
     return chunks, {"p": p, "v": v, "stage": r, "layers": layers}
 
 

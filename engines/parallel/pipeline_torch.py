@@ -27,9 +27,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import OptimConfig
 from labkit.engines.loss import cross_entropy
-from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.optim import torch_adamw
-from labkit.engines.parallel.common import all_reduce_tied, param_piece, tied_params
+from labkit.engines.parallel.common import ParamMetas, all_reduce_tied, tied_params
+from labkit.engines.parallel.ddp import TorchUpdate
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of, style
 
@@ -138,9 +137,8 @@ class TorchStageGrads:
     """GradSync for impl='torch' with pp > 1: PyTorch DDP per chunk over dp (when dp > 1),
     torch.optim.AdamW, and the gradient norm taken over the whole pipeline."""
 
-    def __init__(self, chunks: list[nn.Module], mesh, bucket_mb: float, optim: OptimConfig):
-        self.names = [n for c in chunks for n, _ in c.named_parameters()]
-        self.params = [p for c in chunks for p in c.parameters()]
+    def __init__(self, chunks: list[nn.Module], mesh, metas: ParamMetas, bucket_mb: float, optim: OptimConfig):
+        named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         self.modules = chunks
         if mesh.size(*DATA_DIMS) > 1:
             # find_unused_parameters: DDP otherwise rebuilds its buckets from the first synced
@@ -158,43 +156,37 @@ class TorchStageGrads:
                 for c in chunks
             ]
         self.pp_group = mesh.group("pp")
-        self.tied_group, self.tied = tied_params(self.params, mesh)
-        self.clip = optim.clip
-        self.opt = torch_adamw(self.names, self.params, optim)
+        self.update = TorchUpdate(named, metas, optim)
+        self.tied_group, self.tied = tied_params(self.update.params, metas, mesh)
+        # a tied embedding's last-stage copy is the first stage's parameter again: counted there
+        self.counted = [p for _, p in named if "pp" not in metas[p].replicas]
 
     def microbatch(self, index: int, count: int):
         return nullcontext()  # the pipelining schedule drives DDP's no_sync itself
 
     def finish(self) -> None:
-        for p in self.params:  # a tied embedding's two copies: their gradients summed (after DDP's mean)
+        for p in self.update.params:  # a tied embedding's two copies: their gradients summed (after DDP's mean)
             if id(p) in self.tied:
                 all_reduce_tied(p.grad, self.tied_group)
 
     def step(self) -> float:
-        # a tied embedding's last-stage copy is the first stage's parameter again: counted there
-        grads = [p.grad for p in self.params if p.grad is not None and "pp" not in getattr(p, "_lk_replicas", ())]
+        grads = [p.grad for p in self.counted if p.grad is not None]
         sq = torch.nn.utils.get_total_norm(grads).pow(2)  # this stage's share of ||g||^2
         dist.all_reduce(sq, group=self.pp_group)  # () summed over the pipeline
         norm = sq.sqrt()
-        if self.clip:
-            torch.nn.utils.clip_grads_with_norm_(self.params, self.clip, norm)
-        self.opt.step()
-        self.opt.zero_grad(set_to_none=False)
+        if self.update.clip:
+            torch.nn.utils.clip_grads_with_norm_(self.update.params, self.update.clip, norm)
+        self.update.step()
         return float(norm)
 
     def memory(self) -> dict[str, int]:
-        state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
-        return {
-            "params": unique_bytes(self.params),
-            "grads": unique_bytes(p.grad for p in self.params),
-            "optimizer": unique_bytes(state),
-        }
+        return self.update.memory()
 
     def param_pieces(self) -> list[dict]:
-        return [param_piece(n, p) for n, p in zip(self.names, self.params)]
+        return self.update.param_pieces()
 
     def grad_pieces(self) -> list[dict]:
-        return [param_piece(n, p, values=p.grad) for n, p in zip(self.names, self.params)]
+        return self.update.grad_pieces()
 
     def compute_pieces(self) -> None:
         return None  # fp32 only (labkit.config): forward reads the masters

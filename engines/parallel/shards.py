@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
-from labkit.engines.parallel.common import full_name, norm_plan, piece, reduce_dims
+from labkit.engines.parallel.common import ParamMetas, norm_plan, piece
 from labkit.plans.flat import FlatPlan
 
 
@@ -30,14 +30,14 @@ def bind(plan: FlatPlan, params: dict[str, nn.Parameter], flat: torch.Tensor, gr
             params[name].data = flat[lo:hi].view(shape)
 
 
-def entries(named: list[tuple[str, nn.Parameter]]) -> list[tuple[str, tuple, tuple, int]]:
+def entries(named: list[tuple[str, nn.Parameter]], metas: ParamMetas) -> list[tuple[str, tuple, tuple, int]]:
     """(full name, local shape, reduce dims, pipeline chunk) of each parameter, as plans/flat.py takes them."""
-    return [(full_name(p, n), tuple(p.shape), reduce_dims(p), getattr(p, "_lk_chunk", 0)) for n, p in named]
+    return [(metas[p].full_name(n), tuple(p.shape), metas[p].reduce, metas[p].chunk) for n, p in named]
 
 
-def group_sizes(mesh, named) -> dict[tuple, int]:
+def group_sizes(mesh, named, metas: ParamMetas) -> dict[tuple, int]:
     """{reduce dims: size of that group} for every reduce group among `named`'s parameters."""
-    return {reduce_dims(p): mesh.size(*reduce_dims(p)) for _, p in named}
+    return {metas[p].reduce: mesh.size(*metas[p].reduce) for _, p in named}
 
 
 def plan_group(mesh, plan: FlatPlan):
@@ -50,9 +50,9 @@ class ShardedOptimizer:
     over them with the decay mask as runs (plans/flat.py), the global norm, and the slices as pieces of
     the full parameters (for checking).
 
-    `params` (full name -> parameter) gives what the norm and the pieces need to know of each
-    parameter: whether this rank counts it in the norm (norm_plan), and where its local tensor
-    sits in the full one (a TP or EP slice: `_lk_box`)."""
+    `params` (full name -> parameter) and their records (`metas`) give what the norm and the pieces
+    need to know of each parameter: whether this rank counts it in the norm (norm_plan), and where
+    its local tensor sits in the full one (a TP or EP slice: ParamMeta.box)."""
 
     def __init__(
         self,
@@ -61,14 +61,16 @@ class ShardedOptimizer:
         masters: list[torch.Tensor],
         mesh,
         params: dict[str, nn.Parameter],
+        metas: ParamMetas,
         optim: OptimConfig,
     ):
         self.plans, self.indices, self.masters = plans, indices, masters
         names = list(params)
-        self.norm_group, counted = norm_plan([params[n] for n in names], mesh, sharded=True)
+        self.norm_group, counted = norm_plan([metas[params[n]] for n in names], mesh, sharded=True)
         self.counted = dict(zip(names, counted))
-        self.where = {
-            n: (getattr(p, "_lk_full_shape", tuple(p.shape)), getattr(p, "_lk_box", None)) for n, p in params.items()
+        self.where = {  # full name -> (the full shape, the box this rank's tensor is of it)
+            n: (tuple(p.shape) if metas[p].full_shape is None else metas[p].full_shape, metas[p].box)
+            for n, p in params.items()
         }
         self.clip = optim.clip
         runs = [(m[lo:hi], d) for p, i, m in zip(plans, indices, masters) for lo, hi, d in p.runs(i)]

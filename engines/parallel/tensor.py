@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.tensor_ops import (
     Copy,
     Gather,
@@ -131,13 +132,13 @@ def _sliced(weight: torch.Tensor, box) -> nn.Parameter:
     return nn.Parameter(weight.detach()[tuple(slice(a, b) for a, b in box)].clone())
 
 
-def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
+def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
     """Slice the full, seeded `model` for this tp rank as the plan says (on the mesh's tp group);
     returns (model, the plan as data for the report).
 
-    Sliced parameters get `_lk_full_shape` / `_lk_box`; replicated ones `_lk_replicas=('tp',)`,
-    and under SP `_lk_reduce` gains 'tp' (each rank saw s/t positions: partial gradients). A KV
-    head shared by k = tp/kv_heads ranks is counted in the norm on one of them (`_lk_tp_share = k`)."""
+    In `metas`, sliced parameters get `full_shape` / `box`; replicated ones `replicas=('tp',)`,
+    and under SP `reduce` gains 'tp' (each rank saw s/t positions: partial gradients). A KV
+    head shared by k = tp/kv_heads ranks is counted in the norm on one of them (`tp_share = k`)."""
     group, t, r = mesh.group("tp"), mesh.size("tp"), mesh.coord("tp")
     plan = tp_plan(model.cfg, sequence_parallel, t)
     ops = {
@@ -192,12 +193,13 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Mod
 
     for name, p in model.named_parameters():
         _, box, extra, replicas = local_param(plan, name, full[name], t, r)
+        meta = metas[p]
         if box is not None:
-            p._lk_full_shape, p._lk_box = full[name], box
+            meta.full_shape, meta.box = full[name], box
         else:
-            p._lk_replicas = replicas
+            meta.replicas = replicas
         if extra:
-            p._lk_reduce = DATA_DIMS + extra
+            meta.reduce = DATA_DIMS + extra
         if "kv_groups" in param_style(plan, name):
-            p._lk_tp_share = t // param_style(plan, name)["kv_groups"]
+            meta.tp_share = t // param_style(plan, name)["kv_groups"]
     return model, plan

@@ -20,7 +20,7 @@ Choices, all of which run on gloo (torch 2.13):
   Replicate DTensors with `distribute_module`, so clip_grad_norm_ sees DTensors only (it
   refuses a mix of DTensors and plain tensors).
 - 2-D with FSDP2 (sharding='fsdp'), torchtitan's parallelize_llama order: TP first, on the tp
-  slice of one (dp, tp) DeviceMesh built from the Mesh's own groups (`device_mesh_2d`), then
+  slice of one (dp, tp) DeviceMesh built from the Mesh's own groups (`Mesh.device_mesh_2d`), then
   fully_shard on its dp slice (engines/parallel/fsdp.py); FSDP2 insists that both slices share
   one parent mesh. DDP over dp is not composed with DTensor TP (PyTorch composes TP with FSDP2;
   its DDP + TP path is a private transform): labkit.config refuses that, and TP with pp, cp, ep.
@@ -96,25 +96,11 @@ def _replicate_rest(model: nn.Module, tp_mesh) -> None:
             distribute_module(mod, tp_mesh, input_fn=to_dtensor, output_fn=to_local)
 
 
-def device_mesh_2d(mesh, device_type: str):
-    """One (dp, tp) DeviceMesh over this layout, from the Mesh's own dp and tp groups (no new
-    process group), built once per Mesh: DTensor TP takes its ["tp"] slice, FSDP2 its ["dp"]."""
-    if getattr(mesh, "_lk_device_mesh", None) is None:
-        lay, here = mesh.layout, mesh.coords
-        ranks = [
-            [lay.rank(**{**here, "dp": d, "tp": t}) for t in range(lay.size("tp"))] for d in range(lay.size("dp"))
-        ]  # (dp, tp) global ranks
-        mesh._lk_device_mesh = DeviceMesh.from_group(
-            [mesh.group("dp"), mesh.group("tp")], device_type, torch.tensor(ranks), mesh_dim_names=("dp", "tp")
-        )
-    return mesh._lk_device_mesh
-
-
 def tp_device_mesh(mesh, device_type: str, *, with_fsdp: bool) -> DeviceMesh:
     """The DeviceMesh DTensor TP runs on: the tp slice of the 2-D (dp, tp) mesh when FSDP2 shards over
     dp as well (FSDP2 insists both slices share one parent), else one dimension around the tp group."""
     if with_fsdp and mesh.size("dp") > 1:
-        return device_mesh_2d(mesh, device_type)["tp"]
+        return mesh.device_mesh_2d(device_type)["tp"]
     return DeviceMesh.from_group(mesh.group("tp"), device_type)
 
 

@@ -38,9 +38,9 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.parallel.common import (
+    ParamMetas,
     all_gather_single,
     all_reduce_tied,
-    full_name,
     reduce_scatter_single,
     tied_params,
     weak_method,
@@ -77,6 +77,7 @@ class ZeRO12:
         self,
         chunks: list[nn.Module],
         mesh,
+        metas: ParamMetas,
         stage: int,
         pol: Policy,
         bucket_bytes: int,
@@ -87,12 +88,12 @@ class ZeRO12:
     ):
         self.modules = chunks
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-        params = {full_name(p, n): p for n, p in named}
+        params = {metas[p].full_name(n): p for n, p in named}
         self.params = params
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
         self.once = stage == 1 or once  # reduce once per step, after the last microbatch
         elem = torch.tensor([], dtype=pol.compute).element_size()
-        self.plans = bucket_plans(entries(named), group_sizes(mesh, named), bucket_bytes, elem)
+        self.plans = bucket_plans(entries(named, metas), group_sizes(mesh, named, metas), bucket_bytes, elem)
         self.groups = [plan_group(mesh, plan) for plan in self.plans]  # (group, N, shard index) per bucket
         self.flats, masters, self.grads, self.grad_full = [], [], [], []
         for k, plan in enumerate(self.plans):
@@ -112,8 +113,8 @@ class ZeRO12:
         self.bucket_of = {
             id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans) for name, _, lo, hi in p.offsets()
         }
-        self.tied_group, self.tied = tied_params(list(params.values()), mesh)  # stage 1 with pp only
-        self.optimizer = ShardedOptimizer(self.plans, [g[2] for g in self.groups], masters, mesh, params, optim)
+        self.tied_group, self.tied = tied_params(list(params.values()), metas, mesh)  # stage 1 with pp only
+        self.optimizer = ShardedOptimizer(self.plans, [g[2] for g in self.groups], masters, mesh, params, metas, optim)
         self.pending = [0] * len(self.plans)
         self.filling: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its buffer, until launched
         self.acc: dict[int, torch.Tensor] = {}  # stage 1, bf16, microbatches: bucket -> fp32 sum
@@ -253,6 +254,7 @@ class ZeRO12:
 def apply_zero(
     chunks: list[nn.Module],
     mesh,
+    metas: ParamMetas,
     *,
     stage: int,
     bucket_bytes: int,
@@ -267,5 +269,5 @@ def apply_zero(
     pipeline = mesh.size("pp") > 1
     if stage == 3:
         kind = unit_kind("zero3", chunks[0].cfg.tied)
-        return ZeRO3(chunks, mesh, kind, True, pol, optim, meters, loss_shards, keep=pipeline)
-    return ZeRO12(chunks, mesh, stage, pol, bucket_bytes, optim, meters, loss_shards, once=pipeline)
+        return ZeRO3(chunks, mesh, metas, kind, True, pol, optim, meters, loss_shards, keep=pipeline)
+    return ZeRO12(chunks, mesh, metas, stage, pol, bucket_bytes, optim, meters, loss_shards, once=pipeline)

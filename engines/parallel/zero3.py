@@ -22,9 +22,9 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.parallel.common import (
+    ParamMetas,
     all_gather_single,
     all_reduce_tied,
-    full_name,
     reduce_scatter_single,
     tied_params,
     weak_method,
@@ -86,6 +86,7 @@ class ZeRO3:
         self,
         chunks: list[nn.Module],
         mesh,
+        metas: ParamMetas,
         kind: str,
         reshard: bool,
         pol: Policy,
@@ -96,14 +97,14 @@ class ZeRO3:
     ):
         self.modules = chunks
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
-        params = {full_name(p, n): p for n, p in named}
+        params = {metas[p].full_name(n): p for n, p in named}
         self.pol, self.reshard, self.meters, self.loss_shards, self.keep = pol, reshard, meters, loss_shards, keep
-        self.plans = unit_plans(entries(named), group_sizes(mesh, named), kind)
+        self.plans = unit_plans(entries(named, metas), group_sizes(mesh, named, metas), kind)
         self.units = [_Unit(p, _unit_modules(chunks, p.unit), params, mesh, pol) for p in self.plans]
-        self.tied_group, tied = tied_params(list(params.values()), mesh)
+        self.tied_group, self.tied = tied_params(list(params.values()), metas, mesh)
         self.count = 1  # microbatches per step (microbatch())
         for u in self.units:
-            u.tied = any(id(p) in tied for p in u.params)
+            u.tied = any(id(p) in self.tied for p in u.params)
             for module in u.modules:
                 module.register_forward_pre_hook(partial(self._pre_forward, u))
                 if not keep:
@@ -111,7 +112,7 @@ class ZeRO3:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
         self.optimizer = ShardedOptimizer(
-            self.plans, [u.index for u in self.units], [u.master for u in self.units], mesh, params, optim
+            self.plans, [u.index for u in self.units], [u.master for u in self.units], mesh, params, metas, optim
         )
         self.in_flight = None  # (unit, buffer, work): one reduce-scatter in flight
 
@@ -218,7 +219,7 @@ class ZeRO3:
                 if u.tied:
                     for p in u.params:
                         lo, hi = u.slot[id(p)]
-                        if getattr(p, "_lk_tied", False):
+                        if id(p) in self.tied:
                             all_reduce_tied(u.grad_full[lo:hi], self.tied_group)
                 self._reduce(u)
         for u in self.units:  # keep: a unit gathered but never given a gradient

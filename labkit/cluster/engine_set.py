@@ -1,6 +1,6 @@
 """A Lab's engines: the ipyparallel client (and the local cluster it started), which engine is
 which rank (engine id, pid, host, device), the torch.distributed world built on them, and calls
-on them that never wait without a bound.
+on them that never wait without a bound. How they are started or found is labkit/cluster/startup.py.
 
 Every wait here has a bound; an engine that is gone or silent becomes `EngineGone`, which the
 job runner (labkit/cluster/jobs.py) turns into EngineDied. Engines found bad are marked here and
@@ -11,7 +11,6 @@ An engine on this machine is watched by its pid; one elsewhere by its registrati
 from __future__ import annotations
 
 import os
-import secrets
 import signal
 import threading
 import time
@@ -20,10 +19,10 @@ from urllib.parse import urlparse
 import ipyparallel as ipp
 import psutil
 
-from labkit.cluster import gpus, launchers, watchdog
+from labkit.cluster import launchers, watchdog
 from labkit.cluster.errors import LabError
 from labkit.cluster.world import forwarded_env, host_order, plan_world, watchable
-from labkit.engines import host, runtime
+from labkit.engines import host, process_group
 
 START_TIMEOUT_S = launchers.START_TIMEOUT_S
 """Bound on starting engines (the launchers' own), building the process groups and bringing
@@ -41,52 +40,6 @@ class EngineGone(Exception):
     def __init__(self, ranks, detail: str):
         self.ranks, self.detail = sorted(ranks), detail
         super().__init__(detail)
-
-
-def start(n: int, launcher: str, options: dict, gpu: dict, choices: dict, registered=None) -> EngineSet:
-    """Start a watchdog, then the cluster (its processes tagged for the watchdog), as an EngineSet.
-    gpu: the Lab's gpus, ranks_per_gpu and gpu_memory_fraction; registered(k) is called as the
-    count of registered engines grows (the Lab's progress bar)."""
-    token = secrets.token_hex(8)
-    env = {}
-    visible = gpus.visible_devices(gpu["gpus"], n, gpu["ranks_per_gpu"])
-    if visible is not None:
-        env["CUDA_VISIBLE_DEVICES"] = visible
-        if (
-            choices["device"] == "auto"
-        ):  # GPUs were asked for: ranks on them even when they share one (labkit/cluster/world.py)
-            choices = {**choices, "device": "cuda"}
-    guard = watchdog.Watchdog(token)
-    try:
-        cluster, client = launchers.start(launcher, n, token, options, env, registered)
-    except BaseException:
-        guard.close()
-        raise
-    started = launchers.Started(launcher, dict(options))
-    fraction = gpu["gpu_memory_fraction"]
-    engines = EngineSet(
-        client, cluster, n, local=True, started=started, watchdog=guard, gpu_memory_fraction=fraction, **choices
-    )
-    engines._watch_jobs()
-    return engines
-
-
-def connect(profile: str | None, url_file: str | None, cluster_id: str, engines: int | None, **client_kwargs):
-    """A client of a running cluster (its connection file carries the authentication key),
-    with `engines` registered if given, or at least one."""
-    kwargs = dict(client_kwargs)
-    args = (url_file,) if url_file else ()  # ipyparallel 9 reads the file as connection_info
-    if profile:
-        kwargs["profile"] = profile
-    if cluster_id:
-        kwargs["cluster_id"] = cluster_id
-    client = ipp.Client(*args, **kwargs)
-    if engines:
-        client.wait_for_engines(engines, timeout=START_TIMEOUT_S)
-    if not client.ids:
-        client.close()
-        raise LabError("the cluster has no engines; start some (ipcluster engines ...) or pass engines=N")
-    return client
 
 
 class EngineSet:
@@ -173,11 +126,11 @@ class EngineSet:
     def _rendezvous(self, addr: str, threads: list[int], loopback: bool, ifnames: list[str] | None = None) -> None:
         """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
         self.generation += 1
-        port = self.each(runtime.open_rendezvous, [0], addr, bound=START_TIMEOUT_S)[0]
+        port = self.each(process_group.open_rendezvous, [0], addr, bound=START_TIMEOUT_S)[0]
         got = self.gather(
             {
                 rank: self.client[eid].apply_async(
-                    runtime.init_distributed,
+                    process_group.init_distributed,
                     rank,
                     self.world,
                     addr,
@@ -307,7 +260,7 @@ class EngineSet:
             fresh = self._new_engines(len(ranks))
         except Exception as e:
             raise LabError(f"could not start new engines on {sorted(set(hosts))} for ranks {ranks}: {e}") from e
-        self._watch_jobs()
+        self.watch_jobs()
         for r, eid in zip(ranks, fresh):
             self.ids[r] = eid
             self._condemned.pop(r, None)
@@ -323,7 +276,7 @@ class EngineSet:
         self._end(range(self.world))
         launchers.drained(self.cluster.stop_engines)
         self.cluster.start_engines_sync(n=self._n)
-        self._watch_jobs()
+        self.watch_jobs()
         self.ids = self._new_engines(self._n)
         self._condemned.clear()
         self._tainted.clear()
@@ -350,7 +303,7 @@ class EngineSet:
                 pass
         psutil.wait_procs(procs, timeout=10)
 
-    def _watch_jobs(self) -> None:
+    def watch_jobs(self) -> None:
         """Tell the watchdog how to cancel the scheduler jobs started so far, and which batch
         script to remove (if the kernel dies)."""
         if self.started is not None and self.watchdog is not None:
@@ -380,7 +333,7 @@ class EngineSet:
         try:
             if not self.local:
                 try:
-                    self.each(runtime.shutdown_distributed, range(self.world), bound=10.0)
+                    self.each(process_group.shutdown_distributed, range(self.world), bound=10.0)
                 except Exception:
                     pass
             try:

@@ -7,7 +7,8 @@
     lab = Lab.connect(profile="slurm")          # a cluster started elsewhere (ipcluster)
 
 The Lab checks arguments and turns results into RunResults; it owns the cluster side as two
-objects: its engines (labkit/cluster/engine_set.py: processes, the torch world, bounded calls) and
+objects: its engines (labkit/cluster/startup.py starts or finds them and joins them into one torch
+world; labkit/cluster/engine_set.py: processes, the torch world, bounded calls) and
 the job runner (labkit/cluster/jobs.py: one job at a time on every rank, polled, its faults turned
 into errors by labkit/cluster/faults.py, the repair at the start of the next call). So the notebook
 never waits on anything without a bound:
@@ -27,13 +28,11 @@ import warnings
 
 import cloudpickle
 
-from labkit.cluster import engine_set, launchers, magics
+from labkit.cluster import launchers, magics, startup
 from labkit.cluster import progress as bars
 from labkit.cluster.arguments import run_problems, timeout_problems
-from labkit.cluster.engine_set import EngineSet
 from labkit.cluster.gpus import gpu_problems
 from labkit.cluster.jobs import JobRunner
-from labkit.cluster.progress import StepProgress, step_note
 from labkit.cluster.world import layout_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.config.table import Rows, card
@@ -129,31 +128,11 @@ class Lab:
         self.last_config: ParallelConfig | None = None
         """The layout of the last run (what `activate` builds its mesh from)."""
         choices = dict(backend=backend, device=device, timeout=self.timeout, master_addr=master_addr)
-        shown = bars.bar(progress, engines if _client is None else len(_client.ids), "engines")
-        try:
-            if _client is None:
-                registered = (lambda k: shown.update(k, "registered")) if shown else None
-                gpu = dict(gpus=gpus, ranks_per_gpu=ranks_per_gpu, gpu_memory_fraction=gpu_memory_fraction)
-                self.engines = engine_set.start(engines, launcher, launcher_options, gpu, choices, registered)
-            else:
-                self.engines = EngineSet(_client, _cluster, local=False, **choices)
-        except BaseException:
-            if shown:
-                shown.close("could not start", ok=False)
-            raise
+        gpu = dict(gpus=gpus, ranks_per_gpu=ranks_per_gpu, gpu_memory_fraction=gpu_memory_fraction)
+        self.engines = startup.open_engines(
+            engines, launcher, launcher_options, gpu, choices, progress, _client, _cluster
+        )
         self._runner = JobRunner(self.engines)
-        try:
-            if shown:
-                shown.update(self.engines.world, "joining one torch world")
-            self.engines.setup()
-        except BaseException:
-            if shown:
-                shown.close("could not join one torch world", ok=False)
-            self.close()
-            raise
-        if shown:
-            why = f" ({self.backend_reason})" * bool(self.backend_reason)
-            shown.close(f"{self.world} ranks ready: {self.backend} on {self.devices[0].split(':')[0]}{why}")
 
     @classmethod
     def connect(
@@ -176,7 +155,7 @@ class Lab:
         for that many engines first. The rendezvous listens on rank 0's address (override
         with master_addr when that host has several).
         """
-        client = engine_set.connect(profile, url_file, cluster_id, engines, **client_kwargs)
+        client = startup.connect(profile, url_file, cluster_id, engines, **client_kwargs)
         return cls(
             backend=backend, timeout=timeout, progress=progress, device=device, _client=client, master_addr=master_addr
         )
@@ -343,24 +322,8 @@ class Lab:
         """fn on every rank through the job runner; `progress` as the Lab's (see the class), a bar
         of `total` steps (None: a count) called `label`."""
         timeout = self.timeout if timeout is None else float(timeout)
-        if callable(progress):
-            return self._runner.run(fn, args, kwargs, timeout, StepProgress(progress))
-        shown = bars.bar(progress, total, label)
-        if shown is None:
-            return self._runner.run(fn, args, kwargs, timeout, None)
-        last: dict = {}
-
-        def step(p: dict) -> None:
-            last.update(p)
-            shown.update(p["step"] + 1 if "step" in p else 0, step_note(p))
-
-        try:
-            out = self._runner.run(fn, args, kwargs, timeout, StepProgress(step))
-        except BaseException as e:
-            shown.close(f"{type(e).__name__}", ok=False)
-            raise
-        shown.close(f"done{': ' + step_note(last) if last else ''}")
-        return out
+        with bars.shown(progress, total, label) as steps:
+            return self._runner.run(fn, args, kwargs, timeout, steps)
 
     # -- lifetime ---------------------------------------------------------------------------
     def restart(self) -> None:

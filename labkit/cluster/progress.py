@@ -4,11 +4,13 @@ text bar on a terminal — and nothing where nobody watches (tests, logs).
 A Lab's `progress` chooses: 'auto' (the default: a bar in a notebook or on a terminal, silent
 otherwise), True (a bar wherever it runs: text outside a notebook), False (silent), or a
 function of one record (the Dashboard's own bar). The ranks' per-step records are combined
-into one (StepProgress) before they reach a bar.
+into one (StepProgress) before they reach a bar; `shown` wires one call's records to what the
+setting chose.
 """
 
 from __future__ import annotations
 
+import contextlib
 import html
 import sys
 import time
@@ -30,6 +32,33 @@ def bar(progress, total: int | None, label: str):
     if progress is True or sys.stderr.isatty():
         return TextBar(total, label)
     return None
+
+
+@contextlib.contextmanager
+def shown(progress, total: int | None, label: str):
+    """Yields the StepProgress one call feeds with the ranks' records, shown as a Lab's `progress`
+    says (the module docstring): a function gets each combined record; a bar of `total` steps
+    (None: a count) called `label` ends with the last record's note, or with the error's name.
+    Yields None where nothing is shown."""
+    if callable(progress):
+        yield StepProgress(progress)
+        return
+    line = bar(progress, total, label)
+    if line is None:
+        yield None
+        return
+    last: dict = {}
+
+    def step(p: dict) -> None:
+        last.update(p)
+        line.update(p["step"] + 1 if "step" in p else 0, step_note(p))
+
+    try:
+        yield StepProgress(step)
+    except BaseException as e:
+        line.close(f"{type(e).__name__}", ok=False)
+        raise
+    line.close(f"done{': ' + step_note(last) if last else ''}")
 
 
 class TextBar:
