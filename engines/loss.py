@@ -59,8 +59,9 @@ def softmax_grad(logits, lse, targets, scale, held=None) -> torch.Tensor:
     return out
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, how: str) -> torch.Tensor:
-    """Mean cross-entropy of (b, s, V) logits against (b, s) targets, as ModelConfig.loss says."""
-    if how == "fused":
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, fused: bool) -> torch.Tensor:
+    """Mean cross-entropy of (b, s, V) logits against (b, s) targets, as ModelConfig.loss says
+    (`fused`: ModelConfig.fused_loss)."""
+    if fused:
         return FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -28,13 +28,12 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.config import OptimConfig
 from labkit.engines.loss import cross_entropy
 from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.model import Head
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import all_reduce_tied, param_piece, tied_params
+from labkit.engines.parallel.tensor import VocabParallelHead
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of, style
-
-MULTI = ("interleaved", "zbh1", "zbv", "dualpipev")
-"""Schedules whose torch class takes a list of stages (PipelineScheduleMulti)."""
 
 
 def _schedule_class(name: str):
@@ -70,9 +69,8 @@ class TorchSchedule:
         self.first = self.last = False
 
     def _build(self, rank_model, meters) -> None:
-        from torch.distributed.pipelining import (
-            PipelineStage,  # deferred: see _schedule_class
-        )
+        from torch.distributed.pipelining import PipelineStage  # deferred: see _schedule_class
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # takes a list of stages
 
         p, v, r = self.mesh.size("pp"), self.virtual_stages, self.mesh.coord("pp")
         stages = []
@@ -85,16 +83,18 @@ class TorchSchedule:
         self.last = any(st.is_last for st in stages)
 
         # ModelConfig.loss, as the head holds it (the chunks may be wrapped by DDP or FSDP)
-        heads = (m for c in rank_model.chunks for m in c.modules() if isinstance(getattr(m, "loss", None), str))
-        how = next((m.loss for m in heads), "fp32")
+        heads = (m for c in rank_model.chunks for m in c.modules() if isinstance(m, (Head, VocabParallelHead)))
+        fused = next((m.fused_loss for m in heads), False)
 
         def loss_fn(logits, targets):  # model.Head's loss: (b, s, V) logits -> scalar
             with meters.memory.saved_tensors():
-                return cross_entropy(logits, targets, how)
+                return cross_entropy(logits, targets, fused)
 
         cls = _schedule_class(self.schedule)
         self.sched = cls(
-            stages if self.schedule in MULTI else stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn
+            stages if issubclass(cls, PipelineScheduleMulti) else stages[0],
+            n_microbatches=self.microbatches,
+            loss_fn=loss_fn,
         )
 
     def __call__(self, rank_model, microbatches, meters) -> float:
