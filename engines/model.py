@@ -69,11 +69,11 @@ class Head(nn.Module):
         super().__init__()
         self.norm = norm(cfg)
         self.proj = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.fused_loss = cfg.fused_loss
+        self.loss = cfg.loss
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         logits = self.proj(self.norm(x))  # (b, s, h) -> (b, s, V)
-        return cross_entropy(logits, targets, self.fused_loss)
+        return cross_entropy(logits, targets, self.loss)
 
 
 class GPT(nn.Module):

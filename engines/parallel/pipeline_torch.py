@@ -28,10 +28,8 @@ from torch.nn.parallel import DistributedDataParallel
 from labkit.config import OptimConfig
 from labkit.engines.loss import cross_entropy
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.model import Head
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import all_reduce_tied, param_piece, tied_params
-from labkit.engines.parallel.tensor import VocabParallelHead
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of, style
 
@@ -83,12 +81,12 @@ class TorchSchedule:
         self.last = any(st.is_last for st in stages)
 
         # ModelConfig.loss, as the head holds it (the chunks may be wrapped by DDP or FSDP)
-        heads = (m for c in rank_model.chunks for m in c.modules() if isinstance(m, (Head, VocabParallelHead)))
-        fused = next((m.fused_loss for m in heads), False)
+        heads = (m for c in rank_model.chunks for m in c.modules() if isinstance(getattr(m, "loss", None), str))
+        how = next((m.loss for m in heads), "fp32")
 
         def loss_fn(logits, targets):  # model.Head's loss: (b, s, V) logits -> scalar
             with meters.memory.saved_tensors():
-                return cross_entropy(logits, targets, fused)
+                return cross_entropy(logits, targets, how)
 
         cls = _schedule_class(self.schedule)
         self.sched = cls(

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.config.choices import fused_loss
 from labkit.engines.parallel.tensor_ops import (
     Copy,
     Gather,
@@ -111,17 +112,17 @@ class VocabParallelEmbedding(nn.Module):
 class VocabParallelHead(nn.Module):
     """Final norm, the LM head split along the vocabulary, and the vocab-parallel loss."""
 
-    def __init__(self, norm: nn.Module, proj: nn.Linear, start: int, enter, group, fused_loss: bool):
+    def __init__(self, norm: nn.Module, proj: nn.Linear, start: int, enter, group, loss: str):
         super().__init__()
         self.norm, self.proj, self.start, self.enter, self.group = norm, proj, start, enter, group
-        self.fused_loss = fused_loss
+        self.loss, self.fused = loss, fused_loss(loss)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.enter(self.norm(x))  # (b, s, h) on every tp rank
         logits = self.proj(x)  # (b, s, h) -> (b, s, V/t)
-        logits = logits if self.fused_loss else logits.float()  # ModelConfig.loss
+        logits = logits if self.fused else logits.float()  # ModelConfig.loss
         return VocabParallelCrossEntropy.apply(
-            logits.flatten(0, 1), targets.flatten(), self.start, self.group, self.fused_loss
+            logits.flatten(0, 1), targets.flatten(), self.start, self.group, self.fused
         )
 
 
@@ -180,8 +181,7 @@ def apply_tp(model: nn.Module, mesh, *, sequence_parallel: bool) -> tuple[nn.Mod
             if "tied" in style:  # the embedding's slice, one Parameter for both ends
                 module.weight = model.get_submodule(style["tied"]).weight
             model.set_submodule(
-                parent_name,
-                VocabParallelHead(parent.norm, module, box[0][0], ops[style["input"]], group, parent.fused_loss),
+                parent_name, VocabParallelHead(parent.norm, module, box[0][0], ops[style["input"]], group, parent.loss)
             )
         elif kind == "input":
             enter = ops[style["input"]]

@@ -40,9 +40,9 @@ COMPUTE = ("F", "B", "W")
 
 
 def style(schedule: str) -> str:
-    """'v' for the V-shaped schedules' placement of chunks on stages, 'loop' for every other
-    (PipelineShape.v_shaped, labkit/config/choices.py)."""
-    return "v" if pipeline_shape(schedule).v_shaped else "loop"
+    """'v' for the V-shaped schedules' placement of chunks on stages (PipelineShape.v_shaped,
+    labkit/config/choices.py), 'loop' for every other, a plan written by hand included."""
+    return "v" if schedule in SCHEDULES and pipeline_shape(schedule).v_shaped else "loop"
 
 
 class Action(NamedTuple):
