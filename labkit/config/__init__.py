@@ -2,7 +2,11 @@
 
 This module is the bottom rung of labkit's import ladder: the engines import it, so it
 imports nothing but the standard library. Every config round-trips through a plain dict
-(`to_dict` / `from_dict`); that dict is what crosses from the notebook to the engines.
+(`to_dict` / `from_dict`); that dict is what crosses from the notebook to the engines. A choice
+field is a `Literal` whose names are decoded once (choices.py) into the properties the code reads
+(`cfg.sharded`, `cfg.pipeline`, `model.family`, ...: derived, never in the dict); every field is
+checked when a config is built (validation.py), so a config that exists has fields of the right
+type and range.
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from labkit.config import choices
 from labkit.config.choices import (
     ARCHS,
     CHECKPOINTING,
@@ -35,14 +40,6 @@ from labkit.config.choices import (
     Schedule,
     Sharded,
     Sharding,
-    family,
-    fused_loss,
-    numerics,
-    pipeline_shape,
-    recomputation,
-    sharded,
-    torch_impl,
-    trains_on_text,
 )
 from labkit.config.hf import hf_fields
 from labkit.config.validation import check_fields
@@ -200,12 +197,12 @@ class ModelConfig(_Dict):
     @property
     def family(self) -> Family:
         """What `arch` builds: .rms_norm, .rotary, .gated_mlp, .biases, .gelu_approximate, ..."""
-        return family(self.arch)
+        return choices.family(self.arch)
 
     @property
     def fused_loss(self) -> bool:
         """loss='fused': the logits kept in the compute dtype with their fp32 log-sum-exp."""
-        return fused_loss(self.loss)
+        return choices.fused_loss(self.loss)
 
     def num_params(self) -> int:
         """Parameter count Ψ of the full model (every weight, counted once; a tied head is the
@@ -287,7 +284,7 @@ class ParallelConfig(_Dict):
     @property
     def sharded(self) -> Sharded:
         """What `sharding` shards: .stage (ZeRO's 0-3), .optimizer, .grads, .params, .fsdp (FSDP's units)."""
-        return sharded(self.sharding)
+        return choices.sharded(self.sharding)
 
     @property
     def reshards(self) -> bool:
@@ -298,22 +295,22 @@ class ParallelConfig(_Dict):
     @property
     def pipeline(self) -> PipelineShape:
         """What `schedule` does: .forwards_first, .one_f_one_b, .interleaved, .v_shaped, .splits_backward."""
-        return pipeline_shape(self.schedule)
+        return choices.pipeline_shape(self.schedule)
 
     @property
     def torch_impl(self) -> bool:
         """impl='torch': PyTorch's own DDP, FSDP2, DTensor and pipelining run, not labkit's."""
-        return torch_impl(self.impl)
+        return choices.torch_impl(self.impl)
 
     @property
     def numerics(self) -> Numerics:
         """What `precision` computes in: .mixed (low-precision compute, fp32 masters), .fp8 (fp8 matmuls)."""
-        return numerics(self.precision)
+        return choices.numerics(self.precision)
 
     @property
     def recomputation(self) -> Recomputation:
         """What checkpoint_activations rebuilds: .recomputes, .reruns_forward, .attention_only, .per_op."""
-        return recomputation(self.checkpoint_activations)
+        return choices.recomputation(self.checkpoint_activations)
 
     @property
     def recompute(self) -> Recompute:
@@ -376,7 +373,7 @@ class RunSpec(_Dict):
     @property
     def trains_on_text(self) -> bool:
         """data='text': the corpus, and the ranks compute the validation loss."""
-        return trains_on_text(self.data)
+        return choices.trains_on_text(self.data)
 
     @classmethod
     def from_dict(cls, d: dict) -> RunSpec:

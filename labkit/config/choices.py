@@ -64,10 +64,6 @@ def unknown(name: str, value, allowed: tuple) -> str:
     return f"{name}={value!r} is not one of {list(allowed)}; {FIXES.get(name, 'pick one of those')}"
 
 
-def _refuse(name: str, value, allowed: tuple):
-    raise ConfigError([unknown(name, value, allowed)])
-
-
 # -- the decodes: one per choice, exhaustive -----------------------------------------------------
 @dataclass(frozen=True)
 class Sharded:
@@ -112,7 +108,7 @@ def sharded(sharding: Sharding) -> Sharded:
         case "fsdp":
             return Sharded(3, fsdp=True)
         case _:
-            _refuse("sharding", sharding, SHARDINGS)
+            raise ConfigError([unknown("sharding", sharding, SHARDINGS)])
 
 
 @dataclass(frozen=True)
@@ -149,7 +145,7 @@ def pipeline_shape(schedule: Schedule) -> PipelineShape:
         case "dualpipev":
             return PipelineShape(v_shaped=True, splits_backward=True, microbatches_per_stage=2)
         case _:
-            _refuse("schedule", schedule, SCHEDULES)
+            raise ConfigError([unknown("schedule", schedule, SCHEDULES)])
 
 
 @cache
@@ -161,7 +157,7 @@ def torch_impl(impl: Impl) -> bool:
         case "torch":
             return True
         case _:
-            _refuse("impl", impl, IMPLS)
+            raise ConfigError([unknown("impl", impl, IMPLS)])
 
 
 @dataclass(frozen=True)
@@ -185,7 +181,7 @@ def numerics(precision: Precision) -> Numerics:
         case "fp8":
             return Numerics(mixed=True, fp8=True)
         case _:
-            _refuse("precision", precision, PRECISIONS)
+            raise ConfigError([unknown("precision", precision, PRECISIONS)])
 
 
 @dataclass(frozen=True)
@@ -223,7 +219,7 @@ def recomputation(checkpoint_activations: Checkpointing | Recompute) -> Recomput
         case "op":
             return Recomputation("op", reruns_forward=True, attention_only=False, per_op=True)
         case _:
-            _refuse("checkpoint_activations", checkpoint_activations, CHECKPOINTING)
+            raise ConfigError([unknown("checkpoint_activations", checkpoint_activations, CHECKPOINTING)])
 
 
 @dataclass(frozen=True)
@@ -256,7 +252,7 @@ def family(arch: Arch) -> Family:
         case "llama":
             return Family(rms_norm=True, rotary=True, gated_mlp=True, takes_qkv_bias=True)
         case _:
-            _refuse("arch", arch, ARCHS)
+            raise ConfigError([unknown("arch", arch, ARCHS)])
 
 
 @cache
@@ -269,7 +265,7 @@ def fused_loss(loss: Loss) -> bool:
         case "fused":
             return True
         case _:
-            _refuse("loss", loss, LOSSES)
+            raise ConfigError([unknown("loss", loss, LOSSES)])
 
 
 @cache
@@ -281,4 +277,4 @@ def trains_on_text(data: Data) -> bool:
         case "text":
             return True
         case _:
-            _refuse("data", data, DATA)
+            raise ConfigError([unknown("data", data, DATA)])

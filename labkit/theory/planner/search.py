@@ -33,7 +33,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.config.choices import pipeline_shape
+from labkit.config.choices import Precision, pipeline_shape, recomputation
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
 from labkit.theory.planner.timing import compute_floor
@@ -148,7 +148,8 @@ def _checked(fixed: dict | None) -> dict:
         raise ConfigError([f"fixed={unknown} cannot be held by the planner; it holds {', '.join(FIXABLE)}"])
     if "checkpoint_activations" in fixed:
         ac = fixed["checkpoint_activations"]
-        fixed["checkpoint_activations"] = {"none": False, "full": True}.get(ac, ac) if isinstance(ac, str) else bool(ac)
+        r = recomputation(ac if isinstance(ac, str) else bool(ac))  # a name ('none', 'full', ...) or a value
+        fixed["checkpoint_activations"] = r.mode if r.attention_only or r.per_op else r.recomputes
     return fixed
 
 
@@ -171,7 +172,7 @@ def plan(
     hardware: str | Hardware = "h100",
     global_batch: int | None = None,
     top: int = 10,
-    precision: str | None = None,
+    precision: Precision | None = None,
     fixed: dict | None = None,
 ) -> Plans:
     """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
