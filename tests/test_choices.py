@@ -230,6 +230,19 @@ def test_a_bad_layout_is_refused_when_built(fields, says):
     assert any(says in p for p in e.value.problems), e.value.problems
 
 
+def test_a_config_built_before_lets_no_lookalike_in():
+    """check_fields remembers the configs that passed; 1 == True and (2, 2) == (2.0, 2.0), yet the
+    lookalikes are refused."""
+    ParallelConfig(pp=2, stage_layers=(2, 2), sequence_parallel=False)
+    with pytest.raises(ConfigError, match="must be a tuple of whole numbers"):
+        ParallelConfig(pp=2, stage_layers=(2.0, 2.0), sequence_parallel=False)
+    with pytest.raises(ConfigError, match="sequence_parallel=0 must be True or False"):
+        ParallelConfig(pp=2, stage_layers=(2, 2), sequence_parallel=0)
+    ModelConfig(layers=1)
+    with pytest.raises(ConfigError, match="layers=True must be a whole number"):
+        ModelConfig(layers=True)
+
+
 def test_replace_and_from_dict_are_checked_too():
     with pytest.raises(ConfigError, match="sharding='zero4'"):
         ParallelConfig().replace(sharding="zero4")

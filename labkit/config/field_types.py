@@ -55,7 +55,7 @@ def _test(hint) -> Callable[[object], bool]:
 _FIELDS: dict[type, list] = {}
 
 
-def _fields(cls) -> list:
+def field_tests(cls) -> list:
     """(field, its resolved type, the test of a value) of a config class, resolved once."""
     if cls not in _FIELDS:
         hints = typing.get_type_hints(cls)
@@ -66,7 +66,7 @@ def _fields(cls) -> list:
 def typed_fields(obj):
     """(name, value, the problem of its type or "") of each of `obj`'s fields; a Literal's problem
     names its values."""
-    for f, hint, fits in _fields(type(obj)):
+    for f, hint, fits in field_tests(type(obj)):
         v = getattr(obj, f.name)
         if fits(v):
             yield f.name, v, ""

@@ -17,10 +17,12 @@ labkit/config/__init__.py imports it, so it names the config classes for type hi
 from __future__ import annotations
 
 import dataclasses
+import operator
+import typing
 from typing import TYPE_CHECKING
 
 from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
-from labkit.config.field_types import type_problems, typed_fields
+from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
 
 if TYPE_CHECKING:
@@ -96,11 +98,45 @@ def field_problems(obj) -> list[str]:
     return out
 
 
+_CHECKS: dict[type, tuple] = {}
+_PASSED: set = set()
+"""The (class, values, their types) of configs that passed: the theory and the planner build tens of
+thousands of configs a search, most of them seen before, and one lookup is a quarter of a check."""
+
+
+def _fused(fits, in_range):
+    return fits if in_range is None else lambda v: fits(v) and in_range(v)
+
+
+def _checks(cls) -> tuple:
+    """(the fields' values in order, the test of each one's type and range, the positions of the
+    tuple fields), built once per config class."""
+    if cls not in _CHECKS:
+        fields = field_tests(cls)
+        ranges = _RANGES.get(cls.__name__, {})
+        tests = [_fused(fits, ranges.get(f.name, (None,))[0]) for f, _, fits in fields]
+        tuples = [i for i, (_, hint, _) in enumerate(fields) if typing.get_origin(hint) is tuple]
+        _CHECKS[cls] = operator.attrgetter(*(f.name for f, _, _ in fields)), tests, tuples
+    return _CHECKS[cls]
+
+
 def check_fields(obj) -> None:
     """Raise ConfigError naming each of `obj`'s wrong fields (the configs' __post_init__)."""
-    found = field_problems(obj)
-    if found:
-        raise ConfigError(found)
+    values_of, tests, tuples = _checks(type(obj))
+    values = values_of(obj)
+    try:  # types too, and a tuple field's items': 1 == True and (2, 3) == (2.0, 3.0) in a set
+        key = (type(obj), values, tuple(map(type, values)), *(tuple(map(type, values[i])) for i in tuples))
+        if key in _PASSED:
+            return
+    except TypeError:  # unhashable, or no tuple where one belongs: the tests name it
+        key = None
+    for ok, value in zip(tests, values, strict=True):
+        if not ok(value):
+            raise ConfigError(field_problems(obj))
+    if key is not None:
+        if len(_PASSED) > 100_000:
+            _PASSED.clear()
+        _PASSED.add(key)
 
 
 def argument_problems(call: str, cfg, model) -> list[str]:
