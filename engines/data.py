@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from labkit.config import ModelConfig
+from labkit.config.choices import Data, trains_on_text
 from labkit.plans import text
 
 LANGUAGE_SEED = 1234
@@ -44,9 +45,9 @@ def text_batch(offsets: np.ndarray, seq: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.from_numpy(tokens), torch.from_numpy(targets)
 
 
-def batch(data: str, step: int, seed: int, size: int, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
+def batch(data: Data, step: int, seed: int, size: int, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """Step `step`'s whole global batch of `size` sequences: data='synthetic' or 'text'."""
-    if data == "text":
+    if trains_on_text(data):
         return text_batch(text.train_offsets(step, seed, size, model.seq), model.seq)
     return global_batch(step, seed, size, model.seq, model.vocab)
 

@@ -69,7 +69,7 @@ def validation_share(
     batches = text.validation_offsets(model.seq, cfg.global_batch).reshape(-1, cfg.global_batch)
     # DTensor's vocab-parallel loss runs under loss_parallel(), as parallelize wraps the training schedule
     parallel_loss = nullcontext()
-    if cfg.impl == "torch" and cfg.tp > 1:
+    if cfg.torch_impl and cfg.tp > 1:
         from torch.distributed.tensor.parallel import loss_parallel  # DTensor: only its runs load it
 
         parallel_loss = loss_parallel()

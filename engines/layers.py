@@ -80,7 +80,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         h, kv = cfg.hidden, cfg.n_kv_heads * cfg.head_dim
-        bias = cfg.arch == "gpt2"
+        bias = cfg.family.biases
         qkv_bias = bias or cfg.qkv_bias
         self.head_dim = cfg.head_dim
         self.wq = nn.Linear(h, h, bias=qkv_bias)
@@ -108,10 +108,10 @@ class MLP(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        bias = cfg.arch == "gpt2"
+        bias = cfg.family.biases
         self.fc1 = nn.Linear(cfg.hidden, cfg.ffn, bias=bias)
         self.fc2 = nn.Linear(cfg.ffn, cfg.hidden, bias=bias)
-        self.approximate = "tanh" if cfg.arch == "gpt2" else "none"
+        self.approximate = cfg.family.gelu_approximate
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x), approximate=self.approximate))  # (b, s, h) -> (b, s, f) -> (b, s, h)
@@ -132,6 +132,6 @@ class SwiGLU(nn.Module):
 
 def norm(cfg: ModelConfig) -> nn.Module:
     """RMSNorm (Zhang & Sennrich 2019; weight only) for llama, LayerNorm (weight and bias) otherwise."""
-    if cfg.arch == "llama":
+    if cfg.family.rms_norm:
         return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
     return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from labkit.config.choices import Loss, fused_loss
 from labkit.plans.precision import LOSS_CHUNK
 
 
@@ -59,8 +60,8 @@ def softmax_grad(logits, lse, targets, scale, held=None) -> torch.Tensor:
     return out
 
 
-def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, how: str) -> torch.Tensor:
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss: Loss) -> torch.Tensor:
     """Mean cross-entropy of (b, s, V) logits against (b, s) targets, as ModelConfig.loss says."""
-    if how == "fused":
+    if fused_loss(loss):
         return FusedCrossEntropy.apply(logits.flatten(0, 1), targets.flatten())
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

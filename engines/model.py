@@ -33,7 +33,7 @@ class Embedding(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
-        self.pos = nn.Embedding(cfg.seq, cfg.hidden) if cfg.arch != "llama" else None
+        self.pos = None if cfg.family.rotary else nn.Embedding(cfg.seq, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # (b, s) tokens, (s,) positions -> (b, s, h)
@@ -51,7 +51,7 @@ class Block(nn.Module):
         self.ln2 = norm(cfg)
         if cfg.experts:
             self.mlp = MoE(cfg)
-        elif cfg.arch == "llama":
+        elif cfg.family.gated_mlp:
             self.mlp = SwiGLU(cfg)
         else:
             self.mlp = MLP(cfg)
@@ -86,7 +86,7 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg)
-        self.rope = Rotary(cfg) if cfg.arch == "llama" else None
+        self.rope = Rotary(cfg) if cfg.family.rotary else None
         if cfg.tied:  # one Parameter: named_parameters lists it once, as embed.tok.weight
             self.head.proj.weight = self.embed.tok.weight
 

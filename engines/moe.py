@@ -46,8 +46,8 @@ class MoE(nn.Module):
         self.router = nn.Linear(h, e, bias=False)
         self.w1 = nn.Parameter(torch.empty(e, h, f))  # gpt: fc1; llama: the gate
         self.w2 = nn.Parameter(torch.empty(e, f, h))  # the down projection
-        self.w3 = nn.Parameter(torch.empty(e, h, f)) if cfg.arch == "llama" else None  # llama: the up projection
-        self.approximate = "tanh" if cfg.arch == "gpt2" else "none"
+        self.w3 = nn.Parameter(torch.empty(e, h, f)) if cfg.family.gated_mlp else None  # llama: the up projection
+        self.approximate = cfg.family.gelu_approximate
         self.dispatch = local_experts
         """(moe, rows, counts) -> outputs; expert parallelism swaps in its all-to-all."""
         self.seq_split = (None, 1)

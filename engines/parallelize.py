@@ -60,8 +60,6 @@ from labkit.engines.parallel.zero import apply_zero
 from labkit.engines.precision import policy
 from labkit.plans.mesh import DATA_DIMS
 
-ZERO_STAGES = {"zero1": 1, "zero2": 2, "zero3": 3}
-
 
 def whole_sequence(tokens: torch.Tensor, targets: torch.Tensor):
     """The input map without context parallelism: every position (chunk 0 numbers them itself)."""
@@ -91,11 +89,11 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     metas = ParamMetas()  # what 1, 3 and 5 say of the parameters they change, for 7
 
     # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py, or DTensor's
-    if cfg.tp > 1 and cfg.impl == "torch":
+    if cfg.tp > 1 and cfg.torch_impl:
         # DTensor's package holds ~45 MB per process: only runs with impl='torch' load it
         from labkit.engines.parallel.tensor_torch import apply_tp_torch, in_loss_parallel, tp_device_mesh
 
-        tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharding == "fsdp")
+        tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharded.fsdp)
         model, info["tp_plan"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
         schedule = in_loss_parallel(schedule)
     elif cfg.tp > 1:
@@ -111,8 +109,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         model, info["ep"] = apply_ep(model, mesh, metas)
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
-    if cfg.checkpoint_activations:
-        model, _ = apply_ac(model, meters.memory, selective=cfg.recompute == "selective")  # nothing to report
+    if cfg.recomputation.recomputes:
+        model, _ = apply_ac(model, meters.memory, selective=cfg.recomputation.attention_only)  # nothing to report
 
     # 5. pipeline parallelism: engines/parallel/pipeline.py; its schedule ours, or torch.distributed.pipelining's
     chunks = [model]
@@ -121,7 +119,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
             model, mesh, metas, virtual_stages=cfg.virtual_stages, stage_layers=cfg.stage_layers, schedule=cfg.schedule
         )
         info["pipeline"] = {"schedule": cfg.schedule, **stages}
-        if cfg.impl == "torch":
+        if cfg.torch_impl:
             schedule = TorchSchedule(
                 mesh, schedule=cfg.schedule, microbatches=cfg.microbatches, virtual_stages=cfg.virtual_stages
             )
@@ -143,9 +141,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     # 7. data parallelism: DDP (ddp.py), ZeRO (zero.py), FSDP (fsdp.py); PyTorch's own with impl='torch'
     loss_shards = mesh.size(*DATA_DIMS)
     bucket_bytes = int(cfg.bucket_mb * 2**20)
-    if cfg.sharding == "fsdp" and cfg.impl == "torch":
+    if cfg.sharded.fsdp and cfg.torch_impl:
         sync = apply_fsdp_torch(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim, meters=meters)
-    elif cfg.sharding == "fsdp":
+    elif cfg.sharded.fsdp:
         sync = apply_fsdp(
             chunks,
             mesh,
@@ -156,25 +154,25 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
             meters=meters,
             loss_shards=loss_shards,
         )
-    elif cfg.sharding != "none":
+    elif cfg.sharded.stage:  # ZeRO-1, 2 or 3
         sync = apply_zero(
             chunks,
             mesh,
             metas,
-            stage=ZERO_STAGES[cfg.sharding],
+            stage=cfg.sharded.stage,
             bucket_bytes=bucket_bytes,
             pol=pol,
             optim=optim,
             meters=meters,
             loss_shards=loss_shards,
         )
-    elif cfg.impl == "torch" and mesh.size("pp") > 1:
+    elif cfg.torch_impl and mesh.size("pp") > 1:
         sync = TorchStageGrads(chunks, mesh, metas, cfg.bucket_mb, optim)  # PyTorch's DDP per stage chunk
-    elif cfg.impl == "torch" and cfg.tp > 1:
+    elif cfg.torch_impl and cfg.tp > 1:
         from labkit.engines.parallel.tensor_torch import TorchTP  # DTensor: only its runs load it
 
         sync = TorchTP(chunks[0], mesh, optim)  # no dp: labkit.config refuses DDP with DTensor TP
-    elif cfg.impl == "torch":
+    elif cfg.torch_impl:
         sync = TorchDDP(chunks[0], mesh.group(*DATA_DIMS), metas, cfg.bucket_mb, optim)
     else:
         sync = DDP(

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from labkit.config.choices import numerics
+
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -106,9 +108,9 @@ class Compute:
 
 def compute_copy(module: nn.Module, precision: str) -> Compute:
     """The reference's mixed precision: `module` keeps the fp32 masters, a bf16 deep copy computes."""
-    if precision == "fp32":
+    kind = numerics(precision)
+    if not kind.mixed:
         return Compute(module, module)
-    if precision == "bf16":
-        low = copy.deepcopy(module).to(torch.bfloat16)
-        return Compute(module, low)
-    raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
+    if kind.fp8:
+        raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
+    return Compute(module, copy.deepcopy(module).to(torch.bfloat16))

@@ -93,7 +93,7 @@ def run_rank(spec: dict) -> dict:
         "timeline": meters.timeline.events,
         "info": rank_model.info,
     }
-    if run.data == "text":  # after the steps, outside the meters: in no step's bytes or timeline
+    if run.trains_on_text:  # after the steps, outside the meters: in no step's bytes or timeline
         report["validation"] = evaluate.validation_share(rank_model, mesh, cfg, model_cfg, index, count, device)
     if audit is not None:
         report["audit"] = dict(audit.counts)

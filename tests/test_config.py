@@ -110,7 +110,8 @@ def test_experts_and_ep():
     assert "ep=2 needs an MoE model" in only(ParallelConfig(ep=2))
     assert "experts=3 is not divisible by ep=2" in only(ParallelConfig(ep=2), ModelConfig(experts=3))
     assert "top_k=3 must be between 1 and experts=2" in only(model=ModelConfig(experts=2, top_k=3))
-    assert "experts=-1" in only(model=ModelConfig(experts=-1))
+    with pytest.raises(ConfigError, match="experts=-1"):  # refused when built
+        ModelConfig(experts=-1)
 
 
 def test_global_batch_split():
@@ -129,7 +130,9 @@ def test_global_batch_split():
     ],
 )
 def test_unknown_names(field, value):
-    msg = only(ParallelConfig(**{field: value}))
+    with pytest.raises(ConfigError) as e:  # refused when built
+        ParallelConfig(**{field: value})
+    (msg,) = e.value.problems
     assert f"{field}={value!r} is not one of" in msg
 
 
@@ -148,14 +151,22 @@ def test_the_engines_refuse_what_only_the_theory_predicts():
     validate(ParallelConfig(checkpoint_activations="selective"), M)
 
 
+def built(cls, **fields) -> str:
+    """The one problem `cls(**fields)` is refused with when built."""
+    with pytest.raises(ConfigError) as e:
+        cls(**fields)
+    assert len(e.value.problems) == 1, e.value.problems
+    return e.value.problems[0]
+
+
 def test_order_must_name_every_dim_once():
-    assert "order='tp-dp-pp'" in only(ParallelConfig(order="tp-dp-pp"))
-    assert "order=" in only(ParallelConfig(order="tp-tp-ep-dp-pp"))
+    assert "order='tp-dp-pp'" in built(ParallelConfig, order="tp-dp-pp")
+    assert "order=" in built(ParallelConfig, order="tp-tp-ep-dp-pp")
 
 
 def test_degrees_must_be_positive_ints():
-    assert "dp=0 must be a positive integer" in only(ParallelConfig(dp=0))
-    assert "tp=1.5" in only(ParallelConfig(tp=1.5))
+    assert "dp=0 must be a positive integer" in built(ParallelConfig, dp=0)
+    assert "tp=1.5" in built(ParallelConfig, tp=1.5)
 
 
 def test_model_sizes_must_be_positive():
@@ -177,13 +188,16 @@ def test_sequence_parallel_needs_tp():
 
 
 def test_microbatches_and_bucket():
-    assert "microbatches=0" in only(ParallelConfig(microbatches=0))
-    assert "bucket_mb=0" in only(ParallelConfig(bucket_mb=0))
+    assert "microbatches=0" in built(ParallelConfig, microbatches=0)
+    assert "bucket_mb=0" in built(ParallelConfig, bucket_mb=0)
 
 
 def test_every_problem_is_listed_at_once():
+    with pytest.raises(ConfigError) as e:  # when built: every wrong field at once
+        ParallelConfig(dp=0, sharding="zero9", bucket_mb=0)
+    assert len(e.value.problems) == 3
     with pytest.raises(ConfigError) as e:
-        validate(ParallelConfig(dp=3, tp=3, sharding="zero9"), ModelConfig(heads=4), 4)
+        validate(ParallelConfig(dp=3, tp=3), ModelConfig(heads=4), 4)
     assert len(e.value.problems) >= 3
     assert isinstance(e.value, ValueError)
     assert "3 problem(s)" in str(e.value) or f"{len(e.value.problems)} problem(s)" in str(e.value)

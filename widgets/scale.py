@@ -31,7 +31,8 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from labkit import theory
-from labkit.config import ModelConfig, ParallelConfig
+from labkit.config import LOSSES, PRECISIONS, SHARDINGS, ModelConfig, ParallelConfig
+from labkit.config.choices import Precision, Sharding
 from labkit.theory.planner.evaluate import layout_problems
 from labkit.theory.planner.hardware import HARDWARE
 from labkit.theory.presets import PRESETS
@@ -70,8 +71,8 @@ class ScaleExplorer:
         tp: int = 8,
         pp: int = 1,
         microbatches: int = 1,
-        precision: str = "bf16",
-        sharding: str = "none",
+        precision: Precision = "bf16",
+        sharding: Sharding = "none",
     ):
         box = dict(style={"description_width": "120px"}, layout=W.Layout(width="330px"))
         sel = lambda name, opts, v: W.SelectionSlider(
@@ -100,16 +101,16 @@ class ScaleExplorer:
                 style={"button_width": button_width(["gpipe", "1f1b", "interleaved"])},
             ),
             "sharding": W.ToggleButtons(
-                options=["none", "zero1", "zero2", "zero3", "fsdp"],
+                options=list(SHARDINGS),
                 value=sharding,
                 description="sharding",
-                style={"button_width": button_width(["none", "zero1", "zero2", "zero3", "fsdp"])},
+                style={"button_width": button_width(SHARDINGS)},
             ),
             "precision": W.ToggleButtons(
-                options=["fp32", "bf16", "fp8"],
+                options=list(PRECISIONS),
                 value=precision,
                 description="precision",
-                style={"button_width": button_width(["fp32", "bf16", "fp8"])},
+                style={"button_width": button_width(PRECISIONS)},
             ),
             "sequence_parallel": W.Checkbox(value=False, description="sequence_parallel", indent=False),
             "checkpoint_activations": W.ToggleButtons(
@@ -119,11 +120,11 @@ class ScaleExplorer:
                 style={"button_width": button_width(["none", "selective", "op", "full"])},
             ),
             "loss": W.ToggleButtons(
-                options=["fp32", "fused"],
+                options=list(LOSSES),
                 value="fp32",
                 description="loss",
                 tooltip="fused: the logits kept in the compute dtype, not fp32 log-probabilities (ModelConfig.loss)",
-                style={"button_width": button_width(["fp32", "fused"])},
+                style={"button_width": button_width(LOSSES)},
             ),
             "capacity": W.Dropdown(options=list(CAPACITIES), value=list(CAPACITIES)[0], description="GPU", **box),
             "hardware": W.Dropdown(options=list(HARDWARE), value="h100", description="time on", **box),

@@ -56,7 +56,7 @@ def zero_figure(view, capacity: float | None = 80e9) -> go.Figure:
             marker_color=CATEGORY_COLORS[cat],
             hovertemplate=f"{cat}: %{{y:,.1f}} GB<extra>%{{x}}</extra>",
         )
-    mine = view.config.sharding if view.config.sharding in STAGES else "zero3"  # FSDP shards like ZeRO-3
+    mine = STAGES[view.config.sharded.stage]  # FSDP shards like ZeRO-3
     fig.add_annotation(x=mine, y=view.states[mine]["total"] / GB, text="this layout", showarrow=True, arrowhead=2)
     _capacity_line(fig, capacity)
     return _layout(

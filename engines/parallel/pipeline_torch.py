@@ -32,9 +32,6 @@ from labkit.engines.parallel.ddp import TorchUpdate
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.schedules import stage_of, style
 
-MULTI = ("interleaved", "zbh1", "zbv", "dualpipev")
-"""Schedules whose torch class takes a list of stages (PipelineScheduleMulti)."""
-
 
 def _schedule_class(name: str):
     # torch.distributed.pipelining takes 0.5 s to import: only impl='torch' with pp > 1 needs it
@@ -69,9 +66,8 @@ class TorchSchedule:
         self.first = self.last = False
 
     def _build(self, rank_model, meters) -> None:
-        from torch.distributed.pipelining import (
-            PipelineStage,  # deferred: see _schedule_class
-        )
+        from torch.distributed.pipelining import PipelineStage  # deferred: see _schedule_class
+        from torch.distributed.pipelining.schedules import PipelineScheduleMulti  # takes a list of stages
 
         p, v, r = self.mesh.size("pp"), self.virtual_stages, self.mesh.coord("pp")
         stages = []
@@ -93,7 +89,9 @@ class TorchSchedule:
 
         cls = _schedule_class(self.schedule)
         self.sched = cls(
-            stages if self.schedule in MULTI else stages[0], n_microbatches=self.microbatches, loss_fn=loss_fn
+            stages if issubclass(cls, PipelineScheduleMulti) else stages[0],
+            n_microbatches=self.microbatches,
+            loss_fn=loss_fn,
         )
 
     def __call__(self, rank_model, microbatches, meters) -> float:

@@ -41,6 +41,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from labkit.config.choices import fused_loss
 from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.tensor_ops import (
     Copy,
@@ -115,7 +116,7 @@ class VocabParallelHead(nn.Module):
     def __init__(self, norm: nn.Module, proj: nn.Linear, start: int, enter, group, loss: str):
         super().__init__()
         self.norm, self.proj, self.start, self.enter, self.group = norm, proj, start, enter, group
-        self.loss, self.fused = loss, loss == "fused"
+        self.loss, self.fused = loss, fused_loss(loss)
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.enter(self.norm(x))  # (b, s, h) on every tp rank

@@ -268,6 +268,6 @@ def apply_zero(
     shards by module units and has no buckets."""
     pipeline = mesh.size("pp") > 1
     if stage == 3:
-        kind = unit_kind("zero3", chunks[0].cfg.tied)
+        kind = unit_kind(per_module=True, tied=chunks[0].cfg.tied)
         return ZeRO3(chunks, mesh, metas, kind, True, pol, optim, meters, loss_shards, keep=pipeline)
     return ZeRO12(chunks, mesh, metas, stage, pol, bucket_bytes, optim, meters, loss_shards, once=pipeline)

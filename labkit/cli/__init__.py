@@ -46,11 +46,13 @@ def _add_fields(parser: argparse.ArgumentParser, cls, prefix: str = "") -> None:
         args = [a for a in typing.get_args(kind) if a is not type(None)]
         if typing.get_origin(kind) is tuple:
             kind = _ints
+        elif typing.get_origin(kind) is typing.Literal:  # a choice: the config names its values if wrong
+            kind = _bool_or_str if bool in {type(a) for a in args} else str
         elif len(args) == 1:  # X | None: None is the family's default (ModelConfig)
             kind = args[0]
         if kind is bool:
             parser.add_argument(flag, dest=prefix + f.name, action=argparse.BooleanOptionalAction, default=None)
-        elif kind == bool | str:  # checkpoint_activations: true, false, full, selective, op
+        elif kind is _bool_or_str:  # checkpoint_activations: true, false, full, selective, op
             parser.add_argument(flag, dest=prefix + f.name, type=_bool_or_str, default=None, metavar=f.name.upper())
         elif dataclasses.is_dataclass(kind):
             continue  # a nested config (rope_scaling): from a preset or ModelConfig.from_hf, not a flag

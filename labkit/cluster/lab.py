@@ -35,6 +35,7 @@ from labkit.cluster.gpus import gpu_problems
 from labkit.cluster.jobs import JobRunner
 from labkit.cluster.world import layout_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
+from labkit.config.choices import Data, trains_on_text
 from labkit.config.table import Rows, card
 from labkit.config.validation import data_problems, optim_problems, validate
 from labkit.engines import runtime
@@ -241,7 +242,7 @@ class Lab:
         return_params: bool = False,
         audit: bool = False,
         *,
-        data: str = "synthetic",
+        data: Data = "synthetic",
         _comm_log: bool = True,
     ) -> RunResult:
         """Train `steps` steps of `model` laid out as `cfg` on the engines; returns a RunResult.
@@ -263,10 +264,9 @@ class Lab:
         if bad:
             raise ConfigError(bad)
         validate(cfg, model, self.world)
-        if optim_problems(optim):
-            raise ConfigError(optim_problems(optim))
-        if layout_problems(cfg, self.backend, self.devices[: cfg.world]):
-            raise ConfigError(layout_problems(cfg, self.backend, self.devices[: cfg.world]))
+        found = optim_problems(optim) or layout_problems(cfg, self.backend, self.devices[: cfg.world])
+        if found:
+            raise ConfigError(found)
         for w in MeshLayout.of(cfg).warnings(self.hosts[: cfg.world]):  # a TP group across hosts: say so
             warnings.warn(w, stacklevel=2)
         spec = RunSpec(
@@ -276,7 +276,7 @@ class Lab:
             steps=steps,
             seed=seed,
             data=data,
-            return_params=return_params or data == "text",  # generate() samples from them
+            return_params=return_params or trains_on_text(data),  # generate() samples from them
             audit=audit,
             comm_log=bool(_comm_log),
         ).to_dict()  # plain data crosses to the engines

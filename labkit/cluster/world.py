@@ -231,7 +231,7 @@ def layout_problems(cfg: ParallelConfig, backend: str, devices: list[str]) -> li
     """What a layout cannot do on this world's backend and devices, each with a fix (a
     ConfigError before any engine work)."""
     shared_gpus = backend == "gloo" and any(d.startswith("cuda") for d in devices)  # gloo on CUDA tensors
-    if shared_gpus and cfg.impl == "torch" and cfg.pp > 1:
+    if shared_gpus and cfg.torch_impl and cfg.pp > 1:
         return [
             "impl='torch' with pp > 1 on ranks sharing GPUs (gloo on CUDA tensors): torch.distributed.pipelining "
             "sends CUDA tensors through gloo, which has no send/recv for them ('writev ... Bad address'). "

@@ -2,7 +2,11 @@
 
 This module is the bottom rung of labkit's import ladder: the engines import it, so it
 imports nothing but the standard library. Every config round-trips through a plain dict
-(`to_dict` / `from_dict`); that dict is what crosses from the notebook to the engines.
+(`to_dict` / `from_dict`); that dict is what crosses from the notebook to the engines. A choice
+field is a `Literal` whose names are decoded once (choices.py) into the properties the code reads
+(`cfg.sharded`, `cfg.pipeline`, `model.family`, ...: derived, never in the dict); every field is
+checked when a config is built (validation.py), so a config that exists has fields of the right
+type and range.
 """
 
 from __future__ import annotations
@@ -10,41 +14,53 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from labkit.config import choices
+from labkit.config.choices import (
+    ARCHS,
+    CHECKPOINTING,
+    DATA,
+    DIMS,
+    IMPLS,
+    LOSSES,
+    PRECISIONS,
+    SCHEDULES,
+    SHARDINGS,
+    Arch,
+    Checkpointing,
+    ConfigError,
+    Data,
+    Family,
+    Impl,
+    Loss,
+    Numerics,
+    PipelineShape,
+    Precision,
+    Recomputation,
+    Recompute,
+    Schedule,
+    Sharded,
+    Sharding,
+)
 from labkit.config.hf import hf_fields
+from labkit.config.validation import check_fields
 
-DIMS = ("tp", "cp", "ep", "dp", "pp")
-"""The mesh dimensions, in the default order (innermost first, Megatron's convention)."""
-
-SHARDINGS = ("none", "zero1", "zero2", "zero3", "fsdp")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
-"""Pipeline schedules (labkit/plans/orders.py); the last three split backward into B and W."""
-IMPLS = ("lab", "torch")
-PRECISIONS = ("fp32", "bf16", "fp8")
-CHECKPOINTING = (False, True, "full", "selective", "op")
-"""checkpoint_activations values: off; full recomputation (True is "full"); Korthikanti et al.'s
-selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
-ARCHS = ("gpt", "gpt2", "llama")
-LOSSES = ("fp32", "fused")
-"""How ModelConfig.loss takes the cross-entropy."""
-DATA = ("synthetic", "text")
-"""What a run trains on: the synthetic language (engines/data.py) or the Shakespeare corpus in bytes
-(labkit/plans/text.py; needs vocab >= 256)."""
-
-
-def recompute_mode(checkpoint_activations: bool | str) -> str:
-    """'none', 'full', 'selective' or 'op' for a checkpoint_activations value (True is 'full')."""
-    if isinstance(checkpoint_activations, bool):
-        return "full" if checkpoint_activations else "none"
-    return checkpoint_activations
-
-
-class ConfigError(ValueError):
-    """A layout, model or argument that cannot run; the message lists every problem and a fix."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = list(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"{len(self.problems)} problem(s) with this configuration:\n{lines}")
+__all__ = [
+    "ARCHS",
+    "CHECKPOINTING",
+    "DATA",
+    "DIMS",
+    "IMPLS",
+    "LOSSES",
+    "PRECISIONS",
+    "SCHEDULES",
+    "SHARDINGS",
+    "ConfigError",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RopeScaling",
+    "RunSpec",
+]
 
 
 class _Dict:
@@ -87,6 +103,9 @@ class RopeScaling(_Dict):
     original_max_position: int = 8192
     """The pre-training context the frequencies were tuned for (HF original_max_position_embeddings)."""
 
+    def __post_init__(self):
+        check_fields(self)
+
 
 @dataclass(frozen=True)
 class ModelConfig(_Dict):
@@ -97,7 +116,8 @@ class ModelConfig(_Dict):
     `n_kv_heads` and `tied` resolve them. `from_hf` reads a Hugging Face config.json."""
 
     layers: int = 4
-    """Transformer blocks. Split evenly over pp * virtual_stages, or as ParallelConfig.stage_layers says."""
+    """Transformer blocks. Split evenly over pp * virtual_stages, or as ParallelConfig.stage_layers says.
+    0 is a model of its embedding and head alone (the theory prices a chunk's ends so); a layout needs one."""
     hidden: int = 64
     """Model width h. heads must divide it."""
     heads: int = 4
@@ -115,7 +135,7 @@ class ModelConfig(_Dict):
     """Experts each token is routed to (1 <= top_k <= experts)."""
     aux_loss_coef: float = 0.01
     """Weight of the Switch-Transformer load-balancing loss added to the LM loss (MoE only)."""
-    arch: str = "gpt"
+    arch: Arch = "gpt"
     """'gpt': labkit's toy (LayerNorm, learned positions, exact-GELU MLP, no biases, untied head);
     'gpt2': GPT-2 as published (biases in every Linear and LayerNorm, tanh GELU, learned
     positions, head tied to the token embedding); 'llama': RMSNorm, rotary positions, SwiGLU,
@@ -134,7 +154,7 @@ class ModelConfig(_Dict):
     """Epsilon of every LayerNorm / RMSNorm."""
     qkv_bias: bool = False
     """Biases on the q, k and v projections only (llama family: Qwen2). gpt2 has biases everywhere anyway."""
-    loss: str = "fp32"
+    loss: Loss = "fp32"
     """How the cross-entropy is taken. 'fp32': the logits cast to fp32, then log-softmax and NLL
     (F.cross_entropy on logits.float(), as torchtitan calls it): keeps the fp32 log-probabilities,
     4 bytes a logit, and the backward makes fp32 gradients. 'fused': one function from the logits
@@ -145,6 +165,7 @@ class ModelConfig(_Dict):
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        check_fields(self)  # a wrong type or range is refused here, named, with a fix
 
     @classmethod
     def from_hf(cls, config, seq: int | None = None) -> ModelConfig:
@@ -170,26 +191,37 @@ class ModelConfig(_Dict):
     @property
     def tied(self) -> bool:
         """Whether the LM head is the token embedding (tie_embeddings, or the family's default)."""
-        return self.arch == "gpt2" if self.tie_embeddings is None else self.tie_embeddings
+        return self.family.ties if self.tie_embeddings is None else self.tie_embeddings
+
+    # -- `arch` and `loss` decoded once (labkit/config/choices.py): the code reads these, never the names
+    @property
+    def family(self) -> Family:
+        """What `arch` builds: .rms_norm, .rotary, .gated_mlp, .biases, .gelu_approximate, ..."""
+        return choices.family(self.arch)
+
+    @property
+    def fused_loss(self) -> bool:
+        """loss='fused': the logits kept in the compute dtype with their fp32 log-sum-exp."""
+        return choices.fused_loss(self.loss)
 
     def num_params(self) -> int:
         """Parameter count Ψ of the full model (every weight, counted once; a tied head is the
         embedding). labkit.theory.num_params counts the same from the parameter list."""
         h, f, v, s, e = self.hidden, self.ffn, self.vocab, self.seq, self.experts
         kv = self.n_kv_heads * self.head_dim
-        llama, gpt2 = self.arch == "llama", self.arch == "gpt2"
-        norm = h if llama else 2 * h  # RMSNorm has no bias
+        fam = self.family
+        norm = h if fam.rms_norm else 2 * h  # RMSNorm has no bias
         attn = 2 * h * h + 2 * h * kv
-        if gpt2 or self.qkv_bias:
+        if fam.biases or self.qkv_bias:
             attn += h + 2 * kv  # q, k, v biases
-        if gpt2:
+        if fam.biases:
             attn += h  # the output projection's bias
-        mats = 3 if llama else 2  # SwiGLU: gate, up, down
+        mats = 3 if fam.gated_mlp else 2  # SwiGLU: gate, up, down
         if e:
             mlp = h * e + e * mats * h * f
         else:
-            mlp = mats * h * f + (f + h if gpt2 else 0)
-        pos = 0 if llama else s * h
+            mlp = mats * h * f + (f + h if fam.biases else 0)
+        pos = 0 if fam.rotary else s * h
         return v * h + pos + self.layers * (2 * norm + attn + mlp) + norm + (0 if self.tied else h * v)
 
 
@@ -207,13 +239,13 @@ class ParallelConfig(_Dict):
     """Context-parallel degree: the sequence split over ranks, attention by a ring (zigzag)."""
     ep: int = 1
     """Expert-parallel degree: ranks that share the experts and split the batch (needs experts > 0)."""
-    sharding: str = "none"
+    sharding: Sharding = "none"
     """'none' (DDP), 'zero1', 'zero2', 'zero3' (ZeRO stages) or 'fsdp' (per-block units)."""
     sequence_parallel: bool = False
     """Shard LayerNorm/dropout regions along the sequence inside a TP group (needs tp > 1)."""
     microbatches: int = 1
     """Microbatches per step: pipeline microbatches, or gradient accumulation when pp == 1."""
-    schedule: str = "1f1b"
+    schedule: Schedule = "1f1b"
     """Pipeline schedule: 'gpipe', '1f1b', 'interleaved' (needs virtual_stages > 1), or a
     zero-bubble one, whose backward is split into input and weight gradients: 'zbh1' (1F1B's
     memory), 'zbv' and 'dualpipev' (two chunks per rank in a V: virtual_stages=2)."""
@@ -225,13 +257,13 @@ class ParallelConfig(_Dict):
     (15, 16, 16, 16, 16, 16, 16, 15). Empty: layers split evenly."""
     global_batch: int = 8
     """Sequences per optimizer step, over all data-parallel ranks and microbatches."""
-    impl: str = "lab"
+    impl: Impl = "lab"
     """'lab' runs labkit's readable implementations; 'torch' runs PyTorch's own (DDP, FSDP2, DTensor, pipelining)."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """'fp32'; 'bf16': bf16 compute with fp32 master weights and optimizer state; 'fp8': as bf16,
     with the linear layers' matmuls in fp8 (per-tensor scales, torchao's float8 training) and
     FSDP's all-gather in fp8 (the theory only: the engines refuse it, validation says why)."""
-    checkpoint_activations: bool | str = False
+    checkpoint_activations: Checkpointing = False
     """Recompute in backward instead of keeping: False; True or 'full' (each block keeps its input
     only, Chen et al. 2016); 'selective' (the attention core only, Korthikanti et al. 2022, section
     4.2); 'op' (torchtitan's per-op policy: every matmul's output but every second, and the
@@ -246,11 +278,44 @@ class ParallelConfig(_Dict):
     def __post_init__(self):
         if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable
             object.__setattr__(self, "stage_layers", tuple(self.stage_layers))
+        check_fields(self)  # a wrong type or range is refused here, named, with a fix
+
+    # -- the choices decoded once (labkit/config/choices.py): the code reads these, never the names
+    @property
+    def sharded(self) -> Sharded:
+        """What `sharding` shards: .stage (ZeRO's 0-3), .optimizer, .grads, .params, .fsdp (FSDP's units)."""
+        return choices.sharded(self.sharding)
 
     @property
-    def recompute(self) -> str:
+    def reshards(self) -> bool:
+        """Gathered parameters freed after each unit's forward and gathered again for its backward:
+        ZeRO-3 always, FSDP as reshard_after_forward says; False where parameters are not sharded."""
+        return self.sharded.params and (self.reshard_after_forward or not self.sharded.fsdp)
+
+    @property
+    def pipeline(self) -> PipelineShape:
+        """What `schedule` does: .forwards_first, .one_f_one_b, .interleaved, .v_shaped, .splits_backward."""
+        return choices.pipeline_shape(self.schedule)
+
+    @property
+    def torch_impl(self) -> bool:
+        """impl='torch': PyTorch's own DDP, FSDP2, DTensor and pipelining run, not labkit's."""
+        return choices.torch_impl(self.impl)
+
+    @property
+    def numerics(self) -> Numerics:
+        """What `precision` computes in: .mixed (low-precision compute, fp32 masters), .fp8 (fp8 matmuls)."""
+        return choices.numerics(self.precision)
+
+    @property
+    def recomputation(self) -> Recomputation:
+        """What checkpoint_activations rebuilds: .recomputes, .reruns_forward, .attention_only, .per_op."""
+        return choices.recomputation(self.checkpoint_activations)
+
+    @property
+    def recompute(self) -> Recompute:
         """'none', 'full', 'selective' or 'op': checkpoint_activations by name (True is 'full')."""
-        return recompute_mode(self.checkpoint_activations)
+        return self.recomputation.mode
 
     @property
     def world(self) -> int:
@@ -293,7 +358,7 @@ class RunSpec(_Dict):
     """Optimizer steps to train."""
     seed: int = 0
     """Seeds the initial weights and the batches (the same on every rank and in the reference)."""
-    data: str = "synthetic"
+    data: Data = "synthetic"
     """'synthetic' (the synthetic language) or 'text' (the corpus; the ranks also compute the validation loss)."""
     return_params: bool = False
     """Bring back every rank's part of the final parameters (res.params), to check against the reference."""
@@ -301,6 +366,14 @@ class RunSpec(_Dict):
     """Run a TorchDispatchMode beside the comm meter and count what it sees (slow; tests use it)."""
     comm_log: bool = True
     """Record collectives in the job's log; False only for the overhead benchmark (nothing is recorded)."""
+
+    def __post_init__(self):
+        check_fields(self)
+
+    @property
+    def trains_on_text(self) -> bool:
+        """data='text': the corpus, and the ranks compute the validation loss."""
+        return choices.trains_on_text(self.data)
 
     @classmethod
     def from_dict(cls, d: dict) -> RunSpec:

@@ -3,9 +3,11 @@
 Plain Python, no network and no weights: the bottom rung of the ladder with labkit/config/__init__.py.
 Each supported class reads the fields that decide its architecture; a field whose value would
 change the architecture into one labkit does not build is refused, named, with the reason
-(`hf_fields` returns the problems; config.py raises them as one ConfigError). Fields that only
-matter for inference or for training noise (dropout, token ids, caches, dtype) are ignored:
-labkit trains without dropout.
+(`hf_fields` returns the problems; labkit/config/__init__.py raises them as one ConfigError), and
+so is a key that is missing or of the wrong type, by its name. Fields that only matter for
+inference or for training noise (dropout, token ids, caches, dtype) are ignored: labkit trains
+without dropout. A config is a dict, or a local config.json (or the folder holding one): labkit
+never downloads, so a Hub id is refused with the way to fetch its config.json.
 
     LlamaForCausalLM, MistralForCausalLM   arch 'llama' (RMSNorm, RoPE, SwiGLU, GQA)
     MixtralForCausalLM                     arch 'llama' with experts (SwiGLU experts, top-k router)
@@ -16,7 +18,10 @@ labkit trains without dropout.
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+
+from labkit.config.choices import ConfigError, family
 
 LLAMA_LIKE = {
     "LlamaForCausalLM": "llama",
@@ -28,10 +33,67 @@ GPT2 = "GPT2LMHeadModel"
 
 
 def load(config) -> dict:
-    """A config as a dict: the dict itself, or the JSON file at a path."""
+    """A config as a dict: the dict itself, or the JSON of a local config.json (a path to it, or
+    to the folder holding it). ConfigError for anything else, with what to give instead."""
     if isinstance(config, dict):
         return config
-    return json.loads(pathlib.Path(config).read_text())
+    if config is None:
+        raise ConfigError(
+            [
+                "ModelConfig.from_hf(None): no config given; pass a Hugging Face config.json as a dict, "
+                "or a local file's path"
+            ]
+        )
+    if not isinstance(config, (str, os.PathLike)):
+        raise ConfigError(
+            [
+                f"ModelConfig.from_hf({config!r}): give a Hugging Face config.json as a dict, or the path "
+                f"of a local config.json, not a {type(config).__name__}"
+            ]
+        )
+    path = pathlib.Path(config)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(
+            [
+                f"ModelConfig.from_hf({str(config)!r}): no file {str(path)!r} here. labkit reads a local "
+                "config.json or a dict and never downloads; for a Hub model fetch its config.json first, e.g. "
+                f"huggingface_hub.hf_hub_download({str(config)!r}, 'config.json'), and pass that path"
+            ]
+        )
+    try:
+        out = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise ConfigError([f"ModelConfig.from_hf: {str(path)!r} is not a readable JSON file ({e})"]) from None
+    if not isinstance(out, dict):
+        raise ConfigError([f"ModelConfig.from_hf: {str(path)!r} holds a {type(out).__name__}, not a JSON object"])
+    return out
+
+
+_REQUIRED = object()
+
+
+def _read(c: dict, key: str, kind: type, problems: list[str], default=_REQUIRED, within: str = ""):
+    """c[key], checked to be a `kind` (int: a whole number; float: any number), or `default` when
+    the key is absent or null; a missing required key or a value of another type is a problem
+    naming the key (`within`: the dict holding it), and None comes back."""
+    value = c.get(key)
+    if value is None:
+        if default is _REQUIRED:
+            problems.append(
+                f"config.json has no {within + key!r}, which this architecture needs; pass the model's config.json"
+            )
+        return None if default is _REQUIRED else default
+    whole = isinstance(value, int) and not isinstance(value, bool)
+    fits = {int: whole, float: whole or isinstance(value, float), bool: isinstance(value, bool)}[kind]
+    if not fits:
+        problems.append(f"config.json's {within + key!r} is {value!r}, not a JSON {_KINDS[kind]}; write it as one")
+        return None
+    return float(value) if kind is float else value
+
+
+_KINDS = {int: "whole number", float: "number", bool: "boolean (true or false)"}
 
 
 def _arch_class(c: dict) -> str | None:
@@ -57,33 +119,40 @@ def _rope_scaling(c: dict, problems: list[str]):
         )
         return None
     return {
-        "factor": float(rs["factor"]),
-        "low_freq_factor": float(rs.get("low_freq_factor", 1.0)),
-        "high_freq_factor": float(rs.get("high_freq_factor", 4.0)),
-        "original_max_position": int(rs["original_max_position_embeddings"]),
+        "factor": _read(rs, "factor", float, problems, within="rope_scaling."),
+        "low_freq_factor": _read(rs, "low_freq_factor", float, problems, 1.0, "rope_scaling."),
+        "high_freq_factor": _read(rs, "high_freq_factor", float, problems, 4.0, "rope_scaling."),
+        "original_max_position": _read(rs, "original_max_position_embeddings", int, problems, within="rope_scaling."),
     }
 
 
 def _llama(c: dict, kind: str, seq: int | None, problems: list[str]) -> dict:
-    hidden, heads = c["hidden_size"], c["num_attention_heads"]
+    missing: list[str] = []  # keys the rest needs: with any of them wrong there is nothing to check
+    hidden, heads = _read(c, "hidden_size", int, missing), _read(c, "num_attention_heads", int, missing)
     out = {
         "arch": "llama",
-        "layers": c["num_hidden_layers"],
+        "layers": _read(c, "num_hidden_layers", int, missing),
         "hidden": hidden,
         "heads": heads,
-        "kv_heads": c.get("num_key_value_heads", heads),
-        "ffn": c["intermediate_size"],
-        "vocab": c["vocab_size"],
-        "seq": seq or c["max_position_embeddings"],
-        "norm_eps": float(c.get("rms_norm_eps", 1e-6)),
-        "rope_theta": float(c.get("rope_theta", 10000.0)),
+        "kv_heads": _read(c, "num_key_value_heads", int, missing, heads),
+        "ffn": _read(c, "intermediate_size", int, missing),
+        "vocab": _read(c, "vocab_size", int, missing),
+        "seq": seq or _read(c, "max_position_embeddings", int, missing),
+        "norm_eps": _read(c, "rms_norm_eps", float, missing, 1e-6),
+        "rope_theta": _read(c, "rope_theta", float, missing, 10000.0),
         "rope_scaling": _rope_scaling(c, problems),
-        "tie_embeddings": bool(c.get("tie_word_embeddings", False)),
+        "tie_embeddings": _read(c, "tie_word_embeddings", bool, missing, False),
         "qkv_bias": kind == "qwen2",  # Qwen2Attention: bias on q_proj, k_proj, v_proj only
     }
+    if kind == "mixtral":
+        out["experts"] = _read(c, "num_local_experts", int, missing)
+        out["top_k"] = _read(c, "num_experts_per_tok", int, missing)
+    if missing:
+        problems += missing
+        return {}
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r}: the llama family's SwiGLU uses 'silu'")
-    head_dim = c.get("head_dim")
+    head_dim = _read(c, "head_dim", int, problems, None)
     if head_dim is not None and head_dim != hidden // heads:
         problems.append(
             f"head_dim={head_dim}: labkit's attention has head_dim = hidden_size / num_attention_heads "
@@ -103,27 +172,28 @@ def _llama(c: dict, kind: str, seq: int | None, problems: list[str]) -> dict:
             f"sliding_window={window} < seq={out['seq']}: sliding-window attention is not built; "
             "pass seq <= sliding_window (the window then changes nothing)"
         )
-    if kind == "mixtral":
-        out["experts"] = c["num_local_experts"]
-        out["top_k"] = c["num_experts_per_tok"]
-        if c.get("router_jitter_noise", 0.0):
-            problems.append(f"router_jitter_noise={c['router_jitter_noise']}: the router is deterministic here")
+    if kind == "mixtral" and c.get("router_jitter_noise", 0.0):
+        problems.append(f"router_jitter_noise={c['router_jitter_noise']}: the router is deterministic here")
     return out
 
 
 def _gpt2(c: dict, seq: int | None, problems: list[str]) -> dict:
-    hidden = c["n_embd"]
+    missing: list[str] = []
+    hidden = _read(c, "n_embd", int, missing)
     out = {
         "arch": "gpt2",
-        "layers": c["n_layer"],
+        "layers": _read(c, "n_layer", int, missing),
         "hidden": hidden,
-        "heads": c["n_head"],
-        "ffn": c.get("n_inner") or 4 * hidden,
-        "vocab": c["vocab_size"],
-        "seq": seq or c["n_positions"],
-        "norm_eps": float(c.get("layer_norm_epsilon", 1e-5)),
-        "tie_embeddings": bool(c.get("tie_word_embeddings", True)),
+        "heads": _read(c, "n_head", int, missing),
+        "ffn": _read(c, "n_inner", int, missing, None) or 4 * (hidden or 0),
+        "vocab": _read(c, "vocab_size", int, missing),
+        "seq": seq or _read(c, "n_positions", int, missing),
+        "norm_eps": _read(c, "layer_norm_epsilon", float, missing, 1e-5),
+        "tie_embeddings": _read(c, "tie_word_embeddings", bool, missing, True),
     }
+    if missing:
+        problems += missing
+        return {}
     if c.get("activation_function", "gelu_new") not in ("gelu_new", "gelu_pytorch_tanh"):
         problems.append(
             f"activation_function={c['activation_function']!r}: GPT-2's MLP uses the tanh GELU ('gelu_new')"
@@ -137,7 +207,8 @@ def _gpt2(c: dict, seq: int | None, problems: list[str]) -> dict:
 
 
 def hf_fields(config, seq: int | None = None) -> tuple[dict, list[str]]:
-    """(ModelConfig keyword arguments, problems) of a Hugging Face config (dict or path)."""
+    """(ModelConfig keyword arguments, problems) of a Hugging Face config (dict or path); ConfigError
+    for what is not a config at all."""
     c = load(config)
     cls = _arch_class(c)
     if cls is None:
@@ -147,9 +218,11 @@ def hf_fields(config, seq: int | None = None) -> tuple[dict, list[str]]:
         ]
     problems: list[str] = []
     fields = _gpt2(c, seq, problems) if cls == GPT2 else _llama(c, LLAMA_LIKE[cls], seq, problems)
+    if not fields:  # a key it needs is missing or mistyped: problems names it
+        return fields, problems
     # a value that is the family's default stays unset (None), as in a config written by hand
     if fields.get("kv_heads") == fields["heads"]:
         fields["kv_heads"] = None
-    if fields["tie_embeddings"] == (fields["arch"] == "gpt2"):
+    if fields["tie_embeddings"] == family(fields["arch"]).ties:
         fields["tie_embeddings"] = None
     return fields, problems

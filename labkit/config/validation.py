@@ -1,57 +1,167 @@
-"""Validation: every constraint a layout, a model or an optimizer config violates, each with a fix.
+"""Every check on a config, each problem naming the field, the value and a fix (one ConfigError).
 
-`validate` raises one ConfigError naming every problem before any engine work; the Lab, the theory,
-the widgets (which offer only valid values) and the CLI all ask the same functions. Plain Python:
-the bottom rung of the ladder with labkit/config/__init__.py (ARCHITECTURE.md).
+At construction (`field_problems`, which each config's __post_init__ runs): a field's type or a
+choice among its Literal's values (field_types.py reads the annotations), and a range that needs
+no other field. Across fields and against the world (`problems`, `validate`): what the layout and
+the model must satisfy together (divisibility, the schedule's rules, what runs with what), the
+model family's and the stages' own rules asked from model_problems.py; `not_built_yet` what only
+the theory predicts; `optim_problems` the optimizer, `data_problems` a run's data. Checks on other
+things live with them: Lab.run's other arguments (labkit/cluster/arguments.py), what a world's
+backend and devices allow (cluster/world.py layout_problems), the planner's arithmetic-only view
+of `problems` (theory/planner/evaluate.py layout_problems), a Hugging Face config.json
+(config/hf.py), generation's arguments (engines/generate.py). The Lab, the theory, the widgets
+(which offer only valid values) and the CLI all ask these. Plain Python, the ladder's bottom rung:
+labkit/config/__init__.py imports it, so it names the config classes for type hints only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
+import operator
+import typing
+from typing import TYPE_CHECKING
 
-from labkit.config import (
-    CHECKPOINTING,
-    DATA,
-    DIMS,
-    IMPLS,
-    PRECISIONS,
-    SCHEDULES,
-    SHARDINGS,
-    ConfigError,
-    ModelConfig,
-    OptimConfig,
-    ParallelConfig,
-)
+from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
+from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
 
-_KINDS = {"int": "a whole number (int)", "float": "a finite number", "bool": "True or False", "str": "a string"}
+if TYPE_CHECKING:
+    from labkit.config import ModelConfig, OptimConfig, ParallelConfig
+
+
+# -- at construction: each field alone ----------------------------------------------------------
+
+
+def _at_least(low: int, name: str, fix: str, prefix: str = "") -> tuple:
+    says = "a positive integer" if low == 1 else f">= {low}"
+    return (lambda v: v >= low), (lambda v: f"{prefix}{name}={v!r} must be {says}; {fix}")
+
+
+def _above_zero(name: str, fix: str, prefix: str = "") -> tuple:
+    return (lambda v: v > 0), (lambda v: f"{prefix}{name}={v!r} must be > 0; {fix}")
+
+
+def _names_every_dim(order: str) -> bool:
+    return sorted(order.split("-")) == sorted(DIMS)
+
+
+_EVERY_DIM = f"must name each of {'-'.join(DIMS)} exactly once, innermost first; try {'-'.join(DIMS)!r}"
+_ROPE = "rope_scaling."
+_RANGES = {
+    "ModelConfig": {
+        # 0 blocks: a model's embedding and head alone, which the theory prices; `problems` wants one
+        "layers": _at_least(0, "layers", "try layers=4", "model "),
+        "hidden": _at_least(1, "hidden", "try hidden=64", "model "),
+        "heads": _at_least(1, "heads", "try heads=4", "model "),
+        "ffn": _at_least(1, "ffn", "try ffn=256", "model "),
+        "vocab": _at_least(1, "vocab", "try vocab=256", "model "),
+        "seq": _at_least(1, "seq", "try seq=64", "model "),
+        "experts": _at_least(0, "experts", "0 keeps dense MLPs"),
+        "top_k": _at_least(1, "top_k", "the experts each token is routed to; try 1"),
+        "aux_loss_coef": ((lambda v: v >= 0), lambda v: f"aux_loss_coef={v} must be >= 0; try 0.01"),
+        "kv_heads": ((lambda v: v is None or v >= 1), lambda v: f"kv_heads={v} must be >= 1, or None (= heads)"),
+        "rope_theta": _above_zero("rope_theta", "RoPE's base: try 10000.0 (Llama 2) or 500000.0 (Llama 3)"),
+        "norm_eps": _above_zero("norm_eps", "try 1e-5"),
+    },
+    "ParallelConfig": {
+        **{d: _at_least(1, d, "try 1") for d in DIMS},
+        "order": (_names_every_dim, lambda v: f"order={v!r} {_EVERY_DIM}"),
+        "microbatches": _at_least(1, "microbatches", "try 1"),
+        "global_batch": _at_least(1, "global_batch", "try 8"),
+        "virtual_stages": _at_least(1, "virtual_stages", "try 1"),
+        "stage_layers": (
+            (lambda v: min(v, default=0) >= 0),
+            lambda v: f"stage_layers={v} must hold whole numbers >= 0",
+        ),
+        "bucket_mb": _above_zero("bucket_mb", "try 25"),
+    },
+    "RopeScaling": {  # Llama 3.1's values as the fixes
+        "factor": _above_zero("factor", "try 8.0", _ROPE),
+        "low_freq_factor": _above_zero("low_freq_factor", "try 1.0", _ROPE),
+        "high_freq_factor": _above_zero("high_freq_factor", "try 4.0", _ROPE),
+        "original_max_position": _at_least(1, "original_max_position", "try 8192", _ROPE),
+    },
+}
+"""Per config class (by name: this module cannot import the classes) and field: (the range test,
+the problem when it fails) of a value whose type is right."""
 
 
 def field_problems(obj) -> list[str]:
-    """Fields whose value is not of the type the dataclass declares (checked first: the rest of
-    the checks do arithmetic on them). A bool is not taken for an int, nor a NaN for a number."""
+    """Every field of `obj` whose type or range is wrong: what a config refuses when it is built."""
+    ranges = _RANGES.get(type(obj).__name__, {})
     out = []
-    for f in dataclasses.fields(obj):
-        v = getattr(obj, f.name)
-        ok = {
-            "int": isinstance(v, int) and not isinstance(v, bool),
-            "float": isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v),
-            "bool": isinstance(v, bool),
-            "str": isinstance(v, str),
-        }.get(f.type, True)
-        if not ok:
-            out.append(f"{type(obj).__name__}.{f.name}={v!r} must be {_KINDS[f.type]}; the default is {f.default!r}")
+    for name, value, wrong_type in typed_fields(obj):
+        if wrong_type:
+            out.append(wrong_type)
+        elif name in ranges and not ranges[name][0](value):
+            out.append(ranges[name][1](value))
     return out
 
 
+_CHECKS: dict[type, tuple] = {}
+_PASSED: set = set()
+"""The (class, values, their types) of configs that passed: the theory and the planner build tens of
+thousands of configs a search, most of them seen before, and one lookup is a quarter of a check."""
+
+
+def _fused(fits, in_range):
+    return fits if in_range is None else lambda v: fits(v) and in_range(v)
+
+
+def _checks(cls) -> tuple:
+    """(the fields' values in order, the test of each one's type and range, the positions of the
+    tuple fields), built once per config class."""
+    if cls not in _CHECKS:
+        fields = field_tests(cls)
+        ranges = _RANGES.get(cls.__name__, {})
+        tests = [_fused(fits, ranges.get(f.name, (None,))[0]) for f, _, fits in fields]
+        tuples = [i for i, (_, hint, _) in enumerate(fields) if typing.get_origin(hint) is tuple]
+        _CHECKS[cls] = operator.attrgetter(*(f.name for f, _, _ in fields)), tests, tuples
+    return _CHECKS[cls]
+
+
+def check_fields(obj) -> None:
+    """Raise ConfigError naming each of `obj`'s wrong fields (the configs' __post_init__)."""
+    values_of, tests, tuples = _checks(type(obj))
+    values = values_of(obj)
+    try:  # types too, and a tuple field's items': 1 == True and (2, 3) == (2.0, 3.0) in a set
+        key = (type(obj), values, tuple(map(type, values)), *(tuple(map(type, values[i])) for i in tuples))
+        if key in _PASSED:
+            return
+    except TypeError:  # unhashable, or no tuple where one belongs: the tests name it
+        key = None
+    for ok, value in zip(tests, values, strict=True):
+        if not ok(value):
+            raise ConfigError(field_problems(obj))
+    if key is not None:
+        if len(_PASSED) > 100_000:
+            _PASSED.clear()
+        _PASSED.add(key)
+
+
+def argument_problems(call: str, cfg, model) -> list[str]:
+    """The problem of a (cfg, model) that is not a ParallelConfig and a ModelConfig (the caller
+    checked): the two swapped, or something else."""
+    got = (type(cfg).__name__, type(model).__name__)
+    if got == ("ModelConfig", "ParallelConfig"):
+        return [
+            f"{call}(cfg, model) takes the ParallelConfig first and the ModelConfig second, and was given "
+            f"them swapped; call {call}(cfg, model)"
+        ]
+    return [
+        f"{call}(cfg, model) takes a ParallelConfig and a ModelConfig, not a {got[0]} and a {got[1]}; "
+        f"e.g. {call}(ParallelConfig(dp=2), ModelConfig())"
+    ]
+
+
+# -- a run's data and the optimizer --------------------------------------------------------------
 def data_problems(data, model) -> list[str]:
     """What is wrong with a run's `data` for `model` (a model that is not a ModelConfig is someone
     else's problem to report)."""
     if data not in DATA:
-        return [f"data={data!r} is not one of {list(DATA)}; try 'text' (Shakespeare, in bytes) or 'synthetic'"]
+        return [unknown("data", data, DATA)]
     vocab = getattr(model, "vocab", None)
-    if data == "text" and isinstance(vocab, int) and vocab < 256:  # one id per byte value
+    if trains_on_text(data) and isinstance(vocab, int) and vocab < 256:  # one id per byte value
         return [
             f"data='text' reads bytes (ids 0-255) but ModelConfig.vocab={model.vocab}; "
             f"use vocab >= 256, e.g. ModelConfig(..., vocab=256)"
@@ -61,14 +171,15 @@ def data_problems(data, model) -> list[str]:
 
 def optim_problems(optim: OptimConfig) -> list[str]:
     """What is wrong with an OptimConfig, each with a fix."""
-    out = field_problems(optim)
+    out = type_problems(optim)
     if out:
         return out
     if not optim.lr > 0:
         out.append(f"lr={optim.lr} must be > 0; try 3e-3")
+    defaults = {f.name: f.default for f in dataclasses.fields(optim)}
     for name in ("beta1", "beta2"):
         if not 0 <= getattr(optim, name) < 1:
-            out.append(f"{name}={getattr(optim, name)} must be in [0, 1); try {getattr(OptimConfig, name)}")
+            out.append(f"{name}={getattr(optim, name)} must be in [0, 1); try {defaults[name]}")
     if not optim.eps > 0:
         out.append(f"eps={optim.eps} must be > 0; try 1e-8")
     if optim.weight_decay < 0:
@@ -78,55 +189,18 @@ def optim_problems(optim: OptimConfig) -> list[str]:
     return out
 
 
+# -- across fields: the layout, the model and the world ------------------------------------------
 def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None) -> list[str]:
-    """Every constraint that (cfg, model) violates on `engines` ranks, each with a fix."""
-    out: list[str] = field_problems(cfg) + field_problems(model)
-    if out:
-        return out  # the rest is arithmetic on the fields
-    for d in DIMS:
-        v = getattr(cfg, d)
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            out.append(f"{d}={v!r} must be a positive integer; try 1")
-    if out:
-        return out  # the rest is arithmetic on the degrees
-
-    def choice(name: str, value, allowed):
-        if value not in allowed:
-            out.append(f"{name}={value!r} is not one of {list(allowed)}; pick one of those")
-
-    choice("sharding", cfg.sharding, SHARDINGS)
-    choice("schedule", cfg.schedule, SCHEDULES)
-    choice("impl", cfg.impl, IMPLS)
-    choice("precision", cfg.precision, PRECISIONS)
-    ac = cfg.checkpoint_activations
-    if not isinstance(ac, bool) and ac not in CHECKPOINTING[2:]:
-        out.append(
-            f"checkpoint_activations={cfg.checkpoint_activations!r} is not one of {list(CHECKPOINTING)}; "
-            "pick one of those (True is 'full')"
-        )
-
+    """Every constraint that (cfg, model) violates together on `engines` ranks, each with a fix
+    (each field alone was checked when its config was built)."""
+    out: list[str] = []
+    if model.layers == 0:  # a model of its ends alone is the theory's (a chunk's head and embedding)
+        return ["model layers=0 must be a positive integer: a model to lay out has a block; try layers=4"]
     if engines is not None and cfg.world > engines:
         out.append(
             f"dp({cfg.dp}) * tp({cfg.tp}) * pp({cfg.pp}) * cp({cfg.cp}) * ep({cfg.ep}) = {cfg.world} "
             f"> engines({engines}); lower a degree or start a Lab with {cfg.world} engines"
         )
-    order = cfg.order.split("-")
-    if sorted(order) != sorted(DIMS):
-        out.append(
-            f"order={cfg.order!r} must name each of {'-'.join(DIMS)} exactly once, innermost first; "
-            f"try {'-'.join(DIMS)!r}"
-        )
-
-    for field_name in ("layers", "hidden", "heads", "ffn", "vocab", "seq"):
-        v = getattr(model, field_name)
-        if not isinstance(v, int) or v < 1:
-            out.append(f"model {field_name}={v!r} must be a positive integer")
-    if any(
-        not isinstance(getattr(model, f), int) or getattr(model, f) < 1
-        for f in ("layers", "hidden", "heads", "ffn", "vocab", "seq")
-    ):
-        return out
-
     if model.hidden % model.heads:
         out.append(
             f"hidden={model.hidden} is not divisible by heads={model.heads}; "
@@ -150,42 +224,33 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         )
     if cfg.ep > 1 and model.experts == 0:
         out.append(f"ep={cfg.ep} needs an MoE model; set experts to a multiple of {cfg.ep} or ep=1")
-    if model.experts < 0:
-        out.append(f"experts={model.experts} must be >= 0 (0 = dense MLPs)")
     elif model.experts and model.experts % cfg.ep:
         out.append(
             f"experts={model.experts} is not divisible by ep={cfg.ep}; {suggest(divisors(model.experts))} for ep"
         )
     if model.experts > 0 and not 1 <= model.top_k <= model.experts:
         out.append(f"top_k={model.top_k} must be between 1 and experts={model.experts}")
-    if model.aux_loss_coef < 0:
-        out.append(f"aux_loss_coef={model.aux_loss_coef} must be >= 0; try 0.01")
 
-    if not isinstance(cfg.microbatches, int) or cfg.microbatches < 1:
-        out.append(f"microbatches={cfg.microbatches!r} must be a positive integer; try 1")
-    elif not isinstance(cfg.global_batch, int) or cfg.global_batch < 1:
-        out.append(f"global_batch={cfg.global_batch!r} must be a positive integer")
-    else:
-        split = cfg.dp * cfg.ep * cfg.microbatches
-        if cfg.global_batch % split:
-            out.append(
-                f"global_batch={cfg.global_batch} is not divisible by dp({cfg.dp}) * ep({cfg.ep}) * "
-                f"microbatches({cfg.microbatches}) = {split}; try global_batch="
-                f"{split * max(1, -(-cfg.global_batch // split))}"
-            )
+    split = cfg.dp * cfg.ep * cfg.microbatches
+    if cfg.global_batch % split:
+        out.append(
+            f"global_batch={cfg.global_batch} is not divisible by dp({cfg.dp}) * ep({cfg.ep}) * "
+            f"microbatches({cfg.microbatches}) = {split}; try global_batch="
+            f"{split * max(1, -(-cfg.global_batch // split))}"
+        )
 
     out += schedule_problems(cfg)
-    if cfg.impl == "torch" and cfg.cp > 1:
+    if cfg.torch_impl and cfg.cp > 1:
         out.append(
             f"impl='torch' with cp={cfg.cp}: PyTorch's context_parallel needs CUDA flash/efficient "
             "attention, and labkit does not run it; use impl='lab' (ring attention) or cp=1"
         )
-    if cfg.impl == "torch" and cfg.ep > 1:
+    if cfg.torch_impl and cfg.ep > 1:
         out.append(
             f"impl='torch' with ep={cfg.ep}: PyTorch has no expert-parallel API; "
             "use impl='lab' (all-to-all dispatch) or ep=1"
         )
-    if cfg.impl == "torch" and cfg.pp > 1 and cfg.schedule == "1f1b" and cfg.microbatches < cfg.pp:
+    if cfg.torch_impl and cfg.pp > 1 and cfg.pipeline.one_f_one_b and cfg.microbatches < cfg.pp:
         out.append(
             f"torch's Schedule1F1B needs microbatches ({cfg.microbatches}) >= pp ({cfg.pp}); "
             f"try microbatches={cfg.pp} or impl='lab'"
@@ -197,8 +262,6 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         )
     if cfg.sequence_parallel and model.seq % (cfg.tp * cfg.cp):
         out.append(f"sequence_parallel needs seq={model.seq} divisible by tp*cp={cfg.tp * cfg.cp}")
-    if not cfg.bucket_mb > 0:
-        out.append(f"bucket_mb={cfg.bucket_mb} must be > 0; try 25")
     out += _sharding_problems(cfg)
     return out
 
@@ -206,55 +269,56 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
 def schedule_problems(cfg: ParallelConfig) -> list[str]:
     """How the schedule, the chunks per rank and the microbatches fit together."""
     out, m, pp = [], cfg.microbatches, cfg.pp
-    if cfg.schedule == "interleaved" and cfg.virtual_stages < 2:
+    if cfg.pipeline.interleaved and cfg.virtual_stages < 2:
         out.append("schedule='interleaved' needs virtual_stages >= 2; try virtual_stages=2")
-    if cfg.schedule in ("zbv", "dualpipev") and cfg.virtual_stages != 2:
+    if cfg.pipeline.v_shaped and cfg.virtual_stages != 2:
         out.append(f"schedule={cfg.schedule!r} places two chunks per rank in a V; set virtual_stages=2")
-    if cfg.virtual_stages > 1 and cfg.schedule not in ("interleaved", "zbv", "dualpipev"):
+    if cfg.virtual_stages > 1 and not (cfg.pipeline.interleaved or cfg.pipeline.v_shaped):
         out.append(
             f"virtual_stages={cfg.virtual_stages} only applies to schedule='interleaved' (or 2 to 'zbv', "
             "'dualpipev'); set schedule='interleaved' or virtual_stages=1"
         )
-    if cfg.schedule == "interleaved" and pp > 1 and m % pp:
+    if cfg.pipeline.interleaved and pp > 1 and m % pp:
         out.append(
             f"interleaved 1F1B needs microbatches ({m}) to be a multiple of pp ({pp}), as in Megatron; "
             f"try microbatches={pp * max(1, m // pp)}"
         )
-    if cfg.schedule == "dualpipev" and pp > 1 and m < 2 * pp:
+    need = cfg.pipeline.microbatches_per_stage * pp
+    if pp > 1 and m < need:
         out.append(
-            f"schedule='dualpipev' needs microbatches ({m}) >= 2 * pp, one per stage of the V, as "
-            f"DeepSeek's DualPipeV does; try microbatches={2 * pp}"
+            f"schedule={cfg.schedule!r} needs microbatches ({m}) >= {cfg.pipeline.microbatches_per_stage} * pp, "
+            f"one per stage of the V, as DeepSeek's DualPipeV does; try microbatches={need}"
         )
     return out
 
 
-# What PyTorch offers for each sharding (impl='torch'), or why nothing: the reason in the refusal.
-_TORCH_SHARDING = {
-    "zero1": "PyTorch has no ZeRO-1 for a module (ZeroRedundancyOptimizer shards only the optimizer "
+# What PyTorch offers for each ZeRO stage (impl='torch'), or why nothing: the reason in the refusal.
+_TORCH_ZERO = {
+    1: "PyTorch has no ZeRO-1 for a module (ZeroRedundancyOptimizer shards only the optimizer "
     "and is not wired into labkit); use impl='lab'",
-    "zero2": "PyTorch has no ZeRO-2 (sharded gradients with replicated parameters); use impl='lab', or "
+    2: "PyTorch has no ZeRO-2 (sharded gradients with replicated parameters); use impl='lab', or "
     "sharding='fsdp' with reshard_after_forward=False for FSDP2's ZeRO-2-like traffic",
-    "zero3": "PyTorch's ZeRO-3 is FSDP2; use sharding='fsdp' (reshard_after_forward=True) with impl='torch'",
+    3: "PyTorch's ZeRO-3 is FSDP2; use sharding='fsdp' (reshard_after_forward=True) with impl='torch'",
 }
 
 
 def _sharding_problems(cfg: ParallelConfig) -> list[str]:
     """Combinations of sharding, impl and precision that have no implementation to run."""
     out = []
-    if cfg.impl == "torch" and cfg.sharding in _TORCH_SHARDING:
-        out.append(f"sharding={cfg.sharding!r} with impl='torch': {_TORCH_SHARDING[cfg.sharding]}")
-    if cfg.impl == "torch" and cfg.sharding == "none" and cfg.precision == "bf16":
+    if cfg.torch_impl and cfg.sharded.stage and not cfg.sharded.fsdp:
+        out.append(f"sharding={cfg.sharding!r} with impl='torch': {_TORCH_ZERO[cfg.sharded.stage]}")
+    if cfg.torch_impl and cfg.sharded.stage == 0 and cfg.numerics.mixed and not cfg.numerics.fp8:
         out.append(
             "precision='bf16' with impl='torch' and sharding='none': PyTorch's DDP has no bf16 "
             "compute with fp32 master weights; use impl='lab', or sharding='fsdp' (FSDP2's "
             "MixedPrecisionPolicy)"
         )
-    if not cfg.reshard_after_forward and cfg.sharding != "fsdp":
+    if not cfg.reshard_after_forward and not cfg.sharded.fsdp:
         out.append(
             f"reshard_after_forward=False only applies to sharding='fsdp' (got {cfg.sharding!r}); "
             "set sharding='fsdp' or reshard_after_forward=True"
         )
-    if cfg.impl == "torch" and cfg.tp > 1 and cfg.dp > 1 and cfg.sharding != "fsdp":
+    if cfg.torch_impl and cfg.tp > 1 and cfg.dp > 1 and not cfg.sharded.fsdp:
         out.append(
             f"impl='torch' with tp={cfg.tp} and dp={cfg.dp}: PyTorch composes DTensor tensor parallelism "
             "with FSDP2 over dp (torchtitan's 2-D), not with DistributedDataParallel (its DDP + TP path is "
@@ -266,42 +330,42 @@ def _sharding_problems(cfg: ParallelConfig) -> list[str]:
 def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """Layouts the engines do not run (each goes when its strategy lands); the theory predicts them all."""
     out = []
-    if cfg.precision == "fp8":
+    if cfg.numerics.fp8:
         out.append(
             "precision='fp8' is predicted by the theory but not run by the engines: fp8 matmuls need "
             "an H100-class GPU (torch._scaled_mm, compute capability >= 8.9), and an emulation on the "
             "CPU (quantize, dequantize, bf16 matmul) would measure bf16's memory and time, not fp8's; "
             "use precision='bf16' on the engines, theory.evaluate(...) for fp8"
         )
-    if cfg.checkpoint_activations == "op":
+    if cfg.recomputation.per_op:
         out.append(
             "checkpoint_activations='op' (torchtitan's per-op selective policy) is predicted by the "
             "theory but not run by the engines; use 'selective' (the attention core) or 'full'"
         )
-    for on, what in ((cfg.tp > 1, "tp > 1 (DTensor TP"), (cfg.sharding == "fsdp", "sharding='fsdp' (FSDP2")):
-        if on and cfg.impl == "torch" and cfg.pp > 1:
+    for on, what in ((cfg.tp > 1, "tp > 1 (DTensor TP"), (cfg.sharded.fsdp, "sharding='fsdp' (FSDP2")):
+        if on and cfg.torch_impl and cfg.pp > 1:
             out.append(
                 f"impl='torch' with pp > 1 and {what} on torch.distributed.pipelining stages) is not built "
                 "yet; use impl='lab'"
             )
-    if cfg.tp > 1 and cfg.impl == "torch" and model.experts:
+    if cfg.tp > 1 and cfg.torch_impl and model.experts:
         out.append(
             "impl='torch' with tp > 1 and an MoE model (DTensor plans for the experts) is not built yet; "
             "use impl='lab' (MoE layers replicated over tp) or experts=0"
         )
-    split = cfg.schedule in ("zbh1", "zbv", "dualpipev")
-    if cfg.pp > 1 and split and cfg.impl == "torch" and cfg.dp > 1:
+    split = cfg.pp > 1 and cfg.pipeline.splits_backward
+    if split and cfg.torch_impl and cfg.dp > 1:
         out.append(
             f"impl='torch' with schedule={cfg.schedule!r} and dp > 1: torch.distributed.pipelining's weight "
             "backward writes .grad itself, so PyTorch's DDP never sees those gradients (measured: replicas "
             "drift apart); use impl='lab', or impl='torch' with dp=1"
         )
-    if cfg.pp > 1 and split and cfg.checkpoint_activations:
+    if split and cfg.recomputation.recomputes:
         out.append(
             f"schedule={cfg.schedule!r} with checkpoint_activations is not built yet: the recomputed block "
             "computes its weight gradients with its input gradient, so W has nothing to defer; use '1f1b'"
         )
-    if cfg.pp > 1 and cfg.schedule in ("zbv", "dualpipev") and model.tied:
+    if cfg.pp > 1 and cfg.pipeline.v_shaped and model.tied:
         out.append(
             f"schedule={cfg.schedule!r} with a tied embedding: the V puts the first and the last stage on "
             "rank 0, one weight in two chunks, which the gradient buckets (per chunk) do not handle yet; "

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.config.choices import numerics
+
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
 """u: the largest relative error of one round-to-nearest (Higham, "Accuracy and Stability of
 Numerical Algorithms", 2nd ed., section 2.1): 2^-24 for fp32's 24 significand bits, 2^-8 for
@@ -44,9 +46,10 @@ float64, 1e-7 to 3e-6 on the final parameters. Bugs move a tensor's gradient by 
 
 def bounds(precision: str, layers: int) -> Bounds:
     """The bounds of `precision` for a model of `layers` blocks (DERIVATIONS.md derives them)."""
-    if precision == "fp32":
+    kind = numerics(precision)
+    if not kind.mixed:
         return FP32
-    if precision != "bf16":
+    if kind.fp8:
         raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
     # one bf16 rounding per tensor on the longest backward path: the embedding, two per block
     # (attention and MLP), the head and the loss's input, and the gradient's own rounding
@@ -70,7 +73,7 @@ def tensor_errors(grads: dict, ref: dict) -> dict[str, tuple[float, float]]:
 def round_to(values: np.ndarray, precision: str) -> np.ndarray:
     """fp32 values rounded to `precision` (round to nearest, ties to even, as torch's casts), as
     fp32: bf16 keeps the upper 16 bits of an fp32."""
-    if precision == "fp32":
+    if not numerics(precision).mixed:
         return values.astype(np.float32)
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # the carry may round up into the exponent

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.config.choices import numerics
 from labkit.oracle.bounds import Bounds, bounds, round_to, tensor_errors
 
 FP32_RTOL = 1e-5
@@ -45,7 +46,7 @@ class Mismatch:
 
 def rtol_for(precision: str) -> float:
     """The whole-model parameter bound of `precision` (bounds.Bounds.params)."""
-    return BF16_RTOL if precision == "bf16" else FP32_RTOL
+    return BF16_RTOL if numerics(precision).mixed else FP32_RTOL
 
 
 def loss_errors(losses, ref_losses) -> list[float]:
@@ -207,7 +208,7 @@ def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     """Everything in which `result` does not train like `ref`, the fp32 reference of the same
     model, seed, steps and global batch (bf16 runs too: labkit/oracle/bounds.py). A run without
     return_params is checked on what it returned: losses, norms, finiteness, steps."""
-    if ref.precision != "fp32":
+    if numerics(ref.precision).mixed:
         raise ValueError(
             f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
             "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, OptimConfig
+from labkit.config.choices import Data, Precision, trains_on_text
 from labkit.config.validation import data_problems
 
 
@@ -28,11 +29,11 @@ class Reference:
     """The first step's gradient of every parameter, by name (fp32): the mean over the global
     batch (over the shards' fp32 sum), before clipping and the update — what a layout's reduced
     gradient must equal (labkit/oracle/checks.py, gradient parity)."""
-    precision: str = "fp32"
+    precision: Precision = "fp32"
     """The precision it computed in (checks.py holds every layout to the fp32 one)."""
     model: ModelConfig = field(default_factory=ModelConfig)
     """The model trained (what generate builds)."""
-    data: str = "synthetic"
+    data: Data = "synthetic"
     """What it trained on: 'synthetic' or 'text'."""
     validation_loss: float | None = None
     """data='text': the mean loss of the final model on the held-out validation windows (the same
@@ -51,11 +52,11 @@ def reference(
     steps: int = 3,
     seed: int = 0,
     global_batch: int = 8,
-    precision: str = "fp32",
+    precision: Precision = "fp32",
     optim: OptimConfig | None = None,
     shards: int = 1,
     threads: int | None = None,
-    data: str = "synthetic",
+    data: Data = "synthetic",
 ) -> Reference:
     """Train `steps` steps of `model` on one process and return losses and final parameters.
 
@@ -79,8 +80,9 @@ def reference(
     on how a kernel splits its work: the same bf16 run on 1 and on 2 threads differs by ~1e-2 in
     that LayerNorm bias. Give the engines' count to compute exactly their arithmetic.
     """
-    if data_problems(data, model or ModelConfig()):
-        raise ConfigError(data_problems(data, model or ModelConfig()))
+    found = data_problems(data, model or ModelConfig())
+    if found:
+        raise ConfigError(found)
     import torch
 
     if threads is not None:
@@ -124,6 +126,6 @@ def reference(
         compute.after_step()
         losses.append(loss.item())
         norms.append(float(norm))
-    validation = reference_validation_loss(compute.module, model, global_batch) if data == "text" else None
+    validation = reference_validation_loss(compute.module, model, global_batch) if trains_on_text(data) else None
     final = {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()}
     return Reference(losses, norms, final, first, precision, model, data, validation)

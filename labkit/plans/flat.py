@@ -126,11 +126,12 @@ def bucket_plans(named, n, cap_bytes: int, elem_bytes: int) -> list[FlatPlan]:
     ]
 
 
-def unit_kind(sharding: str, tied: bool) -> str:
-    """The unit grouping of `sharding` ('zero3' or 'fsdp'): a tied model's embedding and head share
-    one weight, so under zero3 they are one unit, the root, gathered around the whole forward
-    (as fsdp's root is): 'zero3-tied'."""
-    if sharding == "zero3":
+def unit_kind(per_module: bool, tied: bool) -> str:
+    """The unit grouping: ZeRO-3's one unit per top-level module (`per_module`, Sharded.per_module_units)
+    'zero3', else FSDP's root and blocks 'fsdp'. A tied model's embedding and head share one weight,
+    so under zero3 they are one unit, the root, gathered around the whole forward (as fsdp's root
+    is): 'zero3-tied'."""
+    if per_module:
         return "zero3-tied" if tied else "zero3"
     return "fsdp"
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from labkit.config.choices import SCHEDULES, pipeline_shape
 from labkit.plans.orders import (
     dualpipev_order,
     gpipe_order,
@@ -36,16 +37,12 @@ from labkit.plans.orders import (
 )
 
 COMPUTE = ("F", "B", "W")
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev")
-SPLIT = ("zbh1", "zbv", "dualpipev")
-"""Schedules that split backward into B (input gradient) and W (weight gradients)."""
-V_SHAPED = ("zbv", "dualpipev")
-"""Schedules with two chunks per rank placed in a V (`style`)."""
 
 
 def style(schedule: str) -> str:
-    """'v' for the V-shaped schedules' placement of chunks on stages, 'loop' for every other."""
-    return "v" if schedule in V_SHAPED else "loop"
+    """'v' for the V-shaped schedules' placement of chunks on stages (PipelineShape.v_shaped,
+    labkit/config/choices.py), 'loop' for every other, a plan written by hand included."""
+    return "v" if schedule in SCHEDULES and pipeline_shape(schedule).v_shaped else "loop"
 
 
 class Action(NamedTuple):
@@ -135,7 +132,7 @@ def chunk_layers(
 
 
 # -- compute orders (plans/orders.py: one list of (op, mb, chunk) per rank) ------------------------
-ORDERS = {
+ORDERS = {  # by name; interleaved takes v as well
     "gpipe": gpipe_order,
     "1f1b": one_f_one_b_order,
     "zbh1": zbh1_order,
@@ -145,11 +142,12 @@ ORDERS = {
 
 
 def compute_order(schedule: str, p: int, m: int, v: int, rank: int) -> list[tuple]:
-    if schedule == "interleaved":
-        return interleaved_order(p, m, v, rank)
-    if schedule not in ORDERS:
+    if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; known: {list(SCHEDULES)}")
-    want = 2 if schedule in V_SHAPED else 1
+    shape = pipeline_shape(schedule)
+    if shape.interleaved:
+        return interleaved_order(p, m, v, rank)
+    want = 2 if shape.v_shaped else 1
     if v != want:
         raise ValueError(f"schedule {schedule!r} has {want} chunk(s) per rank, not virtual_stages={v}")
     return ORDERS[schedule](p, m, rank)

@@ -39,7 +39,7 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) ->
     if tp > kv:
         kv_style["kv_groups"] = kv
     plan = {"embed.tok": {"style": "vocab", "shard_dim": 0, "output": leave}}
-    if model.arch != "llama":
+    if not model.family.rotary:  # a learned position table
         plan["embed.pos"] = dict(norm)
     for i in range(model.layers):
         b = f"blocks.{i}."
@@ -59,7 +59,7 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) ->
             plan[b + "mlp.router"] = {"style": "replicate"}
             continue
         plan[b + "mlp"] = dict(enter)
-        up, down = (("gate", "up"), "down") if model.arch == "llama" else (("fc1",), "fc2")
+        up, down = (("gate", "up"), "down") if model.family.gated_mlp else (("fc1",), "fc2")
         for name in up:
             plan[b + f"mlp.{name}"] = {"style": "colwise", "shard_dim": 0}
         plan[b + f"mlp.{down}"] = {"style": "rowwise", "shard_dim": 1, "output": leave}

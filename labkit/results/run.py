@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
+from labkit.config.choices import Data
 from labkit.config.table import Rows, card
 from labkit.oracle.assembly import PieceIssue, assemble
 from labkit.plans.mesh import MeshLayout
@@ -135,7 +136,7 @@ class RunResult(RankViews):
     GradSync.compute_pieces)."""
     piece_issues: list[PieceIssue] = field(default_factory=list, repr=False)
     """What assembling found: copies of one element that differ between ranks, non-finite values."""
-    data: str = "synthetic"
+    data: Data = "synthetic"
     """What the run trained on: 'synthetic' or 'text' (labkit/plans/text.py)."""
     validation_loss: float | None = None
     """data='text': the trained model's mean loss on the held-out validation windows, computed by
@@ -144,7 +145,7 @@ class RunResult(RankViews):
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
     def from_reports(
-        cls, cfg, model, optim, steps, seed, reports: list[dict], wall: float, data: str = "synthetic"
+        cls, cfg, model, optim, steps, seed, reports: list[dict], wall: float, data: Data = "synthetic"
     ) -> RunResult:
         active = [r for r in reports if not r.get("idle")]
         starts = [e["start"] + r["clock_offset"] for r in active for e in r["timeline"]]

@@ -20,7 +20,7 @@ import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.config.table import Rows, card, human_bytes
-from labkit.config.validation import problems
+from labkit.config.validation import argument_problems, problems
 from labkit.plans.mesh import DATA_DIMS, MeshLayout
 from labkit.theory.exact.comm import Stopped
 from labkit.theory.exact.memory import (
@@ -124,12 +124,14 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     symmetric share one computation, so 16,384 ranks cost about what one pipeline's do.
     """
     model = model or ModelConfig()
+    if not (isinstance(cfg, ParallelConfig) and isinstance(model, ModelConfig)):
+        raise ConfigError(argument_problems("estimate", cfg, model))
     found = problems(cfg, model, world)
     if found:
         raise ConfigError(found)
     layout = MeshLayout.of(cfg)
     stage, shard = _classes(cfg, layout)
-    if not (cfg.sharding == "fsdp" and cfg.impl == "torch"):
+    if not (cfg.sharded.fsdp and cfg.torch_impl):
         shard = np.zeros_like(shard)  # only FSDP2's uneven dim-0 chunks differ by shard index
     keys = list(zip(stage.tolist(), shard.tolist()))
     first: dict[tuple, int] = {}

@@ -64,7 +64,7 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     s, rows = model.seq // cfg.cp, stream_rows(cfg, model)
     widths = [h // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
     if not model.experts:
-        widths += [f // t, f // t, h] if model.arch == "llama" else [f // t, h]
+        widths += [f // t, f // t, h] if model.family.gated_mlp else [f // t, h]
     mm = sum(widths[::2]) * e * b * s
     scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
     return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
@@ -77,11 +77,11 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     'full' (a block keeps its input, one block at a time is rebuilt in backward); 'op'
     (`op_block_bytes` kept, the rest rebuilt one block at a time)."""
     b = microbatch_rows(cfg)
-    ac = cfg.recompute
-    if ac in ("none", "selective"):
-        dropped = layers * lse_bytes(cfg, model, b) if ac == "selective" else 0
+    r = cfg.recomputation
+    if not r.reruns_forward:
+        dropped = layers * lse_bytes(cfg, model, b) if r.attention_only else 0
         return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
-    if ac == "op":
+    if r.per_op:
         x = op_block_bytes(cfg, model, b)
     else:
         x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
@@ -103,7 +103,7 @@ def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int
         layer_activation_bytes(model, b, seq, act, received=r) - layer_activation_bytes(model, b, seq, act)
         for r in received
     ]
-    if cfg.recompute in ("none", "selective"):
+    if not cfg.recomputation.reruns_forward:
         return Chunk(c.forward + sum(delta))
     rebuilt = max((c.block + d + l * c.x for l, d in enumerate(delta)), default=0)
     return Chunk(c.forward, max(0, rebuilt - len(delta) * c.x - c.head) if delta else 0, c.block, c.x, c.head)
@@ -148,7 +148,7 @@ def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict 
     # under CP the first stage's positions (this rank's zigzag indices, 8·s/cp bytes) are one
     # tensor for every microbatch: counted once however many are in flight (the meter counts storages)
     # (llama has no position table: nothing keeps them)
-    shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first and model.arch != "llama" else 0
+    shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first and not model.family.rotary else 0
     actions = plan(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
     return peak_in_flight(
         actions,

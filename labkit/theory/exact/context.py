@@ -28,8 +28,8 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     if cfg.cp == 1:
         return
     micro = microbatch_rows(cfg)
-    forwards = 2 if cfg.recompute != "none" else 1  # every recomputation runs the ring again
-    moe_forwards = 2 if cfg.recompute in ("full", "op") else 1  # selective leaves the MoE layer alone
+    forwards = 2 if cfg.recomputation.recomputes else 1  # every recomputation runs the ring again
+    moe_forwards = 2 if cfg.recomputation.reruns_forward else 1  # selective leaves the MoE layer alone
     kv = kv_message_bytes(cfg, model, micro, ELEM[cfg.precision])
     dkv = kv_message_bytes(cfg, model, micro, 4)
     label = layout.label("cp")

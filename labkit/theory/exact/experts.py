@@ -47,7 +47,7 @@ def layer_activation_bytes(
     r = n if received is None else received
     e, h, f = model.experts, model.hidden, model.ffn
     out = 4 * t * e + 3 * 8 * n + 4 * batch * e + act_bytes * (n + n * h + r * h + 2 * r * f)
-    if model.arch == "llama":
+    if model.family.gated_mlp:  # and the top-k gates renormalised in fp32 (Mixtral)
         out += act_bytes * 2 * r * f + 4 * (n + t)
     return out
 
@@ -60,7 +60,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         return
     v, placement = cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
     rows = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.top_k * model.hidden * ELEM[cfg.precision]
-    forwards = 2 if cfg.recompute in ("full", "op") else 1
+    forwards = 2 if cfg.recomputation.reruns_forward else 1
     label = layout.label("ep")
     for rank in comm.ranks(layout):
         pp_rank = layout.coords(rank)["pp"]

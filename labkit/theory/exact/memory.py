@@ -7,7 +7,12 @@ a composed layout holds is theory/exact/per_rank.py's roll-up of every strategy'
 from __future__ import annotations
 
 from labkit.config import ModelConfig
+from labkit.config.choices import recomputation
 from labkit.theory.exact.experts import layer_activation_bytes
+
+STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp8": (2, 2, 12)}
+"""Bytes per parameter of (params, grads, optimizer state): fp32 keeps Adam's two moments; 16-bit
+training (the paper's fp16, bf16, and fp8, which keeps bf16 weights) adds fp32 master weights."""
 
 
 def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str, dict[str, float]]:
@@ -18,12 +23,9 @@ def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str
     precision 'bf16' (or 'fp16'): 2 + 2 + 12 bytes per parameter; 'fp32': 4 + 4 + 8.
     Returns {'none' | 'zero1' | 'zero2' | 'zero3': {'params', 'grads', 'optimizer', 'total'}}.
     """
-    if precision in ("bf16", "fp16", "fp8"):  # fp8 training keeps bf16 weights and fp32 masters
-        p, g, k = 2, 2, 12
-    elif precision == "fp32":
-        p, g, k = 4, 4, 8
-    else:
+    if precision not in STATE_BYTES:
         raise ValueError(f"precision={precision!r}: use 'fp32', 'bf16' or 'fp8'")
+    p, g, k = STATE_BYTES[precision]
     psi, n = float(params), float(dp)
     stages = {
         "none": (p * psi, g * psi, k * psi),
@@ -64,26 +66,26 @@ def activation_bytes(
     b, s, h, f, a, v, e = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab, act_bytes
     kv = m.n_kv_heads * m.head_dim
     layers = m.layers if layers is None else layers
-    llama = m.arch == "llama"
+    fam = m.family
     if m.experts:
         mlp = layer_activation_bytes(m, b, s, e)
     else:
-        mlp = e * (4 if llama else 2) * b * s * f
-    if llama:
+        mlp = e * (4 if fam.gated_mlp else 2) * b * s * f
+    if fam.rms_norm:  # the norms keep fp32 statistics and inputs; q and k kept rotated
         block = 8 * (2 * b * s * h + b * s) + e * (4 * b * s * h + 2 * b * s * kv) + mlp + 4 * a * b * s
     else:
         block = e * (6 * b * s * h + 2 * b * s * kv + 4 * b * s) + mlp + 4 * a * b * s
     total = layers * block
-    if llama and layers:
+    if fam.rotary and layers:
         total += 2 * e * s * m.head_dim  # the rotary tables
     if head:
-        norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if llama else e * (2 * b * s * h + 2 * b * s)
+        norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if fam.rms_norm else e * (2 * b * s * h + 2 * b * s)
         # 'fp32': log_softmax's fp32 output, nll's targets and total weight; 'fused': the
         # logits, each row's fp32 log-sum-exp and the targets (engines/loss.py)
-        loss = e * b * s * v + 4 * b * s + 8 * b * s if m.loss == "fused" else 4 * b * s * v + 8 * b * s + 4
+        loss = e * b * s * v + 4 * b * s + 8 * b * s if m.fused_loss else 4 * b * s * v + 8 * b * s + 4
         total += norm + loss
     if embed:
-        total += 8 * b * s + (0 if llama else 8 * s)
+        total += 8 * b * s + (0 if fam.rotary else 8 * s)  # a position table keeps the positions
     return total
 
 
@@ -99,10 +101,11 @@ def korthikanti_layer_bytes(
       full recomputation             2sbh (the layer's input only)
     """
     base = s * b * h
-    if recompute == "full":
+    r = recomputation(recompute)
+    if r.keeps_input_only:
         return 2.0 * base
     attn = 5 * a * s / (h * t)
-    if recompute == "selective":
+    if r.attention_only:
         attn = 0.0
     if sp:
         return base * (34 / t + attn)

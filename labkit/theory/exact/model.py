@@ -17,32 +17,32 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     (listed once, as embed.tok.weight)."""
     h, f, v, s = m.hidden, m.ffn, m.vocab, m.seq
     kv = m.n_kv_heads * m.head_dim
-    llama, gpt2 = m.arch == "llama", m.arch == "gpt2"
-    out = [("embed.tok.weight", (v, h))] + ([] if llama else [("embed.pos.weight", (s, h))])
+    fam = m.family
+    out = [("embed.tok.weight", (v, h))] + ([] if fam.rotary else [("embed.pos.weight", (s, h))])
 
     def norm(name: str) -> list:  # RMSNorm has a weight only
-        return [(name + ".weight", (h,))] + ([] if llama else [(name + ".bias", (h,))])
+        return [(name + ".weight", (h,))] + ([] if fam.rms_norm else [(name + ".bias", (h,))])
 
     def linear(name: str, rows: int, cols: int, bias: bool) -> list:
         return [(name + ".weight", (rows, cols))] + ([(name + ".bias", (rows,))] if bias else [])
 
-    qkv_bias = gpt2 or m.qkv_bias
+    qkv_bias = fam.biases or m.qkv_bias
     for i in range(m.layers):
         b = f"blocks.{i}."
         out += norm(b + "ln1")
         out += linear(b + "attn.wq", h, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
-        out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, h, gpt2)
+        out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, h, fam.biases)
         out += norm(b + "ln2")
         if m.experts:
             # a module's own parameters come before its submodules' (nn.Module.named_parameters)
             out += [(b + "mlp.w1", (m.experts, h, f)), (b + "mlp.w2", (m.experts, f, h))]
-            out += [(b + "mlp.w3", (m.experts, h, f))] if llama else []
+            out += [(b + "mlp.w3", (m.experts, h, f))] if fam.gated_mlp else []
             out += [(b + "mlp.router.weight", (m.experts, h))]
-        elif llama:
+        elif fam.gated_mlp:
             out += linear(b + "mlp.gate", f, h, False) + linear(b + "mlp.up", f, h, False)
             out += linear(b + "mlp.down", h, f, False)
         else:
-            out += linear(b + "mlp.fc1", f, h, gpt2) + linear(b + "mlp.fc2", h, f, gpt2)
+            out += linear(b + "mlp.fc1", f, h, fam.biases) + linear(b + "mlp.fc2", h, f, fam.biases)
     out += norm("head.norm") + ([] if m.tied else [("head.proj.weight", (v, h))])
     return tuple(out)
 

@@ -25,7 +25,7 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     backward (theory/exact/activations.py: TP/SP, CP, MoE, checkpointing, the schedule's microbatches
     in flight)."""
     coords = layout.coords(rank)
-    index = coords["dp"] if cfg.impl == "torch" else 0  # FSDP2's uneven rows depend on the dp index
+    index = coords["dp"] if cfg.torch_impl else 0  # FSDP2's uneven rows depend on the dp index
     return dict(_rank_memory(cfg, model, coords["pp"], index))
 
 
@@ -36,7 +36,7 @@ def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: i
     per coordinate."""
     out = sharding.state_bytes(cfg, model, None, index, pp_rank)
     out["activations"] = activations.peak(cfg, model, pp_rank)
-    if cfg.pp > 1 and cfg.schedule in pipeline.SPLIT and cfg.impl == "lab":  # what our B keeps for W
+    if cfg.pp > 1 and cfg.pipeline.splits_backward and not cfg.torch_impl:  # what our B keeps for W
         out["held_for_w"] = pipeline.held_peak(cfg, model, pp_rank)
     out.update(sharding.transient_peaks(cfg, model, None, pp_rank))
     out["peak"] = sum(out.values())

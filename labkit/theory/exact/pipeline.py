@@ -14,8 +14,9 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
+from labkit.config.choices import pipeline_shape
 from labkit.plans.precision import ELEM, REDUCE
-from labkit.plans.schedules import SPLIT, chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes, style
+from labkit.plans.schedules import chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes, style
 from labkit.plans.simulator import Costs, Simulation, simulate
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
 from labkit.theory.exact.model import param_shapes
@@ -59,9 +60,10 @@ def peak_in_flight(
 def in_flight(schedule: str, p: int, m: int, rank: int, v: int = 1) -> int:
     """Most microbatches (of one chunk, counted per chunk for interleaved) whose activations
     rank r holds at once: GPipe m, 1F1B min(m, p - r); others by walking the schedule."""
-    if schedule == "gpipe":
+    shape = pipeline_shape(schedule)
+    if shape.forwards_first:
         return m
-    if schedule == "1f1b":
+    if shape.one_f_one_b:
         return min(m, p - rank)
     return peak_in_flight(plan(schedule, p, m, v).actions[rank], lambda mb, chunk: 1)
 
@@ -189,7 +191,7 @@ def step_bubble(cfg: ParallelConfig, model: ModelConfig) -> float:
     mean idle fraction on uneven ones (the slowest stage sets the pace) and for the zero-bubble
     schedules (with t_F = t_B = t_W: a transformer's forward, input-gradient and weight-gradient
     matmuls cost the same, 2·b·s·h·h' FLOPs each)."""
-    if cfg.pp > 1 and (cfg.schedule in SPLIT or stage_scale(cfg, model.layers) is not None):
+    if cfg.pp > 1 and (cfg.pipeline.splits_backward or stage_scale(cfg, model.layers) is not None):
         return simulated(cfg, layers=model.layers).bubble
     return bubble_fraction(cfg.pp, cfg.microbatches, cfg.virtual_stages)
 
@@ -211,10 +213,10 @@ def held_bytes(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool,
     b, s, t = microbatch_rows(cfg), model.seq // cfg.cp, cfg.tp
     h, f, e = model.hidden, model.ffn, ELEM[cfg.precision]
     rows = s // t if cfg.sequence_parallel else s
-    norm = (4 if model.arch == "llama" else e) * b * rows * h
+    norm = (4 if model.family.rms_norm else e) * b * rows * h
     kv = max(1, model.n_kv_heads // t) * model.head_dim
     attn = e * (b * s * h // t + 2 * b * s * kv + b * s * h)
-    gated = model.arch == "llama"
+    gated = model.family.gated_mlp
     if model.experts:
         n = b * s * model.top_k
         mlp = e * (b * s * model.experts + n * ((2 if gated else 1) * f + h))
@@ -229,7 +231,7 @@ def held_bytes(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool,
 def held_peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
     """Peak bytes B keeps for W on a rank at pipeline coordinate `pp_rank`: its schedule walked,
     each B adding its chunk's held_bytes, its W freeing them (0 when backward is not split)."""
-    if cfg.pp == 1 or cfg.schedule not in SPLIT:
+    if cfg.pp == 1 or not cfg.pipeline.splits_backward:
         return 0
     p, v, placement = cfg.pp, cfg.virtual_stages, style(cfg.schedule)
     per = {}

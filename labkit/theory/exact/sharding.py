@@ -20,7 +20,7 @@ from labkit.plans.buckets import plan_groups, torch_ddp_buckets
 from labkit.plans.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
 from labkit.plans.mesh import DATA_DIMS
 from labkit.plans.precision import ELEM, REDUCE
-from labkit.plans.schedules import SPLIT, plan, stage_of, style
+from labkit.plans.schedules import plan, stage_of, style
 from labkit.theory.exact.params import chunk_local_params, rank_entries
 
 
@@ -39,9 +39,9 @@ def plans(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank
 def _plans(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> tuple[FlatPlan, ...]:
     entries = rank_entries(cfg, model, pp_rank)
     sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
-    if cfg.sharding in ("zero1", "zero2"):
+    if cfg.sharded.optimizer and not cfg.sharded.params:  # ZeRO-1 / 2: DDP's buckets, flat
         return tuple(bucket_plans(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
-    return tuple(unit_plans(entries, sizes, unit_kind(cfg.sharding, model.tied)))
+    return tuple(unit_plans(entries, sizes, unit_kind(cfg.sharded.per_module_units, model.tied)))
 
 
 def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
@@ -55,12 +55,12 @@ def state_bytes(
 ) -> dict[str, int]:
     """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
     `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `plans`."""
-    e, k = ELEM[cfg.precision], 8 + (4 if cfg.precision != "fp32" else 0)  # + fp32 master weights
+    e, k = ELEM[cfg.precision], 8 + (4 if cfg.numerics.mixed else 0)  # + fp32 master weights
     entries = rank_entries(cfg, model, pp_rank)
-    if cfg.sharding == "none":
+    if not cfg.sharded.optimizer:
         psi = sum(prod(s) for _, s, _, _ in entries)
         return {"params": e * psi, "grads": e * psi, "optimizer": k * psi}
-    if cfg.sharding == "fsdp" and cfg.impl == "torch":
+    if cfg.sharded.fsdp and cfg.torch_impl:
         n_dp = n if n is not None else cfg.dp
         padded_local = held = 0
         for _, shape, _, _ in entries:  # TP-local tensors, dim 0 over dp
@@ -73,8 +73,8 @@ def state_bytes(
     ps = plans(cfg, model, n, pp_rank)
     P, S = sum(p.padded for p in ps), sum(p.shard for p in ps)
     return {
-        "params": e * (P if cfg.sharding in ("zero1", "zero2") else S),
-        "grads": e * (P if cfg.sharding == "zero1" else S),
+        "params": e * (S if cfg.sharded.params else P),
+        "grads": e * (S if cfg.sharded.grads else P),
         "optimizer": k * S,
     }
 
@@ -82,7 +82,7 @@ def state_bytes(
 def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, int]:
     """Elements of each unit's gathered (padded) buffers, in forward order (a module with
     buffers for several reduce groups counts them together: they are gathered together)."""
-    if cfg.impl != "torch":
+    if not cfg.torch_impl:
         out: dict[str, int] = {}
         for p in plans(cfg, model, n, pp_rank):
             out[p.unit] = out.get(p.unit, 0) + p.padded
@@ -141,8 +141,8 @@ def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = Non
     with buffers for several reduce groups is replayed as one unit (an upper bound on its
     reduce buffers: the engines reduce each buffer as soon as its own gradients are in)."""
     e = ELEM[cfg.precision]
-    if cfg.sharding == "none":
-        if cfg.precision == "fp32" or cfg.impl == "torch":
+    if not cfg.sharded.optimizer:
+        if not cfg.numerics.mixed or cfg.torch_impl:
             return {}
         # every bucket's fp32 copy (its microbatches' sum, with several) lives until finish();
         # with one microbatch, buckets whose group has one rank need none
@@ -152,22 +152,21 @@ def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = Non
             if cfg.microbatches > 1 or (n if n is not None else group_size(cfg, d)) > 1
         )
         return {"reduce_buffers": REDUCE * reduced} if reduced else {}
-    if cfg.sharding in ("zero1", "zero2"):
-        if cfg.sharding == "zero1" and cfg.precision == "fp32":
-            return {}  # reduced in place
-        once = cfg.sharding == "zero1" or cfg.pp > 1  # zero2 under a pipeline sums microbatches too
+    if not cfg.sharded.params:  # ZeRO-1 / 2
+        if not cfg.sharded.grads and not cfg.numerics.mixed:
+            return {}  # ZeRO-1 in fp32: reduced in place
+        once = not cfg.sharded.grads or cfg.pp > 1  # zero2 under a pipeline sums microbatches too
         if once and cfg.microbatches > 1:  # every bucket's fp32 sum from the first microbatch
             return {"reduce_buffers": REDUCE * sum(p.padded for p in plans(cfg, model, n, pp_rank))}
         # a buffer lives from its first gradient (zero2) or its launch (zero1) to the end of its
         # reduce-scatter, one in flight: two neighbours at most, as backward fills them in order
         sizes = [p.padded * REDUCE for p in plans(cfg, model, n, pp_rank)]
         return {"reduce_buffers": max([a + b for a, b in zip(sizes, sizes[1:])] or sizes)}
-    if cfg.pp > 1 and cfg.impl == "lab":
+    if cfg.pp > 1 and not cfg.torch_impl:
         peaks = keep_peaks(cfg, model, n, pp_rank)
     else:
-        reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
-        peaks = unit_peaks(unit_sizes(cfg, model, n, pp_rank), reshard)
-    if cfg.impl == "torch":
+        peaks = unit_peaks(unit_sizes(cfg, model, n, pp_rank), cfg.reshards)
+    if cfg.torch_impl:
         return {"gathered": peaks["gathered"] * e}
     return {"gathered": peaks["gathered"] * e, "reduce_buffers": peaks["reduce_buffers"] * REDUCE}
 
@@ -190,7 +189,7 @@ def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: 
     chunks = [{where[x][1] for x in u.names} for u in units]
     first = [min(where[x][0] for x in u.names) for u in units]  # forward position
     tied = [model.tied and any(x == "embed.tok.weight" for x in u.names) and p > 1 for u in units]
-    split = cfg.schedule in SPLIT
+    split = cfg.pipeline.splits_backward
     gathered, buffers, arrived = set(), set(), [dict.fromkeys(c, 0) for c in chunks]
     live = top = grads = gtop = 0
     in_flight = None
@@ -235,11 +234,11 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     DDP's buckets and then the global norm (sharding='none'); or ZeRO / FSDP's buffers, each over
     its own group (FlatPlan.dims), and the norm over `norm_dims`. Ranks at one pipeline
     coordinate issue the same ones, so they are listed once per coordinate."""
-    if cfg.sharding == "none":
+    if not cfg.sharded.optimizer:
         ddp_rows(comm, cfg, model, layout)
         grad_norm(comm, cfg, layout)
         return
-    of_stage = torch_fsdp_ops if cfg.impl == "torch" else ops
+    of_stage = torch_fsdp_ops if cfg.torch_impl else ops
     comm.per_stage(layout, lambda pp_rank: of_stage(cfg, model, layout, pp_rank))
 
 
@@ -256,7 +255,7 @@ def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         for chunk in chunk_local_params(cfg, model, pp_rank):
             numels = [prod(s) for _, s, _ in chunk]
             sizes = [k * elem for k in numels]
-            if cfg.impl == "torch":  # PyTorch's DDP: one process group
+            if cfg.torch_impl:  # PyTorch's DDP: one process group
                 groups = [(DATA_DIMS, b) for b in torch_ddp_buckets(sizes, cap)]
             else:
                 groups = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
@@ -285,13 +284,12 @@ def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[t
     out = []
     for p in plans(cfg, model, None, pp_rank):
         dim = layout.label(*p.dims)
-        if cfg.sharding in ("zero1", "zero2"):
-            scatters = m if cfg.sharding == "zero2" and not once else 1
+        if not cfg.sharded.params:  # ZeRO-1 / 2
+            scatters = m if cfg.sharded.grads and not once else 1
             out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, scatters))
             out.append((dim, "all_gather", p.padded * e, p.n, 1))
         else:  # gathered before its forward, and again before its backward unless kept
-            reshard = cfg.sharding == "zero3" or cfg.reshard_after_forward
-            out.append((dim, "all_gather", p.padded * e, p.n, 1 if once else (2 if reshard else 1) * m))
+            out.append((dim, "all_gather", p.padded * e, p.n, 1 if once else (2 if cfg.reshards else 1) * m))
             out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, 1 if once else m))
     return out + [the_norm]
 

@@ -42,28 +42,28 @@ def activation_bytes(
     rows = s // tp if sp else s  # residual-stream rows this rank holds
     kept = rows if megatron_regather else s  # rows of the column-parallel inputs kept
     kv = max(1, model.n_kv_heads // tp) * model.head_dim  # width of the rank's k (and v)
-    llama = model.arch == "llama"
+    fam = model.family
     if model.experts:
         mlp = layer_activation_bytes(model, b, s, e)
     else:
-        mlp = e * (4 if llama else 2) * b * s * f // tp
+        mlp = e * (4 if fam.gated_mlp else 2) * b * s * f // tp
     attn = e * (2 * b * s * h // tp + 2 * b * s * kv)  # q and the attention output of the local heads; k, v
-    if llama:
+    if fam.rms_norm:  # the norms keep fp32 statistics and inputs
         block = 8 * (2 * b * rows * h + b * rows) + e * 2 * b * kept * h + attn + mlp
     else:
         block = e * (2 * b * rows * h + 2 * b * kept * h + 4 * b * rows) + attn + mlp
     block += 4 * (a // tp) * b * s
     total = model.layers * block
-    if llama and model.layers:
+    if fam.rotary and model.layers:
         total += 2 * e * s * model.head_dim  # the rotary tables, on the gathered sequence
     if head:
-        norm = 4 * (2 * b * rows * h + b * rows) if llama else e * (b * rows * h + 2 * b * rows)
+        norm = 4 * (2 * b * rows * h + b * rows) if fam.rms_norm else e * (b * rows * h + 2 * b * rows)
         # the loss keeps the fp32 softmax ('fp32') or the logits and the fp32 log-sum-exp ('fused'),
         # with the local targets (int64) and whether another rank holds them (bool)
-        loss = e * b * s * v // tp + 4 * b * s if model.loss == "fused" else 4 * b * s * v // tp
+        loss = e * b * s * v // tp + 4 * b * s if model.fused_loss else 4 * b * s * v // tp
         total += norm + e * b * kept * h + loss + 8 * b * s + b * s
     if embed:
-        total += 8 * b * s + b * s + (0 if llama else 8 * s)
+        total += 8 * b * s + b * s + (0 if fam.rotary else 8 * s)
     return total
 
 
@@ -75,7 +75,7 @@ def collectives(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> li
     m = cfg.microbatches
     L, first, last = stage_layers(cfg, model, pp_rank)
     ends = int(first) + int(last)  # the embedding's and the head's
-    again = 2 if cfg.recompute in ("full", "op") else 1  # recomputation repeats a block's forward
+    again = 2 if cfg.recomputation.reruns_forward else 1  # recomputation repeats a block's forward
     b = microbatch_rows(cfg)
     B = ELEM[cfg.precision] * b * (model.seq // cfg.cp) * model.hidden
     moe = bool(model.experts)
@@ -110,7 +110,7 @@ def shared_kv(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> list
     k = cfg.tp // kv
     calls = stage_layers(cfg, model, pp_rank)[0] * cfg.microbatches
     out = [("all_reduce", REDUCE * model.head_dim * model.hidden, 2 * calls, k)]
-    if model.arch == "gpt2" or model.qkv_bias:
+    if model.family.biases or model.qkv_bias:
         out.append(("all_reduce", REDUCE * model.head_dim, 2 * calls, k))
     return out
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.config.validation import problems
+from labkit.config.validation import argument_problems, problems
 from labkit.theory.planner.gpu_memory import (
     allocated_bytes,
     memory_terms,
@@ -81,14 +81,14 @@ def describe(c: ParallelConfig) -> str:
     """A layout in one line: 'fsdp 8 · tp 8 · pp 4 · interleaved v2 · m 16 × 1 seq · SP · AC full · fp8'
     (the data-parallel degree named by its sharding)."""
     dims = [f"{d} {getattr(c, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(c, d) > 1] or ["1 GPU"]
-    if c.sharding != "none" and dims[0].startswith("dp"):
+    if c.sharded.optimizer and dims[0].startswith("dp"):
         dims[0] = f"{c.sharding} {c.dp}"
     if c.pp > 1:
         dims.append(c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else ""))
     dims.append(f"m {c.microbatches} × {c.global_batch // (c.dp * c.ep * c.microbatches)} seq")
     if c.sequence_parallel:
         dims.append("SP")
-    if c.recompute != "none":
+    if c.recomputation.recomputes:
         dims.append(f"AC {c.recompute}")
     dims.append(c.precision)
     if c.stage_layers:
@@ -112,7 +112,7 @@ def layout_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     out the refusals that concern labkit's own engines only: ZeRO-2/3 and FSDP under a pipeline
     (which production frameworks run: torchtitan's FSDP x PP) and impl='torch'."""
     arithmetic = cfg.replace(impl="lab")
-    if cfg.pp > 1 and cfg.sharding in ("zero2", "zero3", "fsdp"):
+    if cfg.pp > 1 and cfg.sharded.grads:
         arithmetic = arithmetic.replace(sharding="zero1")
     return problems(arithmetic, model)
 
@@ -122,6 +122,8 @@ def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware =
     theory.hardware.HARDWARE, or a Hardware). Raises ConfigError for a layout that cannot be
     laid out; one that does not fit comes back with fits=False and the reason."""
     hw = hardware_of(hardware)
+    if not (isinstance(cfg, ParallelConfig) and isinstance(model, ModelConfig)):
+        raise ConfigError(argument_problems("evaluate", cfg, model))
     found = layout_problems(cfg, model)
     if found:
         raise ConfigError(found)

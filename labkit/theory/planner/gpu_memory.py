@@ -27,6 +27,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
+from labkit.config.choices import pipeline_shape
 from labkit.plans.precision import ELEM, GATHER, LOSS_CHUNK, REDUCE
 from labkit.theory.exact.activations import chunk
 from labkit.theory.exact.pipeline import in_flight
@@ -45,7 +46,7 @@ def _in_flight(schedule: str, p: int, m: int, rank: int, v: int) -> int:
     its peak: GPipe m, 1F1B min(m, p - r) (Narayanan et al. 2021, section 2.1), interleaved
     Megatron-LM's warm-up count plus one, min(m·v, 2(p - r - 1) + (v - 1)p + 1) (the schedule
     walk of plans/schedules.py gives the same); any other schedule by walking it."""
-    if schedule == "interleaved":
+    if pipeline_shape(schedule).interleaved:
         return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
     return in_flight(schedule, p, m, rank, v)
 
@@ -60,15 +61,15 @@ def states(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, floa
     dense, expert = stage_params(model, cfg, st)
     n = cfg.dp * cfg.ep * cfg.cp
     n_exp = cfg.dp * cfg.cp if cfg.ep > 1 else n
-    p, g, k = (4, 4, 8) if cfg.precision == "fp32" or cfg.sharding == "fsdp" else (2, 2, 12)
+    p, g, k = (4, 4, 8) if not cfg.numerics.mixed or cfg.sharded.fsdp else (2, 2, 12)
     sharded = dense / n + expert / n_exp
     whole = dense + expert
-    z = cfg.sharding
+    z = cfg.sharded
     accumulated = cfg.pp > 1 or cfg.microbatches > 1
     return {
-        "params": p * (sharded if z in ("zero3", "fsdp") else whole),
-        "grads": g * (sharded if z in ("zero2", "zero3", "fsdp") else whole) * accumulated,
-        "optimizer": k * (whole if z == "none" else sharded),
+        "params": p * (sharded if z.params else whole),
+        "grads": g * (sharded if z.grads else whole) * accumulated,
+        "optimizer": k * (sharded if z.optimizer else whole),
     }
 
 
@@ -103,11 +104,11 @@ def buffer_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str
     dense, expert = stage_params(model, cfg, st)
     e, unit = ELEM[cfg.precision], rp.dense + rp.expert
     root = rp.embed * st.embed + rp.head * st.head
-    if cfg.sharding in ("zero3", "fsdp"):
+    if cfg.sharded.params:
         if cfg.pp > 1:  # torchtitan under pp: no reshard, gradients accumulated unsharded in fp32
             return {"gathered": GATHER[cfg.precision] * (dense + expert), "reduce_buffers": REDUCE * (dense + expert)}
         return {"gathered": GATHER[cfg.precision] * (root + 2 * unit), "reduce_buffers": (e + 2 * REDUCE) * unit}
-    if cfg.sharding in ("zero1", "zero2"):
+    if cfg.sharded.optimizer:  # ZeRO-1 / 2
         return {"gathered": 0.0, "reduce_buffers": 2 * REDUCE * min(dense + expert, cfg.bucket_mb * 2**20 / e)}
     return {"gathered": 0.0, "reduce_buffers": 0.0}  # DDP's buckets are views of the gradients
 
@@ -119,9 +120,9 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
     tokens = b * model.seq // cfg.cp
     n = tokens * model.vocab / cfg.tp if st.head else 0.0  # the logits on this rank
     # 'fused': the gradient in the compute dtype and one chunk's fp32 softmax; 'fp32': 8 bytes a logit
-    logits = e * n + 4 * min(n, LOSS_CHUNK) if model.loss == "fused" else 8 * n
+    logits = e * n + 4 * min(n, LOSS_CHUNK) if model.fused_loss else 8 * n
     kv = model.n_kv_heads * model.head_dim
-    mats = 3 if model.arch == "llama" else 2
+    mats = 3 if model.family.gated_mlp else 2
     mlp = mats * e * tokens * model.ffn / cfg.tp
     attention = ((4 + e) * model.hidden + 2 * e * kv) * tokens / cfg.tp
     return {"logits": logits, "temporaries": max(mlp, attention) if st.layers else 0.0}

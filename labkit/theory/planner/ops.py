@@ -20,6 +20,7 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig
+from labkit.config.choices import numerics
 from labkit.plans.precision import ELEM
 from labkit.theory.exact.model import param_shapes
 
@@ -47,10 +48,6 @@ class Op:
     """Attention only: keys per kernel call (s, or s/cp per hop of ring attention)."""
 
 
-def _is_llama(model: ModelConfig) -> bool:
-    return model.arch == "llama"
-
-
 def _kv(model: ModelConfig) -> int:
     return model.n_kv_heads * model.head_dim
 
@@ -58,7 +55,7 @@ def _kv(model: ModelConfig) -> int:
 def _matmul(name: str, tokens: int, k: int, n: int, precision: str, kept: bool) -> list[Op]:
     e = ELEM[precision]
     flops = 2.0 * tokens * k * n
-    if precision != "fp8":
+    if not numerics(precision).fp8:
         return [Op(name, "matmul", flops, e * (tokens * k + k * n + tokens * n), kept=kept)]
     # operands in fp8, output in bf16; the casts are memory-bound ops of their own
     casts = (2 * e + 1) * (tokens * k + k * n)
@@ -76,7 +73,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     s = model.seq // cp
     tokens, rows = b * s, b * s // (tp if sp else 1)  # rows: what the norms and residuals see
     h, f, a = model.hidden, model.ffn, model.heads
-    llama = _is_llama(model)
+    fam = model.family
     ops: list[Op] = []
     index = 0  # torchtitan's op policy keeps the 1st, 3rd, ... matmul of a block
     for name, shape in param_shapes(model):
@@ -89,7 +86,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
         index += 1
     if model.experts:  # dropless top-k: this rank's experts see T·k rows in all (balanced routing)
         routed = tokens * model.top_k
-        mats = 3 if llama else 2
+        mats = 3 if fam.gated_mlp else 2
         ops += _matmul("mlp.router", tokens, h, model.experts, precision, kept=False)
         for i in range(mats):
             k, n = (f, h) if i == mats - 1 else (h, f)
@@ -106,16 +103,16 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     #   complex fp32, on q and k, 16 + 2e / 16 + 2e; k and v repeated to every head (GQA,
     #   torchtitan's repeat_kv) e·(kv + h) each way; the attention output's transpose back to
     #   (b, s, h) 2e each way; GELU 2e / 3e; SwiGLU silu(gate)·up 5e / 9e
-    norm, norm_back = (28 + 4 * e, 52 + 6 * e) if llama else (2 * e, 5 * e)
+    norm, norm_back = (28 + 4 * e, 52 + 6 * e) if fam.rms_norm else (2 * e, 5 * e)
     ops.append(Op("norms", "memory", 0, 2 * norm * rows * h, backward=norm_back / norm, kept=False))
     ops.append(Op("residual adds", "memory", 0, 2 * 3 * e * rows * h, backward=1.0, kept=False))
     kv = _kv(model)
-    if llama:
+    if fam.rotary:
         ops.append(Op("rope", "memory", 0, (2 * e + 16) * tokens * (h + kv) / tp, backward=1.0, kept=False))
     layout = 2 * e * tokens * h / tp + (2 * e * tokens * (kv + h) / tp if kv < h else 0)
     ops.append(Op("attention layout", "memory", 0, layout, backward=1.0, kept=False))
     if not model.experts:
-        act, act_back = (5 * e, 9 * e) if llama else (2 * e, 3 * e)
+        act, act_back = (5 * e, 9 * e) if fam.gated_mlp else (2 * e, 3 * e)
         ops.append(Op("activation", "memory", 0, act * tokens * f / tp, backward=act_back / act, kept=False))
     return tuple(ops)
 
@@ -130,7 +127,7 @@ def _loss_op(model: ModelConfig, e: int, logits: int) -> Op:
     """The cross-entropy's passes over the logits: LOSS_FORWARD's, or a fused kernel's (loss='fused':
     flash-attn's, which reads the logits once forward and reads them and writes the gradient
     backward, e bytes each)."""
-    if model.loss == "fused":
+    if model.fused_loss:
         return Op("loss", "memory", 0, e * logits, backward=2.0)
     return Op("loss", "memory", 0, (e + LOSS_FORWARD) * logits, backward=(20 + e) / (e + LOSS_FORWARD))
 
@@ -142,7 +139,7 @@ def head_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision: 
     tokens = b * model.seq // cp
     rows = tokens // (tp if sp else 1)
     h, v = model.hidden, model.vocab // tp
-    norm = 20 + 4 * e if _is_llama(model) else 2 * e
+    norm = 20 + 4 * e if model.family.rms_norm else 2 * e
     logits = tokens * v
     return (
         Op("head norm", "memory", 0, norm * rows * h),

@@ -86,8 +86,9 @@ class DataParallel:
         self.link = link_of(cfg, data or ("dp",), hw)
         self.expert_link = link_of(cfg, ("dp", "cp"), hw)
         self.gather = GATHER[cfg.precision]
-        self.sharded = cfg.sharding in ("zero3", "fsdp")
-        self.reshard = cfg.sharding == "zero3" or (cfg.reshard_after_forward and cfg.pp == 1)
+        self.sharded = cfg.sharded.params
+        # ZeRO-3 reshards always; FSDP only without a pipeline (torchtitan keeps a stage gathered)
+        self.reshard = cfg.sharded.per_module_units or (cfg.reshard_after_forward and cfg.pp == 1)
 
     def _both(self, op: str, per_elem: int, dense: float, expert: float) -> float:
         return ring(op, per_elem * dense, self.n, self.link) + ring(
@@ -97,7 +98,7 @@ class DataParallel:
     def per_microbatch(self, st: Stage, block) -> list[tuple[str, float, float]]:
         """(dim, seconds, hidden) of the traffic each microbatch repeats."""
         cfg = self.cfg
-        if cfg.sharding == "zero2":
+        if cfg.sharded.stage == 2:
             dense, expert = stage_params(self.model, cfg, st)
             total = self._both("reduce_scatter", REDUCE, dense, expert)
             return [(self.dim, total, st.layers * block.backward)]
@@ -109,7 +110,7 @@ class DataParallel:
         root = rp.embed * st.embed + rp.head * st.head
         L = st.layers
         back = (ag if self.reshard else 0.0) + rs
-        again = block.recompute(cfg.recompute)
+        again = block.recompute(cfg.recomputation)
         return [
             (self.dim, L * ag, max(0, L - 1) * min(ag, block.forward)),  # the first block's gather is exposed
             (self.dim, L * back, max(0, L - 1) * min(back, block.backward + again)),
@@ -123,13 +124,13 @@ class DataParallel:
         if self.n == 1:
             return []
         dense, expert = stage_params(self.model, cfg, st)
-        backward = st.layers * (block.backward + block.recompute(cfg.recompute))
+        backward = st.layers * (block.backward + block.recompute(cfg.recomputation))
         forward = st.layers * block.forward
-        if cfg.sharding == "none":
+        if not cfg.sharded.optimizer:
             return [(self.dim, self._both("all_reduce", REDUCE, dense, expert), backward)]
         gather = self._both("all_gather", self.gather, dense, expert)
-        if cfg.sharding in ("zero1", "zero2"):
-            scatter = self._both("reduce_scatter", REDUCE, dense, expert) if cfg.sharding == "zero1" else 0.0
+        if not cfg.sharded.params:  # ZeRO-1 / 2
+            scatter = self._both("reduce_scatter", REDUCE, dense, expert) if not cfg.sharded.grads else 0.0
             return [(self.dim, scatter, backward), (self.dim, gather, forward)]
         if cfg.pp == 1:
             return []
@@ -153,6 +154,6 @@ class DataParallel:
     def optimizer_elements(self, st: Stage) -> float:
         """Parameter elements this rank's optimizer updates (its shard under ZeRO / FSDP)."""
         dense, expert = stage_params(self.model, self.cfg, st)
-        if self.cfg.sharding == "none":
+        if not self.cfg.sharded.optimizer:
             return dense + expert
         return dense / self.n + expert / self.n_expert

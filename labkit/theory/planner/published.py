@@ -28,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from labkit.config import ModelConfig, ParallelConfig
+from labkit.config.choices import recomputation
 
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 31a17bf"
 LLM_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 061f2c7"
@@ -107,7 +108,8 @@ FOUNDRY = (
 
 
 def _titan(name, model, tps, gib, notes="", **layout) -> Run:
-    terms = [OP_POLICY] if "compile" not in notes and layout.get("checkpoint_activations") == "op" else []
+    per_op = recomputation(layout.get("checkpoint_activations", False)).per_op
+    terms = [OP_POLICY] if "compile" not in notes and per_op else []
     terms += [COMPILE] if "compile" in notes else []
     terms += [ASYNC_TP] if "AsyncTP" in notes else []
     terms += [RING] if layout.get("cp", 1) > 1 else []
@@ -274,7 +276,7 @@ def _measured_here() -> list[Run]:
     out = []
     for ac, step, reserved in ((False, 0.2141, 52.10), (True, 0.2581, 39.14), ("op", 0.2953, 42.14)):
         layout = dict(dp=1, global_batch=2, sharding="fsdp", precision="bf16", checkpoint_activations=ac)
-        missing = (OP_POLICY, OP_POLICY_LIST) if ac == "op" else ()
+        missing = (OP_POLICY, OP_POLICY_LIST) if recomputation(ac).per_op else ()
         name = f"here: Llama 1.5B, 1 H100, 2 x 4096, AC {ac}"
         out.append(Run(name, source, model, layout, "h100", 2 * 4096 / step, reserved, missing=missing))
     return out

@@ -33,12 +33,14 @@ import heapq
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.config.choices import Precision, pipeline_shape, recomputation
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
 from labkit.theory.planner.timing import compute_floor
 
-CHECKPOINTING = (False, "selective", "op", True)
-"""In order of recomputation (time added) and of memory kept (falling)."""
+TRIED_CHECKPOINTING = (False, "selective", "op", True)
+"""The checkpoint_activations values the search tries (labkit.config.CHECKPOINTING less 'full', which
+is True), in order of recomputation (time added) and of memory kept (falling)."""
 NEAREST = 20
 """Layouts that do not fit kept in `.rejected`, the nearest misses first."""
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "sharding", "schedule", "virtual_stages", "microbatches")
@@ -138,7 +140,7 @@ def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally, s
 
 
 def _checked(fixed: dict | None) -> dict:
-    """`fixed` with its checkpointing spelled as CHECKPOINTING does, or ConfigError naming the
+    """`fixed` with its checkpointing spelled as TRIED_CHECKPOINTING does, or ConfigError naming the
     fields the search cannot hold."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(FIXABLE))
@@ -146,7 +148,8 @@ def _checked(fixed: dict | None) -> dict:
         raise ConfigError([f"fixed={unknown} cannot be held by the planner; it holds {', '.join(FIXABLE)}"])
     if "checkpoint_activations" in fixed:
         ac = fixed["checkpoint_activations"]
-        fixed["checkpoint_activations"] = {"none": False, "full": True}.get(ac, ac) if isinstance(ac, str) else bool(ac)
+        r = recomputation(ac if isinstance(ac, str) else bool(ac))  # a name ('none', 'full', ...) or a value
+        fixed["checkpoint_activations"] = r.mode if r.attention_only or r.per_op else r.recomputes
     return fixed
 
 
@@ -159,7 +162,8 @@ def _chunks_per_rank(pp: int, fixed: dict) -> tuple[int, ...]:
     schedule = fixed.get("schedule")
     if schedule is None:
         return (1, 2, 4)
-    return {"interleaved": (2, 4), "zbv": (2,), "dualpipev": (2,)}.get(schedule, (1,))
+    shape = pipeline_shape(schedule)
+    return (2, 4) if shape.interleaved else (2,) if shape.v_shaped else (1,)
 
 
 def plan(
@@ -168,7 +172,7 @@ def plan(
     hardware: str | Hardware = "h100",
     global_batch: int | None = None,
     top: int = 10,
-    precision: str | None = None,
+    precision: Precision | None = None,
     fixed: dict | None = None,
 ) -> Plans:
     """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
@@ -183,7 +187,7 @@ def plan(
     fixed = _checked(fixed)
     gb = global_batch or max(1, round(4 * 2**20 / model.seq))
     precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
-    ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else CHECKPOINTING
+    ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else TRIED_CHECKPOINTING
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
     for tp, cp, ep, pp, dp in meshes(model, gpus, hw, fixed):

@@ -18,7 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from labkit.config import ModelConfig, ParallelConfig, recompute_mode
+from labkit.config import ModelConfig, ParallelConfig
+from labkit.config.choices import Recomputation, recomputation
 from labkit.plans.precision import ELEM, REDUCE
 from labkit.theory.planner.hardware import H100, HARDWARE, Hardware, Link, attention_rate
 from labkit.theory.planner.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
@@ -52,8 +53,14 @@ class Phase:
     memory_bound: float
     """Forward + backward seconds of the ops on each side of the roofline."""
 
-    def recompute(self, mode: str) -> float:
-        return {"none": 0.0, "full": self.forward, "selective": self.attention_forward, "op": self.unkept_forward}[mode]
+    def recompute(self, r: Recomputation) -> float:
+        """Seconds `r` rebuilds in backward: the block's forward (full), the attention's
+        (selective), or what the per-op policy did not keep (op)."""
+        if not r.recomputes:
+            return 0.0
+        if r.attention_only:
+            return self.attention_forward
+        return self.unkept_forward if r.per_op else self.forward
 
 
 def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
@@ -127,9 +134,9 @@ def microbatch(
     """Compute and critical-path communication of one microbatch of b sequences on rank `st`."""
     key = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision)
     block, head, embed = phase(block_ops(*key), hw), phase(head_ops(*key), hw), phase(embed_ops(*key), hw)
-    mode, L = cfg.recompute, st.layers
+    r, L = cfg.recomputation, st.layers
     ends = [(head, st.head), (embed, st.embed)]
-    again = L * block.recompute(mode)
+    again = L * block.recompute(r)
     compute = L * (block.forward + block.backward) + again
     compute += sum((p.forward + p.backward) * held for p, held in ends)
     parts = {
@@ -147,7 +154,7 @@ def microbatch(
             exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
 
     e, s, h = ELEM[cfg.precision], model.seq // cfg.cp, model.hidden
-    repeat = mode in ("full", "op")  # the block's forward collectives run again
+    repeat = r.reruns_forward  # the block's forward collectives run again
     # tensor parallelism: per layer 4 all-reduces of (b, s, h) (SP: all-gather + reduce-scatter
     # pairs, the same bytes), 2 more when the forward is recomputed; the embedding's and the
     # head's input on the end stages
@@ -158,10 +165,10 @@ def microbatch(
         kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
         hop, dhop = link.alpha + e * kv / link.beta, link.alpha + REDUCE * kv / link.beta
         fwd, bwd = (cfg.cp - 1) * hop, (cfg.cp - 1) * (hop + dhop)
-        again_cp = fwd if mode != "none" else 0.0
+        again_cp = fwd if r.recomputes else 0.0
         for total, kernel in (
             (fwd, block.attention_forward),
-            (bwd + again_cp, (2.5 + (mode != "none")) * block.attention_forward),
+            (bwd + again_cp, (2.5 + r.recomputes) * block.attention_forward),
         ):
             add("cp", L * total, L * kernel)
     if cfg.ep > 1 and model.experts:  # dispatch and combine, forward and backward
@@ -215,6 +222,6 @@ def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None
     block = phase(block_ops(model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision), hw)
     layers = max(st.layers for st in distinct(cfg, model))
     m, v = cfg.microbatches, cfg.virtual_stages if cfg.pp > 1 else 1
-    mode = recompute_mode(cfg.checkpoint_activations if ac is None else ac)
-    busy = m * layers * (block.forward + block.backward + block.recompute(mode))
+    r = recomputation(cfg.checkpoint_activations if ac is None else ac)
+    busy = m * layers * (block.forward + block.backward + block.recompute(r))
     return busy * (1 + (cfg.pp - 1) / (m * v))
