@@ -4,7 +4,7 @@
     python benchmarks/text.py --steps 40
 
 A model of GPT-2's shape at a small width (6 layers x 256, arch 'gpt' until the GPT-2 / Llama
-families land) trains with data='text' (labkit/plans/text.py); after the last step the ranks
+families land) trains with data='text' (labkit/layout/text.py); after the last step the ranks
 compute the validation loss on the held-out split. The goal: a validation loss below the
 corpus's byte-unigram entropy (the best loss of a model that ignores context, in nats) within 5
 minutes of training on this machine. Prints the steps, the time, the validation loss against
@@ -22,7 +22,7 @@ sys.path.insert(0, __file__.rsplit("/", 1)[0])
 from common import machine, table  # noqa: E402
 
 from labkit import Lab, ModelConfig, ParallelConfig, reference  # noqa: E402
-from labkit.plans import text  # noqa: E402
+from labkit.layout import text  # noqa: E402
 
 MODEL = ModelConfig(layers=6, hidden=256, heads=8, ffn=1024, vocab=256, seq=128)
 LAYOUT = ParallelConfig(dp=4, global_batch=16)

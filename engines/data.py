@@ -1,4 +1,4 @@
-"""The training data: a synthetic language, or real text (labkit/plans/text.py), batch by batch.
+"""The training data: a synthetic language, or real text (labkit/layout/text.py), batch by batch.
 
 Both are deterministic per (seed, step), so every layout, and the reference, sees exactly the
 same global batch at every step. `batch(data, ...)` picks one by the run's `data` argument.
@@ -16,7 +16,7 @@ import torch
 
 from labkit.config import ModelConfig
 from labkit.config.choices import Data, trains_on_text
-from labkit.plans import text
+from labkit.layout import text
 
 LANGUAGE_SEED = 1234
 FOLLOW_PROB = 0.75

@@ -24,8 +24,8 @@ from labkit.engines import data, runtime
 from labkit.engines.model import aux_loss
 from labkit.engines.p2p import Link
 from labkit.engines.precision import policy
-from labkit.plans import text
-from labkit.plans.schedules import rank_chunk_of, stage_of, style
+from labkit.layout import text
+from labkit.layout.schedules import rank_chunk_of, stage_of, style
 
 
 def _unwrap(module: nn.Module) -> nn.Module:

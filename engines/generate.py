@@ -17,7 +17,7 @@ import torch
 from labkit.config import ConfigError, ModelConfig
 from labkit.engines.model import build_model
 from labkit.engines.parallel.pipeline import Chunk
-from labkit.plans import text
+from labkit.layout import text
 
 
 def generate_problems(model: ModelConfig, prompt, tokens, temperature, seed) -> list[str]:

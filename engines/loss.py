@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from labkit.config.choices import Loss, fused_loss
-from labkit.plans.precision import LOSS_CHUNK
+from labkit.layout.precision import LOSS_CHUNK
 
 
 def row_chunks(rows: int, vocab: int):

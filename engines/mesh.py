@@ -1,6 +1,6 @@
 """The device mesh on every rank: the torch.distributed process groups of a MeshLayout.
 
-`MeshLayout` (labkit/plans/mesh.py) is the pure rank/coordinate/group arithmetic; `Mesh` adds
+`MeshLayout` (labkit/layout/mesh.py) is the pure rank/coordinate/group arithmetic; `Mesh` adds
 the process groups. It is built once per layout on every rank, in the same order, and cached,
 so re-running a layout on a warm cluster creates no new groups.
 """
@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.config import DIMS
-from labkit.plans.mesh import COMBINED, MeshLayout, dim_name
+from labkit.layout.mesh import COMBINED, MeshLayout, dim_name
 
 
 class Mesh:

@@ -6,7 +6,7 @@ Two rules, each from a way the naive isend/irecv pair fails on a GPU:
     do. Under NCCL an unbatched send blocks until its receive runs, and once a group is eagerly
     initialized (init_process_group(device_id=...)) PyTorch serializes unbatched p2p with every
     other op of the group (PRs #129147, #132900): ring attention's irecv-then-isend on every rank
-    would wait forever at the first hop. (labkit/plans/simulator.py models these rules.)
+    would wait forever at the first hop. (labkit/layout/simulator.py models these rules.)
   - Gloo has no send/recv for CUDA tensors (torch.distributed's backend table; ProcessGroupGloo
     hands the device pointer to its TCP transport: 'writev ... Bad address' or a segfault,
     pytorch issue #45995). On a gloo group CUDA tensors are staged through pinned host buffers: a

@@ -58,7 +58,7 @@ from labkit.engines.parallel.pipeline_torch import TorchSchedule, TorchStageGrad
 from labkit.engines.parallel.tensor import apply_tp
 from labkit.engines.parallel.zero import apply_zero
 from labkit.engines.precision import policy
-from labkit.plans.mesh import DATA_DIMS
+from labkit.layout.mesh import DATA_DIMS
 
 
 def whole_sequence(tokens: torch.Tensor, targets: torch.Tensor):

@@ -20,7 +20,7 @@ from labkit.engines.meters.bundle import Meters
 from labkit.engines.meters.comm import CommAudit
 from labkit.engines.model import build_model
 from labkit.engines.parallelize import parallelize
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 
 
 def data_index(mesh: Mesh) -> tuple[int, int]:

@@ -17,7 +17,7 @@ import pytest
 from labkit import ConfigError, ModelConfig, OptimConfig, ParallelConfig, theory
 from labkit.config import CHECKPOINTING, SCHEDULES, SHARDINGS, RunSpec, choices
 from labkit.config.choices import Recomputation, pipeline_shape, recomputation, sharded
-from labkit.plans import schedules
+from labkit.layout import schedules
 from labkit.theory.planner import search
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ from conftest import TINY
 from theory_match import compare
 
 from labkit import ConfigError, ParallelConfig, reference, validate
+from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import assert_matches
-from labkit.plans.mesh import MeshLayout
 
 M4 = TINY.replace(layers=4)
 MOE = TINY.replace(experts=4, top_k=2)

@@ -8,8 +8,8 @@ from conftest import TINY
 
 from labkit import ConfigError, ParallelConfig, theory, validate
 from labkit.engines.parallel.context import ring_plan, zigzag_chunks, zigzag_index
+from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import assert_matches, loss_errors
-from labkit.plans.mesh import MeshLayout
 
 # (cp, seq, batch, heads, head_dim): odd shapes on purpose (3 heads, chunks of 3 and 5 tokens)
 RING_CASES = [(2, 8, 2, 2, 4), (2, 20, 1, 3, 8), (4, 24, 2, 3, 5), (4, 64, 1, 4, 16)]
@@ -25,7 +25,7 @@ def _ring_against_dense(cases):
     from labkit.engines import runtime
     from labkit.engines.mesh import Mesh
     from labkit.engines.parallel.context import Ring, zigzag_index
-    from labkit.plans.mesh import MeshLayout
+    from labkit.layout.mesh import MeshLayout
 
     rank = runtime.current().rank
     errors = []

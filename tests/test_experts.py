@@ -12,8 +12,8 @@ from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, 
 from labkit.engines import data
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.model import build_model
+from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import assert_matches, loss_errors
-from labkit.plans.mesh import MeshLayout
 from labkit.theory.exact.experts import layer_activation_bytes
 
 MOE2 = TINY.replace(experts=4, top_k=2)

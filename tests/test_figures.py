@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 from labkit.results.measurement import Measurement
 from labkit.results.run import CommEvent, Event, RankReport, RunResult
 from labkit.theory.exact import pipeline as tp

@@ -1,5 +1,5 @@
 """The house rules, read off the source with `ast` (no imports run): the one-way ladder of
-packages, no import cycles (function-level imports counted), torch-free plans and theory, files
+packages, no import cycles (function-level imports counted), torch-free layout and theory, files
 under 400 lines, and no pointer to a document outside the repository (ARCHITECTURE.md has the map)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ FOLDERS = {"labkit": "labkit", "engines": "labkit.engines", "widgets": "labkit.w
 
 RUNGS = {
     "config": "config",  # plain data, its checks, its display
-    "plans": "plans",  # the torch-free decisions engines, simulator and theory share
+    "layout": "layout",  # the torch-free decisions engines, simulator and theory share
     "engines": "engines",  # what runs on every rank
     "theory": "theory",  # the same quantities predicted
     "cluster": "orchestration",  # the Lab, engines, jobs, faults
@@ -25,11 +25,11 @@ RUNGS = {
 }
 """The rung of each package under labkit (its first name below `labkit.`): a module's rung is its
 package's, so a new module needs no list; `labkit` itself (the public facade) is orchestration."""
-LEVEL = {"config": 0, "plans": 1, "engines": 2, "theory": 2, "orchestration": 3, "widgets": 4, "cli": 5}
+LEVEL = {"config": 0, "layout": 1, "engines": 2, "theory": 2, "orchestration": 3, "widgets": 4, "cli": 5}
 """The ladder, bottom first; a module may import its own rung and the rungs below it, except that
 engines and theory stand side by side and never import each other."""
 FORBIDDEN = {
-    "plans": ("torch", "ipyparallel", "ipywidgets", "plotly"),
+    "layout": ("torch", "ipyparallel", "ipywidgets", "plotly"),
     "theory": ("torch", "ipyparallel", "ipywidgets", "plotly"),
     "config": ("torch", "numpy", "ipyparallel", "ipywidgets", "plotly"),
     "engines": ("ipyparallel", "ipywidgets", "plotly", "IPython"),
@@ -165,7 +165,7 @@ def test_every_module_lives_in_a_package_of_the_ladder():
 def test_the_ladder_catches_what_it_should():
     """The checks above can fail: a made-up upward edge and a made-up cycle are both found."""
     assert rung("labkit.theory.exact.comm") == "theory" and rung("labkit.cluster.lab") == "orchestration"
-    assert rung("labkit.widgets.figures") == "widgets" and rung("labkit.plans.mesh") == "plans"
+    assert rung("labkit.widgets.figures") == "widgets" and rung("labkit.layout.mesh") == "layout"
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert cycles({"a": {"b"}, "b": set()}) == []
 
@@ -247,26 +247,26 @@ def test_the_notebook_kernel_never_loads_torch():
     loads = sorted(
         m
         for m in heavy
-        if rung(m) in ("orchestration", "widgets", "cli", "theory", "plans", "config") and "torch" in heavy[m]
+        if rung(m) in ("orchestration", "widgets", "cli", "theory", "layout", "config") and "torch" in heavy[m]
     )
     assert not loads, "these load torch when imported in the kernel: " + ", ".join(loads)
 
 
-def test_plans_import_only_the_standard_library_numpy_and_config():
+def test_layout_imports_only_the_standard_library_numpy_and_config():
     import sys
 
     mods, edges, external = graph()
     wrong = [
         f"{m} imports {name}"
         for m in mods
-        if rung(m) == "plans"
+        if rung(m) == "layout"
         for name, _ in external[m]
         if name.split(".")[0] not in sys.stdlib_module_names and name.split(".")[0] != "numpy"
     ]
     wrong += [
-        f"{m} imports {t}" for m in mods if rung(m) == "plans" for t in edges[m] if rung(t) not in ("config", "plans")
+        f"{m} imports {t}" for m in mods if rung(m) == "layout" for t in edges[m] if rung(t) not in ("config", "layout")
     ]
-    assert not wrong, "labkit.plans is the shared, torch-free rung:\n" + "\n".join(wrong)
+    assert not wrong, "labkit.layout is the shared, torch-free rung:\n" + "\n".join(wrong)
 
 
 @pytest.mark.parametrize("folder", ["labkit", "engines", "widgets", "tests", "benchmarks"])

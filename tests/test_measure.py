@@ -15,7 +15,7 @@ import torch.nn as nn
 
 import labkit
 from labkit import CollectiveTimeout, Measurement, RankError
-from labkit.plans.wire import WIRE
+from labkit.layout.wire import WIRE
 
 N = 4
 HF = dict(

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from labkit.config import DIMS
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 
 degrees = st.sampled_from([1, 2, 3, 4])
 orders = st.permutations(list(DIMS)).map("-".join)

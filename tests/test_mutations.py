@@ -24,7 +24,7 @@ from labkit.oracle.checks import mismatches
 STEPS = 2
 MOE = TINY.replace(experts=4, top_k=2)
 BUCKET_MB = 0.02
-"""TINY in 8 DDP buckets (plans/buckets.py); bucket 2 holds the four tensors below."""
+"""TINY in 8 DDP buckets (layout/buckets.py); bucket 2 holds the four tensors below."""
 SKIPPED = ("blocks.1.mlp.fc1.weight", "blocks.1.ln2.bias", "blocks.1.ln2.weight", "blocks.1.attn.wo.weight")
 
 

@@ -10,7 +10,7 @@ from conftest import TINY
 
 from labkit import ParallelConfig
 from labkit.config import RunSpec
-from labkit.plans.schedules import Action, batches, plan
+from labkit.layout.schedules import Action, batches, plan
 
 
 def _run_watching_p2p(spec: dict) -> dict:

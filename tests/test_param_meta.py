@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from labkit.engines.parallel.common import ParamMeta, ParamMetas, norm_plan
-from labkit.plans.mesh import DATA_DIMS, MeshLayout
+from labkit.layout.mesh import DATA_DIMS, MeshLayout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 PREFIX = "_lk_"

@@ -8,8 +8,8 @@ from conftest import TINY
 from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
+from labkit.layout.schedules import plan
 from labkit.oracle.checks import assert_matches
-from labkit.plans.schedules import plan
 
 M4 = TINY.replace(layers=4)  # 4 layers: one per stage at pp=4, one per chunk at pp=2 x v=2
 

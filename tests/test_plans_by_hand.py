@@ -1,6 +1,6 @@
 """The shared plans against numbers worked out by hand, here in the test: the ring model's byte
-table (labkit/plans/wire.py), the bucket rules (plans/buckets.py) and the padding of flat buffers
-(plans/flat.py). The engines and the theory both read these plans, so measured-equals-predicted
+table (labkit/layout/wire.py), the bucket rules (layout/buckets.py) and the padding of flat buffers
+(layout/flat.py). The engines and the theory both read these plans, so measured-equals-predicted
 cannot see a bug in them (two agreeing wrongs); these tests can. No cluster.
 """
 
@@ -10,9 +10,9 @@ from conftest import TINY
 from test_sharding import ODD
 
 from labkit import ParallelConfig, theory
-from labkit.plans.buckets import plan_buckets, plan_groups, torch_ddp_buckets
-from labkit.plans.flat import bucket_plans, unit_plans
-from labkit.plans.wire import WIRE
+from labkit.layout.buckets import plan_buckets, plan_groups, torch_ddp_buckets
+from labkit.layout.flat import bucket_plans, unit_plans
+from labkit.layout.wire import WIRE
 from labkit.theory import param_shapes
 from labkit.theory.exact import sharding
 

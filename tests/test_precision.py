@@ -8,8 +8,8 @@ from conftest import TINY
 from test_sharding import ODD, check_against_theory, oracle  # noqa: F401  (oracle is a fixture)
 
 from labkit import ConfigError, ParallelConfig, theory, validate
+from labkit.layout.flat import padded, unit_plans
 from labkit.oracle.checks import assert_matches
-from labkit.plans.flat import padded, unit_plans
 from labkit.theory.exact import sharding
 
 PSI = theory.num_params(TINY)

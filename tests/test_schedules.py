@@ -9,8 +9,8 @@ from fractions import Fraction
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.plans.schedules import COMPUTE, Action, Plan, batches, local_problems, plan, with_comm
-from labkit.plans.simulator import Costs, ScheduleDeadlock, check, simulate, simulate_nccl
+from labkit.layout.schedules import COMPUTE, Action, Plan, batches, local_problems, plan, with_comm
+from labkit.layout.simulator import Costs, ScheduleDeadlock, check, simulate, simulate_nccl
 from labkit.theory.exact import pipeline as tp
 
 PS = (2, 3, 4, 5, 8, 16, 64)
@@ -25,7 +25,7 @@ def exact_bubbles(sim) -> set[Fraction]:
 
 def test_schedule_module_does_not_import_torch():
     code = (
-        "import sys, labkit.plans.schedules, labkit.plans.simulator, labkit.theory;"
+        "import sys, labkit.layout.schedules, labkit.layout.simulator, labkit.theory;"
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -229,7 +229,7 @@ def test_measured_bubble_means_what_the_formula_means():
     assert all(f == pytest.approx(theory.pipeline_bubble(p, m), abs=1e-12) for f in got["per_rank"].values())
 
 
-# -- NCCL's rules (plans/simulator.py: simulate_nccl) -------------------------------------------
+# -- NCCL's rules (layout/simulator.py: simulate_nccl) -------------------------------------------
 def every_plan():
     """Every plan labkit runs: GPipe, 1F1B, interleaved (v = 2..4), ZB-H1, ZB-V, DualPipeV (m >= 2p);
     p <= 8, m <= 16."""

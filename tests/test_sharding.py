@@ -1,7 +1,7 @@
 """ZeRO-1/2/3 and FSDP (ours and PyTorch's FSDP2), fp32 and bf16, on the 4-engine gloo cluster:
 the same training as one process, and the bytes each rank holds and sends equal to the theory.
 
-The padding rule (labkit/plans/flat.py): every flat buffer is padded with zeros to a
+The padding rule (labkit/layout/flat.py): every flat buffer is padded with zeros to a
 multiple of N = dp, so a rank holds ceil(numel / N) elements of each; FSDP2 pads each
 parameter's dim 0 to a multiple of N instead. TINY's buffers are multiples of 4 already;
 ODD (below) makes every rule pad.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from labkit import ParallelConfig, theory
-from labkit.plans.schedules import chunk_layers, plan
-from labkit.plans.simulator import Costs, simulate
+from labkit.layout.schedules import chunk_layers, plan
+from labkit.layout.simulator import Costs, simulate
 from labkit.theory.exact.pipeline import chunk_full_shapes, stage_scale, step_bubble
 from labkit.theory.presets import LLAMA31_405B
 

@@ -11,8 +11,8 @@ import torch
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, RunResult, reference
 from labkit.engines import data
+from labkit.layout import text
 from labkit.oracle.checks import FP32_RTOL, assert_matches
-from labkit.plans import text
 
 TEXT = ModelConfig(layers=2, hidden=32, heads=4, ffn=128, vocab=256, seq=16)
 """conftest's TINY with one id per byte."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.plans.buckets import plan_buckets, torch_ddp_buckets
+from labkit.layout.buckets import plan_buckets, torch_ddp_buckets
 
 GB = 1e9
 

@@ -9,7 +9,7 @@ import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.config.validation import problems
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 from labkit.theory.exact import comm as tcomm
 from labkit.theory.exact.per_rank import comm_rows, rank_memory
 

@@ -16,8 +16,8 @@ from conftest import TINY
 from launch_tools import link_stats, two_hosts  # noqa: F401  (two_hosts: a fixture)
 
 from labkit import EngineDied, LabError, ModelConfig, ParallelConfig
+from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import assert_matches
-from labkit.plans.mesh import MeshLayout
 
 pytestmark = pytest.mark.slow
 

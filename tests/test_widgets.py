@@ -16,7 +16,7 @@ from conftest import TINY
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, theory, validate
 from labkit.config.validation import problems
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 from labkit.theory.presets import PRESETS, PUBLISHED_PARAMS
 from labkit.widgets import Dashboard, MeshView, ScaleExplorer, figures
 from labkit.widgets.controls import DEGREES

@@ -12,8 +12,8 @@ from conftest import TINY
 from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
+from labkit.layout.schedules import plan
 from labkit.oracle.checks import assert_matches
-from labkit.plans.schedules import plan
 
 M4 = TINY.replace(layers=4)  # pp=2: one layer per V chunk; pp=4: one per stage
 M8 = TINY.replace(layers=8)  # pp=4 in a V: one layer per chunk

@@ -9,8 +9,8 @@ import pytest
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.config import ConfigError
 from labkit.config.validation import validate
-from labkit.plans.schedules import chunk_layers, plan, rank_chunk_of, stage_of
-from labkit.plans.simulator import Costs, simulate
+from labkit.layout.schedules import chunk_layers, plan, rank_chunk_of, stage_of
+from labkit.layout.simulator import Costs, simulate
 from labkit.theory.exact import pipeline as tp
 from labkit.theory.exact import sharding
 from labkit.theory.presets import LLAMA31_405B

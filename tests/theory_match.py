@@ -14,8 +14,8 @@ bytes); DTensor's own TP collectives are its implementation's, not compared here
 from __future__ import annotations
 
 from labkit import theory
-from labkit.plans.mesh import MeshLayout
-from labkit.plans.schedules import chunk_layers, plan, style
+from labkit.layout.mesh import MeshLayout
+from labkit.layout.schedules import chunk_layers, plan, style
 from labkit.theory.exact import activations
 from labkit.theory.exact.pipeline import stage_layers
 

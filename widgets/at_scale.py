@@ -13,7 +13,7 @@ import numpy as np
 
 from labkit import theory
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 
 STAGES_SHOWN = 16
 """At most this many pipeline stages get a bar (first and last always among them)."""

@@ -26,8 +26,8 @@ from labkit import theory
 from labkit.cluster.errors import Cancelled, LabError
 from labkit.config import DIMS, ConfigError, ModelConfig, ParallelConfig
 from labkit.config.validation import problems, validate
+from labkit.layout.mesh import COMBINED, MeshLayout
 from labkit.oracle.reference import reference
-from labkit.plans.mesh import COMBINED, MeshLayout
 from labkit.widgets import figures
 from labkit.widgets.controls import DEGREES, config_of, make_controls, sync_options
 from labkit.widgets.device import total_memory

@@ -5,7 +5,7 @@ groups cross hosts.
 
 Pick a dim (or a combination such as dp-cp) to colour the ranks by its groups; type any
 order string (innermost first) to see how it regroups the ranks. Everything is the pure
-arithmetic of labkit/plans/mesh.py (MeshLayout), so it draws a 16k-rank mesh as readily as 4.
+arithmetic of labkit/layout/mesh.py (MeshLayout), so it draws a 16k-rank mesh as readily as 4.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import html
 import ipywidgets as W
 
 from labkit.config import DIMS, ParallelConfig
-from labkit.plans.mesh import COMBINED, MeshLayout
+from labkit.layout.mesh import COMBINED, MeshLayout
 from labkit.widgets import figures
 from labkit.widgets.live import figure_widget, refresh
 

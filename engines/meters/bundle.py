@@ -13,7 +13,7 @@ from labkit.engines.mesh import Mesh
 from labkit.engines.meters.comm import CommMeter
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.meters.timeline import Timeline
-from labkit.plans.mesh import COMBINED
+from labkit.layout.mesh import COMBINED
 
 
 def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:

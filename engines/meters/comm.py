@@ -15,7 +15,7 @@ through Python: 35-130% slower steps on the lab's models, measured. It is kept a
 
 What it records, per op (a plain dict, see labkit.results.run.CommEvent): op, dim (the mesh
 dimension whose group it ran on), group ranks, numel, dtype, payload bytes (B: the logical full
-tensor), wire bytes this rank sends under the ring model (labkit/plans/wire.py), a sequence
+tensor), wire bytes this rank sends under the ring model (labkit/layout/wire.py), a sequence
 number per group, start/end on the run's clock, and the phase of the step. An op is 'left' when
 its Work completes (a future callback), or for works without a future (gloo's reduce-scatter)
 and ops on CUDA tensors (see `watch`), when the meter next finds it completed; entered-but-not-
@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from labkit.plans.wire import WIRE
+from labkit.layout.wire import WIRE
 
 
 def _nb(t) -> int:

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.weak import WeakIdKeyDictionary
 
-from labkit.plans.mesh import DATA_DIMS
+from labkit.layout.mesh import DATA_DIMS
 
 # torch 2.13 names these all_gather_single / reduce_scatter_single and deprecates the old names,
 # which are all that torch 2.6 to 2.12 have (pyproject allows >= 2.6; torch 2.11 on an H100 had

@@ -30,7 +30,7 @@ from labkit.engines.parallel.common import (
     weak_method,
 )
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
-from labkit.plans.buckets import plan_groups
+from labkit.layout.buckets import plan_groups
 
 
 class _Bucket:
@@ -55,7 +55,7 @@ def plan(params: list[nn.Parameter], metas: ParamMetas, bucket_bytes: int) -> li
     """Buckets (parameter indices) in launch order: parameters are grouped by the dims their
     gradient is reduced over (ParamMeta.reduce) and by pipeline chunk (ParamMeta.chunk: a chunk's
     buckets can go as soon as its last backward is over), each group bucketed in reverse order
-    (plans/buckets.py), and the buckets of all groups launched by their last parameter, latest
+    (layout/buckets.py), and the buckets of all groups launched by their last parameter, latest
     first — the order backward produces them. The same on every rank that holds the same
     parameters."""
     sizes = [p.numel() * p.element_size() for p in params]

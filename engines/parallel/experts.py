@@ -11,7 +11,7 @@ Gradients: the router, attention and every dense weight are replicas over ep (ea
 saw different tokens), reduced over dp x ep x cp as usual; an expert's weights live on one ep
 rank and their gradient already holds every ep rank's tokens (the backward all-to-all brought
 them), so it is reduced over dp x cp only (ParamMeta.reduce). Under tensor parallelism the MoE
-layer is replicated over tp (plans/tensor.py): each tp rank runs this all-to-all with the ep
+layer is replicated over tp (layout/tensor.py): each tp rank runs this all-to-all with the ep
 ranks of its own tp coordinate, and the experts keep TP's replica mark for the norm.
 """
 

@@ -28,8 +28,8 @@ from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import ParamMetas, piece
 from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
-from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.tensor import shard_box
+from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.tensor import shard_box
 
 
 def apply_fsdp(

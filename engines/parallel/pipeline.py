@@ -1,14 +1,14 @@
 """Pipeline parallelism (labkit's own): the layers split into stages that pass activations.
 
 The model's blocks are split over pp·v virtual stages, evenly or as ParallelConfig.stage_layers
-says (plans.schedules.chunk_layers); the embedding lives on the first, the final norm, LM head
+says (layout.schedules.chunk_layers); the embedding lives on the first, the final norm, LM head
 and loss on the last (a tied embedding on both: `split_model`). Each rank keeps
 its v chunks (`Chunk`), whose parameters keep their names in the full model (ParamMeta.name), so
 DDP, clipping and the reference check work unchanged; ParamMeta.chunk tells DDP which chunk a
 parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
 that chunk's last backward is over.
 
-The schedule is data (plans.schedules.plan): this rank's ordered list of F / B / W / send /
+The schedule is data (layout.schedules.plan): this rank's ordered list of F / B / W / send /
 recv actions. `PipelineExecutor` runs any such list, as schedules.batches issues it: the
 computes in the list's order, and the sends and receives grouped into batches, one
 batch_isend_irecv each (engines/p2p.py), by the unit-time tick at which their message is sent,
@@ -16,7 +16,7 @@ so that every rank's k-th batch meets only its peers' k-th batches (NCCL matches
 order, not by tag, and runs each group's ops one after another). A send goes out right after
 the compute that made it and is waited for at the end of the step; a receive is posted with its
 sender's batch and waited for right before the compute that needs it. The plan is simulated
-first, under gloo's rules and under NCCL's (plans/simulator.py), and a plan that would hang on
+first, under gloo's rules and under NCCL's (layout/simulator.py), and a plan that would hang on
 either is refused with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
 
 Zero-bubble schedules (zbh1, zbv, dualpipev) split backward (engines/parallel/split_backward.py):
@@ -38,8 +38,8 @@ from labkit.engines.model import aux_loss
 from labkit.engines.p2p import Link
 from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.split_backward import backward_input, backward_weight
-from labkit.plans.schedules import Action, Plan, batches, chunk_layers, message, plan, rank_chunk_of, stage_of, style
-from labkit.plans.simulator import ScheduleDeadlock, check
+from labkit.layout.schedules import Action, Plan, batches, chunk_layers, message, plan, rank_chunk_of, stage_of, style
+from labkit.layout.simulator import ScheduleDeadlock, check
 
 
 class Chunk(nn.Module):

@@ -29,8 +29,8 @@ from labkit.config import OptimConfig
 from labkit.engines.loss import cross_entropy
 from labkit.engines.parallel.common import ParamMetas, all_reduce_tied, tied_params
 from labkit.engines.parallel.ddp import TorchUpdate
-from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.schedules import stage_of, style
+from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.schedules import stage_of, style
 
 
 def _schedule_class(name: str):

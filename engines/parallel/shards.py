@@ -1,5 +1,5 @@
 """The optimizer side of sharded data parallelism (ZeRO, FSDP): flat buffers as tensors, and the
-master slice, AdamW, global norm and pieces of the slice a rank owns (layout: plans/flat.py)."""
+master slice, AdamW, global norm and pieces of the slice a rank owns (layout: layout/flat.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn as nn
 from labkit.config import OptimConfig
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
 from labkit.engines.parallel.common import ParamMetas, norm_plan, piece
-from labkit.plans.flat import FlatPlan
+from labkit.layout.flat import FlatPlan
 
 
 def flatten(plan: FlatPlan, params: dict[str, nn.Parameter], dtype=torch.float32) -> torch.Tensor:
@@ -31,7 +31,7 @@ def bind(plan: FlatPlan, params: dict[str, nn.Parameter], flat: torch.Tensor, gr
 
 
 def entries(named: list[tuple[str, nn.Parameter]], metas: ParamMetas) -> list[tuple[str, tuple, tuple, int]]:
-    """(full name, local shape, reduce dims, pipeline chunk) of each parameter, as plans/flat.py takes them."""
+    """(full name, local shape, reduce dims, pipeline chunk) of each parameter, as layout/flat.py takes them."""
     return [(metas[p].full_name(n), tuple(p.shape), metas[p].reduce, metas[p].chunk) for n, p in named]
 
 
@@ -47,7 +47,7 @@ def plan_group(mesh, plan: FlatPlan):
 
 class ShardedOptimizer:
     """The optimizer over this rank's slice of every flat buffer: the master weights (fp32), AdamW
-    over them with the decay mask as runs (plans/flat.py), the global norm, and the slices as pieces of
+    over them with the decay mask as runs (layout/flat.py), the global norm, and the slices as pieces of
     the full parameters (for checking).
 
     `params` (full name -> parameter) and their records (`metas`) give what the norm and the pieces

@@ -31,7 +31,7 @@ v): a column-parallel bias is split with its rows, a row-parallel one added once
 sum. Grouped-query attention: wk and wv split by KV heads when tp <= kv_heads; when tp >
 kv_heads each KV head is held by the tp/kv_heads ranks that read it (`SharedKVLinear`).
 
-The operators are in engines/parallel/tensor_ops.py; the plan (plans/tensor.py) is data;
+The operators are in engines/parallel/tensor_ops.py; the plan (layout/tensor.py) is data;
 `apply_tp` walks it.
 """
 
@@ -53,8 +53,8 @@ from labkit.engines.parallel.tensor_ops import (
     Split,
     VocabParallelCrossEntropy,
 )
-from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.tensor import local_param, param_style, tp_plan
+from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.tensor import local_param, param_style, tp_plan
 
 
 # -- the parallel modules -------------------------------------------------------------------
@@ -187,7 +187,7 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
         elif kind == "input":
             enter = ops[style["input"]]
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
-        elif kind == "replicate" and "input" in style:  # an MoE layer under SP (plans/tensor.py)
+        elif kind == "replicate" and "input" in style:  # an MoE layer under SP (layout/tensor.py)
             enter, leave = ops[style["input"]], ops[style["output"]]
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
             module.register_forward_hook(lambda _m, _args, out, leave=leave: leave(out))

@@ -1,7 +1,7 @@
 """The same tensor (+ sequence) parallelism through PyTorch's DTensor, as a user would write it.
 
 `parallelize_module` with ColwiseParallel / RowwiseParallel / PrepareModuleInput (and
-SequenceParallel under SP), each style derived from labkit's plan (plans/tensor.py), on a
+SequenceParallel under SP), each style derived from labkit's plan (layout/tensor.py), on a
 one-dimensional DeviceMesh wrapped around the Mesh's tp group (`DeviceMesh.from_group`: no new
 process group). torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ do the update.
 
@@ -48,7 +48,7 @@ from labkit.config import OptimConfig
 from labkit.engines.meters.memory import local, unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import piece
-from labkit.plans.tensor import shard_box, tp_plan
+from labkit.layout.tensor import shard_box, tp_plan
 
 
 def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:

@@ -2,7 +2,7 @@
 Memory Optimizations Toward Training Trillion Parameter Models", SC 2020, section 5).
 
 Every data rank sees different samples, as in DDP, but the model states are split N ways
-instead of replicated. Parameters live in flat buffers (plans/flat.py: padded to a multiple of N,
+instead of replicated. Parameters live in flat buffers (layout/flat.py: padded to a multiple of N,
 rank i owns slice i), and rank i keeps the fp32 master weights and Adam moments of its slices
 only, so its optimizer updates exactly those elements — element for element the update that
 AdamW (engines/optim.py) makes on the full tensors.
@@ -55,7 +55,7 @@ from labkit.engines.parallel.shards import (
 )
 from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
-from labkit.plans.flat import bucket_plans, unit_kind
+from labkit.layout.flat import bucket_plans, unit_kind
 
 
 class ZeRO12:
@@ -67,7 +67,7 @@ class ZeRO12:
     The reduced slice lands in this rank's gradient shard (compute dtype).
 
     Composed with tp / pp / ep / cp, each bucket holds parameters of one reduce group and one
-    pipeline chunk (plans/flat.py) and is sharded over that group; stage 1 reduces a chunk's buckets
+    pipeline chunk (layout/flat.py) and is sharded over that group; stage 1 reduces a chunk's buckets
     as soon as its last backward is over, as DDP does. Stage 1 under bf16 with several
     microbatches sums their gradients in the bucket's fp32 buffer as they arrive, as DDP does
     (ddp.py says why). `once` (pipeline parallelism): stage 2 adds every microbatch's gradients into

@@ -38,7 +38,7 @@ from labkit.engines.parallel.shards import (
     plan_group,
 )
 from labkit.engines.precision import Policy
-from labkit.plans.flat import FlatPlan, unit_plans
+from labkit.layout.flat import FlatPlan, unit_plans
 
 
 class _Unit:
@@ -70,14 +70,14 @@ class _Unit:
 
 class ZeRO3:
     """ZeRO stage 3 / FSDP (ours; GradSync): parameters, gradients and optimizer state sharded, a
-    unit's parameters gathered just before it runs. `kind` picks the units (plans/flat.py): 'zero3' the
+    unit's parameters gathered just before it runs. `kind` picks the units (layout/flat.py): 'zero3' the
     embedding, each block and the head; 'fsdp' each block plus the root. With reshard=False
     (FSDP's reshard_after_forward off) forward's gather is kept for backward: one all-gather per
     unit instead of two (ZeRO-2's traffic), the whole model gathered at the end of forward.
 
     Composed with tp / ep / cp, a unit holds this rank's slices, and a module whose parameters
     are reduced over different groups (experts over dp-cp, SP LayerNorms over dp-ep-cp-tp) has
-    one unit per group, each sharded over its own group (plans/flat.py). `chunks`: this rank's
+    one unit per group, each sharded over its own group (layout/flat.py). `chunks`: this rank's
     pipeline chunks (one module without a pipeline); with several stages' microbatches in
     flight (`keep`, pp > 1) a unit stays gathered over the step and is reduced once (module
     docstring)."""

@@ -19,8 +19,8 @@ import typing
 
 from labkit import reference, theory
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import loss_errors, mismatches
-from labkit.plans.mesh import MeshLayout
 from labkit.theory.planner.evaluate import describe
 from labkit.theory.planner.gpu_memory import TERMS
 from labkit.theory.planner.hardware import HARDWARE

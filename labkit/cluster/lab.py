@@ -40,7 +40,7 @@ from labkit.config.table import Rows, card
 from labkit.config.validation import data_problems, optim_problems, validate
 from labkit.engines import runtime
 from labkit.engines.measure import measure_rank
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 from labkit.results.measurement import Measurement
 from labkit.results.run import RunResult
 
@@ -252,7 +252,7 @@ class Lab:
         return_params brings back the final full parameters (res.params) for checking;
         audit runs a TorchDispatchMode beside the comm meter (slow; tests use it).
         data: 'synthetic' (the synthetic language) or 'text' (the Shakespeare corpus in bytes,
-        labkit/plans/text.py; needs vocab >= 256): then the ranks also compute the validation loss
+        labkit/layout/text.py; needs vocab >= 256): then the ranks also compute the validation loss
         (res.validation_loss) and the parameters come back, so that res.generate(prompt, tokens) works.
         _comm_log=False runs without the collective log (only the overhead benchmark does).
         """

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from labkit.config import ConfigError, ParallelConfig
 from labkit.engines import runtime
-from labkit.plans.mesh import MeshLayout
+from labkit.layout.mesh import MeshLayout
 
 
 def _build_mesh(layout) -> None:

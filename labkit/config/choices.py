@@ -1,7 +1,7 @@
 """The choices the configs offer, each defined once: its `Literal` type, the tuple of its values,
 and its one decode (torchtitan's `match policy: case ...: case _: raise`) into what the code
 needs. The configs' properties (labkit/config/__init__.py) read these decodes; code that holds a
-bare name (a schedule passed to plans/schedules.py, a reference's precision) calls them itself.
+bare name (a schedule passed to layout/schedules.py, a reference's precision) calls them itself.
 Nothing else in labkit compares a choice with a string (tests/test_choices.py reads the code).
 
 Plain Python, the bottom rung of the ladder: labkit/config/__init__.py and validation.py import it.
@@ -30,7 +30,7 @@ Sharding = Literal["none", "zero1", "zero2", "zero3", "fsdp"]
 SHARDINGS: tuple[str, ...] = get_args(Sharding)
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
-"""Pipeline schedules (labkit/plans/orders.py); the last three split backward into B and W."""
+"""Pipeline schedules (labkit/layout/orders.py); the last three split backward into B and W."""
 Impl = Literal["lab", "torch"]
 IMPLS: tuple[str, ...] = get_args(Impl)
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -49,7 +49,7 @@ LOSSES: tuple[str, ...] = get_args(Loss)
 Data = Literal["synthetic", "text"]
 DATA: tuple[str, ...] = get_args(Data)
 """What a run trains on: the synthetic language (engines/data.py) or the Shakespeare corpus in bytes
-(labkit/plans/text.py; needs vocab >= 256)."""
+(labkit/layout/text.py; needs vocab >= 256)."""
 
 FIXES = {
     "checkpoint_activations": "pick one of those (True is 'full')",
@@ -74,7 +74,7 @@ class Sharded:
     too; 3 the parameters too, each unit gathered before it runs (zero3, fsdp)."""
     fsdp: bool = False
     """PyTorch FSDP's units (the root, then one per block), resharded as reshard_after_forward says;
-    ZeRO-3's are one per top-level module, always resharded (labkit/plans/flat.py)."""
+    ZeRO-3's are one per top-level module, always resharded (labkit/layout/flat.py)."""
 
     @property
     def optimizer(self) -> bool:

@@ -60,7 +60,7 @@ def reference(
 ) -> Reference:
     """Train `steps` steps of `model` on one process and return losses and final parameters.
 
-    data='text' trains on the corpus (labkit/plans/text.py, the same batches as Lab.run(...,
+    data='text' trains on the corpus (labkit/layout/text.py, the same batches as Lab.run(...,
     data='text')) and computes the validation loss after the last step; steps=0 gives the
     untrained model (its validation loss, its samples).
 

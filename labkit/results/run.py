@@ -10,8 +10,8 @@ import numpy as np
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from labkit.config.choices import Data
 from labkit.config.table import Rows, card
+from labkit.layout.mesh import MeshLayout
 from labkit.oracle.assembly import PieceIssue, assemble
-from labkit.plans.mesh import MeshLayout
 from labkit.results.views import RankViews
 
 
@@ -137,7 +137,7 @@ class RunResult(RankViews):
     piece_issues: list[PieceIssue] = field(default_factory=list, repr=False)
     """What assembling found: copies of one element that differ between ranks, non-finite values."""
     data: Data = "synthetic"
-    """What the run trained on: 'synthetic' or 'text' (labkit/plans/text.py)."""
+    """What the run trained on: 'synthetic' or 'text' (labkit/layout/text.py)."""
     validation_loss: float | None = None
     """data='text': the trained model's mean loss on the held-out validation windows, computed by
     the ranks in the run's own layout after the last step (engines/evaluate.py); else None."""

@@ -21,7 +21,7 @@ import numpy as np
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.config.table import Rows, card, human_bytes
 from labkit.config.validation import argument_problems, problems
-from labkit.plans.mesh import DATA_DIMS, MeshLayout
+from labkit.layout.mesh import DATA_DIMS, MeshLayout
 from labkit.theory.exact.comm import Stopped
 from labkit.theory.exact.memory import (
     activation_bytes,

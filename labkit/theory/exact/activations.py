@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.precision import ELEM
-from labkit.plans.schedules import chunk_layers, plan, stage_of, style
+from labkit.layout.precision import ELEM
+from labkit.layout.schedules import chunk_layers, plan, stage_of, style
 from labkit.theory.exact import memory, tensor
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
 from labkit.theory.exact.experts import layer_activation_bytes

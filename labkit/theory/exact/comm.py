@@ -1,12 +1,12 @@
 """Predicted collectives, accumulated as rows like the comm meter's: {rank, dim, op, calls,
-payload_bytes, wire_bytes}, wire bytes by the ring model (labkit/plans/wire.py). Each strategy's
+payload_bytes, wire_bytes}, wire bytes by the ring model (labkit/layout/wire.py). Each strategy's
 theory adds its ops to a `Comm`; theory/exact/per_rank.py gathers them for one step."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from labkit.plans.wire import WIRE
+from labkit.layout.wire import WIRE
 
 
 class Stopped(Exception):

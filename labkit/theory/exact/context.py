@@ -6,7 +6,7 @@ rank keeps those of its s/cp tokens (theory/exact/activations.py). The derivatio
 from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.precision import ELEM
+from labkit.layout.precision import ELEM
 from labkit.theory.exact.batch import microbatch_rows
 from labkit.theory.exact.pipeline import stage_layers
 

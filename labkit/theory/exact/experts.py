@@ -7,9 +7,9 @@ routing, R = N, where the real R depends on the router). The accounting: DERIVAT
 from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.precision import ELEM
-from labkit.plans.schedules import chunk_layers, style
+from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.precision import ELEM
+from labkit.layout.schedules import chunk_layers, style
 from labkit.theory.exact.batch import microbatch_rows
 
 EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2", "mlp.w3")

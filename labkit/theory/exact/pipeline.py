@@ -1,6 +1,6 @@
 """Pipeline parallelism, predicted: the bubble, microbatches in flight, which parameters each
 pipeline rank holds, the point-to-point bytes per step, and what a split backward's W holds.
-The schedules and their simulator are plans (labkit/plans/schedules.py, simulator.py); this
+The schedules and their simulator are plans (labkit/layout/schedules.py, simulator.py); this
 module reads them. The bubble is GPipe's and 1F1B's (p-1)/(m+p-1) (Huang et al. 2019;
 Narayanan et al., SC 2021, section 2.1), interleaved 1F1B's (p-1)/(v·m+p-1) (ibid., section
 2.2); the zero-bubble schedules' is the simulator's with t_F = t_B = t_W (`step_bubble`; their
@@ -15,9 +15,9 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import pipeline_shape
-from labkit.plans.precision import ELEM, REDUCE
-from labkit.plans.schedules import chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes, style
-from labkit.plans.simulator import Costs, Simulation, simulate
+from labkit.layout.precision import ELEM, REDUCE
+from labkit.layout.schedules import chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes, style
+from labkit.layout.simulator import Costs, Simulation, simulate
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
 from labkit.theory.exact.model import param_shapes
 
@@ -178,7 +178,7 @@ def stage_scale(cfg: ParallelConfig, layers: int) -> dict | None:
 def simulated(
     cfg: ParallelConfig, costs: dict | None = None, schedule: str | None = None, layers: int | None = None
 ) -> Simulation:
-    """The simulator's ideal timeline of `cfg`'s schedule (labkit/plans/simulator.py): unit
+    """The simulator's ideal timeline of `cfg`'s schedule (labkit/layout/simulator.py): unit
     costs by default, or measured ones (`costs_from_result(result)`); with uneven stages
     (cfg.stage_layers, given the model's `layers`) each chunk's compute in proportion to its layers."""
     pl = plan(schedule or cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)

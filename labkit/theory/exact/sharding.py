@@ -3,7 +3,7 @@ model-state bytes after a step, the transients they track (gathered parameters, 
 buffers), and their collectives per step. The accounting is the ZeRO paper's (Rajbhandari et
 al., SC 2020, section 5 and figure 1; section 7 for the traffic: DDP and ZeRO-1/2 2Ψ(N-1)/N,
 ZeRO-3 / FSDP 3Ψ(N-1)/N), here exactly as the lab lays its flat buffers out
-(labkit/plans/flat.py); PyTorch's FSDP2 pads each parameter on dim 0 instead. Under pipeline
+(labkit/layout/flat.py); PyTorch's FSDP2 pads each parameter on dim 0 instead. Under pipeline
 parallelism ZeRO-2/3 and FSDP reduce once per step and ZeRO-3 / FSDP keep a stage gathered over
 it (engines/parallel/zero.py, zero3.py; torchtitan's composition): one all-gather and one
 reduce-scatter per buffer and step, the transients replayed along the schedule (`keep_peaks`).
@@ -16,11 +16,11 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.buckets import plan_groups, torch_ddp_buckets
-from labkit.plans.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
-from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.precision import ELEM, REDUCE
-from labkit.plans.schedules import plan, stage_of, style
+from labkit.layout.buckets import plan_groups, torch_ddp_buckets
+from labkit.layout.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
+from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.precision import ELEM, REDUCE
+from labkit.layout.schedules import plan, stage_of, style
 from labkit.theory.exact.params import chunk_local_params, rank_entries
 
 

@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism, predicted (our implementation, engines/parallel/tensor.py):
 activations saved for backward and the tp collectives per step (Shoeybi et al. 2019;
-Korthikanti et al. 2022). Which parameters a tp rank holds is the plan's (plans/tensor.py,
+Korthikanti et al. 2022). Which parameters a tp rank holds is the plan's (layout/tensor.py,
 read by theory/exact/params.py). Per block and microbatch, with s' = s/t under SP (else s), for the gpt
 family with multi-head attention:
     activations  act·(2bs'h + 2bsh + 4bsh/t + 2bsf/t + 4bs') + 4(a/t)bs
@@ -14,7 +14,7 @@ recomputation: DERIVATIONS.md.
 from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.precision import ELEM, REDUCE
+from labkit.layout.precision import ELEM, REDUCE
 from labkit.theory.exact.batch import microbatch_rows
 from labkit.theory.exact.experts import layer_activation_bytes
 from labkit.theory.exact.pipeline import stage_layers

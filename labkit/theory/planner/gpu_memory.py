@@ -28,7 +28,7 @@ from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import pipeline_shape
-from labkit.plans.precision import ELEM, GATHER, LOSS_CHUNK, REDUCE
+from labkit.layout.precision import ELEM, GATHER, LOSS_CHUNK, REDUCE
 from labkit.theory.exact.activations import chunk
 from labkit.theory.exact.pipeline import in_flight
 from labkit.theory.planner.hardware import Hardware
@@ -45,7 +45,7 @@ def _in_flight(schedule: str, p: int, m: int, rank: int, v: int) -> int:
     """Microbatches (chunks of microbatches, interleaved) whose activations rank r holds at
     its peak: GPipe m, 1F1B min(m, p - r) (Narayanan et al. 2021, section 2.1), interleaved
     Megatron-LM's warm-up count plus one, min(m·v, 2(p - r - 1) + (v - 1)p + 1) (the schedule
-    walk of plans/schedules.py gives the same); any other schedule by walking it."""
+    walk of layout/schedules.py gives the same); any other schedule by walking it."""
     if pipeline_shape(schedule).interleaved:
         return min(m * v, 2 * (p - rank - 1) + (v - 1) * p + 1)
     return in_flight(schedule, p, m, rank, v)

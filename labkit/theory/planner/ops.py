@@ -21,12 +21,12 @@ from math import prod
 
 from labkit.config import ModelConfig
 from labkit.config.choices import numerics
-from labkit.plans.precision import ELEM
+from labkit.layout.precision import ELEM
 from labkit.theory.exact.model import param_shapes
 
 ROWWISE = ("attn.wo", "mlp.fc2", "mlp.down")
 """Row-parallel layers under tp (their input features are split); every other matrix of a block
-is column-parallel (plans/tensor.py)."""
+is column-parallel (layout/tensor.py)."""
 
 
 @dataclass(frozen=True)

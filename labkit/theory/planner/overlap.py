@@ -19,9 +19,9 @@ from __future__ import annotations
 from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.mesh import DATA_DIMS
-from labkit.plans.precision import GATHER, REDUCE
-from labkit.plans.wire import WIRE
+from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.precision import GATHER, REDUCE
+from labkit.layout.wire import WIRE
 from labkit.theory.planner.hardware import Hardware, Link
 from labkit.theory.planner.stages import Stage, rank_params, stage_params
 

@@ -12,7 +12,7 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.plans.schedules import chunk_layers, stage_of
+from labkit.layout.schedules import chunk_layers, stage_of
 from labkit.theory.exact.model import param_shapes
 from labkit.theory.planner.ops import ROWWISE
 
@@ -101,7 +101,7 @@ def _column_parallel(module: str) -> bool:
 @lru_cache(maxsize=1024)
 def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
     """Matrices of a block split over tp (row- or column-wise), vectors whole, experts over ep
-    (and whole over tp, plans/tensor.py), the token table and the LM head over tp."""
+    (and whole over tp, layout/tensor.py), the token table and the LM head over tp."""
     dense = expert = embed = head = 0
     for name, shape in param_shapes(model):
         n = prod(shape)

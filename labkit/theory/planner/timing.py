@@ -7,7 +7,7 @@ backward at its multiple of the forward; recomputation by mode (full: the block'
 selective: the attention kernel's; op: the forward of what torchtitan's policy does not keep).
 
 Communication: α·steps + wire bytes / β per collective (Hockney; wire bytes by the ring model,
-labkit/plans/wire.py) on NVLink inside a node, the NIC across nodes. Overlap: tensor-parallel
+labkit/layout/wire.py) on NVLink inside a node, the NIC across nodes. Overlap: tensor-parallel
 collectives, expert all-to-alls and pipeline sends are on the critical path; ring attention's hops
 hide behind each layer's attention kernel; the data-parallel traffic is theory/planner/overlap.py's. The
 pipeline stretches the slowest stage's microbatches by (m·v + p − 1) / (m·v).
@@ -20,7 +20,7 @@ from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import Recomputation, recomputation
-from labkit.plans.precision import ELEM, REDUCE
+from labkit.layout.precision import ELEM, REDUCE
 from labkit.theory.planner.hardware import H100, HARDWARE, Hardware, Link, attention_rate
 from labkit.theory.planner.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
 from labkit.theory.planner.overlap import DataParallel, collective_seconds, link_of, ring, spans_nodes

@@ -92,7 +92,7 @@ class MeshLayout:
 
     def runs(self, dim: str, k: int) -> list[list[int]]:
         """Each group of `dim` cut into runs of k consecutive coordinates: the tp ranks that share
-        one KV head when tp > kv_heads (k = tp / kv_heads; plans/tensor.py)."""
+        one KV head when tp > kv_heads (k = tp / kv_heads; layout/tensor.py)."""
         return [g[i : i + k] for g in self.groups(dim) for i in range(0, len(g), k)]
 
     def ends(self, dim: str) -> list[list[int]]:

@@ -1,4 +1,4 @@
-"""The plans: the decisions the executor (labkit.engines), the simulator and the theory
+"""The layout: the decisions the executor (labkit.engines), the simulator and the theory
 (labkit.theory) share, as plain data. Torch-free (the standard library, numpy and
 labkit.config only); the engines and the theory both import it and never each other.
 

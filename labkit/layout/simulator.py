@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from labkit.plans.schedules import COMPUTE, Action, Plan, batches, local_problems, message
+from labkit.layout.schedules import COMPUTE, Action, Plan, batches, local_problems, message
 
 
 @dataclass(frozen=True)

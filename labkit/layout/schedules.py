@@ -16,7 +16,7 @@ interleaved assignment, Narayanan et al., SC 2021, section 2.2): activations go 
 stage r and chunk 1 on stage 2p-1-r ('v', torch's generate_stage_to_rank_mapping style="v"):
 activations go down the ranks and back up, so rank p-1 hands stage p-1's output to its own
 stage p without a message, and rank 0 holds both the embedding and the head. Every schedule is
-defined by its *compute order* (F/B/W per rank, plans/orders.py); the sends and receives are
+defined by its *compute order* (F/B/W per rank, layout/orders.py); the sends and receives are
 derived from it (`with_comm`): a receive right before the compute that needs it, a send right
 after the compute that produced it, none between two stages of one rank.
 """
@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from labkit.config.choices import SCHEDULES, pipeline_shape
-from labkit.plans.orders import (
+from labkit.layout.orders import (
     dualpipev_order,
     gpipe_order,
     interleaved_order,
@@ -131,7 +131,7 @@ def chunk_layers(
     return range(start, start + sizes[s])
 
 
-# -- compute orders (plans/orders.py: one list of (op, mb, chunk) per rank) ------------------------
+# -- compute orders (layout/orders.py: one list of (op, mb, chunk) per rank) ------------------------
 ORDERS = {  # by name; interleaved takes v as well
     "gpipe": gpipe_order,
     "1f1b": one_f_one_b_order,

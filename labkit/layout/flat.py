@@ -18,8 +18,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from labkit.plans.buckets import plan_groups
-from labkit.plans.mesh import DATA_DIMS
+from labkit.layout.buckets import plan_groups
+from labkit.layout.mesh import DATA_DIMS
 
 
 def padded(numel: int, n: int) -> int:

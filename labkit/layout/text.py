@@ -42,7 +42,7 @@ def decode(ids) -> str:
 @functools.cache
 def corpus() -> np.ndarray:
     """The whole corpus as (n,) uint8 token ids (read-only; read once per process)."""
-    raw = resources.files("labkit.plans").joinpath("corpus", "shakespeare.txt").read_bytes()
+    raw = resources.files("labkit.layout").joinpath("corpus", "shakespeare.txt").read_bytes()
     return np.frombuffer(raw, dtype=np.uint8)
 
 
