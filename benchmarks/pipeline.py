@@ -6,7 +6,7 @@ activation peaks per stage (GPipe vs 1F1B).
 Bubble: RunResult.bubble_fraction (idle share of each rank between its pipeline's first and
 last compute span; mean over ranks), the median over the steps after the first; predicted:
 (p-1)/(v·m+p-1), the zero-bubble schedules' the simulator's with unit costs (theory.estimate);
-simulated: the same plan replayed with the run's own mean t_F, t_B (t_W) per stage and its
+simulated: the same schedule replayed with the run's own mean t_F, t_B (t_W) per stage and its
 fastest receive as t_comm. Step times: medians over ranks and over interleaved
 A/B repeats, the first step of each run dropped.
 """

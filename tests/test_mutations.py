@@ -147,7 +147,7 @@ def wrong_microbatch(original):
 
     def _tag(self, a):
         if a.op == "recv_act":
-            a = a._replace(mb=self.plan.m - 1 - a.mb)
+            a = a._replace(mb=self.table.m - 1 - a.mb)
         return original(self, a)
 
     return _tag

@@ -1,7 +1,7 @@
 """Point-to-point on the 4-engine cluster goes out batched: with dist.isend / dist.irecv wrapped on
 every rank, a training run's ring hops (cp) and pipeline sends and receives (pp) are each issued
 from inside dist.batch_isend_irecv, never alone — under NCCL an unbatched pair deadlocks
-(engines/p2p.py) — and each batch holds what the plan says."""
+(engines/p2p.py) — and each batch holds what the schedule says."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from conftest import TINY
 
 from labkit import ParallelConfig
 from labkit.config import RunSpec
-from labkit.layout.schedules import Action, batches, plan
+from labkit.layout.schedules import Action, batches, schedule_table
 
 
 def _run_watching_p2p(spec: dict) -> dict:
@@ -85,7 +85,7 @@ def test_ring_hops_are_batched(lab):
 def test_pipeline_sends_and_receives_are_batched_as_planned(lab, cfg):
     steps = 2
     got = lab.apply(_run_watching_p2p, _spec(cfg, TINY.replace(layers=4), steps))  # one layer per chunk at most
-    issued = batches(plan(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages))
+    issued = batches(schedule_table(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages))
     for rank, seen in enumerate(got):
         stage = rank // (4 // cfg.pp)  # pp is the outermost dim of the default order
         want = [

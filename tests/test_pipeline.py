@@ -8,7 +8,7 @@ from conftest import TINY
 from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
-from labkit.layout.schedules import plan
+from labkit.layout.schedules import schedule_table
 from labkit.oracle.checks import assert_matches
 
 M4 = TINY.replace(layers=4)  # 4 layers: one per stage at pp=4, one per chunk at pp=2 x v=2
@@ -51,17 +51,17 @@ def test_pipeline_trains_like_one_process_and_as_predicted(run, cfg):
     res = run(cfg)  # losses and parameters match the reference
     est = theory.estimate(cfg, M4)
     assert comm_rows(res.comm_table()) == comm_rows(est.comm_table())  # row for row, calls too
-    pl = plan(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    table = schedule_table(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     for rk in res.ranks:
         for k in ("params", "grads", "optimizer", "activations"):
             assert rk.memory[k] == est.memory[rk.rank][k], (rk.rank, k)
-        # the executor ran this rank's list: F/B in the plan's order, one send/recv span per message
+        # the executor ran this rank's list: F/B in the schedule's order, one send/recv span per message
         step = [e for e in rk.timeline if e.step == 2]
         ran = [(e.kind, e.microbatch, e.chunk) for e in step if e.kind in ("F", "B")]
-        assert ran == [(a.op, a.mb, a.chunk) for a in pl.compute(rk.coords["pp"])]
+        assert ran == [(a.op, a.mb, a.chunk) for a in table.compute(rk.coords["pp"])]
         for kind in ("send", "recv"):
             assert len([e for e in step if e.kind == kind]) == len(
-                [a for a in pl.actions[rk.coords["pp"]] if a.op.startswith(kind)]
+                [a for a in table.actions[rk.coords["pp"]] if a.op.startswith(kind)]
             )
     bubble = res.bubble_fraction()
     assert set(bubble["per_rank"]) == {rk.rank for rk in res.ranks}

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ParallelConfig, theory
-from labkit.layout.schedules import chunk_layers, plan
+from labkit.layout.schedules import chunk_layers, schedule_table
 from labkit.layout.simulator import Costs, simulate
 from labkit.theory.exact.pipeline import chunk_full_shapes, stage_scale, step_bubble
 from labkit.theory.presets import LLAMA31_405B
@@ -40,9 +40,9 @@ def test_the_simulator_prices_each_chunk_by_its_layers():
     cfg = ParallelConfig(pp=2, microbatches=2, stage_layers=(3, 1))
     scale = stage_scale(cfg, 4)
     assert scale == {(0, 0): 1.5, (1, 0): 0.5}
-    sim = simulate(plan("1f1b", 2, 2), Costs(scale=scale))
+    sim = simulate(schedule_table("1f1b", 2, 2), Costs(scale=scale))
     assert sim.busy == {0: 6.0, 1: 2.0} and sim.makespan == 6.0 and sim.per_rank[1] == pytest.approx(4 / 6)
-    even = simulate(plan("1f1b", 2, 2))  # the same 8 units of work, split 4 and 4: idle on both ranks
+    even = simulate(schedule_table("1f1b", 2, 2))  # the same 8 units of work, split 4 and 4: idle on both ranks
     assert even.busy == {0: 4.0, 1: 4.0} and even.makespan == 6.0
 
 

@@ -1,8 +1,8 @@
 """Zero-bubble schedules (ZB-H1, ZB-V, DualPipeV) and FSDP / ZeRO-2/3 under pipeline parallelism
 on the 4-engine gloo cluster: every layout trains like one process (labkit.oracle.checks against the
 fp32 reference), measures what the theory predicts to the byte (model states, activations, what
-W holds, the gathered stages and their gradient buffers, every collective), and runs its plan:
-the timeline's F, B and W in the plan's order. impl='torch' runs PyTorch's zero-bubble schedules
+W holds, the gathered stages and their gradient buffers, every collective), and runs its schedule:
+the timeline's F, B and W in the schedule's order. impl='torch' runs PyTorch's zero-bubble schedules
 on the same chunks."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from conftest import TINY
 from theory_match import same_p2p_as_ours
 
 from labkit import ParallelConfig, theory
-from labkit.layout.schedules import plan
+from labkit.layout.schedules import schedule_table
 from labkit.oracle.checks import assert_matches
 
 M4 = TINY.replace(layers=4)  # pp=2: one layer per V chunk; pp=4: one per stage
@@ -32,17 +32,17 @@ def run(lab, ref_cache):
     return get
 
 
-def check_theory_and_plan(res, cfg: ParallelConfig, model) -> None:
-    """Every memory category and every comm row equal the estimate; each rank ran its plan."""
+def check_theory_and_schedule(res, cfg: ParallelConfig, model) -> None:
+    """Every memory category and every comm row equal the estimate; each rank ran its schedule."""
     est = theory.estimate(cfg, model, world=4)
     assert res.comm_table() == est.comm_table()
-    pl = plan(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    table = schedule_table(cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     for rk in res.ranks:
         want = {k: v for k, v in est.memory[rk.rank].items() if k != "peak"}
         assert {k: v for k, v in rk.memory.items() if k != "peak"} == want, rk.rank
         step = [e for e in rk.timeline if e.step == 2]
         ran = [(e.kind, e.microbatch, e.chunk) for e in step if e.kind in ("F", "B", "W")]
-        assert ran == [(a.op, a.mb, a.chunk) for a in pl.compute(rk.coords["pp"])], rk.rank
+        assert ran == [(a.op, a.mb, a.chunk) for a in table.compute(rk.coords["pp"])], rk.rank
 
 
 ZERO_BUBBLE = [
@@ -67,7 +67,7 @@ def name(case) -> str:
 @pytest.mark.parametrize("cfg, model", ZERO_BUBBLE, ids=[name(c) for c in ZERO_BUBBLE])
 def test_zero_bubble_schedules_train_like_one_process_and_as_predicted(run, cfg, model):
     res = run(cfg, model)
-    check_theory_and_plan(res, cfg, model)
+    check_theory_and_schedule(res, cfg, model)
     # B and W told apart: every microbatch's W comes after its B, on every rank
     for rk in res.ranks:
         step = [(e.kind, e.microbatch, e.chunk) for e in rk.timeline if e.step == 2]
@@ -94,7 +94,7 @@ def test_sharded_data_parallel_under_a_pipeline_reduces_once_per_step(run, cfg):
     once: per step one all-gather (ZeRO-3 / FSDP; ZeRO-2: after the update) and one reduce-scatter
     per buffer, none before the last backward of its chunk."""
     res = run(cfg, M4)
-    check_theory_and_plan(res, cfg, M4)
+    check_theory_and_schedule(res, cfg, M4)
     for rk in res.ranks:
         step = [c for c in rk.comm if c.step == 2 and c.dim == "dp"]
         backwards = [e for e in rk.timeline if e.step == 2 and e.kind in ("B", "W")]

@@ -9,7 +9,7 @@ import pytest
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.config import ConfigError
 from labkit.config.validation import validate
-from labkit.layout.schedules import chunk_layers, plan, rank_chunk_of, stage_of
+from labkit.layout.schedules import chunk_layers, rank_chunk_of, schedule_table, stage_of
 from labkit.layout.simulator import Costs, simulate
 from labkit.theory.exact import pipeline as tp
 from labkit.theory.exact import sharding
@@ -35,9 +35,9 @@ def test_zbh1_bubble_is_qi_table_2_for_any_costs_where_w_is_cheapest(p):
     (p-1)(t_F + t_B + t_W) with backward split the same way."""
     for f, b, w in [(1, 1, 1), (2, 1, 1), (1, 2, 1), (3, 2, 1)]:
         for m in (p, 3 * p):
-            pipeline, _ = idle(simulate(plan("zbh1", p, m), Costs(f, b, w)))
+            pipeline, _ = idle(simulate(schedule_table("zbh1", p, m), Costs(f, b, w)))
             assert pipeline == {(p - 1) * (f + b - w)}, (f, b, w, m)
-    one_f_one_b, _ = idle(simulate(plan("1f1b", p, 2 * p), Costs(1, 3)))  # B = the whole backward, B + W
+    one_f_one_b, _ = idle(simulate(schedule_table("1f1b", p, 2 * p), Costs(1, 3)))  # B = the whole backward, B + W
     assert one_f_one_b == {(p - 1) * (1 + 3)}
 
 
@@ -50,11 +50,11 @@ def test_zbv_is_a_parallelogram_with_1f1b_memory(p):
     step's window each rank idles (p - 1)·t_F. Each rank holds at most 2p chunk-microbatches:
     p microbatches of a whole stage, 1F1B's first-stage peak."""
     for m in (2 * p - 1, 2 * p, 4 * p):
-        sim = simulate(plan("zbv", p, m, 2), Costs(1, 1, 1))
+        sim = simulate(schedule_table("zbv", p, m, 2), Costs(1, 1, 1))
         pipeline, own = idle(sim)
         assert own == {0} and pipeline == {p - 1}, m
         assert set(sim.in_flight.values()) == {2 * p}
-    assert simulate(plan("zbv", p, 4 * p, 2)).bubble == pytest.approx((p - 1) / (6 * 4 * p + p - 1))
+    assert simulate(schedule_table("zbv", p, 4 * p, 2)).bubble == pytest.approx((p - 1) / (6 * 4 * p + p - 1))
 
 
 @pytest.mark.parametrize("p", [2, 4, 8])
@@ -66,7 +66,7 @@ def test_dualpipev_holds_pp_plus_one_and_idles_one_forward_per_rank(p):
     schedule can (the last rank cannot start before p - 1 forwards upstream), within the
     table's 2(p - 1)."""
     for m in (2 * p, 3 * p, 5 * p):
-        sim = simulate(plan("dualpipev", p, m, 2), Costs(1, 1, 1))
+        sim = simulate(schedule_table("dualpipev", p, m, 2), Costs(1, 1, 1))
         pipeline, _ = idle(sim)
         assert pipeline == {p - 1}  # under the table's (p - 1)(F&B + B - 3W) = 2(p - 1): F&B = 3, B = 2, W = 1
         assert set(sim.in_flight.values()) == {2 * p + 1}
@@ -76,8 +76,8 @@ def test_the_v_places_both_ends_on_rank_0_and_turns_on_rank_p_minus_1():
     p = 4
     assert [stage_of(r, c, p, "v") for r in range(p) for c in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
     assert all(rank_chunk_of(stage_of(r, c, p, "v"), p, "v") == (r, c) for r in range(p) for c in (0, 1))
-    pl = plan("zbv", p, 8, 2)
-    turn = [a for a in pl.actions[p - 1] if a.op.startswith(("send", "recv"))]
+    table = schedule_table("zbv", p, 8, 2)
+    turn = [a for a in table.actions[p - 1] if a.op.startswith(("send", "recv"))]
     assert all(a.peer != p - 1 for a in turn)  # stage 3 -> 4 is rank 3's own: no message
     assert [list(chunk_layers(8, p, 2, 0, c, placement="v")) for c in (0, 1)] == [[0], [7]]
     cfg = ParallelConfig(pp=p, virtual_stages=2, schedule="zbv", microbatches=8)
@@ -107,7 +107,7 @@ def test_theory_counts_what_w_holds_and_frees_activations_at_w():
 def _pending_ws(cfg, rank):
     """(B's run, W's run) after each action of a rank: how many B's wait for their W."""
     b = w = 0
-    for a in plan(cfg.schedule, cfg.pp, cfg.microbatches).actions[rank]:
+    for a in schedule_table(cfg.schedule, cfg.pp, cfg.microbatches).actions[rank]:
         b += a.op == "B"
         w += a.op == "W"
         yield b, w

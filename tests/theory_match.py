@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from labkit import theory
 from labkit.layout.mesh import MeshLayout
-from labkit.layout.schedules import chunk_layers, plan, style
+from labkit.layout.schedules import chunk_layers, schedule_table, style
 from labkit.theory.exact import activations
 from labkit.theory.exact.pipeline import stage_layers
 
@@ -56,7 +56,9 @@ def routing(rank_report, cfg, model) -> dict:
     if cfg.pp == 1:
         order = [(mb, 0) for mb in range(cfg.microbatches)]
     else:
-        order = [(a.mb, a.chunk) for a in plan(cfg.schedule, p, cfg.microbatches, v).actions[r] if a.op == "F"]
+        order = [
+            (a.mb, a.chunk) for a in schedule_table(cfg.schedule, p, cfg.microbatches, v).actions[r] if a.op == "F"
+        ]
     rows = received_rows(rank_report, sum(layers[c] for _, c in order), model.hidden, elem)
     out, at = {}, 0
     for key in order:

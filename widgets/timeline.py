@@ -155,15 +155,15 @@ def _gantt(
 
 
 def simulated_timeline_figure(sim, unit: str = "units", title: str | None = None) -> go.Figure:
-    """The simulator's ideal timeline of a pipeline plan (labkit.theory.exact.pipeline.simulated):
+    """The simulator's ideal timeline of a pipeline schedule (labkit.theory.exact.pipeline.simulated):
     one row per pipeline rank, F/B/W coloured by microbatch, messages in flight on a thin
-    lane below; the predicted bubble in the title, or why the plan would deadlock.
+    lane below; the predicted bubble in the title, or why the schedule would deadlock.
     unit: 'units' for unit costs; 'ms' for a simulation with measured costs (in seconds)."""
     scale = 1e3 if unit == "ms" else 1.0
     spans = [{**e, "y": f"rank {e['rank']}", "start": e["start"] * scale, "end": e["end"] * scale} for e in sim.events]
     fig = go.Figure()
     _gantt(fig, spans, unit=unit)
-    pl = sim.plan
+    table = sim.table
     if sim.problems:
         fig.add_annotation(
             text="<br>".join(sim.problems[:6]),
@@ -174,11 +174,11 @@ def simulated_timeline_figure(sim, unit: str = "units", title: str | None = None
             yref="paper",
             font=dict(color="#E45756"),
         )
-        head = f"{pl.schedule}: would deadlock"
+        head = f"{table.schedule}: would deadlock"
     else:
         head = (
-            f"{pl.schedule}, simulated: p={pl.p}, m={pl.m}"
-            + (f", v={pl.v}" if pl.v > 1 else "")
+            f"{table.schedule}, simulated: p={table.p}, m={table.m}"
+            + (f", v={table.v}" if table.v > 1 else "")
             + f" (bubble {sim.bubble:.0%})"
         )
     fig.update_yaxes(autorange="reversed", type="category")

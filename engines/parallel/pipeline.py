@@ -8,15 +8,15 @@ DDP, clipping and the reference check work unchanged; ParamMeta.chunk tells DDP 
 parameter is in, so each chunk's gradients form their own buckets and are reduced as soon as
 that chunk's last backward is over.
 
-The schedule is data (layout.schedules.plan): this rank's ordered list of F / B / W / send /
+The schedule is data (layout.schedules.schedule_table): this rank's ordered list of F / B / W / send /
 recv actions. `PipelineExecutor` runs any such list, as schedules.batches issues it: the
 computes in the list's order, and the sends and receives grouped into batches, one
 batch_isend_irecv each (engines/p2p.py), by the unit-time tick at which their message is sent,
 so that every rank's k-th batch meets only its peers' k-th batches (NCCL matches messages by
 order, not by tag, and runs each group's ops one after another). A send goes out right after
 the compute that made it and is waited for at the end of the step; a receive is posted with its
-sender's batch and waited for right before the compute that needs it. The plan is simulated
-first, under gloo's rules and under NCCL's (layout/simulator.py), and a plan that would hang on
+sender's batch and waited for right before the compute that needs it. The schedule is simulated
+first, under gloo's rules and under NCCL's (layout/simulator.py), and a schedule that would hang on
 either is refused with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
 
 Zero-bubble schedules (zbh1, zbv, dualpipev) split backward (engines/parallel/split_backward.py):
@@ -38,7 +38,17 @@ from labkit.engines.model import aux_loss
 from labkit.engines.p2p import Link
 from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.split_backward import backward_input, backward_weight
-from labkit.layout.schedules import Action, Plan, batches, chunk_layers, message, plan, rank_chunk_of, stage_of, style
+from labkit.layout.schedules import (
+    Action,
+    ScheduleTable,
+    batches,
+    chunk_layers,
+    message,
+    rank_chunk_of,
+    schedule_table,
+    stage_of,
+    style,
+)
 from labkit.layout.simulator import ScheduleDeadlock, check
 
 
@@ -133,26 +143,26 @@ def apply_pipeline(
 def pipeline_executor(
     mesh, *, schedule: str, microbatches: int, virtual_stages: int, hidden: int, dtype: torch.dtype, seq_split: int
 ) -> PipelineExecutor:
-    """Our executor of `schedule` (any of schedules.SCHEDULES) for this pp rank: the plan is built
-    (schedules.plan), simulated and refused if it would hang, then run as is."""
+    """Our executor of `schedule` (any of schedules.SCHEDULES) for this pp rank: the schedule is built
+    (schedules.schedule_table), simulated and refused if it would hang, then run as is."""
     return PipelineExecutor(
-        plan(schedule, mesh.size("pp"), microbatches, virtual_stages), mesh, hidden, dtype, seq_split
+        schedule_table(schedule, mesh.size("pp"), microbatches, virtual_stages), mesh, hidden, dtype, seq_split
     )
 
 
 class PipelineExecutor:
     """schedule(rank_model, microbatches, meters) -> this rank's share of the loss, running this rank's
-    actions of a Plan. The share: the last stage's mean loss over the microbatches, 0 elsewhere
+    actions of a ScheduleTable. The share: the last stage's mean loss over the microbatches, 0 elsewhere
     (plus the MoE load-balancing loss of the layers a stage holds)."""
 
-    def __init__(self, pl: Plan, mesh, hidden: int, dtype: torch.dtype = torch.float32, seq_split: int = 1):
-        found = check(pl)
+    def __init__(self, table: ScheduleTable, mesh, hidden: int, dtype: torch.dtype = torch.float32, seq_split: int = 1):
+        found = check(table)
         if found:
             raise ScheduleDeadlock(found)
-        self.plan = pl
+        self.table = table
         self.rank = mesh.coord("pp")
-        self.actions = pl.actions[self.rank]
-        self.items = batches(pl)[self.rank]  # computes, and the batches of sends and receives between them
+        self.actions = table.actions[self.rank]
+        self.items = batches(table)[self.rank]  # computes, and the batches of sends and receives between them
         self.link = Link(mesh.group("pp"))
         self.peers = mesh.ranks("pp")  # pipeline rank -> global rank (sorted = by pp coordinate)
         self.hidden = hidden
@@ -161,18 +171,18 @@ class PipelineExecutor:
         self.split = any(a.op == "W" for a in self.actions)
         # a V's turn: the chunk of this rank that holds the stage before (after) each chunk's, if any
         self.own_before, self.own_after = {}, {}
-        for c in range(pl.v):
-            s = pl.stage(self.rank, c)
+        for c in range(table.v):
+            s = table.stage(self.rank, c)
             for nb, into in ((s - 1, self.own_before), (s + 1, self.own_after)):
-                if 0 <= nb < pl.p * pl.v:
-                    q, qc = rank_chunk_of(nb, pl.p, pl.style)
+                if 0 <= nb < table.p * table.v:
+                    q, qc = rank_chunk_of(nb, table.p, table.style)
                     if q == self.rank:
                         into[c] = qc
 
     def _tag(self, a) -> int:
         """One tag per message, the same on both sides: (microbatch, receiving stage, kind)."""
-        kind, mb, to = message(self.plan, self.rank, a)
-        return (mb * self.plan.p * self.plan.v + to) * 2 + (0 if kind == "act" else 1)
+        kind, mb, to = message(self.table, self.rank, a)
+        return (mb * self.table.p * self.table.v + to) * 2 + (0 if kind == "act" else 1)
 
     def _post(self, batch: tuple, outputs: dict, inputs: dict, arriving: dict, shape, meters):
         """Post one batch: the sends (the activation of a forward just run, or the input gradient
@@ -214,13 +224,13 @@ class PipelineExecutor:
 
     def __call__(self, rank_model, microbatches, meters) -> float:
         m = len(microbatches)
-        if m != self.plan.m:
-            raise ValueError(f"the plan is for {self.plan.m} microbatches, the step has {m}")
+        if m != self.table.m:
+            raise ValueError(f"the schedule is for {self.table.m} microbatches, the step has {m}")
         mbs = [rank_model.inputs(tokens, targets) for tokens, targets in microbatches]
         b, s = mbs[0][0].shape
         shape = (b, s // self.seq_split, self.hidden)  # (b/m, s, h) crosses each boundary (s/tp under SP)
         inputs, outputs, arriving, posted, kept = {}, {}, {}, [], {}
-        backwards_done = [0] * self.plan.v
+        backwards_done = [0] * self.table.v
         share = torch.zeros((), device=meters.device)
         # (no tensor of a microbatch is held in a local variable between actions: under split
         # backward its graph must go when W drops it, which is when the memory meter sees it go)

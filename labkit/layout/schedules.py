@@ -41,7 +41,7 @@ COMPUTE = ("F", "B", "W")
 
 def style(schedule: str) -> str:
     """'v' for the V-shaped schedules' placement of chunks on stages (PipelineShape.v_shaped,
-    labkit/config/choices.py), 'loop' for every other, a plan written by hand included."""
+    labkit/config/choices.py), 'loop' for every other, a schedule written by hand included."""
     return "v" if schedule in SCHEDULES and pipeline_shape(schedule).v_shaped else "loop"
 
 
@@ -60,7 +60,7 @@ class Action(NamedTuple):
 
 
 @dataclass(frozen=True)
-class Plan:
+class ScheduleTable:
     """Every rank's actions for one step: `actions[r]` is pipeline rank r's ordered list."""
 
     schedule: str
@@ -92,7 +92,7 @@ class Plan:
         }
 
     @classmethod
-    def from_dict(cls, d: dict) -> Plan:
+    def from_dict(cls, d: dict) -> ScheduleTable:
         return cls(
             d["schedule"], d["p"], d["m"], d["v"], tuple(tuple(Action(*a) for a in acts) for acts in d["actions"])
         )
@@ -184,20 +184,20 @@ def with_comm(order: list[tuple], p: int, v: int, rank: int, placement: str = "l
     return out
 
 
-def plan(schedule: str, p: int, m: int, v: int = 1) -> Plan:
+def schedule_table(schedule: str, p: int, m: int, v: int = 1) -> ScheduleTable:
     """Every pipeline rank's actions for one step of `schedule` with p ranks, m microbatches and
     v chunks per rank."""
     if p < 1 or m < 1 or v < 1:
         raise ValueError(f"p={p}, m={m}, v={v} must all be >= 1")
     placement = style(schedule)
     acts = tuple(tuple(with_comm(compute_order(schedule, p, m, v, r), p, v, r, placement)) for r in range(p))
-    return Plan(schedule, p, m, v, acts)
+    return ScheduleTable(schedule, p, m, v, acts)
 
 
-def message(pl: Plan, rank: int, a: Action) -> tuple:
+def message(table: ScheduleTable, rank: int, a: Action) -> tuple:
     """Which message a send or receive of `rank` carries: (kind, microbatch, receiving virtual
     stage), the same on both sides (the executor's tag, the simulator's key)."""
-    s = pl.stage(rank, a.chunk)
+    s = table.stage(rank, a.chunk)
     if a.op == "send_act":
         return ("act", a.mb, s + 1)
     if a.op == "recv_act":
@@ -207,8 +207,8 @@ def message(pl: Plan, rank: int, a: Action) -> tuple:
     return ("grad", a.mb, s)  # recv_grad
 
 
-def batches(pl: Plan) -> tuple[list, ...]:
-    """Every rank's list as the executor issues it: its compute actions in the plan's order, and
+def batches(table: ScheduleTable) -> tuple[list, ...]:
+    """Every rank's list as the executor issues it: its compute actions in the schedule's order, and
     between them its sends and receives grouped into batches (each one batch_isend_irecv, one
     NCCL group call) by tick: the unit-time step (F = B = W = 1) at which the sending compute
     ends. Tick t's batch on a rank holds the sends of the compute it ran at t and the receives of
@@ -218,11 +218,11 @@ def batches(pl: Plan) -> tuple[list, ...]:
     their message is sent, and waited for only before the compute that needs them; sends still go
     right after the compute that produced them. (Batching only each run of neighbouring sends and
     receives is not enough under NCCL: interleaved 1F1B then hangs, tests/test_schedules.py.)
-    An item is an Action (compute) or a tuple of Actions (a batch). Needs a plan that completes
+    An item is an Action (compute) or a tuple of Actions (a batch). Needs a schedule that completes
     (simulator.check)."""
-    p = pl.p
+    p = table.p
     steps = []  # per rank: [compute, receives it waits for, sends it makes]
-    for acts in pl.actions:
+    for acts in table.actions:
         mine, waiting = [], []
         for a in acts:
             if a.op in COMPUTE:
@@ -242,23 +242,23 @@ def batches(pl: Plan) -> tuple[list, ...]:
         for r in range(p):
             while len(tick_of[r]) < len(steps[r]):
                 a, needs, sends = steps[r][len(tick_of[r])]
-                keys = [message(pl, r, x) for x in needs]
+                keys = [message(table, r, x) for x in needs]
                 if any(k not in sent for k in keys):
                     break
                 t = max([free[r]] + [sent[k] + 1 for k in keys])
                 tick_of[r].append(t)
                 free[r] = t + 1
                 for x in sends:
-                    sent[message(pl, r, x)] = t
+                    sent[message(table, r, x)] = t
                 moved = True
     if any(len(tick_of[r]) < len(steps[r]) for r in range(p)):
-        raise ValueError(f"plan {pl.schedule} p={p} m={pl.m} does not complete; simulator.check says why")
+        raise ValueError(f"schedule {table.schedule} p={p} m={table.m} does not complete; simulator.check says why")
     out = []
     for r in range(p):
         recv_at: dict[int, list[Action]] = {}  # tick -> receives whose message is sent then
         for _, needs, _ in steps[r]:
             for x in needs:
-                recv_at.setdefault(sent[message(pl, r, x)], []).append(x)
+                recv_at.setdefault(sent[message(table, r, x)], []).append(x)
         computes = dict(zip(tick_of[r], steps[r]))
         items: list = []
         for t in range(max(free) + 1):
@@ -274,27 +274,27 @@ def batches(pl: Plan) -> tuple[list, ...]:
 
 
 # -- checks -------------------------------------------------------------------------------------
-def local_problems(pl: Plan) -> list[str]:
+def local_problems(table: ScheduleTable) -> list[str]:
     """What each rank's own list gets wrong: every (mb, chunk) has one F then one B (then one W
     if backward is split); a receive before the compute that needs it, a send after the one that
     produced it, to and from the right peers; between two stages of one rank (a V's turn), the
     earlier stage's F before the later's and the later's B before the earlier's. (Cross-rank
     ordering is the simulator's job: simulator.check runs both.)"""
     out = []
-    last = pl.p * pl.v - 1
-    for r, acts in enumerate(pl.actions):
+    last = table.p * table.v - 1
+    for r, acts in enumerate(table.actions):
         done: dict[tuple, set] = {}
         split = any(a.op == "W" for a in acts)
 
         def neighbour(stage: int, r: int = r) -> tuple[int | None, int | None]:
             """(the peer rank, or None if the stage is this rank's own; its chunk here)."""
-            q, c = rank_chunk_of(stage, pl.p, pl.style)
+            q, c = rank_chunk_of(stage, table.p, table.style)
             return (None, c) if q == r else (q, None)
 
         for a in acts:
             key = (a.mb, a.chunk)
             have = done.setdefault(key, set())
-            s = pl.stage(r, a.chunk)
+            s = table.stage(r, a.chunk)
             before = neighbour(s - 1) if s > 0 else (None, None)
             after = neighbour(s + 1) if s < last else (None, None)
             need = {
@@ -322,8 +322,8 @@ def local_problems(pl: Plan) -> list[str]:
             if a.op in ("recv_act", "send_grad") and a.peer != before[0]:
                 out.append(f"rank {r}: {a} should talk to rank {before[0]}")
             have.add(a.op)
-        for c in range(pl.v):
-            for i in range(pl.m):
+        for c in range(table.v):
+            for i in range(table.m):
                 have = done.get((i, c), set())
                 want = {"F", "B"} | ({"W"} if split else set())
                 if not want <= have:

@@ -1,7 +1,7 @@
-"""Run a pipeline plan on paper: the ideal timeline, the bubble, the activations in flight, and
+"""Run a pipeline schedule on paper: the ideal timeline, the bubble, the activations in flight, and
 whether it would deadlock. Pure Python, no processes; fast enough for p = 64, m = 256.
 
-Two sets of rules, one per backend, because a plan must complete under both:
+Two sets of rules, one per backend, because a schedule must complete under both:
   gloo (`simulate`): each rank executes its list in order, one action at a time. A compute action
     (F/B/W) takes its cost; a send is posted and the rank goes on, the message arriving `comm`
     later; a receive waits until its message has arrived (tags match messages). Every action
@@ -17,11 +17,11 @@ Two sets of rules, one per backend, because a plan must complete under both:
     partner being in the batch at the head of its peer's queue (ncclSend blocks until the receive
     runs; NCCL docs, "Point-to-point communication" and "Group calls"); tags are ignored, so the
     k-th send from a to b is the k-th receive on b from a (ProcessGroupNCCL::send(..., int
-    /* unused */)), and a plan whose k-th messages differ is refused, since NCCL would deliver
+    /* unused */)), and a schedule whose k-th messages differ is refused, since NCCL would deliver
     one in the other's place.
-When no rank can move and some have actions left, the plan would hang: the result lists what
+When no rank can move and some have actions left, the schedule would hang: the result lists what
 each stuck rank waits for, and nothing is run. `check` is what the executor asks before it runs
-a plan: the plan's local mistakes (schedules.local_problems), then both simulations.
+a schedule: the schedule's local mistakes (schedules.local_problems), then both simulations.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from labkit.layout.schedules import COMPUTE, Action, Plan, batches, local_problems, message
+from labkit.layout.schedules import COMPUTE, Action, ScheduleTable, batches, local_problems, message
 
 
 @dataclass(frozen=True)
@@ -52,12 +52,12 @@ class Costs:
 
 @dataclass
 class Simulation:
-    plan: Plan
+    table: ScheduleTable
     events: list[dict] = field(repr=False)
     """{'rank', 'kind', 'microbatch', 'chunk', 'start', 'end'}: F/B/W, send (the message in
     flight) and recv (the wait), like a RunResult's timeline."""
     problems: list[str]
-    """Empty, or why the plan cannot complete (deadlock, unmatched messages)."""
+    """Empty, or why the schedule cannot complete (deadlock, unmatched messages)."""
     makespan: float = 0.0
     busy: dict[int, float] = field(default_factory=dict)
     """Per rank: time spent in F/B/W."""
@@ -79,9 +79,9 @@ class Simulation:
         return {"per_rank": dict(self.per_rank), "overall": self.bubble}
 
 
-def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False) -> Simulation:
+def simulate(table: ScheduleTable, costs: Costs | None = None, blocking_sends: bool = False) -> Simulation:
     costs = costs or Costs()
-    p = pl.p
+    p = table.p
     pos = [0] * p
     clock = [0.0] * p
     arrived: dict[tuple, float] = {}  # message -> arrival time (posted sends)
@@ -90,7 +90,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
     events: list[dict] = []
     alive = [0] * p
     peak = [0] * p
-    split = any(a.op == "W" for acts in pl.actions for a in acts)
+    split = any(a.op == "W" for acts in table.actions for a in acts)
     ready = deque(range(p))
 
     def emit(r, kind, a, start, end):
@@ -104,7 +104,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
     cost = [{op: costs.of(op, r) for op in ("F", "B", "W", "comm")} for r in range(p)]
     while ready:
         r = ready.popleft()
-        acts = pl.actions[r]
+        acts = table.actions[r]
         while pos[r] < len(acts):
             a = acts[pos[r]]
             t = clock[r]
@@ -118,7 +118,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
                 elif a.op == ("W" if split else "B"):
                     alive[r] -= 1
             elif a.op.startswith("send"):
-                key = message(pl, r, a)
+                key = message(table, r, a)
                 if not blocking_sends:
                     emit(r, "send", a, t, t + cost[r]["comm"])
                     deliver(key, t + cost[r]["comm"])
@@ -131,7 +131,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
                     parked[key] = (r, t)
                     break
             else:
-                key = message(pl, r, a)
+                key = message(table, r, a)
                 if blocking_sends and key in parked:
                     sender, ts = parked.pop(key)
                     end = max(t, ts) + cost[sender]["comm"]
@@ -140,7 +140,7 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
                             "rank": sender,
                             "kind": "send",
                             "microbatch": a.mb,
-                            "chunk": pl.actions[sender][pos[sender]].chunk,
+                            "chunk": table.actions[sender][pos[sender]].chunk,
                             "start": ts,
                             "end": end,
                         }
@@ -159,11 +159,11 @@ def simulate(pl: Plan, costs: Costs | None = None, blocking_sends: bool = False)
 
     problems = []
     for r in range(p):
-        if pos[r] < len(pl.actions[r]):
-            problems.append(f"deadlock: rank {r} stuck at action {pos[r]} ({pl.actions[r][pos[r]]})")
+        if pos[r] < len(table.actions[r]):
+            problems.append(f"deadlock: rank {r} stuck at action {pos[r]} ({table.actions[r][pos[r]]})")
     if not problems and arrived:
         problems += [f"message {k} was sent but never received" for k in sorted(arrived)]
-    return _finish(Simulation(pl, events, problems), peak)
+    return _finish(Simulation(table, events, problems), peak)
 
 
 def _finish(sim: Simulation, peak: list[int]) -> Simulation:
@@ -173,16 +173,16 @@ def _finish(sim: Simulation, peak: list[int]) -> Simulation:
         t0 = min(e["start"] for e in compute)
         t1 = max(e["end"] for e in compute)
         sim.makespan = t1 - t0
-        busy = [0.0] * sim.plan.p
+        busy = [0.0] * sim.table.p
         for e in compute:
             busy[e["rank"]] += e["end"] - e["start"]
         sim.busy = dict(enumerate(busy))
-        sim.per_rank = {r: (1.0 - busy[r] / (t1 - t0)) if t1 > t0 else 0.0 for r in range(sim.plan.p)}
+        sim.per_rank = {r: (1.0 - busy[r] / (t1 - t0)) if t1 > t0 else 0.0 for r in range(sim.table.p)}
         sim.in_flight = dict(enumerate(peak))
     return sim
 
 
-def _nccl_partners(pl: Plan, items) -> tuple[dict, list[str]]:
+def _nccl_partners(table: ScheduleTable, items) -> tuple[dict, list[str]]:
     """NCCL's matching: the k-th send from rank a to rank b meets the k-th receive on b from a,
     whatever the tags. Ops are (rank, slot index, index in the slot). Returns op -> partner op,
     and the problems: counts that differ, or a k-th pair that are different messages."""
@@ -202,7 +202,7 @@ def _nccl_partners(pl: Plan, items) -> tuple[dict, list[str]]:
         if len(out) != len(got):
             problems.append(f"rank {pair[0]} sends {len(out)} messages to rank {pair[1]}, which receives {len(got)}")
         for n, ((so, sa), (ro, ra)) in enumerate(zip(out, got)):
-            if message(pl, pair[0], sa) != message(pl, pair[1], ra):
+            if message(table, pair[0], sa) != message(table, pair[1], ra):
                 problems.append(
                     f"NCCL ignores tags: rank {pair[0]}'s message {n} to rank {pair[1]} is {sa}, "
                     f"but rank {pair[1]}'s receive {n} from rank {pair[0]} is {ra}"
@@ -211,20 +211,22 @@ def _nccl_partners(pl: Plan, items) -> tuple[dict, list[str]]:
     return partner, problems
 
 
-def simulate_nccl(pl: Plan, costs: Costs | None = None, issued: tuple[list, ...] | None = None) -> Simulation:
-    """The plan as the executor issues it under NCCL (the module docstring's rules): each rank's
+def simulate_nccl(
+    table: ScheduleTable, costs: Costs | None = None, issued: tuple[list, ...] | None = None
+) -> Simulation:
+    """The schedule as the executor issues it under NCCL (the module docstring's rules): each rank's
     items in order on one queue, a compute taking its cost, a batch of sends and receives (one
     group call) completing when all its ops have met their partners in the batches at the head
     of their peers' queues. issued: every rank's items (an Action, or a tuple of Actions posted
-    together); default schedules.batches(pl), what the executor issues."""
+    together); default schedules.batches(table), what the executor issues."""
     costs = costs or Costs()
-    p = pl.p
-    items = issued if issued is not None else batches(pl)
-    partner, problems = _nccl_partners(pl, items)
+    p = table.p
+    items = issued if issued is not None else batches(table)
+    partner, problems = _nccl_partners(table, items)
     if problems:
-        return Simulation(pl, [], problems)
+        return Simulation(table, [], problems)
     cost = [{op: costs.of(op, r) for op in ("F", "B", "W", "comm")} for r in range(p)]
-    split = any(a.op == "W" for acts in pl.actions for a in acts)
+    split = any(a.op == "W" for acts in table.actions for a in acts)
     pos, clock, alive, peak = [0] * p, [0.0] * p, [0] * p, [0] * p
     posted: dict[tuple[int, int], float] = {}  # (rank, slot) -> when its batch was posted
     done: dict[tuple[int, int, int], float] = {}  # op -> when it met its partner
@@ -271,7 +273,7 @@ def simulate_nccl(pl: Plan, costs: Costs | None = None, issued: tuple[list, ...]
             problems.append(
                 f"deadlock under NCCL: rank {r} stuck in batch [{', '.join(map(str, it))}]: " + "; ".join(waits)
             )
-    return _finish(Simulation(pl, events, problems), peak)
+    return _finish(Simulation(table, events, problems), peak)
 
 
 def _event(r: int, kind: str, a, start: float, end: float) -> dict:
@@ -285,17 +287,17 @@ def _at(items, pos, q: int) -> str:
     return str(it) if isinstance(it, Action) else "batch [" + ", ".join(map(str, it)) + "]"
 
 
-def check(pl: Plan) -> list[str]:
-    """Every problem of a plan: local ordering, unmatched messages and deadlock, under gloo's rules
-    and under NCCL's (by simulation). Empty when the plan is safe to run on either backend."""
-    found = local_problems(pl)
+def check(table: ScheduleTable) -> list[str]:
+    """Every problem of a schedule: local ordering, unmatched messages and deadlock, under gloo's rules
+    and under NCCL's (by simulation). Empty when the schedule is safe to run on either backend."""
+    found = local_problems(table)
     if found:
         return found
-    return simulate(pl).problems or simulate_nccl(pl).problems
+    return simulate(table).problems or simulate_nccl(table).problems
 
 
 class ScheduleDeadlock(RuntimeError):
-    """A plan that would hang (or is malformed); raised before any rank runs it."""
+    """A schedule that would hang (or is malformed); raised before any rank runs it."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems

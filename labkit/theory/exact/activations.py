@@ -12,7 +12,7 @@ from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM
-from labkit.layout.schedules import chunk_layers, plan, stage_of, style
+from labkit.layout.schedules import chunk_layers, schedule_table, stage_of, style
 from labkit.theory.exact import memory, tensor
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
 from labkit.theory.exact.experts import layer_activation_bytes
@@ -149,7 +149,7 @@ def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict 
     # tensor for every microbatch: counted once however many are in flight (the meter counts storages)
     # (llama has no position table: nothing keeps them)
     shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first and not model.family.rotary else 0
-    actions = plan(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
+    actions = schedule_table(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
     return peak_in_flight(
         actions,
         kept=lambda mb, c: per(mb, c).forward - (shared if c in first else 0),

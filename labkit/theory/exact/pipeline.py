@@ -1,6 +1,6 @@
 """Pipeline parallelism, predicted: the bubble, microbatches in flight, which parameters each
 pipeline rank holds, the point-to-point bytes per step, and what a split backward's W holds.
-The schedules and their simulator are plans (labkit/layout/schedules.py, simulator.py); this
+The schedules and their simulator are the layout's (labkit/layout/schedules.py, simulator.py); this
 module reads them. The bubble is GPipe's and 1F1B's (p-1)/(m+p-1) (Huang et al. 2019;
 Narayanan et al., SC 2021, section 2.1), interleaved 1F1B's (p-1)/(v·m+p-1) (ibid., section
 2.2); the zero-bubble schedules' is the simulator's with t_F = t_B = t_W (`step_bubble`; their
@@ -16,7 +16,7 @@ from math import prod
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import pipeline_shape
 from labkit.layout.precision import ELEM, REDUCE
-from labkit.layout.schedules import chunk_layers, plan, rank_chunk_of, stage_of, stage_sizes, style
+from labkit.layout.schedules import chunk_layers, rank_chunk_of, schedule_table, stage_of, stage_sizes, style
 from labkit.layout.simulator import Costs, Simulation, simulate
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
 from labkit.theory.exact.model import param_shapes
@@ -65,7 +65,7 @@ def in_flight(schedule: str, p: int, m: int, rank: int, v: int = 1) -> int:
         return m
     if shape.one_f_one_b:
         return min(m, p - rank)
-    return peak_in_flight(plan(schedule, p, m, v).actions[rank], lambda mb, chunk: 1)
+    return peak_in_flight(schedule_table(schedule, p, m, v).actions[rank], lambda mb, chunk: 1)
 
 
 @lru_cache(maxsize=256)
@@ -181,9 +181,9 @@ def simulated(
     """The simulator's ideal timeline of `cfg`'s schedule (labkit/layout/simulator.py): unit
     costs by default, or measured ones (`costs_from_result(result)`); with uneven stages
     (cfg.stage_layers, given the model's `layers`) each chunk's compute in proportion to its layers."""
-    pl = plan(schedule or cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
+    table = schedule_table(schedule or cfg.schedule, cfg.pp, cfg.microbatches, cfg.virtual_stages)
     scale = stage_scale(cfg, layers) if layers and cfg.stage_layers else None
-    return simulate(pl, Costs(**(costs or {}), scale=scale))
+    return simulate(table, Costs(**(costs or {}), scale=scale))
 
 
 def step_bubble(cfg: ParallelConfig, model: ModelConfig) -> float:
@@ -240,7 +240,7 @@ def held_peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
         layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement))
         per[c] = held_bytes(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
     live = top = 0
-    for a in plan(cfg.schedule, p, cfg.microbatches, v).actions[pp_rank]:
+    for a in schedule_table(cfg.schedule, p, cfg.microbatches, v).actions[pp_rank]:
         if a.op in ("B", "W"):
             live += per[a.chunk] if a.op == "B" else -per[a.chunk]
             top = max(top, live)

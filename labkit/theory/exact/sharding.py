@@ -20,7 +20,7 @@ from labkit.layout.buckets import plan_groups, torch_ddp_buckets
 from labkit.layout.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
 from labkit.layout.mesh import DATA_DIMS
 from labkit.layout.precision import ELEM, REDUCE
-from labkit.layout.schedules import plan, stage_of, style
+from labkit.layout.schedules import schedule_table, stage_of, style
 from labkit.theory.exact.params import chunk_local_params, rank_entries
 
 
@@ -202,7 +202,7 @@ def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: 
             grads -= units[in_flight].padded
         in_flight = k
 
-    for a in plan(cfg.schedule, p, m, v).actions[pp_rank]:
+    for a in schedule_table(cfg.schedule, p, m, v).actions[pp_rank]:
         mine = [k for k in range(len(units)) if a.chunk in chunks[k]]
         if a.op == "F":
             for k in mine:
