@@ -79,7 +79,7 @@ class RankModel:
     inputs: Callable = whole_sequence
     """Map a rank's (tokens, targets) to what chunk 0 takes (context parallelism slices the sequence)."""
     info: dict = field(default_factory=dict)
-    """Plain data about the layout for the report (TP plan, pipeline stages, ...)."""
+    """Plain data about the layout for the report (TP styles, pipeline stages, ...)."""
 
 
 def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimConfig, meters) -> RankModel:
@@ -94,10 +94,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         from labkit.engines.parallel.tensor_torch import apply_tp_torch, in_loss_parallel, tp_device_mesh
 
         tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharded.fsdp)
-        model, info["tp_plan"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
+        model, info["tp_styles"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
         schedule = in_loss_parallel(schedule)
     elif cfg.tp > 1:
-        model, info["tp_plan"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel)
+        model, info["tp_styles"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel)
 
     # 2. context parallelism: engines/parallel/context.py
     if cfg.cp > 1:
@@ -185,8 +185,8 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
             pol=pol,
             meters=meters,
         )
-    if hasattr(sync, "plans"):  # ours: the flat buffers, for the report
+    if hasattr(sync, "layouts"):  # ours: the flat buffers, for the report
         info["flat_buffers"] = [
-            {"unit": p.unit, "numel": p.numel, "padded": p.padded, "shard": p.shard} for p in sync.plans
+            {"unit": p.unit, "numel": p.numel, "padded": p.padded, "shard": p.shard} for p in sync.layouts
         ]
     return RankModel(chunks=sync.modules, grads=sync, schedule=schedule, inputs=inputs, info=info)

@@ -185,10 +185,10 @@ def test_buffers_are_sharded_over_their_reduce_groups():
     from labkit.theory.exact import sharding
 
     cfg = P(tp=2, ep=2, dp=2, sharding="zero1", sequence_parallel=True)
-    plans = sharding.plans(cfg, MOE, None)
-    dims = {p.dims: p.n for p in plans}
+    buffers = sharding.flat_buffers(cfg, MOE, None)
+    dims = {p.dims: p.n for p in buffers}
     assert dims == {("dp", "ep", "cp"): 4, ("dp", "ep", "cp", "tp"): 8, ("dp", "cp"): 2}
-    for p in plans:
+    for p in buffers:
         kinds = {n.split(".")[-1] for n in p.names}
         if p.dims == ("dp", "cp"):
             assert kinds <= {"w1", "w2"}  # experts

@@ -7,7 +7,7 @@ import pytest
 from conftest import TINY
 
 from labkit import ConfigError, ParallelConfig, theory, validate
-from labkit.engines.parallel.context import ring_plan, zigzag_chunks, zigzag_index
+from labkit.engines.parallel.context import ring_schedule, zigzag_chunks, zigzag_index
 from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import assert_matches, loss_errors
 
@@ -55,13 +55,13 @@ def test_ring_attention_matches_dense_causal_attention(lab):
 
 
 @pytest.mark.parametrize("cp", [2, 3, 4, 8])
-def test_zigzag_plan_covers_every_causal_pair_once_with_equal_work(cp):
+def test_zigzag_schedule_covers_every_causal_pair_once_with_equal_work(cp):
     seq = 2 * cp * 3
     assert sorted(int(i) for r in range(cp) for i in zigzag_index(seq, cp, r)) == list(range(seq))
     seen = {}
     for rank in range(cp):
         work = []
-        for t, pairs in enumerate(ring_plan(rank, cp)):
+        for t, pairs in enumerate(ring_schedule(rank, cp)):
             holder = (rank - t) % cp
             for qa, kb, mask in pairs:
                 qc, kc = zigzag_chunks(rank, cp)[qa], zigzag_chunks(holder, cp)[kb]

@@ -11,7 +11,7 @@ import pathlib
 import pytest
 import torch
 
-from labkit.engines.parallel.common import ParamMeta, ParamMetas, norm_plan
+from labkit.engines.parallel.common import ParamMeta, ParamMetas, norm_terms
 from labkit.layout.mesh import DATA_DIMS, MeshLayout
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -78,7 +78,7 @@ def test_records_follow_each_parameter_and_leave_with_it():
 
 
 class _Mesh:
-    """What norm_plan reads of a Mesh: sizes and this rank's coordinates (no process group)."""
+    """What norm_terms reads of a Mesh: sizes and this rank's coordinates (no process group)."""
 
     def __init__(self, rank: int, **sizes):
         self.layout = MeshLayout.from_sizes(**sizes)
@@ -95,11 +95,11 @@ def test_the_norm_counts_each_replica_once_from_the_records():
     """tp=4 over 2 KV heads: each head on 2 consecutive tp ranks, counted on the first; a LayerNorm
     replicated over tp counted on tp rank 0 only; an ordinary slice everywhere."""
     records = [ParamMeta(tp_share=2), ParamMeta(replicas=("tp",)), ParamMeta()]
-    counted = {r: norm_plan(records, _Mesh(r, tp=4))[1] for r in range(4)}
+    counted = {r: norm_terms(records, _Mesh(r, tp=4))[1] for r in range(4)}
     assert counted == {
         0: [True, True, True],
         1: [False, False, True],
         2: [True, False, True],
         3: [False, False, True],
     }
-    assert norm_plan(records, _Mesh(0, tp=4))[0] == "tp"
+    assert norm_terms(records, _Mesh(0, tp=4))[0] == "tp"

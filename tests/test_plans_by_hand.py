@@ -1,6 +1,6 @@
-"""The shared plans against numbers worked out by hand, here in the test: the ring model's byte
+"""The shared layouts against numbers worked out by hand, here in the test: the ring model's byte
 table (labkit/layout/wire.py), the bucket rules (layout/buckets.py) and the padding of flat buffers
-(layout/flat.py). The engines and the theory both read these plans, so measured-equals-predicted
+(layout/flat.py). The engines and the theory both read these layouts, so measured-equals-predicted
 cannot see a bug in them (two agreeing wrongs); these tests can. No cluster.
 """
 
@@ -10,8 +10,8 @@ from conftest import TINY
 from test_sharding import ODD
 
 from labkit import ParallelConfig, theory
-from labkit.layout.buckets import plan_buckets, plan_groups, torch_ddp_buckets
-from labkit.layout.flat import bucket_plans, unit_plans
+from labkit.layout.buckets import grouped_buckets, lab_buckets, torch_ddp_buckets
+from labkit.layout.flat import bucket_layouts, unit_layouts
 from labkit.layout.wire import WIRE
 from labkit.theory import param_shapes
 from labkit.theory.exact import sharding
@@ -77,12 +77,12 @@ def test_tensor_parallel_all_reduces_4l_plus_2_activations():
 def test_buckets_close_before_the_cap_ours_after_it_pytorchs():
     """Sizes in bytes; reverse registration order. Ours closes a bucket before the parameter that
     would overflow it; PyTorch's after the parameter that reaches the cap."""
-    assert plan_buckets([4, 4, 8, 2], 10) == [[3, 2], [1, 0]]
-    assert plan_buckets([6, 6, 6], 10) == [[2], [1], [0]]
+    assert lab_buckets([4, 4, 8, 2], 10) == [[3, 2], [1, 0]]
+    assert lab_buckets([6, 6, 6], 10) == [[2], [1], [0]]
     assert torch_ddp_buckets([6, 6, 6], 10) == [[2, 1], [0]]
-    assert plan_buckets([20, 3], 10) == [[1], [0]]  # larger than the cap: a bucket of its own
+    assert lab_buckets([20, 3], 10) == [[1], [0]]  # larger than the cap: a bucket of its own
     # two reduce groups: each bucketed alone, then launched by their last parameter, latest first
-    assert plan_groups([4, 4, 4, 4], ["a", "b", "a", "b"], 8) == [("b", [3, 1]), ("a", [2, 0])]
+    assert grouped_buckets([4, 4, 4, 4], ["a", "b", "a", "b"], 8) == [("b", [3, 1]), ("a", [2, 0])]
 
 
 def test_tinys_buckets_at_20_kb():
@@ -91,7 +91,7 @@ def test_tinys_buckets_at_20_kb():
     4,096 = 20,736; wv wk wq 12,288 + ln1 256 = 12,544; block 0 the same; its wv wk wq and ln1 with
     pos (2,048): 14,592; the token table alone."""
     sizes = [4 * (a * b if b else a) for _, (a, *rest) in param_shapes(TINY) for b in [rest[0] if rest else 0]]
-    assert plan_buckets(sizes, int(0.02 * 2**20)) == [
+    assert lab_buckets(sizes, int(0.02 * 2**20)) == [
         [24, 23, 22],
         [21],
         [20, 19, 18, 17],
@@ -108,14 +108,14 @@ def test_padding_of_odd_units():
     embed 125*27 + 18*27 = 3,861 -> padded 3,864, shard 966;
     block 4*27 + 4*27*27 + 2*27*81 = 108 + 2,916 + 4,374 = 7,398 -> 7,400, shard 1,850;
     head 2*27 + 125*27 = 3,429 -> 3,432, shard 858."""
-    plans = unit_plans(param_shapes(ODD), 4, "zero3")
-    assert [(p.unit, p.numel, p.padded, p.shard) for p in plans] == [
+    layouts = unit_layouts(param_shapes(ODD), 4, "zero3")
+    assert [(p.unit, p.numel, p.padded, p.shard) for p in layouts] == [
         ("embed", 3_861, 3_864, 966),
         ("blocks.0", 7_398, 7_400, 1_850),
         ("blocks.1", 7_398, 7_400, 1_850),
         ("head", 3_429, 3_432, 858),
     ]
-    block = plans[1]
+    block = layouts[1]
     # shard 3 holds [5,550, 7,400): matrices end at 2,916 + 4,374 = 7,290, so 1,740 decayed
     # elements, then 108 LayerNorm elements, then 2 of padding
     assert block.owned(3) == (5_550, 7_400) and block.real(3) == 1_848
@@ -138,6 +138,6 @@ def test_a_flat_bucket_of_zero1_pads_to_its_group():
     """ZeRO-1 at N = 4 over TINY's 20 KB buckets: each bucket one buffer, padded to a multiple of 4
     (every TINY bucket already is). The first holds what backward produces first, matrices first:
     head.proj, then the final norm's bias and weight: 4,096 + 32 + 32 = 4,160 elements, 1,040 a rank."""
-    first = bucket_plans(param_shapes(TINY), 4, int(0.02 * 2**20), 4)[0]
+    first = bucket_layouts(param_shapes(TINY), 4, int(0.02 * 2**20), 4)[0]
     assert first.names == ("head.proj.weight", "head.norm.bias", "head.norm.weight")
     assert (first.numel, first.padded, first.shard, first.decay_numel) == (4_160, 4_160, 1_040, 4_096)

@@ -8,7 +8,7 @@ from conftest import TINY
 from test_sharding import ODD, check_against_theory, oracle  # noqa: F401  (oracle is a fixture)
 
 from labkit import ConfigError, ParallelConfig, theory, validate
-from labkit.layout.flat import padded, unit_plans
+from labkit.layout.flat import padded, unit_layouts
 from labkit.oracle.checks import assert_matches
 from labkit.theory.exact import sharding
 
@@ -56,7 +56,7 @@ def test_states_are_the_papers_plus_padding(stage, precision):
     cfg = ParallelConfig(dp=n, sharding=stage, precision=precision)
     exact = sharding.state_bytes(cfg, ODD, n)
     paper = theory.model_state_bytes(theory.num_params(ODD), n, precision)[stage]
-    buffers = len(sharding.plans(cfg, ODD, n))
+    buffers = len(sharding.flat_buffers(cfg, ODD, n))
     per_element = 16  # 2 + 2 + 12 or 4 + 4 + 8
     extra = sum(exact.values()) - paper["total"]
     assert 0 < extra <= buffers * (n - 1) * per_element
@@ -77,20 +77,24 @@ def test_traffic_in_elements_of_psi(n, precision):
         (ParallelConfig(dp=n, sharding="fsdp", precision=precision), 3),
         (ParallelConfig(dp=n, sharding="fsdp", reshard_after_forward=False, precision=precision), 2),
     ]:
-        psi = sum(p.padded for p in sharding.plans(cfg, ODD, n)) if cfg.sharding != "none" else theory.num_params(ODD)
+        psi = (
+            sum(p.padded for p in sharding.flat_buffers(cfg, ODD, n))
+            if cfg.sharding != "none"
+            else theory.num_params(ODD)
+        )
         rows = [r for r in theory.estimate(cfg, ODD).comm_table() if r["rank"] == 0 and r["payload_bytes"] > 4]
         elements = sum(r["wire_bytes"] / (4 if r["op"] != "all_gather" else elem) for r in rows)
         assert elements == pytest.approx(volume * psi * (n - 1) / n), cfg
 
 
 def test_units_and_padding_rule():
-    plans = unit_plans([(n, s) for n, s in theory.param_shapes(ODD)], 4, "zero3")
-    assert [p.unit for p in plans] == ["embed", "blocks.0", "blocks.1", "head"]
-    for p in plans:
+    layouts = unit_layouts([(n, s) for n, s in theory.param_shapes(ODD)], 4, "zero3")
+    assert [p.unit for p in layouts] == ["embed", "blocks.0", "blocks.1", "head"]
+    for p in layouts:
         assert p.padded == padded(p.numel, 4) and p.padded % 4 == 0 and p.padded - p.numel < 4
         assert sum(p.real(i) for i in range(4)) == p.numel  # padding belongs to no one
         assert [d for _, _, d in p.runs(0)][:1] == [True]  # matrices first: decayed
-    fsdp = unit_plans([(n, s) for n, s in theory.param_shapes(ODD)], 4, "fsdp")
+    fsdp = unit_layouts([(n, s) for n, s in theory.param_shapes(ODD)], 4, "fsdp")
     assert [p.unit for p in fsdp] == ["", "blocks.0", "blocks.1"]
 
 

@@ -52,8 +52,8 @@ def test_tensor_parallel_trains_like_one_process(runs, ref_cache, name):
         assert res.comm_table() == est.comm_table()  # row for row: calls, payload, wire bytes
         for rk in res.ranks:
             assert rk.memory["activations"] == est.memory[rk.rank]["activations"]
-    plan = res.ranks[0].info["tp_plan"]
-    assert plan["blocks.0.attn.wq"]["style"] == "colwise" and plan["blocks.0.attn.wo"]["style"] == "rowwise"
+    styles = res.ranks[0].info["tp_styles"]
+    assert styles["blocks.0.attn.wq"]["style"] == "colwise" and styles["blocks.0.attn.wo"]["style"] == "rowwise"
 
 
 def test_sequence_parallel_same_bytes_less_activation_memory(runs):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
-from labkit.layout.buckets import plan_buckets, torch_ddp_buckets
+from labkit.layout.buckets import lab_buckets, torch_ddp_buckets
 
 GB = 1e9
 
@@ -47,8 +47,8 @@ def test_bubble_formulas():
 
 
 def test_buckets():
-    assert plan_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
-    assert plan_buckets([4, 20, 4], 8) == [[2], [1], [0]]
+    assert lab_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
+    assert lab_buckets([4, 20, 4], 8) == [[2], [1], [0]]
     assert torch_ddp_buckets([4, 4, 4, 4], 8) == [[3, 2], [1, 0]]
     assert torch_ddp_buckets([4, 4, 4], 6) == [[2, 1], [0]]
 

@@ -132,7 +132,7 @@ def test_llama_405b_on_torchtitans_layout_is_estimated():
         assert est.world == 512 and 0 < est.bubble < 0.35
         units = {r["op"]: r["calls"] for r in est.rank_rows(0) if r["dim"] == "dp"}
         assert units == {"all_gather": 16, "reduce_scatter": 16}  # 15 blocks + the root, once each
-        mem, padded = est.memory[0], sum(p.padded for p in sharding.plans(cfg, LLAMA31_405B))
+        mem, padded = est.memory[0], sum(p.padded for p in sharding.flat_buffers(cfg, LLAMA31_405B))
         assert mem["gathered"] == 2 * padded  # every unit of the stage, gathered over the step (bf16)
         assert mem["reduce_buffers"] == 4 * padded  # and its gradients, unsharded, in fp32
 

@@ -149,7 +149,7 @@ def param_piece(name: str, p: torch.Tensor, meta: ParamMeta, values: torch.Tenso
     return piece(meta.full_name(name), shape, p if values is None else values, box=meta.box)
 
 
-def norm_plan(records: list[ParamMeta], mesh, sharded: bool = False):
+def norm_terms(records: list[ParamMeta], mesh, sharded: bool = False):
     """How to assemble the global gradient norm with each parameter counted once, from the
     parameters' records.
 

@@ -12,7 +12,7 @@ the first rank's only its own (the imbalance Brandon et al. 2023, "Striped Atten
 and fix by striping tokens). Cut the sequence into 2cp chunks and give rank i chunks i and
 2cp-1-i, the layout of Megatron-LM's context parallelism and of Llama 3 (Dubey et al. 2024,
 section 3.3.2): at every step each rank computes the same work, two (chunk x chunk) blocks'
-worth, so no rank waits for another. `ring_plan` is that schedule as data; the forward and
+worth, so no rank waits for another. `ring_schedule` is that schedule as data; the forward and
 the backward both execute it.
 
 Backward (hand-written, FlashAttention-2's algorithm 2 per block pair, Dao 2023): the queries'
@@ -52,16 +52,16 @@ def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(k * c, (k + 1) * c) for k in zigzag_chunks(rank, cp)])
 
 
-def ring_plan(rank: int, cp: int) -> list[list[tuple[int, int, str]]]:
+def ring_schedule(rank: int, cp: int) -> list[list[tuple[int, int, str]]]:
     """What cp rank `rank` computes at each ring step t (it then holds the K/V of rank
     (rank - t) % cp): (query half, key half, 'causal' | 'full') for every chunk pair whose keys
     the queries may see — the diagonal chunk under a causal mask, earlier chunks in full,
     later ones not at all."""
     mine = zigzag_chunks(rank, cp)
-    plan = []
+    schedule = []
     for t in range(cp):
         theirs = zigzag_chunks((rank - t) % cp, cp)
-        plan.append(
+        schedule.append(
             [
                 (qa, kb, "causal" if kc == qc else "full")
                 for qa, qc in enumerate(mine)
@@ -69,7 +69,7 @@ def ring_plan(rank: int, cp: int) -> list[list[tuple[int, int, str]]]:
                 if kc <= qc
             ]
         )
-    return plan
+    return schedule
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
@@ -121,11 +121,11 @@ def _block_grads(q, k, v, do, lse, delta, causal: bool, scale: float):
 
 
 class Ring:
-    """The cp ring of this rank: its plan and point-to-point hops to the next / from the previous rank."""
+    """The cp ring of this rank: its schedule and point-to-point hops to the next / from the previous rank."""
 
     def __init__(self, group, rank: int, cp: int):
         self.group, self.rank, self.cp = group, rank, cp
-        self.plan = ring_plan(rank, cp)
+        self.schedule = ring_schedule(rank, cp)
         self.next, self.prev = (rank + 1) % cp, (rank - 1) % cp
         self.link = Link(group)
         self._next_global = dist.get_global_rank(group, self.next)
@@ -165,7 +165,7 @@ class _RingAttention(torch.autograd.Function):
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd): one message per hop
-        for t, pairs in enumerate(ring.plan):
+        for t, pairs in enumerate(ring.schedule):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
             kh = [_expand(x, g) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nh, c, hd)
             vh = [_expand(x, g) for x in kv[1].to(acc).chunk(2, dim=2)]
@@ -196,7 +196,7 @@ class _RingAttention(torch.autograd.Function):
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd)
         own = None  # this rank's part of its own dK/dV
         incoming, pending, sent = None, [], []
-        for t, pairs in enumerate(ring.plan):
+        for t, pairs in enumerate(ring.schedule):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
             kh = [_expand(x, g) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nh, c, hd)
             vh = [_expand(x, g) for x in kv[1].to(acc).chunk(2, dim=2)]
@@ -230,7 +230,7 @@ class _RingAttention(torch.autograd.Function):
 def apply_cp(model: torch.nn.Module, mesh) -> tuple[torch.nn.Module, dict]:
     """Swap every block's attention kernel for ring attention on the mesh's cp group; tell
     per-sequence statistics (the MoE router's balance loss) that a sequence spans the cp group.
-    Returns (model, this rank's chunks and ring plan as data for the report); `zigzag_inputs`
+    Returns (model, this rank's chunks and ring schedule as data for the report); `zigzag_inputs`
     gives the tokens it must be fed."""
     cp, rank = mesh.size("cp"), mesh.coord("cp")
     group = mesh.group("cp")
@@ -240,7 +240,7 @@ def apply_cp(model: torch.nn.Module, mesh) -> tuple[torch.nn.Module, dict]:
     for m in model.modules():
         if hasattr(m, "seq_split"):
             m.seq_split = (group, cp)
-    return model, {"cp_chunks": list(zigzag_chunks(rank, cp)), "ring_plan": ring.plan}
+    return model, {"cp_chunks": list(zigzag_chunks(rank, cp)), "ring_schedule": ring.schedule}
 
 
 def zigzag_inputs(seq: int, mesh):

@@ -24,13 +24,13 @@ from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, tor
 from labkit.engines.parallel.common import (
     ParamMetas,
     all_reduce_tied,
-    norm_plan,
+    norm_terms,
     param_piece,
     tied_params,
     weak_method,
 )
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
-from labkit.layout.buckets import plan_groups
+from labkit.layout.buckets import grouped_buckets
 
 
 class _Bucket:
@@ -51,7 +51,7 @@ class _Bucket:
         self.acc = None  # bf16 with microbatches: the fp32 sum of their gradients
 
 
-def plan(params: list[nn.Parameter], metas: ParamMetas, bucket_bytes: int) -> list[list[int]]:
+def bucket_indices(params: list[nn.Parameter], metas: ParamMetas, bucket_bytes: int) -> list[list[int]]:
     """Buckets (parameter indices) in launch order: parameters are grouped by the dims their
     gradient is reduced over (ParamMeta.reduce) and by pipeline chunk (ParamMeta.chunk: a chunk's
     buckets can go as soon as its last backward is over), each group bucketed in reverse order
@@ -60,7 +60,7 @@ def plan(params: list[nn.Parameter], metas: ParamMetas, bucket_bytes: int) -> li
     parameters."""
     sizes = [p.numel() * p.element_size() for p in params]
     keys = [(metas[p].reduce, metas[p].chunk) for p in params]
-    return [b for _, b in plan_groups(sizes, keys, bucket_bytes)]
+    return [b for _, b in grouped_buckets(sizes, keys, bucket_bytes)]
 
 
 class DDP:
@@ -68,7 +68,7 @@ class DDP:
 
     Each parameter's gradient is summed over the mesh dims its record names (ParamMeta.reduce, default
     dp x ep x cp) and divided by `loss_shards`, the number of ranks whose local mean losses
-    average to the global loss (dp * ep * cp). `norm_plan` (common.py) says how the global
+    average to the global loss (dp * ep * cp). `norm_terms` (common.py) says how the global
     gradient norm is assembled when tp / pp / ep split the parameters. Under bf16 (precision.py)
     the parameters and the bucketed gradients are bf16, each bucket is all-reduced in an fp32 copy
     (the reduce dtype) and rounded back; the optimizer updates fp32 masters and rounds them into
@@ -99,10 +99,10 @@ class DDP:
         self.masters = split_masters(self.params, pol)
         self.loss_shards = loss_shards
         self.optim_cfg = optim
-        self.norm_group, self.counted = norm_plan([metas[p] for p in self.params], mesh)
+        self.norm_group, self.counted = norm_terms([metas[p] for p in self.params], mesh)
         self.buckets = [
             _Bucket([self.params[i] for i in idx], mesh.group(*metas[self.params[idx[0]]].reduce))
-            for idx in plan(self.params, metas, bucket_bytes)
+            for idx in bucket_indices(self.params, metas, bucket_bytes)
         ]
         self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self.tied_group, self.tied = tied_params(self.params, metas, mesh)

@@ -8,22 +8,22 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
-from labkit.engines.parallel.common import ParamMetas, norm_plan, piece
-from labkit.layout.flat import FlatPlan
+from labkit.engines.parallel.common import ParamMetas, norm_terms, piece
+from labkit.layout.flat import FlatLayout
 
 
-def flatten(plan: FlatPlan, params: dict[str, nn.Parameter], dtype=torch.float32) -> torch.Tensor:
-    """The plan's parameters end to end, zero-padded: (padded,)."""
-    device = params[plan.names[0]].device
-    flat = torch.zeros(plan.padded, dtype=dtype, device=device)
-    for name, _, lo, hi in plan.offsets():
+def flatten(layout: FlatLayout, params: dict[str, nn.Parameter], dtype=torch.float32) -> torch.Tensor:
+    """The layout's parameters end to end, zero-padded: (padded,)."""
+    device = params[layout.names[0]].device
+    flat = torch.zeros(layout.padded, dtype=dtype, device=device)
+    for name, _, lo, hi in layout.offsets():
         flat[lo:hi].copy_(params[name].detach().reshape(-1))
     return flat
 
 
-def bind(plan: FlatPlan, params: dict[str, nn.Parameter], flat: torch.Tensor, grads: bool = False) -> None:
+def bind(layout: FlatLayout, params: dict[str, nn.Parameter], flat: torch.Tensor, grads: bool = False) -> None:
     """Make each parameter (or its .grad) a view of its range of `flat`."""
-    for name, shape, lo, hi in plan.offsets():
+    for name, shape, lo, hi in layout.offsets():
         if grads:
             params[name].grad = flat[lo:hi].view(shape)
         else:
@@ -40,9 +40,9 @@ def group_sizes(mesh, named, metas: ParamMetas) -> dict[tuple, int]:
     return {metas[p].reduce: mesh.size(*metas[p].reduce) for _, p in named}
 
 
-def plan_group(mesh, plan: FlatPlan):
+def layout_group(mesh, layout: FlatLayout):
     """(group, N, this rank's shard index) of a flat buffer: the ranks of its reduction dims."""
-    return mesh.group(*plan.dims), mesh.size(*plan.dims), mesh.ranks(*plan.dims).index(mesh.rank)
+    return mesh.group(*layout.dims), mesh.size(*layout.dims), mesh.ranks(*layout.dims).index(mesh.rank)
 
 
 class ShardedOptimizer:
@@ -51,12 +51,12 @@ class ShardedOptimizer:
     the full parameters (for checking).
 
     `params` (full name -> parameter) and their records (`metas`) give what the norm and the pieces
-    need to know of each parameter: whether this rank counts it in the norm (norm_plan), and where
+    need to know of each parameter: whether this rank counts it in the norm (norm_terms), and where
     its local tensor sits in the full one (a TP or EP slice: ParamMeta.box)."""
 
     def __init__(
         self,
-        plans: list[FlatPlan],
+        layouts: list[FlatLayout],
         indices: list[int],
         masters: list[torch.Tensor],
         mesh,
@@ -64,16 +64,16 @@ class ShardedOptimizer:
         metas: ParamMetas,
         optim: OptimConfig,
     ):
-        self.plans, self.indices, self.masters = plans, indices, masters
+        self.layouts, self.indices, self.masters = layouts, indices, masters
         names = list(params)
-        self.norm_group, counted = norm_plan([metas[params[n]] for n in names], mesh, sharded=True)
+        self.norm_group, counted = norm_terms([metas[params[n]] for n in names], mesh, sharded=True)
         self.counted = dict(zip(names, counted))
         self.where = {  # full name -> (the full shape, the box this rank's tensor is of it)
             n: (tuple(p.shape) if metas[p].full_shape is None else metas[p].full_shape, metas[p].box)
             for n, p in params.items()
         }
         self.clip = optim.clip
-        runs = [(m[lo:hi], d) for p, i, m in zip(plans, indices, masters) for lo, hi, d in p.runs(i)]
+        runs = [(m[lo:hi], d) for p, i, m in zip(layouts, indices, masters) for lo, hi, d in p.runs(i)]
         self.opt = AdamW([r for r, _ in runs], optim, [d for _, d in runs])
 
     def step(self, grads: list[torch.Tensor]) -> float:
@@ -82,12 +82,12 @@ class ShardedOptimizer:
         parameters this rank counts (not a TP replica another rank counts); padding is left out."""
         mine = [
             g[at : at + hi - lo]
-            for p, i, g in zip(self.plans, self.indices, grads)
+            for p, i, g in zip(self.layouts, self.indices, grads)
             for name, _, lo, hi, at in p.pieces(i)
             if self.counted[name]
         ]
         norm = grad_norm(mine, None, self.norm_group)
-        runs = [g[lo:hi] for p, i, g in zip(self.plans, self.indices, grads) for lo, hi, _ in p.runs(i)]
+        runs = [g[lo:hi] for p, i, g in zip(self.layouts, self.indices, grads) for lo, hi, _ in p.runs(i)]
         self.opt.step(runs, clip_coefficient(norm, self.clip))
         return float(norm)
 
@@ -95,16 +95,16 @@ class ShardedOptimizer:
         """A flat range of each (possibly TP / EP sliced) local tensor; `box` places it in the full one.
         `slices`: this rank's slice of each buffer to read (default: the masters; the gradient shards)."""
         out = []
-        for p, i, m in zip(self.plans, self.indices, self.masters if slices is None else slices):
+        for p, i, m in zip(self.layouts, self.indices, self.masters if slices is None else slices):
             for name, _shape, lo, hi, at in p.pieces(i):
                 full, box = self.where[name]
                 out.append(piece(name, full, m[at : at + hi - lo], box=box, flat=[lo, hi]))
         return out
 
-    def whole_pieces(self, plan: FlatPlan, flat: torch.Tensor) -> list[dict]:
+    def whole_pieces(self, layout: FlatLayout, flat: torch.Tensor) -> list[dict]:
         """Every parameter of a whole (gathered) buffer `flat` (padded,), each as its local tensor."""
         out = []
-        for name, shape, lo, hi in plan.offsets():
+        for name, shape, lo, hi in layout.offsets():
             full, box = self.where[name]
             out.append(piece(name, full, flat[lo:hi].view(shape), box=box))
         return out

@@ -20,7 +20,7 @@ the same; the LayerNorm inputs and the residual stream shrink to s/t rows.
 
 Where this differs from Megatron: wq, wk and wv stay separate Linear layers (Megatron fuses
 them), so the input operator sits once at the input of the attention / MLP (a forward
-pre-hook named in the plan), not inside each linear layer. And under SP the column-parallel
+pre-hook named in the styles), not inside each linear layer. And under SP the column-parallel
 layers keep their gathered input for backward; Megatron keeps the s/t shard and all-gathers
 it again in backward, trading two more all-gathers per layer for 2bsh(1 - 1/t) bytes
 (labkit/theory/exact/tensor.py gives both).
@@ -31,7 +31,7 @@ v): a column-parallel bias is split with its rows, a row-parallel one added once
 sum. Grouped-query attention: wk and wv split by KV heads when tp <= kv_heads; when tp >
 kv_heads each KV head is held by the tp/kv_heads ranks that read it (`SharedKVLinear`).
 
-The operators are in engines/parallel/tensor_ops.py; the plan (layout/tensor.py) is data;
+The operators are in engines/parallel/tensor_ops.py; the styles (layout/tensor.py) are data;
 `apply_tp` walks it.
 """
 
@@ -54,7 +54,7 @@ from labkit.engines.parallel.tensor_ops import (
     VocabParallelCrossEntropy,
 )
 from labkit.layout.mesh import DATA_DIMS
-from labkit.layout.tensor import local_param, param_style, tp_plan
+from labkit.layout.tensor import local_param, param_style, tp_styles
 
 
 # -- the parallel modules -------------------------------------------------------------------
@@ -127,21 +127,21 @@ class VocabParallelHead(nn.Module):
         )
 
 
-# -- applying the plan ----------------------------------------------------------------------
+# -- applying the styles -------------------------------------------------------------------
 def _sliced(weight: torch.Tensor, box) -> nn.Parameter:
     """This rank's slice of a full (seeded) weight, as a parameter with storage of its own."""
     return nn.Parameter(weight.detach()[tuple(slice(a, b) for a, b in box)].clone())
 
 
 def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
-    """Slice the full, seeded `model` for this tp rank as the plan says (on the mesh's tp group);
-    returns (model, the plan as data for the report).
+    """Slice the full, seeded `model` for this tp rank as the styles say (on the mesh's tp group);
+    returns (model, the styles as data for the report).
 
     In `metas`, sliced parameters get `full_shape` / `box`; replicated ones `replicas=('tp',)`,
     and under SP `reduce` gains 'tp' (each rank saw s/t positions: partial gradients). A KV
     head shared by k = tp/kv_heads ranks is counted in the norm on one of them (`tp_share = k`)."""
     group, t, r = mesh.group("tp"), mesh.size("tp"), mesh.coord("tp")
-    plan = tp_plan(model.cfg, sequence_parallel, t)
+    styles = tp_styles(model.cfg, sequence_parallel, t)
     ops = {
         "copy": lambda x: Copy.apply(x, group),
         "all-gather": lambda x: Gather.apply(x, group),
@@ -152,17 +152,17 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
     }
     full = {n: tuple(p.shape) for n, p in model.named_parameters()}
 
-    for name, style in plan.items():
+    for name, style in styles.items():
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         module = getattr(parent, attr)
         kind = style["style"]
         if "shard_dim" in style:
-            _, box, _, _ = local_param(plan, name + ".weight", tuple(module.weight.shape), t, r)
+            _, box, _, _ = local_param(styles, name + ".weight", tuple(module.weight.shape), t, r)
             weight = _sliced(module.weight, box)
             bias = getattr(module, "bias", None)
             if bias is not None and kind == "colwise":  # split with the rows
-                bias = _sliced(bias, local_param(plan, name + ".bias", tuple(bias.shape), t, r)[1])
+                bias = _sliced(bias, local_param(styles, name + ".bias", tuple(bias.shape), t, r)[1])
         if kind == "colwise" and "kv_groups" in style:
             share = mesh.run_group("tp", t // style["kv_groups"])
             setattr(parent, attr, SharedKVLinear(weight, bias, share))
@@ -172,7 +172,7 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
             setattr(parent, attr, RowParallelLinear(weight, ops[style["output"]], bias))
         elif kind == "vocab" and isinstance(module, nn.Embedding):
             module.weight, module.num_embeddings = weight, weight.shape[0]
-            sp = plan.get(parent_name + ".pos", {}).get("style") == "sequence"
+            sp = styles.get(parent_name + ".pos", {}).get("style") == "sequence"
             model.set_submodule(
                 parent_name,
                 VocabParallelEmbedding(module, parent.pos, box[0][0], ops[style["output"]], (r, t) if sp else None),
@@ -193,7 +193,7 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
             module.register_forward_hook(lambda _m, _args, out, leave=leave: leave(out))
 
     for name, p in model.named_parameters():
-        _, box, extra, replicas = local_param(plan, name, full[name], t, r)
+        _, box, extra, replicas = local_param(styles, name, full[name], t, r)
         meta = metas[p]
         if box is not None:
             meta.full_shape, meta.box = full[name], box
@@ -201,6 +201,6 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
             meta.replicas = replicas
         if extra:
             meta.reduce = DATA_DIMS + extra
-        if "kv_groups" in param_style(plan, name):
-            meta.tp_share = t // param_style(plan, name)["kv_groups"]
-    return model, plan
+        if "kv_groups" in param_style(styles, name):
+            meta.tp_share = t // param_style(styles, name)["kv_groups"]
+    return model, styles

@@ -1,7 +1,7 @@
 """The same tensor (+ sequence) parallelism through PyTorch's DTensor, as a user would write it.
 
 `parallelize_module` with ColwiseParallel / RowwiseParallel / PrepareModuleInput (and
-SequenceParallel under SP), each style derived from labkit's plan (layout/tensor.py), on a
+SequenceParallel under SP), each style derived from labkit's styles (layout/tensor.py), on a
 one-dimensional DeviceMesh wrapped around the Mesh's tp group (`DeviceMesh.from_group`: no new
 process group). torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ do the update.
 
@@ -16,7 +16,7 @@ Choices, all of which run on gloo (torch 2.13):
 - LM head: ColwiseParallel with Shard(-1) logits and `loss_parallel()`, PyTorch's
   vocab-parallel cross-entropy; it must be active in forward and backward, so the schedule
   runs inside it.
-- Parameters outside the plan (LayerNorms without SP, the position embedding) become
+- Parameters outside the styles (LayerNorms without SP, the position embedding) become
   Replicate DTensors with `distribute_module`, so clip_grad_norm_ sees DTensors only (it
   refuses a mix of DTensors and plain tensors).
 - 2-D with FSDP2 (sharding='fsdp'), torchtitan's parallelize_llama order: TP first, on the tp
@@ -48,14 +48,14 @@ from labkit.config import OptimConfig
 from labkit.engines.meters.memory import local, unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import piece
-from labkit.layout.tensor import shard_box, tp_plan
+from labkit.layout.tensor import shard_box, tp_styles
 
 
-def torch_plan(plan: dict[str, dict], sequence_parallel: bool) -> dict:
-    """labkit's plan in DTensor's ParallelStyles (modules outside it are replicated)."""
+def torch_styles(styles: dict[str, dict], sequence_parallel: bool) -> dict:
+    """labkit's styles in DTensor's ParallelStyles (modules outside them are replicated)."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream (b, s, h)
     out = {}
-    for name, style in plan.items():
+    for name, style in styles.items():
         kind = style["style"]
         if kind == "colwise":
             out[name] = ColwiseParallel()
@@ -105,16 +105,16 @@ def tp_device_mesh(mesh, device_type: str, *, with_fsdp: bool) -> DeviceMesh:
 
 
 def apply_tp_torch(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
-    """parallelize_module on `tp_mesh`; returns (model, the plan as data for the report). Its loss is
+    """parallelize_module on `tp_mesh`; returns (model, the styles as data for the report). Its loss is
     vocab-parallel: run the step's schedule inside `in_loss_parallel`."""
-    plan = tp_plan(model.cfg, sequence_parallel, tp_mesh.size())
-    parallelize_module(model, tp_mesh, torch_plan(plan, sequence_parallel))
+    styles = tp_styles(model.cfg, sequence_parallel, tp_mesh.size())
+    parallelize_module(model, tp_mesh, torch_styles(styles, sequence_parallel))
     if model.cfg.tied:  # each style distributed its own copy; both are Shard(0) of one weight: one again
         model.head.proj.weight = model.embed.tok.weight
     _replicate_rest(model, tp_mesh)
     # the loss leaves loss_parallel as a Replicate DTensor; the schedule adds plain tensors
     model.register_forward_hook(lambda _m, _a, out: out.to_local() if isinstance(out, DTensor) else out)
-    return model, plan
+    return model, styles
 
 
 def in_loss_parallel(schedule):

@@ -51,11 +51,11 @@ from labkit.engines.parallel.shards import (
     entries,
     flatten,
     group_sizes,
-    plan_group,
+    layout_group,
 )
 from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
-from labkit.layout.flat import bucket_plans, unit_kind
+from labkit.layout.flat import bucket_layouts, unit_kind
 
 
 class ZeRO12:
@@ -93,29 +93,31 @@ class ZeRO12:
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
         self.once = stage == 1 or once  # reduce once per step, after the last microbatch
         elem = torch.tensor([], dtype=pol.compute).element_size()
-        self.plans = bucket_plans(entries(named, metas), group_sizes(mesh, named, metas), bucket_bytes, elem)
-        self.groups = [plan_group(mesh, plan) for plan in self.plans]  # (group, N, shard index) per bucket
+        self.layouts = bucket_layouts(entries(named, metas), group_sizes(mesh, named, metas), bucket_bytes, elem)
+        self.groups = [layout_group(mesh, layout) for layout in self.layouts]  # (group, N, shard index) per bucket
         self.flats, masters, self.grads, self.grad_full = [], [], [], []
-        for k, plan in enumerate(self.plans):
-            full32 = flatten(plan, params)
-            a, b = plan.owned(self.groups[k][2])
+        for k, layout in enumerate(self.layouts):
+            full32 = flatten(layout, params)
+            a, b = layout.owned(self.groups[k][2])
             flat = full32.to(pol.compute) if pol.mixed else full32
             masters.append(full32[a:b].clone() if pol.mixed else flat[a:b])
-            bind(plan, params, flat)
+            bind(layout, params, flat)
             self.flats.append(flat)
             if stage == 1:  # full gradients; the parameters' .grad are views of them, as in DDP
                 full = torch.zeros_like(flat)
-                bind(plan, params, full, grads=True)
+                bind(layout, params, full, grads=True)
                 self.grad_full.append(full)
                 self.grads.append(full[a:b])
             else:
-                self.grads.append(torch.zeros(plan.shard, dtype=pol.compute, device=flat.device))
+                self.grads.append(torch.zeros(layout.shard, dtype=pol.compute, device=flat.device))
         self.bucket_of = {
-            id(params[name]): (k, lo, hi) for k, p in enumerate(self.plans) for name, _, lo, hi in p.offsets()
+            id(params[name]): (k, lo, hi) for k, p in enumerate(self.layouts) for name, _, lo, hi in p.offsets()
         }
         self.tied_group, self.tied = tied_params(list(params.values()), metas, mesh)  # stage 1 with pp only
-        self.optimizer = ShardedOptimizer(self.plans, [g[2] for g in self.groups], masters, mesh, params, metas, optim)
-        self.pending = [0] * len(self.plans)
+        self.optimizer = ShardedOptimizer(
+            self.layouts, [g[2] for g in self.groups], masters, mesh, params, metas, optim
+        )
+        self.pending = [0] * len(self.layouts)
         self.filling: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its buffer, until launched
         self.acc: dict[int, torch.Tensor] = {}  # stage 1, bf16, microbatches: bucket -> fp32 sum
         self.accumulate = False
@@ -129,7 +131,7 @@ class ZeRO12:
     def microbatch(self, index: int, count: int):
         self.sync = not self.once or index == count - 1
         self.accumulate = self.stage == 1 and count > 1 and self.pol.reduce != self.pol.compute
-        self.pending = [len(p.names) for p in self.plans]
+        self.pending = [len(p.names) for p in self.layouts]
         yield
         if not self.once:  # buckets whose gradients did not all arrive (unused parameters) go too, in order
             self._launch_ready(all_remaining=True)
@@ -140,14 +142,14 @@ class ZeRO12:
         if self.accumulate:  # bf16 microbatches: into the bucket's fp32 sum, the bf16 view back to 0
             if k not in self.acc:
                 self.acc[k] = self._track(
-                    torch.zeros(self.plans[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
+                    torch.zeros(self.layouts[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
                 )
             self.acc[k][lo:hi].add_(p.grad.reshape(-1))
             p.grad.zero_()
         if self.stage == 2:  # into the bucket's buffer (summed over microbatches when `once`); p.grad dropped
             if k not in self.filling:
                 self.filling[k] = self._track(
-                    torch.zeros(self.plans[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
+                    torch.zeros(self.layouts[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
                 )
             self.filling[k][lo:hi].add_(p.grad.reshape(-1))
             p.grad = None
@@ -162,8 +164,8 @@ class ZeRO12:
         return buf
 
     def _launch_ready(self, all_remaining: bool = False) -> None:
-        """Reduce-scatter buckets in plan order as far as they are complete (or all, at the end)."""
-        while self.next_launch < len(self.plans):
+        """Reduce-scatter buckets in layout order as far as they are complete (or all, at the end)."""
+        while self.next_launch < len(self.layouts):
             k = self.next_launch
             if self.pending[k] > 0 and not all_remaining:
                 return
@@ -171,7 +173,7 @@ class ZeRO12:
                 buf = self.filling.pop(k, None)
                 if buf is None:  # no gradient of this bucket arrived
                     buf = self._track(
-                        torch.zeros(self.plans[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
+                        torch.zeros(self.layouts[k].padded, dtype=self.pol.reduce, device=self.flats[k].device)
                     )
             elif k in self.acc:
                 buf = self.acc.pop(k)
@@ -181,7 +183,7 @@ class ZeRO12:
                 buf = self.grad_full[k]
             self._drain()
             group, n, index = self.groups[k]
-            a, b = self.plans[k].owned(index)
+            a, b = self.layouts[k].owned(index)
             work = (
                 reduce_scatter_single(buf[a:b], buf, group=group, async_op=True) if n > 1 else None
             )  # (padded,) summed over ranks -> its slice a:b, in place
@@ -198,7 +200,7 @@ class ZeRO12:
             work.wait()
         if self.stage == 1 and buf is self.grad_full[k]:
             return  # reduced in place
-        a, b = self.plans[k].owned(self.groups[k][2])
+        a, b = self.layouts[k].owned(self.groups[k][2])
         if self.stage == 1:
             self.grads[k].copy_(buf[a:b])  # fp32 sum rounded once into the bf16 slice
         else:
@@ -206,8 +208,8 @@ class ZeRO12:
         self._track(buf, -1)
 
     def finish(self) -> None:
-        for k, plan in enumerate(self.plans):  # a tied embedding: both stages' parts summed before the reduce-scatter
-            for name, _, lo, hi in plan.offsets():
+        for k, fl in enumerate(self.layouts):  # a tied embedding: both stages' parts summed before the reduce-scatter
+            for name, _, lo, hi in fl.offsets():
                 if id(self.params[name]) in self.tied:
                     full = self.filling[k] if self.stage == 2 else self.acc[k] if k in self.acc else self.grad_full[k]
                     all_reduce_tied(full[lo:hi], self.tied_group)
@@ -222,8 +224,8 @@ class ZeRO12:
     @torch.no_grad()
     def step(self) -> float:
         norm = self.optimizer.step(self.grads)
-        for plan, (group, n, index), flat, m in zip(self.plans, self.groups, self.flats, self.optimizer.masters):
-            a, b = plan.owned(index)
+        for layout, (group, n, index), flat, m in zip(self.layouts, self.groups, self.flats, self.optimizer.masters):
+            a, b = layout.owned(index)
             if self.pol.mixed:
                 flat[a:b].copy_(m)  # round the updated masters into this rank's bf16 slice
             if n > 1:  # (shard,) from every rank -> (padded,), in place
@@ -248,7 +250,9 @@ class ZeRO12:
 
     def compute_pieces(self) -> list[dict]:
         """The whole buffers forward reads, as the step's all-gather left them on this rank."""
-        return [pc for plan, flat in zip(self.plans, self.flats) for pc in self.optimizer.whole_pieces(plan, flat)]
+        return [
+            pc for layout, flat in zip(self.layouts, self.flats) for pc in self.optimizer.whole_pieces(layout, flat)
+        ]
 
 
 def apply_zero(

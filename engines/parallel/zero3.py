@@ -35,10 +35,10 @@ from labkit.engines.parallel.shards import (
     entries,
     flatten,
     group_sizes,
-    plan_group,
+    layout_group,
 )
 from labkit.engines.precision import Policy
-from labkit.layout.flat import FlatPlan, unit_plans
+from labkit.layout.flat import FlatLayout, unit_layouts
 
 
 class _Unit:
@@ -48,18 +48,20 @@ class _Unit:
     Freeing it shrinks its storage to 0 bytes (storage.resize_, as PyTorch's FSDP does), which keeps
     every view, including the ones autograd saved in forward, valid for the next gather."""
 
-    def __init__(self, plan: FlatPlan, modules: list[nn.Module], params: dict[str, nn.Parameter], mesh, pol: Policy):
-        self.plan, self.modules = plan, modules  # what runs it: one module, or its parts in several chunks
-        self.group, self.n, self.index = plan_group(mesh, plan)  # the ranks that shard this buffer
-        self.params = [params[n] for n in plan.names]
-        self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in plan.offsets()}
-        full32 = flatten(plan, params)
-        a, b = plan.owned(self.index)
+    def __init__(
+        self, layout: FlatLayout, modules: list[nn.Module], params: dict[str, nn.Parameter], mesh, pol: Policy
+    ):
+        self.layout, self.modules = layout, modules  # what runs it: one module, or its parts in several chunks
+        self.group, self.n, self.index = layout_group(mesh, layout)  # the ranks that shard this buffer
+        self.params = [params[n] for n in layout.names]
+        self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in layout.offsets()}
+        full32 = flatten(layout, params)
+        a, b = layout.owned(self.index)
         self.full = full32.to(pol.compute) if pol.mixed else full32
         self.shard = self.full[a:b].clone()  # what this rank all-gathers
         self.master = full32[a:b].clone() if pol.mixed else self.shard  # what its optimizer updates
         self.grad = torch.zeros_like(self.shard)  # its reduced gradient slice
-        bind(plan, params, self.full)
+        bind(layout, params, self.full)
         self.nbytes = self.full.untyped_storage().nbytes()
         self.full.untyped_storage().resize_(0)
         self.gathered = False
@@ -99,8 +101,8 @@ class ZeRO3:
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {metas[p].full_name(n): p for n, p in named}
         self.pol, self.reshard, self.meters, self.loss_shards, self.keep = pol, reshard, meters, loss_shards, keep
-        self.plans = unit_plans(entries(named, metas), group_sizes(mesh, named, metas), kind)
-        self.units = [_Unit(p, _unit_modules(chunks, p.unit), params, mesh, pol) for p in self.plans]
+        self.layouts = unit_layouts(entries(named, metas), group_sizes(mesh, named, metas), kind)
+        self.units = [_Unit(p, _unit_modules(chunks, p.unit), params, mesh, pol) for p in self.layouts]
         self.tied_group, self.tied = tied_params(list(params.values()), metas, mesh)
         self.count = 1  # microbatches per step (microbatch())
         for u in self.units:
@@ -112,7 +114,7 @@ class ZeRO3:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
         self.optimizer = ShardedOptimizer(
-            self.plans, [u.index for u in self.units], [u.master for u in self.units], mesh, params, metas, optim
+            self.layouts, [u.index for u in self.units], [u.master for u in self.units], mesh, params, metas, optim
         )
         self.in_flight = None  # (unit, buffer, work): one reduce-scatter in flight
 
@@ -148,10 +150,10 @@ class ZeRO3:
         """Gather the unit again (if freed) and give its gradients a buffer in the reduce dtype:
         under fp32 the parameters' .grad are views of it, under bf16 each is copied in on arrival."""
         self._gather(u)
-        u.grad_full = torch.zeros(u.plan.padded, dtype=self.pol.reduce, device=u.shard.device)
+        u.grad_full = torch.zeros(u.layout.padded, dtype=self.pol.reduce, device=u.shard.device)
         self.meters.memory.track("reduce_buffers", u.grad_full.nbytes)
         if self.pol.reduce == self.pol.compute:
-            bind(u.plan, dict(zip(u.plan.names, u.params)), u.grad_full, grads=True)
+            bind(u.layout, dict(zip(u.layout.names, u.params)), u.grad_full, grads=True)
         u.pending = len(u.params)
 
     def _grad_ready(self, u: _Unit, p: nn.Parameter) -> None:
@@ -169,13 +171,13 @@ class ZeRO3:
         """keep: the unit's gradient buffer, made when its first gradient of the step arrives and
         kept until all m microbatches' have (the last microbatch's backward); that gradient goes in,
         and under fp32 every parameter's .grad becomes a view of it, where autograd accumulates."""
-        u.grad_full = torch.zeros(u.plan.padded, dtype=self.pol.reduce, device=u.shard.device)
+        u.grad_full = torch.zeros(u.layout.padded, dtype=self.pol.reduce, device=u.shard.device)
         self.meters.memory.track("reduce_buffers", u.grad_full.nbytes)
         lo, hi = u.slot[id(p)]
         u.grad_full[lo:hi].copy_(p.grad.reshape(-1))
         p.grad = None
         if self.pol.reduce == self.pol.compute:
-            bind(u.plan, dict(zip(u.plan.names, u.params)), u.grad_full, grads=True)
+            bind(u.layout, dict(zip(u.layout.names, u.params)), u.grad_full, grads=True)
         u.pending = len(u.params) * self.count
 
     def _reduce(self, u: _Unit) -> None:
@@ -185,7 +187,7 @@ class ZeRO3:
         self._free(u)
         self._drain()
         buf, u.grad_full = u.grad_full, None
-        a, b = u.plan.owned(u.index)
+        a, b = u.layout.owned(u.index)
         work = (
             reduce_scatter_single(buf[a:b], buf, group=u.group, async_op=True) if u.n > 1 else None
         )  # (padded,) summed over ranks -> its slice a:b, in place
@@ -197,7 +199,7 @@ class ZeRO3:
         u, buf, work = self.in_flight
         if work is not None:
             work.wait()
-        a, b = u.plan.owned(u.index)
+        a, b = u.layout.owned(u.index)
         u.grad.add_(buf[a:b])  # fp32 sum rounded into the bf16 slice under bf16
         self.meters.memory.track("reduce_buffers", -buf.nbytes)
         self.in_flight = None
@@ -254,13 +256,13 @@ class ZeRO3:
 
     @torch.no_grad()
     def compute_pieces(self) -> list[dict]:
-        """Each unit gathered as its next forward would gather it (a collective per unit, in plan
+        """Each unit gathered as its next forward would gather it (a collective per unit, in layout
         order on every rank), read whole, and freed."""
         out = []
         for u in self.units:
             was = u.gathered
             self._gather(u)
-            out += self.optimizer.whole_pieces(u.plan, u.full)
+            out += self.optimizer.whole_pieces(u.layout, u.full)
             if not was:
                 self._free(u)
         return out

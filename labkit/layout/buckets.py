@@ -1,5 +1,5 @@
 """Gradient buckets: which parameters are reduced together, for labkit's DDP and ZeRO-1/2
-(`plan_buckets`, `plan_groups`) and for PyTorch's DDP (`torch_ddp_buckets`, which the theory
+(`lab_buckets`, `grouped_buckets`) and for PyTorch's DDP (`torch_ddp_buckets`, which the theory
 predicts). Pure Python: the engines bucket by these rules and the theory reads the same ones.
 
 labkit's rule: parameters in reverse registration order — roughly the order backward produces
@@ -11,7 +11,7 @@ Distributed", VLDB 2020, section 3.2.3) without its smaller first bucket.
 from __future__ import annotations
 
 
-def plan_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
+def lab_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
     """Indices (into sizes_bytes) of each bucket, in launch order."""
     buckets: list[list[int]] = []
     current: list[int] = []
@@ -27,7 +27,7 @@ def plan_buckets(sizes_bytes: list[int], cap_bytes: int) -> list[list[int]]:
     return buckets
 
 
-def plan_groups(sizes_bytes: list[int], keys: list, cap_bytes: int) -> list[tuple[object, list[int]]]:
+def grouped_buckets(sizes_bytes: list[int], keys: list, cap_bytes: int) -> list[tuple[object, list[int]]]:
     """Buckets when parameters are reduced over different groups: (key, indices) per bucket.
     Parameters are grouped by `keys[i]` (the dims their gradient is reduced over), each group
     bucketed as above, and all buckets launched by their last parameter, latest first — the
@@ -37,7 +37,7 @@ def plan_groups(sizes_bytes: list[int], keys: list, cap_bytes: int) -> list[tupl
         groups.setdefault(k, []).append(i)
     out = []
     for k, idx in groups.items():
-        out += [(k, [idx[j] for j in b]) for b in plan_buckets([sizes_bytes[i] for i in idx], cap_bytes)]
+        out += [(k, [idx[j] for j in b]) for b in lab_buckets([sizes_bytes[i] for i in idx], cap_bytes)]
     return sorted(out, key=lambda kb: -kb[1][0])
 
 

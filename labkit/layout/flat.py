@@ -1,14 +1,14 @@
 """Flat buffers for sharded data parallelism (ZeRO, Rajbhandari et al., SC 2020, section 5;
 FSDP, Zhao et al., VLDB 2023, section 3.2): which parameters share one, in what order, and how
 it is cut into N equal shards, rank i holding the i-th. Pure Python: the engines' ZeRO / FSDP
-(engines/parallel/zero.py, shards.py) build these plans and the theory counts their bytes.
+(engines/parallel/zero.py, shards.py) build these layouts and the theory counts their bytes.
 
     padded = ceil(numel / N) * N,    shard = padded / N   (elements per rank, padding included)
 
 Matrices come first in a buffer, vectors after, so a shard's weight-decay mask is two runs.
-Two groupings: `bucket_plans` (ZeRO-1/2, DDP's buckets) and `unit_plans` (ZeRO-3 / FSDP, one
+Two groupings: `bucket_layouts` (ZeRO-1/2, DDP's buckets) and `unit_layouts` (ZeRO-3 / FSDP, one
 buffer per module gathered as a whole). A buffer only holds parameters reduced over the same
-dims and is sharded over exactly that group (`FlatPlan.dims`); DERIVATIONS.md, "Flat buffers", says why.
+dims and is sharded over exactly that group (`FlatLayout.dims`); DERIVATIONS.md, "Flat buffers", says why.
 Entries are (name, shape) — whole-model data parallelism, dims dp-ep-cp — or
 (name, shape, dims) or (name, shape, dims, chunk); `n` is one group size or {dims: size}.
 """
@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from math import prod
 
-from labkit.layout.buckets import plan_groups
+from labkit.layout.buckets import grouped_buckets
 from labkit.layout.mesh import DATA_DIMS
 
 
@@ -33,7 +33,7 @@ def is_matrix(shape) -> bool:
 
 
 @dataclass(frozen=True)
-class FlatPlan:
+class FlatLayout:
     """One flat buffer: parameter names in buffer order (matrices first), their sizes, N shards."""
 
     unit: str
@@ -45,7 +45,7 @@ class FlatPlan:
     """Mesh dims of the n ranks that share the buffer, shard it and reduce its gradients."""
 
     @classmethod
-    def of(cls, unit: str, named_shapes, n: int, dims: tuple[str, ...] = DATA_DIMS) -> FlatPlan:
+    def of(cls, unit: str, named_shapes, n: int, dims: tuple[str, ...] = DATA_DIMS) -> FlatLayout:
         ordered = [x for x in named_shapes if is_matrix(x[1])] + [x for x in named_shapes if not is_matrix(x[1])]
         return cls(unit, tuple(a for a, _ in ordered), tuple(tuple(s) for _, s in ordered), n, tuple(dims))
 
@@ -114,15 +114,15 @@ def _size(n, dims) -> int:
     return n if isinstance(n, int) else n[dims]
 
 
-def bucket_plans(named, n, cap_bytes: int, elem_bytes: int) -> list[FlatPlan]:
+def bucket_layouts(named, n, cap_bytes: int, elem_bytes: int) -> list[FlatLayout]:
     """ZeRO-1/2: DDP's buckets (per reduce group and chunk, reverse registration order,
-    `cap_bytes` of gradients each; buckets.plan_groups), in launch order, each one flat buffer."""
+    `cap_bytes` of gradients each; buckets.grouped_buckets), in launch order, each one flat buffer."""
     entries = _entries(named)
     sizes = [prod(s) * elem_bytes for _, s, _, _ in entries]
     keys = [(dims, chunk) for _, _, dims, chunk in entries]
     return [
-        FlatPlan.of(f"bucket{k}", [entries[i][:2] for i in idx], _size(n, key[0]), key[0])
-        for k, (key, idx) in enumerate(plan_groups(sizes, keys, cap_bytes))
+        FlatLayout.of(f"bucket{k}", [entries[i][:2] for i in idx], _size(n, key[0]), key[0])
+        for k, (key, idx) in enumerate(grouped_buckets(sizes, keys, cap_bytes))
     ]
 
 
@@ -145,7 +145,7 @@ def unit_of(name: str, kind: str) -> str:
     return parts[0] if kind == "zero3" else ""
 
 
-def unit_plans(named, n, kind: str) -> list[FlatPlan]:
+def unit_layouts(named, n, kind: str) -> list[FlatLayout]:
     """ZeRO-3 / FSDP units in forward order: zero3 embed, blocks.0.., head; fsdp the root (''),
     then blocks.0.. (the root's hooks run around the whole forward). A module whose parameters
     are reduced over different dims gets one buffer per group, in registration order."""
@@ -163,4 +163,4 @@ def unit_plans(named, n, kind: str) -> list[FlatPlan]:
             first[k],
         ),
     )
-    return [FlatPlan.of(u, units[u, dims], _size(n, dims), dims) for u, dims in order]
+    return [FlatLayout.of(u, units[u, dims], _size(n, dims), dims) for u, dims in order]

@@ -1,7 +1,7 @@
-"""The tensor-parallel plan as data: module name -> style (Shoeybi et al. 2019, section 3;
+"""The tensor-parallel styles as data: module name -> style (Shoeybi et al. 2019, section 3;
 Korthikanti et al. 2022, section 4.2.2 for SP). The executor (engines/parallel/tensor.py,
 tensor_torch.py), the theory (labkit/theory/exact/params.py, tensor.py) and the notebooks read this
-one table. The styles are listed at `tp_plan`; why an MoE layer is replicated over tp, what its
+one table. The styles are listed at `tp_styles`; why an MoE layer is replicated over tp, what its
 'all-gather-replicated' input and 'split' output are, and how KV heads are shared when tp >
 kv_heads, is in DERIVATIONS.md.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 from labkit.config import ModelConfig
 
 
-def tp_plan(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) -> dict[str, dict]:
+def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) -> dict[str, dict]:
     """Module name -> style dict for the model (engines/model.py, every family). Styles:
       colwise    weight rows (output features) split over tp: Y_i = X A_i, no communication; a
                  bias is split with its rows. `kv_groups`: wk / wv when tp > kv_heads — the rows
@@ -38,46 +38,46 @@ def tp_plan(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) ->
     kv_style = {"style": "colwise", "shard_dim": 0}
     if tp > kv:
         kv_style["kv_groups"] = kv
-    plan = {"embed.tok": {"style": "vocab", "shard_dim": 0, "output": leave}}
+    styles = {"embed.tok": {"style": "vocab", "shard_dim": 0, "output": leave}}
     if not model.family.rotary:  # a learned position table
-        plan["embed.pos"] = dict(norm)
+        styles["embed.pos"] = dict(norm)
     for i in range(model.layers):
         b = f"blocks.{i}."
-        plan[b + "ln1"] = dict(norm)
-        plan[b + "attn"] = dict(enter)
-        plan[b + "attn.wq"] = {"style": "colwise", "shard_dim": 0}  # whole heads per rank
-        plan[b + "attn.wk"] = dict(kv_style)
-        plan[b + "attn.wv"] = dict(kv_style)
-        plan[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
-        plan[b + "ln2"] = dict(norm)
+        styles[b + "ln1"] = dict(norm)
+        styles[b + "attn"] = dict(enter)
+        styles[b + "attn.wq"] = {"style": "colwise", "shard_dim": 0}  # whole heads per rank
+        styles[b + "attn.wk"] = dict(kv_style)
+        styles[b + "attn.wv"] = dict(kv_style)
+        styles[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
+        styles[b + "ln2"] = dict(norm)
         if model.experts:  # replicated over tp, split by ep instead (DERIVATIONS.md)
-            plan[b + "mlp"] = (
+            styles[b + "mlp"] = (
                 {"style": "replicate", "input": "all-gather-replicated", "output": "split"}
                 if sequence_parallel
                 else {"style": "replicate"}
             )
-            plan[b + "mlp.router"] = {"style": "replicate"}
+            styles[b + "mlp.router"] = {"style": "replicate"}
             continue
-        plan[b + "mlp"] = dict(enter)
+        styles[b + "mlp"] = dict(enter)
         up, down = (("gate", "up"), "down") if model.family.gated_mlp else (("fc1",), "fc2")
         for name in up:
-            plan[b + f"mlp.{name}"] = {"style": "colwise", "shard_dim": 0}
-        plan[b + f"mlp.{down}"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
-    plan["head.norm"] = dict(norm)
-    plan["head.proj"] = {
+            styles[b + f"mlp.{name}"] = {"style": "colwise", "shard_dim": 0}
+        styles[b + f"mlp.{down}"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
+    styles["head.norm"] = dict(norm)
+    styles["head.proj"] = {
         "style": "vocab",
         "shard_dim": 0,
         "input": enter["input"],
         "output": "vocab-parallel cross-entropy",
     }
     if model.tied:
-        plan["head.proj"]["tied"] = "embed.tok"
-    return plan
+        styles["head.proj"]["tied"] = "embed.tok"
+    return styles
 
 
-def param_style(plan: dict[str, dict], param_name: str) -> dict:
+def param_style(styles: dict[str, dict], param_name: str) -> dict:
     """The style of the module that owns `param_name` ('blocks.0.attn.wq.weight' -> attn.wq's)."""
-    return plan[param_name.rsplit(".", 1)[0]]
+    return styles[param_name.rsplit(".", 1)[0]]
 
 
 def shard_box(full_shape, dim: int, tp: int, tp_rank: int) -> list[list[int]]:
@@ -88,9 +88,9 @@ def shard_box(full_shape, dim: int, tp: int, tp_rank: int) -> list[list[int]]:
     return box
 
 
-def local_param(plan: dict[str, dict], name: str, full_shape, tp: int, tp_rank: int = 0):
-    """(local shape, box or None, extra reduce dims, replica dims) of one parameter under `plan`."""
-    style = param_style(plan, name)
+def local_param(styles: dict[str, dict], name: str, full_shape, tp: int, tp_rank: int = 0):
+    """(local shape, box or None, extra reduce dims, replica dims) of one parameter under `styles`."""
+    style = param_style(styles, name)
     kind = style["style"]
     if kind == "rowwise" and name.endswith(".bias"):  # added once, after the reduction
         if style["output"] == "reduce-scatter":

@@ -3,7 +3,7 @@ rule, in the order engines/parallelize.py applies the strategies.
 
     pipeline (pp)   which chunks and layers the rank keeps     theory/exact/pipeline.py chunk_full_shapes
     experts (ep)    E/ep experts of every MoE layer            theory/exact/experts.py local_shapes
-    tensor (tp)     the plan's slice of each matrix            labkit/layout/tensor.py local_param
+    tensor (tp)     the styles' slice of each matrix           labkit/layout/tensor.py local_param
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.layout.tensor import local_param, tp_plan
+from labkit.layout.tensor import local_param, tp_styles
 from labkit.theory.exact import experts
 from labkit.theory.exact.pipeline import chunk_full_shapes
 
@@ -23,14 +23,14 @@ def chunk_local_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) ->
     of each parameter, in registration order — the chunk's full shapes after the ep and tp
     splits. Every rank at one pipeline coordinate holds the same shapes (the splits are even),
     so an estimate at scale computes this once per coordinate."""
-    plan = tp_plan(model, cfg.sequence_parallel, cfg.tp) if cfg.tp > 1 else None
+    styles = tp_styles(model, cfg.sequence_parallel, cfg.tp) if cfg.tp > 1 else None
     out = []
     for chunk in chunk_full_shapes(cfg, model, pp_rank):
         rows = []
         for name, shape in experts.local_shapes(cfg, model, chunk):
             dims = experts.reduce_dims(name, cfg)
-            if plan is not None:
-                shape, _, extra, _ = local_param(plan, name, shape, cfg.tp)
+            if styles is not None:
+                shape, _, extra, _ = local_param(styles, name, shape, cfg.tp)
                 dims = dims + extra
             rows.append((name, tuple(shape), dims))
         out.append(tuple(rows))
@@ -45,5 +45,5 @@ def rank_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> i
 
 def rank_entries(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> list[tuple[str, tuple, tuple, int]]:
     """(name, local shape, reduce dims, pipeline chunk) of every parameter a rank holds: what
-    the flat-buffer plans of ZeRO / FSDP take (labkit/layout/flat.py)."""
+    the flat-buffer layouts of ZeRO / FSDP take (labkit/layout/flat.py)."""
     return [(n, s, d, c) for c, chunk in enumerate(chunk_local_params(cfg, model, pp_rank)) for n, s, d in chunk]

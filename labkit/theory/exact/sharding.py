@@ -16,8 +16,8 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.layout.buckets import plan_groups, torch_ddp_buckets
-from labkit.layout.flat import FlatPlan, bucket_plans, unit_kind, unit_of, unit_plans
+from labkit.layout.buckets import grouped_buckets, torch_ddp_buckets
+from labkit.layout.flat import FlatLayout, bucket_layouts, unit_kind, unit_layouts, unit_of
 from labkit.layout.mesh import DATA_DIMS
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.layout.schedules import schedule_table, stage_of, style
@@ -28,20 +28,20 @@ def group_size(cfg: ParallelConfig, dims) -> int:
     return prod(getattr(cfg, d) for d in dims)
 
 
-def plans(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> list[FlatPlan]:
+def flat_buffers(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> list[FlatLayout]:
     """The flat buffers of our ZeRO / FSDP on a rank at pipeline coordinate `pp_rank` (the
     engines build the same ones). n: one group size for every buffer (data parallelism alone);
     default each buffer's own reduce group."""
-    return list(_plans(cfg, model, n, pp_rank))
+    return list(_flat_buffers(cfg, model, n, pp_rank))
 
 
 @lru_cache(maxsize=4096)
-def _plans(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> tuple[FlatPlan, ...]:
+def _flat_buffers(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> tuple[FlatLayout, ...]:
     entries = rank_entries(cfg, model, pp_rank)
     sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
     if cfg.sharded.optimizer and not cfg.sharded.params:  # ZeRO-1 / 2: DDP's buckets, flat
-        return tuple(bucket_plans(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
-    return tuple(unit_plans(entries, sizes, unit_kind(cfg.sharded.per_module_units, model.tied)))
+        return tuple(bucket_layouts(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
+    return tuple(unit_layouts(entries, sizes, unit_kind(cfg.sharded.per_module_units, model.tied)))
 
 
 def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
@@ -54,7 +54,7 @@ def state_bytes(
     cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0, pp_rank: int = 0
 ) -> dict[str, int]:
     """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
-    `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `plans`."""
+    `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `flat_buffers`."""
     e, k = ELEM[cfg.precision], 8 + (4 if cfg.numerics.mixed else 0)  # + fp32 master weights
     entries = rank_entries(cfg, model, pp_rank)
     if not cfg.sharded.optimizer:
@@ -70,7 +70,7 @@ def state_bytes(
             held += rows * rest
         # parameters and gradients are views of padded flat storage; Adam's moments are not
         return {"params": 4 * padded_local, "grads": 4 * padded_local, "optimizer": 8 * held}
-    ps = plans(cfg, model, n, pp_rank)
+    ps = flat_buffers(cfg, model, n, pp_rank)
     P, S = sum(p.padded for p in ps), sum(p.shard for p in ps)
     return {
         "params": e * (S if cfg.sharded.params else P),
@@ -84,7 +84,7 @@ def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp
     buffers for several reduce groups counts them together: they are gathered together)."""
     if not cfg.torch_impl:
         out: dict[str, int] = {}
-        for p in plans(cfg, model, n, pp_rank):
+        for p in flat_buffers(cfg, model, n, pp_rank):
             out[p.unit] = out.get(p.unit, 0) + p.padded
         return out
     n_dp = n if n is not None else cfg.dp
@@ -157,10 +157,10 @@ def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = Non
             return {}  # ZeRO-1 in fp32: reduced in place
         once = not cfg.sharded.grads or cfg.pp > 1  # zero2 under a pipeline sums microbatches too
         if once and cfg.microbatches > 1:  # every bucket's fp32 sum from the first microbatch
-            return {"reduce_buffers": REDUCE * sum(p.padded for p in plans(cfg, model, n, pp_rank))}
+            return {"reduce_buffers": REDUCE * sum(p.padded for p in flat_buffers(cfg, model, n, pp_rank))}
         # a buffer lives from its first gradient (zero2) or its launch (zero1) to the end of its
         # reduce-scatter, one in flight: two neighbours at most, as backward fills them in order
-        sizes = [p.padded * REDUCE for p in plans(cfg, model, n, pp_rank)]
+        sizes = [p.padded * REDUCE for p in flat_buffers(cfg, model, n, pp_rank)]
         return {"reduce_buffers": max([a + b for a, b in zip(sizes, sizes[1:])] or sizes)}
     if cfg.pp > 1 and not cfg.torch_impl:
         peaks = keep_peaks(cfg, model, n, pp_rank)
@@ -185,7 +185,7 @@ def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: 
     p, v, m, placement = cfg.pp, cfg.virtual_stages, cfg.microbatches, style(cfg.schedule)
     entries = rank_entries(cfg, model, pp_rank)
     where = {name: (i, c) for i, (name, _, _, c) in enumerate(entries)}
-    units = plans(cfg, model, n, pp_rank)
+    units = flat_buffers(cfg, model, n, pp_rank)
     chunks = [{where[x][1] for x in u.names} for u in units]
     first = [min(where[x][0] for x in u.names) for u in units]  # forward position
     tied = [model.tied and any(x == "embed.tok.weight" for x in u.names) and p > 1 for u in units]
@@ -225,14 +225,14 @@ def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: 
 
 def norm_dims(layout) -> tuple[str, ...]:
     """The dims of the global norm's all-reduce under sharding: every dim that splits parameters
-    or shards their buffers (engines/parallel/common.py norm_plan, sharded)."""
+    or shards their buffers (engines/parallel/common.py norm_terms, sharded)."""
     return tuple(d for d in ("tp", "pp", "ep", "dp", "cp") if layout.size(d) > 1)
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """Every data-parallel collective of one step, per rank, in the order the engines issue them:
     DDP's buckets and then the global norm (sharding='none'); or ZeRO / FSDP's buffers, each over
-    its own group (FlatPlan.dims), and the norm over `norm_dims`. Ranks at one pipeline
+    its own group (FlatLayout.dims), and the norm over `norm_dims`. Ranks at one pipeline
     coordinate issue the same ones, so they are listed once per coordinate."""
     if not cfg.sharded.optimizer:
         ddp_rows(comm, cfg, model, layout)
@@ -246,7 +246,7 @@ def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """DDP (sharding='none'): each bucket of gradients all-reduced once per step over the dims its
     parameters are reduced over (dp x ep x cp; experts under ep: dp x cp; SP's LayerNorms add tp),
     bucketed per group and per pipeline chunk (the whole model when pp == 1), as
-    engines/parallel/ddp.py `plan` does. Buckets are cut by gradient bytes in the compute dtype
+    engines/parallel/ddp.py `bucket_indices` does. Buckets are cut by gradient bytes in the compute dtype
     and reduced in fp32 (bf16 gradients go through an fp32 copy: engines/precision.py)."""
     elem = ELEM[cfg.precision]
     cap = int(cfg.bucket_mb * 2**20)
@@ -258,7 +258,7 @@ def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
             if cfg.torch_impl:  # PyTorch's DDP: one process group
                 groups = [(DATA_DIMS, b) for b in torch_ddp_buckets(sizes, cap)]
             else:
-                groups = plan_groups(sizes, [dims for _, _, dims in chunk], cap)
+                groups = grouped_buckets(sizes, [dims for _, _, dims in chunk], cap)
             for dims, b in groups:
                 yield layout.label(*dims), "all_reduce", REDUCE * sum(numels[i] for i in b), layout.size(*dims), 1
 
@@ -266,7 +266,7 @@ def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
 
 
 def grad_norm(comm, cfg: ParallelConfig, layout) -> None:
-    """DDP's global gradient norm (engines/parallel/common.py norm_plan): one fp32 scalar
+    """DDP's global gradient norm (engines/parallel/common.py norm_terms): one fp32 scalar
     all-reduced over the dims that split the parameters (tp, pp, ep), in the optimizer phase."""
     split = tuple(d for d in ("tp", "pp", "ep") if layout.size(d) > 1)
     if not split:
@@ -282,7 +282,7 @@ def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[t
     the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)  # the global norm
     once = cfg.pp > 1  # under a pipeline: gathered once, reduced once per step (zero.py, zero3.py)
     out = []
-    for p in plans(cfg, model, None, pp_rank):
+    for p in flat_buffers(cfg, model, None, pp_rank):
         dim = layout.label(*p.dims)
         if not cfg.sharded.params:  # ZeRO-1 / 2
             scatters = m if cfg.sharded.grads and not once else 1

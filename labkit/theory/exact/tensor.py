@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism, predicted (our implementation, engines/parallel/tensor.py):
 activations saved for backward and the tp collectives per step (Shoeybi et al. 2019;
-Korthikanti et al. 2022). Which parameters a tp rank holds is the plan's (layout/tensor.py,
+Korthikanti et al. 2022). Which parameters a tp rank holds is the styles' (layout/tensor.py,
 read by theory/exact/params.py). Per block and microbatch, with s' = s/t under SP (else s), for the gpt
 family with multi-head attention:
     activations  act·(2bs'h + 2bsh + 4bsh/t + 2bsf/t + 4bs') + 4(a/t)bs
