@@ -254,7 +254,7 @@ def _engine_gpus() -> dict:
 
 @pytest.mark.timeout(300)
 def test_engines_report_physical_gpus_and_sharing_one_is_seen(gpu_lab):
-    from labkit.cluster.world import own_gpus, plan_world
+    from labkit.cluster.world import own_gpus, world_setup
     from labkit.engines.host import nccl_version
 
     info = gpu_lab.apply(_engine_gpus, timeout=30)[0]
@@ -262,11 +262,11 @@ def test_engines_report_physical_gpus_and_sharing_one_is_seen(gpu_lab):
     assert info["gpus"] >= 1 and len(set(info["gpu_uuids"])) == info["gpus"] and all(info["gpu_uuids"])
     one = dict(info, gpus=1, gpu_uuids=info["gpu_uuids"][:1])
     twin = dict(one, host=one["host"])  # a second engine bound to the same GPU
-    assert own_gpus([one, twin]) is None and plan_world([one, twin]).devices == ["cpu", "cpu"]
-    shared = plan_world([one, twin], device="cuda")
+    assert own_gpus([one, twin]) is None and world_setup([one, twin]).devices == ["cpu", "cpu"]
+    shared = world_setup([one, twin], device="cuda")
     assert shared.devices == ["cuda:0", "cuda:0"] and shared.backend == ("nccl" if gpu_lab.backend_reason else "gloo")
     other = dict(one, host=one["host"] + "-b", addr="10.9.9.9")  # faked second host, its own GPU
-    assert plan_world([dict(one, addr="10.9.9.8"), other], local=False).backend == "nccl"
+    assert world_setup([dict(one, addr="10.9.9.8"), other], local=False).backend == "nccl"
 
 
 def _all_reduce_cpu_tensor():  # notebook 01's first cell body, on CPU tensors

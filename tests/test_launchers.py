@@ -24,7 +24,7 @@ from labkit.cluster.launchers import (
     mpi_args,
     slurm_script,
 )
-from labkit.cluster.world import host_order, plan_world, watchable
+from labkit.cluster.world import host_order, watchable, world_setup
 
 GIB = 2**30
 
@@ -195,10 +195,10 @@ def test_ranks_go_host_by_host_in_the_launchers_order():
 
 def test_each_host_talks_on_the_interface_that_reaches_the_controller():
     infos = [_info("a", ifname="lk21a0", addr="10.213.0.1")] * 2 + [_info("b", ifname="lk21b0", addr="10.213.0.2")] * 2
-    world = plan_world(infos, local=True)
+    world = world_setup(infos, local=True)
     assert world.addr == "10.213.0.1" and not world.loopback
     assert world.ifnames == ["lk21a0", "lk21a0", "lk21b0", "lk21b0"]
-    one = plan_world([_info("a")] * 2, local=True)
+    one = world_setup([_info("a")] * 2, local=True)
     assert one.loopback and one.ifnames == ["lo", "lo"] and one.addr == "127.0.0.1"
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from labkit import ParallelConfig
 from labkit.cluster.errors import LabError
-from labkit.cluster.world import forwarded_env, layout_problems, own_gpus, plan_world
+from labkit.cluster.world import backend_problems, forwarded_env, own_gpus, world_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -48,7 +48,7 @@ def test_one_gpu_per_engine_is_judged_by_physical_gpu_not_by_count():
     """Two nodes, 8 engines each, every engine bound to its own GPU (CUDA_VISIBLE_DEVICES=k):
     each sees 1 GPU for 8 engines per host, and they are 16 different GPUs."""
     infos = engines({"node0": 8, "node1": 8}, gpus=1, uuids=per_engine_gpu)
-    world = plan_world(infos, local=False)
+    world = world_setup(infos, local=False)
     assert world.backend == "nccl"
     assert world.devices == ["cuda:0"] * 16
     assert world.addr == "10.0.0.1" and not world.loopback
@@ -60,72 +60,72 @@ def test_engines_sharing_one_gpu_on_nccl_2_30_get_nccl_with_the_flag():
     up to two ranks a GPU, as NCCL's docs promise for the default configuration; backend='nccl'
     asks for more on purpose; one engine on an older NCCL rules it out."""
     one_gpu = lambda n, v: [dict(i, nccl=v) for i in engines({"box": n}, gpus=1, uuids=lambda h, k: ["GPU-0"])]
-    two = plan_world(one_gpu(2, "2.30.7"), device="cuda")
+    two = world_setup(one_gpu(2, "2.30.7"), device="cuda")
     assert (two.backend, two.devices) == ("nccl", ["cuda:0", "cuda:0"])
     assert two.env == {"NCCL_MULTI_RANK_GPU_ENABLE": "1", "NCCL_MAX_CTAS": "4"} and "2.30.7" in two.why
-    assert plan_world(one_gpu(2, "2.30.7")).devices == ["cpu", "cpu"]  # device='auto' with shared GPUs: the CPU
-    four = plan_world(one_gpu(4, "2.31.2"), device="cuda")
+    assert world_setup(one_gpu(2, "2.30.7")).devices == ["cpu", "cpu"]  # device='auto' with shared GPUs: the CPU
+    four = world_setup(one_gpu(4, "2.31.2"), device="cuda")
     assert four.backend == "gloo" and "4 ranks on one GPU: NCCL runs up to 2" in four.why
-    assert plan_world(one_gpu(4, "2.31.2"), backend="nccl").backend == "nccl"
+    assert world_setup(one_gpu(4, "2.31.2"), backend="nccl").backend == "nccl"
     mixed = one_gpu(2, "2.30.7")
     mixed[1]["nccl"] = "2.29.7"
-    assert plan_world(mixed, device="cuda").backend == "gloo"
+    assert world_setup(mixed, device="cuda").backend == "gloo"
     # four engines over two GPUs: two a GPU, round-robin
     pairs = [dict(i, nccl="2.30.7") for i in engines({"box": 4}, gpus=2, uuids=lambda h, k: ["GPU-0", "GPU-1"])]
-    world = plan_world(pairs, device="cuda")
+    world = world_setup(pairs, device="cuda")
     assert world.backend == "nccl" and world.devices == ["cuda:0", "cuda:1", "cuda:0", "cuda:1"]
 
 
 def test_engines_that_see_the_whole_node_take_one_gpu_each():
-    world = plan_world(engines({"node0": 8}, gpus=8, uuids=whole_node), local=True)
+    world = world_setup(engines({"node0": 8}, gpus=8, uuids=whole_node), local=True)
     assert world.backend == "nccl" and world.devices == [f"cuda:{k}" for k in range(8)]
     assert world.addr == "127.0.0.1" and world.loopback
     # without UUIDs the engines are taken to see the same GPUs in the same order
-    assert plan_world(engines({"node0": 8}, gpus=8), local=True).devices == [f"cuda:{k}" for k in range(8)]
+    assert world_setup(engines({"node0": 8}, gpus=8), local=True).devices == [f"cuda:{k}" for k in range(8)]
 
 
 def test_engines_sharing_one_gpu_on_an_old_nccl_get_gloo_and_nccl_is_refused():
     same = [dict(i, nccl="2.28.9") for i in engines({"box": 2}, gpus=1, uuids=lambda h, k: ["GPU-only"])]
     assert own_gpus(same) is None
-    auto = plan_world(same)
+    auto = world_setup(same)
     assert (auto.backend, auto.devices) == ("gloo", ["cpu", "cpu"])
-    shared = plan_world(same, device="cuda")  # a classroom on one GPU: gloo on CUDA tensors
+    shared = world_setup(same, device="cuda")  # a classroom on one GPU: gloo on CUDA tensors
     assert (shared.backend, shared.devices) == ("gloo", ["cuda:0", "cuda:0"])
     assert shared.env == {} and "NCCL 2.28.9 cannot run two ranks on one GPU" in shared.why
     with pytest.raises(LabError, match=r"NCCL 2.28.9 cannot run two ranks on one GPU \(NCCL >= 2.30"):
-        plan_world(same, backend="nccl")
+        world_setup(same, backend="nccl")
     # counts alone cannot tell one-GPU-per-engine from one shared GPU: without UUIDs, gloo
-    assert plan_world(engines({"box": 2}, gpus=1)).backend == "gloo"
+    assert world_setup(engines({"box": 2}, gpus=1)).backend == "gloo"
     with pytest.raises(LabError, match="device='cuda' but the engines see"):
-        plan_world(engines({"box": 2}, gpus=0), device="cuda")
+        world_setup(engines({"box": 2}, gpus=0), device="cuda")
 
 
 def test_device_auto_picks_nccl_only_where_asked_and_cpu_stays_cpu():
     """A CPU notebook on a GPU server says device='cpu' and gets gloo on the CPU; 'auto' is NCCL
     there (what the README says), where collectives take CUDA tensors only."""
     infos = engines({"gpu-server": 4}, gpus=4, uuids=lambda h, k: [f"GPU-{g}" for g in range(4)])
-    assert plan_world(infos, device="cpu").backend == "gloo"
-    assert plan_world(infos, device="cpu").devices == ["cpu"] * 4
-    assert plan_world(infos, device="auto").backend == "nccl"
-    assert plan_world(infos, backend="gloo", device="cuda").devices == [f"cuda:{k}" for k in range(4)]
+    assert world_setup(infos, device="cpu").backend == "gloo"
+    assert world_setup(infos, device="cpu").devices == ["cpu"] * 4
+    assert world_setup(infos, device="auto").backend == "nccl"
+    assert world_setup(infos, backend="gloo", device="cuda").devices == [f"cuda:{k}" for k in range(4)]
 
 
 def test_a_loopback_rendezvous_across_hosts_is_refused_with_the_fix():
     """Debian and Ubuntu map the host name to 127.0.1.1: the other host cannot reach rank 0 there."""
     infos = engines({"a": 1, "b": 1}, addr="127.0.1.1")
     with pytest.raises(LabError, match=r"127\.0\.1\.1 .*loopback.*master_addr=.*10\.0\.0\.1"):
-        plan_world(infos, local=False)
-    assert plan_world(infos, local=False, master_addr="192.168.1.7").addr == "192.168.1.7"
+        world_setup(infos, local=False)
+    assert world_setup(infos, local=False, master_addr="192.168.1.7").addr == "192.168.1.7"
     with pytest.raises(LabError, match="loopback"):
-        plan_world(infos, local=False, master_addr="127.0.0.1")
+        world_setup(infos, local=False, master_addr="127.0.0.1")
     # one host: its own loopback address is fine, connected or not
-    assert plan_world(engines({"a": 2}, addr="127.0.1.1"), local=False).addr == "127.0.1.1"
+    assert world_setup(engines({"a": 2}, addr="127.0.1.1"), local=False).addr == "127.0.1.1"
 
 
 def test_threads_follow_each_hosts_own_cpus():
     infos = engines({"big": 2}, cpus=64) + engines({"small": 2}, cpus=8)
-    assert plan_world(infos, local=False).threads == [32, 32, 4, 4]
-    assert plan_world([dict(i, cpus=None) for i in infos], local=False, default_cpus=6).threads == [3, 3, 3, 3]
+    assert world_setup(infos, local=False).threads == [32, 32, 4, 4]
+    assert world_setup([dict(i, cpus=None) for i in infos], local=False, default_cpus=6).threads == [3, 3, 3, 3]
 
 
 def test_nccl_and_gloo_interface_settings_are_forwarded_to_the_engines():
@@ -142,10 +142,12 @@ def test_nccl_and_gloo_interface_settings_are_forwarded_to_the_engines():
 
 def test_torch_pipelining_on_shared_gpus_is_refused_with_the_reason():
     cfg = ParallelConfig(pp=2, microbatches=2, impl="torch")
-    assert layout_problems(cfg, "gloo", ["cuda:0", "cuda:0"]) and "gloo" in layout_problems(cfg, "gloo", ["cuda:0"])[0]
-    assert layout_problems(cfg, "gloo", ["cpu", "cpu"]) == []
-    assert layout_problems(cfg, "nccl", ["cuda:0", "cuda:1"]) == []
-    assert layout_problems(cfg.replace(impl="lab"), "gloo", ["cuda:0", "cuda:0"]) == []  # ours is staged
+    assert (
+        backend_problems(cfg, "gloo", ["cuda:0", "cuda:0"]) and "gloo" in backend_problems(cfg, "gloo", ["cuda:0"])[0]
+    )
+    assert backend_problems(cfg, "gloo", ["cpu", "cpu"]) == []
+    assert backend_problems(cfg, "nccl", ["cuda:0", "cuda:1"]) == []
+    assert backend_problems(cfg.replace(impl="lab"), "gloo", ["cuda:0", "cuda:0"]) == []  # ours is staged
 
 
 def test_engine_info_reports_what_the_decision_reads():

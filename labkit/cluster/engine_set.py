@@ -21,7 +21,7 @@ import psutil
 
 from labkit.cluster import launchers, watchdog
 from labkit.cluster.errors import LabError
-from labkit.cluster.world import forwarded_env, host_order, plan_world, watchable
+from labkit.cluster.world import forwarded_env, host_order, watchable, world_setup
 from labkit.engines import host, process_group
 
 START_TIMEOUT_S = launchers.START_TIMEOUT_S
@@ -111,7 +111,7 @@ class EngineSet:
         self.hosts = [i["host"] for i in infos]
         self.pids = [i["pid"] for i in infos]
         self.here = [watchable(i, mine) for i in infos]
-        world = plan_world(
+        world = world_setup(
             infos,
             backend=self.backend_choice,
             device=self.device_choice,

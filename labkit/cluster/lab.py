@@ -33,7 +33,7 @@ from labkit.cluster import progress as bars
 from labkit.cluster.arguments import run_problems, timeout_problems
 from labkit.cluster.gpus import gpu_problems
 from labkit.cluster.jobs import JobRunner
-from labkit.cluster.world import layout_problems
+from labkit.cluster.world import backend_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.config.choices import Data, trains_on_text
 from labkit.config.table import Rows, card
@@ -264,7 +264,7 @@ class Lab:
         if bad:
             raise ConfigError(bad)
         validate(cfg, model, self.world)
-        found = optim_problems(optim) or layout_problems(cfg, self.backend, self.devices[: cfg.world])
+        found = optim_problems(optim) or backend_problems(cfg, self.backend, self.devices[: cfg.world])
         if found:
             raise ConfigError(found)
         for w in MeshLayout.of(cfg).warnings(self.hosts[: cfg.world]):  # a TP group across hosts: say so

@@ -1,7 +1,7 @@
 """How a Lab lays out its torch world from what its engines report: the backend, each rank's
 device, the rendezvous address and each rank's threads; and the environment the engines get.
 
-Pure (plain dicts in, a WorldPlan out): EngineSet.setup calls `plan_world` with the engines'
+Pure (plain dicts in, a WorldSetup out): EngineSet.setup calls `world_setup` with the engines'
 `engine_info()`; tests call it with made-up infos for machines this one is not (two hosts, eight
 GPUs, one GPU per engine). What it decides:
   - one GPU per engine is judged by physical GPU (UUIDs), not by counts: launchers that bind one
@@ -10,7 +10,7 @@ GPUs, one GPU per engine). What it decides:
   - backend='auto' is NCCL when every engine has a GPU of its own and device is not 'cpu'; with
     device='cuda' and ranks sharing GPUs it is NCCL too where every engine's NCCL runs several
     ranks on one GPU (>= 2.30, at most NCCL_SHARED_RANKS a GPU; `shared_nccl_problem`), else gloo
-    on CUDA tensors, and WorldPlan.why says which of those it was and why;
+    on CUDA tensors, and WorldSetup.why says which of those it was and why;
   - the rendezvous is 127.0.0.1 for a local cluster on one host; across hosts it is master_addr,
     or the address rank 0 reaches the controller from (its host's address on the cluster's
     network), or rank 0's address, which must not be a loopback one (Debian and Ubuntu map the
@@ -90,7 +90,7 @@ def _gpu_id(info: dict, device: str) -> str:
 
 
 @dataclass(frozen=True)
-class WorldPlan:
+class WorldSetup:
     backend: str
     """'gloo' or 'nccl'."""
     devices: list[str]
@@ -135,7 +135,7 @@ def own_gpus(infos: list[dict]) -> list[int] | None:
     return out
 
 
-def plan_world(
+def world_setup(
     infos: list[dict],
     *,
     backend: str = "auto",
@@ -143,7 +143,7 @@ def plan_world(
     local: bool = True,
     master_addr: str | None = None,
     default_cpus: int = 1,
-) -> WorldPlan:
+) -> WorldSetup:
     """The world for engines reporting `infos` (runtime/host engine_info: host, addr, gpus,
     gpu_uuids, cpus), in rank order. Raises LabError for a choice the engines cannot honour."""
     hosts = [i["host"] for i in infos]
@@ -192,7 +192,7 @@ def plan_world(
         )
     threads = [max(1, (i.get("cpus") or default_cpus) // per_host[h]) for i, h in zip(infos, hosts)]
     ifnames = ["lo"] * len(infos) if loopback else [i.get("route_ifname") or "" for i in infos]
-    return WorldPlan(backend, devices, addr, loopback, threads, ifnames if any(ifnames) else None, env, why)
+    return WorldSetup(backend, devices, addr, loopback, threads, ifnames if any(ifnames) else None, env, why)
 
 
 def host_order(infos: list[dict]) -> list[int]:
@@ -227,7 +227,7 @@ def forwarded_env(environ) -> dict[str, str]:
     return {k: v for k, v in environ.items() if k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES}
 
 
-def layout_problems(cfg: ParallelConfig, backend: str, devices: list[str]) -> list[str]:
+def backend_problems(cfg: ParallelConfig, backend: str, devices: list[str]) -> list[str]:
     """What a layout cannot do on this world's backend and devices, each with a fix (a
     ConfigError before any engine work)."""
     shared_gpus = backend == "gloo" and any(d.startswith("cuda") for d in devices)  # gloo on CUDA tensors
