@@ -159,9 +159,9 @@ M = ModelConfig(layers=8, hidden=32, heads=4, ffn=128, vocab=128, seq=16)
 def test_stage_parameters_add_up_to_the_model():
     for pp, v, sched in [(2, 1, "1f1b"), (4, 1, "gpipe"), (2, 2, "interleaved"), (4, 2, "interleaved")]:
         cfg = ParallelConfig(pp=pp, virtual_stages=v, schedule=sched, microbatches=4)
-        assert sum(tp.rank_params(cfg, M, r) for r in range(pp)) == theory.num_params(M)
+        assert sum(tp.full_param_count(cfg, M, r) for r in range(pp)) == theory.num_params(M)
         est = theory.estimate(cfg, M)
-        assert [m["params"] for m in est.memory] == [4 * tp.rank_params(cfg, M, r) for r in range(pp)]
+        assert [m["params"] for m in est.memory] == [4 * tp.full_param_count(cfg, M, r) for r in range(pp)]
 
 
 def test_first_stage_activations_gpipe_is_m_over_p_times_1f1b():

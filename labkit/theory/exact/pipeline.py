@@ -95,7 +95,7 @@ def chunk_full_shapes(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> 
     return out
 
 
-def rank_params(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
+def full_param_count(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
     """Parameters held by one pipeline rank (all of its chunks), before any other split."""
     return sum(prod(s) for chunk in chunk_full_shapes(cfg, model, pp_rank) for _, s in chunk)
 
