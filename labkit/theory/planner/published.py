@@ -29,13 +29,14 @@ from dataclasses import dataclass
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import recomputation
+from labkit.theory import presets
 
 TORCHTITAN = "pytorch/torchtitan benchmarks/llama3_h100_202412_torchtitan.md @ 31a17bf"
 LLM_FOUNDRY = "mosaicml/llm-foundry scripts/train/benchmarking/README.md @ 061f2c7"
 
-LLAMA31_8B = dict(arch="llama", layers=32, hidden=4096, heads=32, kv_heads=8, ffn=14336, vocab=128256, seq=8192)
-LLAMA31_70B = dict(LLAMA31_8B, layers=80, hidden=8192, heads=64, ffn=28672)
-LLAMA31_405B = dict(LLAMA31_8B, layers=126, hidden=16384, heads=128, ffn=53248)
+LLAMA31_8B = presets.LLAMA31_8B.to_dict()
+LLAMA31_70B = presets.LLAMA31_70B.to_dict()
+LLAMA31_405B = presets.LLAMA31_405B.to_dict()
 
 MPT = {  # (hidden, heads, layers): mpt-*.yaml, expansion_ratio 4
     "125m": (768, 12, 12),
