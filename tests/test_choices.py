@@ -133,7 +133,7 @@ def test_every_choice_field_is_a_literal_with_a_docstring(cls):
 
 
 def test_each_list_of_choices_is_defined_once():
-    assert schedules.SCHEDULES is SCHEDULES  # the plans read the config's list
+    assert schedules.SCHEDULES is SCHEDULES  # the layout reads the config's list
     assert CHECKPOINTING == (False, True, "full", "selective", "op")
     # the planner's is the order it tries them in, 'full' spelled True: a subset, named for that
     assert set(search.TRIED_CHECKPOINTING) <= set(CHECKPOINTING) and "full" not in search.TRIED_CHECKPOINTING

@@ -18,7 +18,7 @@ from test_layers import LEVEL, RUNGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARCH = ROOT / "ARCHITECTURE.md"
-COLUMNS = ["strategy", "engine", "plan", "theory", "tests", "notebook"]
+COLUMNS = ["strategy", "engine", "layout", "theory", "tests", "notebook"]
 STRATEGIES = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP", "FSDP2", "TP", "DTensor", "GPipe", "ZB-H1", "pipelining"]
 STRATEGIES += ["CP", "EP", "mesh"]
 """Words each of which some row of the strategy table must name (issue 28: DDP, ZeRO-1/2/3, FSDP,
@@ -26,7 +26,7 @@ TP+SP, the PP schedules, CP, EP and the composed mesh; ours and PyTorch's where 
 TOP = ("labkit/", "engines/", "widgets/", "tests/", "notebooks/", "benchmarks/", "scripts/", "binder/")
 """A backticked token that starts with one of these is a path from the repository's root."""
 NONE = "—"
-"""A cell with no file (a strategy with no plan or notebook of its own) starts with this."""
+"""A cell with no file (a strategy with no layout or notebook of its own) starts with this."""
 
 
 def table(text: str, first: str) -> tuple[list[str], list[list[str]]]:
@@ -41,7 +41,7 @@ def table(text: str, first: str) -> tuple[list[str], list[list[str]]]:
 
 def paths(cell: str) -> list[str]:
     """The repository paths a cell names: backticked tokens from a top folder, cut at the first
-    space or colon (`labkit/cluster/world.py: plan_world`, `tests/test_gpu.py::test_x`)."""
+    space or colon (`labkit/cluster/world.py: world_setup`, `tests/test_gpu.py::test_x`)."""
     tokens = re.findall(r"`([^`]+)`", cell)
     return [re.split(r"[\s:]", t)[0] for t in tokens if t.startswith(TOP)]
 

@@ -1,5 +1,5 @@
 """The theory's outputs on 2,400 fixed layouts and four planner searches equal the recorded ones to
-the last bit (tests/theory_snapshot.py): a refactor of the theory, the configs or the plans keeps
+the last bit (tests/theory_snapshot.py): a refactor of the theory, the configs or the layout keeps
 every number. Re-record only in a commit that names the modelling change that moved them."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""The shared layouts against numbers worked out by hand, here in the test: the ring model's byte
+"""The shared layout rules against numbers worked out by hand, here in the test: the ring model's byte
 table (labkit/layout/wire.py), the bucket rules (layout/buckets.py) and the padding of flat buffers
-(layout/flat.py). The engines and the theory both read these layouts, so measured-equals-predicted
+(layout/flat.py). The engines and the theory both read these rules, so measured-equals-predicted
 cannot see a bug in them (two agreeing wrongs); these tests can. No cluster.
 """
 

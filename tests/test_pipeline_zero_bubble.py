@@ -116,7 +116,7 @@ def test_torch_zero_bubble_schedules_train_like_one_process(run, cfg):
     """ScheduleInterleavedZeroBubble (ZB1P: our zbh1), ScheduleZBVZeroBubble and ScheduleDualPipeV
     on the same chunks: the same training, the same point-to-point volume as ours, B and W spans.
     (With dp > 1 PyTorch's DDP never sees the weight gradients, which the stage's W writes into
-    .grad itself: labkit refuses it, test_zero_bubble_plans.py.)"""
+    .grad itself: labkit refuses it, test_schedules_zero_bubble.py.)"""
     res = run(cfg, M4)
     same_p2p_as_ours(res, cfg, M4)
     kinds = {e.kind for rk in res.ranks for e in rk.timeline}
