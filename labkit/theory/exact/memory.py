@@ -1,7 +1,9 @@
 """Memory formulas of the papers and of the lab's model: model states per ZeRO stage
 (Rajbhandari et al., SC 2020, section 3.1 and figure 1), activations the plain lab model saves
 for backward, and Korthikanti et al.'s published per-layer activation table. What one rank of
-a composed layout holds is theory/exact/per_rank.py's roll-up of every strategy's rules.
+a composed layout holds is theory/exact/per_rank.py's roll-up of every strategy's rules. What a
+CUDA GPU holds at scale is another model, the planner's (theory/planner/gpu_memory.py: the peak
+with the allocator's reserve, NCCL's buffers, the CUDA context and the backward's transients).
 """
 
 from __future__ import annotations

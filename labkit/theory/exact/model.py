@@ -1,6 +1,8 @@
 """The model's parameters, by name and shape, for each family, without building it (no torch).
 
 Must list exactly what labkit.engines.model.GPT registers, in the same order; a test checks it.
+`num_params` is the whole model counted once (Ψ); what one rank holds after the pp, ep and tp
+splits is theory/exact/params.py's `rank_param_count`, in closed form theory/planner/stages.py's.
 """
 
 from __future__ import annotations

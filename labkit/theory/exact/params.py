@@ -4,6 +4,11 @@ rule, in the order engines/parallelize.py applies the strategies.
     pipeline (pp)   which chunks and layers the rank keeps     theory/exact/pipeline.py chunk_full_shapes
     experts (ep)    E/ep experts of every MoE layer            theory/exact/experts.py local_shapes
     tensor (tp)     the styles' slice of each matrix           labkit/layout/tensor.py local_param
+
+One rank's share, parameter by parameter as the engines hold it: the whole model (Ψ) is
+theory/exact/model.py's `num_params`, a pipeline rank's before the ep and tp splits
+theory/exact/pipeline.py's `full_param_count`, and the planner's closed form per block
+theory/planner/stages.py's `rank_params`.
 """
 
 from __future__ import annotations

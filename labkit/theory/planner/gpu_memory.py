@@ -19,7 +19,10 @@ term is modelled and named; DERIVATIONS.md ("What a GPU holds") gives the source
   nccl          NCCL's buffers: per communicator, 2 directions x channels x NCCL_BUFFSIZE
   allocator     reserved minus allocated in PyTorch's caching allocator (a measured fraction)
 The peak counts the larger of `logits` and `recompute + temporaries` (the loss's backward comes
-before any block's), everything else together.
+before any block's), everything else together. This is the at-scale model of a CUDA GPU, in closed
+form for the search; what labkit's engines hold on one rank, to the byte, is the exact estimate's
+(theory/exact/per_rank.py, with theory/exact/memory.py's formulas), which has none of the terms
+outside PyTorch's tensors.
 """
 
 from __future__ import annotations
