@@ -7,7 +7,7 @@ the model must satisfy together (divisibility, the schedule's rules, what runs w
 model family's and the stages' own rules asked from model_problems.py; `not_built_yet` what only
 the theory predicts; `optim_problems` the optimizer, `data_problems` a run's data. Checks on other
 things live with them: Lab.run's other arguments (labkit/cluster/arguments.py), what a world's
-backend and devices allow (cluster/world.py layout_problems), the planner's arithmetic-only view
+backend and devices allow (cluster/world.py backend_problems), the planner's arithmetic-only view
 of `problems` (theory/planner/evaluate.py layout_problems), a Hugging Face config.json
 (config/hf.py), generation's arguments (engines/generate.py). The Lab, the theory, the widgets
 (which offer only valid values) and the CLI all ask these. Plain Python, the ladder's bottom rung:
@@ -350,7 +350,7 @@ def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
             )
     if cfg.tp > 1 and cfg.torch_impl and model.experts:
         out.append(
-            "impl='torch' with tp > 1 and an MoE model (DTensor plans for the experts) is not built yet; "
+            "impl='torch' with tp > 1 and an MoE model (DTensor styles for the experts) is not built yet; "
             "use impl='lab' (MoE layers replicated over tp) or experts=0"
         )
     split = cfg.pp > 1 and cfg.pipeline.splits_backward

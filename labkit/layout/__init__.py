@@ -4,7 +4,7 @@ labkit.config only); the engines and the theory both import it and never each ot
 
     mesh        the rank grid of an order string, every group of every (combined) dim
     schedules   pipeline schedules as per-rank action lists; simulator runs them on paper
-    tensor      the tensor-parallel plan: module name -> style
+    tensor      the tensor-parallel styles: module name -> style
     buckets     gradient buckets (labkit's DDP and ZeRO-1/2, PyTorch's DDP)
     flat        flat buffers of ZeRO / FSDP and their shards
     wire        the ring model's bytes per collective

@@ -82,7 +82,7 @@ def zbv_order(p: int, m: int, rank: int) -> list[tuple]:
     whose order this is): two chunks per rank in a V (chunk 0 is stage r, chunk 1 stage 2p-1-r,
     so rank 0 holds both ends), each backward split. Warm up with 2(p-r)-1 forwards of chunk 0,
     then r pairs F1 F0, then p-r rounds of F1 B1 W1; the steady state runs F0 B0 W0 F1 B1 W1;
-    the cooldown runs the B's first and the W's last. Torch plans it for max(m, 2p-1)
+    the cooldown runs the B's first and the W's last. Torch builds it for max(m, 2p-1)
     microbatches and drops the ones beyond m; so does this."""
     n = max(2 * p - 1, m)
     order: list[tuple] = []
