@@ -60,8 +60,8 @@ def mesh_figure(layout, dim: str = "tp", hosts: list[str] | None = None, devices
     if world <= MESH_LINES_MAX and len(groups[0]) > 1:
         lx, ly = [], []
         for g in groups:
-            # back to the first member to close the ring; None lifts the pen between groups, so every ring is
-            # one trace (a trace per group would cost plotly more than the whole figure)
+            # back to the first member to close the ring; None lifts the pen between groups, so all the
+            # rings are one trace however many groups there are
             ring = g + g[:1]
             lx += [int(xs[r]) for r in ring] + [None]
             ly += [int(ys[r]) for r in ring] + [None]

@@ -27,7 +27,7 @@ def bar(progress, total: int | None, label: str):
     """A bar for this Lab setting (see the module docstring), or None: silent."""
     if progress is False or progress is None or callable(progress):
         return None
-    # in a notebook a widget: a carriage return on stderr would stack lines in the cell
+    # in a notebook a widget whatever was asked: the cell keeps one bar, updated in place
     if in_kernel():
         return WidgetBar(total, label)
     # 'auto' on a terminal only: a log or a test's captured output gets no bar

@@ -79,7 +79,7 @@ def _read(c: dict, key: str, kind: type, problems: list[str], default=_REQUIRED,
     the key is absent or null; a missing required key or a value of another type is a problem
     naming the key (`within`: the dict holding it), and None comes back."""
     value = c.get(key)
-    # JSON null reads as absent: transformers writes null for a field left at its default
+    # JSON null reads as absent: transformers writes null for some defaults (GPT-2's n_inner)
     if value is None:
         if default is _REQUIRED:
             problems.append(
@@ -138,7 +138,7 @@ def _llama(c: dict, kind: str, seq: int | None, problems: list[str]) -> dict:
         "layers": _read(c, "num_hidden_layers", int, missing),
         "hidden": hidden,
         "heads": heads,
-        # absent in Llama 2 7B's and 13B's configs: one KV head per query head
+        # absent from configs of multi-head models: one KV head per query head
         "kv_heads": _read(c, "num_key_value_heads", int, missing, heads),
         "ffn": _read(c, "intermediate_size", int, missing),
         "vocab": _read(c, "vocab_size", int, missing),

@@ -105,7 +105,7 @@ def reference(
     optim = optim or OptimConfig()
     torch.manual_seed(seed)  # nothing random is drawn from it; set for any future dropout
     net = build_model(model, seed)
-    # registration order, each parameter's weight decay decided by its name as the engines decide it
+    # registration order; weight decay on matrices only, decided as the engines decide it (nanoGPT's rule)
     names, params = zip(*net.named_parameters())
     opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
     compute = compute_copy(net, precision)  # the module that runs forward/backward

@@ -74,7 +74,7 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     mm = sum(widths[::2]) * e * b * s
     # SP's two reduce-scatters (after wo, after the MLP) leave this rank's stream rows: saved by the policy
     scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
-    # the block's input + the saved products + the attention output (b, s, h/t) + its log-sum-exp + SP's
+    # the block's input + the saved products + the attention output (b, s, h/t) + its lse + SP's scatters
     return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
 
 

@@ -251,7 +251,7 @@ def plan(
                             tally.too_big(cfg.replace(checkpoint_activations=ckpts[-1]), need, hw)
                             break  # larger microbatches hold more
                         cfg = cfg.replace(checkpoint_activations=ckpts[first])
-                        # the checkpointing that fit may recompute more than the one the first prune assumed: its floor
+                        # the checkpointing that fit may recompute more than the first prune assumed: its floor again
                         if len(floors) == top and compute_floor(cfg, model, hw, ckpts[first]) >= -floors[0]:
                             tally.invalid(f"slower than the best {top} on its compute alone")
                             continue
