@@ -202,7 +202,6 @@ def test_comment_density_is_measured(capsys):
     assert all(0 < d < 100 for d in densities.values())
 
 
-@pytest.mark.xfail(strict=True, reason="comments are added in a later step of issue 28")
 @pytest.mark.parametrize("folder", ["labkit", "widgets"])
 def test_the_why_is_written_at_the_line(folder):
     """Issue 28: at least 8 comment lines per 100 code lines in labkit/ and in widgets/ (torchtitan

@@ -45,6 +45,7 @@ class AtScale:
 def shown_stages(pp: int) -> list[int]:
     if pp <= STAGES_SHOWN:
         return list(range(pp))
+    # evenly spread, the first and the last included: they hold the embedding and the head
     return sorted({int(round(x)) for x in np.linspace(0, pp - 1, STAGES_SHOWN)})
 
 
@@ -54,6 +55,8 @@ def at_scale(cfg: ParallelConfig, model: ModelConfig, comm: bool = True, hardwar
     on their own."""
     layout = MeshLayout.of(cfg)
     stages = shown_stages(cfg.pp)
+    # one rank per stage, its other coordinates 0: ranks that differ only in dp/tp/cp/ep are alike
+    # in every strategy's theory (the module docstring of widgets/scale.py)
     ranks = [layout.rank(pp=s) for s in stages]
     psi = theory.num_params(model)
     view = AtScale(
@@ -70,6 +73,7 @@ def at_scale(cfg: ParallelConfig, model: ModelConfig, comm: bool = True, hardwar
     if comm:
         view.comm = comm_at_scale(cfg, model)
     else:
+        # an empty row per rank until the thread fills them: the comm figure says "computing…" meanwhile
         view.comm, view.comm_pending = [[] for _ in ranks], True
     return view
 
@@ -87,12 +91,15 @@ def comm_at_scale(
         return _COMM[cfg, model]
     layout = MeshLayout.of(cfg)
     ranks = [layout.rank(pp=s) for s in shown_stages(cfg.pp)]
+    # one bucket larger than all the gradients in fp32 (MiB): the ring model is linear in the bytes, so
+    # one bucket gives the same totals in one row per op instead of one per bucket
     one_bucket = cfg.replace(bucket_mb=theory.num_params(model) * 4 / 2**20 + 1.0)
     try:  # the walk stops as soon as the controls move on (`stale` set)
         rows_of = theory.rank_comm(one_bucket, model, layout, ranks, stop=stale.is_set if stale else None)
     except theory.Stopped:
         return None
     out = [rows_of[rank] for rank in ranks]
+    # the oldest layout out (dicts keep insertion order): a slider moved back and forth finds its own
     if len(_COMM) >= COMM_CACHED:
         _COMM.pop(next(iter(_COMM)))
     _COMM[cfg, model] = out
@@ -104,4 +111,5 @@ def comm_cached(cfg: ParallelConfig, model: ModelConfig) -> bool:
 
 
 def comm_work(cfg: ParallelConfig, model: ModelConfig) -> int:
+    # the walk visits every rank's every parameter tensor: its cost, against SYNC_WORK
     return cfg.world * len(theory.param_shapes(model))

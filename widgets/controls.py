@@ -53,9 +53,13 @@ def button_width(options) -> str:
 def offered(field: str, cfg: ParallelConfig, model: ModelConfig, engines: int) -> list[int]:
     """Values of a numeric field that add no problem to `cfg` (the current value always stays)."""
     current = getattr(cfg, field)
+    # problems already there are not this field's doing: a value is judged by what it adds
     before = set(problems(cfg, model, engines))
+    # a degree is at most the engines; other fields go up to their limit, or to the value already set
     values = range(1, (engines if field in DEGREES else max(LIMITS[field], current)) + 1)
+    # inclusion, not equality: a value that also clears a problem is offered
     out = [v for v in values if v == current or set(problems(cfg.replace(**{field: v}), model, engines)) <= before]
+    # the current value stays even with problems of its own: dropping it would move the slider
     return sorted(set(out) | {current})
 
 
@@ -85,11 +89,13 @@ def make_controls(cfg: ParallelConfig, model: ModelConfig, engines: int, steps: 
         )
     for f in FLAGS:
         c[f] = W.Checkbox(value=getattr(cfg, f), description=f, indent=False)
+    # the config's own size joins the list: a SelectionSlider must offer its value
     c["bucket_mb"] = _slider("bucket_mb", cfg.bucket_mb, sorted(set(BUCKETS_MB) | {cfg.bucket_mb}))
     c["order"] = W.Combobox(
         value=cfg.order,
         options=list(ORDERS),
         description="order",
+        # any order can be typed, not only the listed ones; applied on Enter, not at every key
         ensure_option=False,
         continuous_update=False,
         style={"description_width": LABEL},
@@ -123,6 +129,7 @@ def sync_options(controls: dict[str, W.Widget], model: ModelConfig, engines: int
     for f in SLIDERS:
         w = controls[f]
         opts = tuple(offered(f, cfg, model, engines))
+        # only when they differ: new options cost a message to the browser and reset the value
         if tuple(w.options) != opts:
             value = w.value
             w.options = opts

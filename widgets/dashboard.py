@@ -50,6 +50,7 @@ SIZE = dict(height=360)
 
 def describe(cfg: ParallelConfig) -> str:
     """One line for the status: the mesh, then whatever differs from the defaults."""
+    # against the defaults: the status line names only what the user changed
     base = ParallelConfig()
     parts = [MeshLayout.of(cfg).describe()]
     for f in (
@@ -72,6 +73,7 @@ def describe(cfg: ParallelConfig) -> str:
 
 def default_config(model: ModelConfig, engines: int) -> ParallelConfig:
     """Data parallelism over as many engines as the batch splits evenly over."""
+    # the largest dp that works first: the first run uses every engine it can
     for dp in range(engines, 0, -1):
         cfg = ParallelConfig(dp=dp)
         if not problems(cfg, model, engines):
@@ -108,6 +110,7 @@ class Dashboard:
         self.capacity_bytes = capacity_bytes
         cfg = cfg or default_config(self.model, self.engines)
         self.controls = make_controls(cfg, self.model, self.engines, steps)
+        # every dim, and the combined dims short of all five (the whole mesh is one group: one colour)
         dims = list(DIMS) + ["-".join(c) for c in COMBINED if len(c) < len(DIMS)]
         self.mesh_dim = W.Dropdown(options=dims, value="dp", description="colour by", layout=W.Layout(width="220px"))
         self.ui = UI()
@@ -121,7 +124,9 @@ class Dashboard:
         self.error: Exception | None = None
         self.runs = 0
         self.timings: dict[str, float] = {}
+        # one-process references already trained, by what they depend on: a change of layout alone reuses one
         self._refs: dict[tuple, object] = {}
+        # True while code sets controls (sync_options, set): their observers must not start a run each
         self._syncing = False
         self.widget = self._assemble()
         for w in self.controls.values():
@@ -193,12 +198,15 @@ class Dashboard:
         if self._syncing:
             return
         with self._guard():
+            # the sliders are narrowed first, so the layout read next is one the controls can show
             sync_options(self.controls, self.model, self.engines)
         cfg = config_of(self.controls)
+        # drawn before validation: an invalid layout still shows its grid beside its error
         self._draw_mesh(cfg)
         try:
             validate(cfg, self.model, self.engines)
         except ConfigError as e:
+            # a run still queued for the previous layout would draw figures the controls no longer describe
             self.queue.drop()
             self._show_error(str(e))
             self._say(f"{describe(cfg)}: not run (see below)")
@@ -206,6 +214,7 @@ class Dashboard:
         self._show_error("")
         if not schedule:
             return
+        # stamped when asked, so the timings tell the debounce and the queue apart from the run
         self.queue.put((cfg, self.controls["steps"].value, time.perf_counter()), self.debounce)
         self._say(f"{describe(cfg)}: queued" + (" after the run in flight" if self.queue.busy else ""))
 
@@ -214,6 +223,7 @@ class Dashboard:
             return  # an order still being typed; validate() explains it
         layout = MeshLayout.of(cfg)
         hosts, devices = self.lab.hosts[: layout.world], self.lab.devices[: layout.world]
+        # more ranks than engines: no host or device to show for some (validate says why it does not run)
         if layout.world > self.engines:
             hosts = devices = None
         refresh(self.figures["mesh"], figures.mesh_figure(layout, self.mesh_dim.value, hosts, devices), **SIZE)
@@ -228,6 +238,7 @@ class Dashboard:
         self._set(self.cancel_button, disabled=False)
         self._say(f"{describe(cfg)}: running")
         t0 = time.perf_counter()
+        # asked here, in the one thread that calls the Lab: lab.apply must not run beside a run
         if self.capacity_bytes is None and self.runs == 0:
             self.capacity_bytes = device_capacity(self.lab)
         try:
@@ -269,6 +280,7 @@ class Dashboard:
         self._say(f"{describe(cfg)}: step {p['step'] + 1}/{p['steps']}, loss {p['loss']:.4f}, {p['seconds']:.2f} s")
 
     def _reference(self, cfg: ParallelConfig, steps: int):
+        # the layout is not in the key: every layout is held to the same one process
         key = (self.model, steps, self.seed, cfg.global_batch, cfg.precision)
         if key not in self._refs:
             self._refs[key] = reference(
@@ -280,6 +292,7 @@ class Dashboard:
         measured = not hasattr(res, "config")  # a Measurement (lab.measure): no layout, no loss
         try:
             est = None if measured else theory.estimate(res.config, res.model)
+        # a layout the theory does not price: the figures draw without the theory's markers
         except ConfigError:
             est = None
         new = {
@@ -291,12 +304,14 @@ class Dashboard:
             if measured
             else figures.loss_figure(res, self.reference),
         }
+        # built in this thread (the slow part), shown on the kernel's (live.UI)
         self.ui.call(self._show, new, None if measured else res.config)
 
     def _show(self, new: dict, cfg: ParallelConfig | None) -> None:
         for name, fig in new.items():
             refresh(self.figures[name], fig, **SIZE)
         if cfg is not None:
+            # the run's own layout: the controls may have moved on while it ran
             self._draw_mesh(cfg)
 
     def show(self, result) -> None:
@@ -324,6 +339,7 @@ class Dashboard:
             left = None if deadline is None else deadline - time.monotonic()
             if left is not None and left <= 0:
                 raise TimeoutError(f"the dashboard was still busy after {timeout} s")
+            # short waits: the kernel's thread must come back to flush the updates the run posts
             self.queue.wait(0.02 if left is None else min(0.02, left))
 
     def set(self, **values) -> None:
@@ -331,9 +347,11 @@ class Dashboard:
         with self._guard():
             for f, v in values.items():
                 w = self.controls[f]
+                # a value the slider does not offer yet (sync_options would allow it only once the others change)
                 if isinstance(w, W.SelectionSlider) and v not in w.options:
                     w.options = tuple(sorted(set(w.options) | {v}))
                 w.value = v
+        # one _changed for all the values: setting them one by one would queue a run each
         self._changed(None)
 
     def cancel(self) -> None:

@@ -38,6 +38,7 @@ def _rank_label(rk) -> str:
 
 def _memory_rows(source) -> list[tuple[int, dict]]:
     """(rank, bytes by category) from a RunResult (measured) or an Estimate (predicted)."""
+    # measured: one report per rank, each with its rank id; predicted: a list indexed by rank
     if hasattr(source, "ranks"):
         return [(rk.rank, rk.memory) for rk in source.ranks]
     return list(enumerate(source.memory))
@@ -56,18 +57,25 @@ def memory_figure(result, estimate=None, capacity_bytes: float | None = None) ->
     """Memory per rank, stacked by category (KiB); theory's total per rank as markers, and a
     line at the device's capacity when known. `result` may also be an Estimate (bars predicted)."""
     rows = _memory_rows(result)
+    # 'r0', 'r1', ... and not numbers: plotly puts numbers on a linear axis, with ticks between ranks
     ranks = [f"r{r}" for r, _ in rows]
     fig = _figure()
+    # every category gets its series, zero or not, in one order (the ZeRO paper's states, then the
+    # activations on top): the legend and the colours stay put from one run to the next
     for cat in CATEGORIES:
         fig.add_bar(
             name=cat,
             x=ranks,
+            # KiB: the lab's models hold kilobytes to a few megabytes a rank; bytes would print 7-digit ticks
             y=[m.get(cat, 0) / KIB for _, m in rows],
             marker_color=CATEGORY_COLORS[cat],
             hovertemplate=f"{cat}: %{{y:,.1f}} KiB<extra>%{{x}}</extra>",
         )
+    # 'peak' is no category but the largest total at one moment: drawn apart below
     extra = sorted({k for _, m in rows for k in m} - set(CATEGORIES) - {"peak"})
     colors = Palette()
+    # markers, not stacked bars: a transient category's value is its own peak, reached at another moment
+    # than the steady states', and stacking it would claim that they coincide
     for cat in extra:  # transient categories a strategy tracks (e.g. ZeRO-3's gathered params)
         fig.add_scatter(
             name=f"{cat} (peak)",
@@ -76,6 +84,8 @@ def memory_figure(result, estimate=None, capacity_bytes: float | None = None) ->
             mode="markers",
             marker=dict(symbol="triangle-up", size=10, color=colors(cat, "#B279A2")),
         )
+    # a tick at the largest total at one moment (on CUDA the allocator's max_memory_allocated): the
+    # transient categories each peak at a moment of their own, so the tick need not meet the stack's top
     fig.add_scatter(
         name="peak",
         x=ranks,
@@ -84,6 +94,8 @@ def memory_figure(result, estimate=None, capacity_bytes: float | None = None) ->
         marker=dict(symbol="line-ew-open", size=26, color="black"),
     )
     if estimate is not None:
+        # the theory's total of the same categories, against the stack (not the tick); None past the
+        # estimate's ranks leaves a gap instead of a false 0
         totals = [
             sum(estimate.memory[r].get(c, 0) for c in CATEGORIES) / KIB if r < len(estimate.memory) else None
             for r, _ in rows
@@ -104,11 +116,14 @@ def comm_figure(result, estimate=None) -> go.Figure:
     """Wire bytes each rank sends in one step, by mesh dim and op (ring model). `result` may
     also be an Estimate (bars predicted)."""
     rows = result.comm_table()
+    # measured: the reports' rank ids; an Estimate has one memory row per rank, which gives its ranks
     if hasattr(result, "ranks"):
         rank_ids = [rk.rank for rk in result.ranks]
     else:
         rank_ids = list(range(len(result.memory)))
     ranks = [f"r{r}" for r in rank_ids]
+    # one series per (dim, op), sorted: a dim's ops sit together in the legend and stack in the same
+    # order on every run
     keys = sorted({(row["dim"], row["op"]) for row in rows})
     fig = _figure()
     colors = Palette()  # all_reduce on dp and on tp: two shades of the op's colour
@@ -117,13 +132,16 @@ def comm_figure(result, estimate=None) -> go.Figure:
         fig.add_bar(
             name=f"{op} [{dim}]",
             x=ranks,
+            # 0 where a rank has no such op: each series has a bar per rank, so the stacks stay aligned
             y=[by_rank.get(r, {}).get("wire_bytes", 0) / KIB for r in rank_ids],
             marker_color=colors(f"{op} [{dim}]", OP_COLORS.get(op, "#4D4D4D")),
+            # the calls ride along as customdata so the hover can say how many ops made the bytes
             customdata=[by_rank.get(r, {}).get("calls", 0) for r in rank_ids],
             hovertemplate=f"{op} on {dim}: %{{y:,.1f}} KiB in %{{customdata}} calls<extra>%{{x}}</extra>",
         )
     if estimate is not None:
         pred: dict[int, float] = {}
+        # the theory's total per rank over every dim and op: one diamond against the top of each stack
         for row in estimate.comm_table():
             pred[row["rank"]] = pred.get(row["rank"], 0.0) + row["wire_bytes"]
         fig.add_scatter(
@@ -133,6 +151,7 @@ def comm_figure(result, estimate=None) -> go.Figure:
             mode="markers",
             marker=dict(symbol="diamond", size=11, color="white", line=dict(width=2, color="black")),
         )
+    # a layout with no collectives (one rank) would otherwise draw bare axes, which reads as a failure
     if not keys:
         fig.add_annotation(
             text="no communication in this layout", showarrow=False, x=0.5, y=0.5, xref="paper", yref="paper"
@@ -152,6 +171,7 @@ def traffic_matrix(result, step: int = -1) -> tuple[list[int], np.ndarray]:
           an equal share to each of the n - 1 other members;
       send: to its peer; recv sends nothing (the sender's row holds those bytes).
     """
+    # a negative step counts from the end (-1: the last), as Python's indexing does
     wanted = step % result.steps
     ranks = [rk.rank for rk in result.ranks]
     index = {r: i for i, r in enumerate(ranks)}
@@ -159,14 +179,19 @@ def traffic_matrix(result, step: int = -1) -> tuple[list[int], np.ndarray]:
     for rk in result.ranks:
         src = index[rk.rank]
         for e in rk.comm:
+            # a recv has no wire bytes: the sender's row carries the message
             if e.step != wanted or not e.wire_bytes:
                 continue
+            # a member with no report in this result has no column to receive in
             others = [g for g in e.group if g != rk.rank and g in index]
             if e.op == "send" and e.peer in index:
                 out[src, index[e.peer]] += e.wire_bytes
+            # gather's and scatter's root is not recorded: spread evenly, as an all-to-all sends
             elif e.op in ("all_to_all", "gather", "scatter") and others:
                 for g in others:
                     out[src, index[g]] += e.wire_bytes / len(others)
+            # a ring collective: every byte to the next member in the group's own order, wrapping round
+            # (ascending ranks, as NCCL and gloo build their rings: DERIVATIONS.md, "The ring model")
             elif rk.rank in e.group and len(e.group) > 1:
                 nxt = e.group[(e.group.index(rk.rank) + 1) % len(e.group)]
                 if nxt in index:
@@ -183,14 +208,18 @@ def traffic_figure(result, step: int = -1) -> go.Figure:
             z=m / KIB,
             x=labels,
             y=labels,
+            # one hue from white: amounts have no sign, and a white cell reads as no traffic
             colorscale="Blues",
             zmin=0,
+            # at least 1 KiB, so an all-zero matrix does not give plotly an empty 0..0 scale
             zmax=max(float(m.max()) / KIB, 1.0),
             colorbar=dict(title="KiB"),
+            # numbers in the cells only while they stay legible (16 ranks: 256 cells)
             texttemplate="%{z:,.0f}" if len(ranks) <= 16 else None,
             hovertemplate="%{y} → %{x}: %{z:,.1f} KiB<extra></extra>",
         )
     )
+    # senders top to bottom in rank order, as a matrix is read (plotly's y axis runs upwards)
     fig.update_yaxes(autorange="reversed", title="sender")
     fig.update_xaxes(title="receiver", side="bottom")
     return _layout(fig, "Traffic, one step (KiB rank → rank, ring model)")
@@ -203,11 +232,14 @@ def loss_figure(result, ref=None) -> go.Figure:
     fig.add_scatter(
         x=steps,
         y=result.losses,
+        # 'lab' or 'torch': whose implementation of the layout trained
         name=f"{result.config.impl} layout",
         mode="lines+markers",
         line=dict(color=CATEGORY_COLORS["params"]),
     )
     if ref is not None:
+        # the reference dotted on top, with its own markers: where the two agree, as the oracle holds them
+        # to, both stay visible
         fig.add_scatter(
             x=steps,
             y=ref.losses,
@@ -216,6 +248,7 @@ def loss_figure(result, ref=None) -> go.Figure:
             line=dict(dash="dot", color="black"),
             marker_symbol="x",
         )
+    # a tick per step: a run is a handful of steps, and plotly would label fractional ones
     fig.update_xaxes(dtick=1)
     return _layout(fig, "Loss per step", xaxis_title="step", yaxis_title="loss")
 
@@ -233,6 +266,7 @@ def report_figures(result, ref=None, estimate=None) -> dict[str, go.Figure]:
         figs["traffic"] = traffic_figure(result)
         return figs
     figs["loss"] = loss_figure(result, ref)
+    # the measured schedule beside the simulated one only where there is a pipeline to compare
     if config.pp > 1:
         figs["pipeline"] = timeline_comparison_figure(result)
     return figs

@@ -53,6 +53,7 @@ _library: PlotlyLibrary | None = None
 def plotly_library() -> PlotlyLibrary:
     """This kernel's PlotlyLibrary, made anew if it was closed (Widget.close_all)."""
     global _library
+    # comm is None once the model was closed (Widget.close_all): figures must not point at a dead one
     if _library is None or _library.comm is None:
         _library = PlotlyLibrary(source=_PLOTLY.read_text())
     return _library
@@ -82,6 +83,7 @@ class LiveFigure(anywidget.AnyWidget):
         if layout:
             fig.update_layout(layout)
         self.figure = fig
+        # the builders made a valid figure: no second validation on every redraw
         self._figure = pio.to_json(fig, validate=False)
 
     @property
@@ -100,6 +102,7 @@ def same(a, b) -> bool:
     """Deep equality of plotly JSON values (dicts, lists, tuples, numpy arrays, scalars)."""
     if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
         try:
+            # == on arrays gives an array, not a bool
             return np.array_equal(np.asarray(a), np.asarray(b))
         except (TypeError, ValueError):
             return False
@@ -107,6 +110,7 @@ def same(a, b) -> bool:
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    # the types first: 1 == 1.0 == True in Python, but not in the JSON a view receives
     return type(a) is type(b) and a == b
 
 
@@ -149,12 +153,14 @@ class UI:
         return self.loop is None or threading.current_thread() is self.thread
 
     def call(self, fn, *args, **kwargs) -> None:
+        # no kernel (scripts, tests), or already on its thread: run now, in order with everything else
         if self.here:
             fn(*args, **kwargs)
             return
         with self._lock:
             self._jobs.append((fn, args, kwargs))
             self.pending += 1
+        # add_callback is the IOLoop's one method that is safe to call from another thread
         self.loop.add_callback(self.flush)
 
     def flush(self) -> None:
@@ -166,6 +172,7 @@ class UI:
             try:
                 fn(*args, **kwargs)
             finally:
+                # pending falls only once fn has run: Dashboard.wait reads it to know the figures are drawn
                 with self._lock:
                     self.pending -= 1
                     self.idle.notify_all()

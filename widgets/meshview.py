@@ -19,6 +19,7 @@ from labkit.layout.mesh import COMBINED, MeshLayout
 from labkit.widgets import figures
 from labkit.widgets.live import figure_widget, refresh
 
+# groups written out under the figure; a large mesh has thousands
 GROUPS_LISTED = 32
 
 
@@ -36,6 +37,7 @@ class MeshView:
     def __init__(self, cfg: ParallelConfig | None = None, dim: str = "dp", ranks_per_host: int | None = None):
         cfg = cfg or ParallelConfig(dp=2, tp=2, pp=2)
         box = dict(style={"description_width": "110px"}, layout=W.Layout(width="200px"))
+        # up to 16,384 a degree: the figure draws a mesh that large (tests/test_widgets.py)
         self.controls = {
             d: W.BoundedIntText(value=getattr(cfg, d), min=1, max=16384, description=d, **box) for d in DIMS
         }
@@ -49,6 +51,7 @@ class MeshView:
         self.controls["dim"] = W.Dropdown(
             options=list(DIMS) + ["-".join(c) for c in COMBINED], value=dim, description="colour by", **box
         )
+        # ranks_per_host 0: no hosts given, every rank on one machine, nothing outlined
         self.controls["ranks_per_host"] = W.BoundedIntText(
             value=ranks_per_host or 0, min=0, max=16384, description="ranks per host", **box
         )
@@ -78,6 +81,7 @@ class MeshView:
 
     def update(self) -> None:
         problem = order_problem(self.controls["order"].value)
+        # a half-typed order: say why and leave the last figure as it was
         if problem:
             self.text.value = f"<pre style='color:#B00020'>{html.escape(problem)}</pre>"
             return
@@ -85,6 +89,7 @@ class MeshView:
         dim = self.controls["dim"].value
         hosts = self.hosts(layout.world)
         per = self.controls["ranks_per_host"].value
+        # devices numbered within their host, one GPU per rank
         devices = [f"gpu{r % per}" for r in range(layout.world)] if per else None
         refresh(self.figure, figures.mesh_figure(layout, dim, hosts, devices), height=520)
         self.groups = layout.groups(*dim.split("-"))

@@ -44,6 +44,7 @@ class RunQueue:
         """Run `request` `delay` seconds from now, in place of any request still queued."""
         with self._cv:
             self._pending = request
+            # monotonic: a jump of the wall clock must neither fire nor stall the debounce
             self._due = time.monotonic() + delay
             self._cv.notify_all()
 
@@ -70,11 +71,13 @@ class RunQueue:
     def _worker(self) -> None:
         while True:
             with self._cv:
+                # a newer put moves _due on: the loop waits again, so only a request that rested its delay runs
                 while not self._closed and (self._pending is None or time.monotonic() < self._due):
                     self._cv.wait(None if self._pending is None else max(0.0, self._due - time.monotonic()))
                 if self._closed:
                     return
                 request, self._pending = self._pending, None
+                # taken and marked busy under one lock: `idle` never sees a request between queued and running
                 self._busy = True
             try:
                 self._run(request)
@@ -82,5 +85,6 @@ class RunQueue:
                 self._on_error(e)
             finally:
                 with self._cv:
+                    # wakes wait() (Dashboard.wait in the kernel's thread), which then finds the queue idle at once
                     self._busy = False
                     self._cv.notify_all()

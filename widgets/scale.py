@@ -44,6 +44,7 @@ from labkit.widgets.plans import PlanPanel, gpu_memory_figure
 
 SYNC_WORK = 400_000
 """Ranks x parameter tensors below which the comm rows are computed at once (~50 ms)."""
+# the memory sizes GPUs are sold with, in GB of 1e9 bytes as vendors count
 CAPACITIES = {"80 GB (A100, H100)": 80e9, "141 GB (H200)": 141e9, "192 GB (B200, MI300X)": 192e9}
 
 
@@ -74,16 +75,19 @@ class ScaleExplorer:
         precision: Precision = "bf16",
         sharding: Sharding = "none",
     ):
+        # one description width for every control, so the sliders line up in their columns
         box = dict(style={"description_width": "120px"}, layout=W.Layout(width="330px"))
         sel = lambda name, opts, v: W.SelectionSlider(
             options=opts,
             value=v,
             description=name,  # noqa: E731
+            # the theory runs once a slider is let go, not at every value a drag passes
             continuous_update=False,
             **box,
         )
         self.controls: dict[str, W.Widget] = {
             "model": W.Dropdown(options=list(PRESETS), value=model, description="model", **box),
+            # up to 16,384 GPUs: Llama 3 405B's pretraining run; the degrees' options come from the model
             "gpus": sel("GPUs", _powers(16384), gpus),
             "tp": sel("tp", [1], 1),
             "pp": sel("pp", [1], 1),
@@ -95,6 +99,7 @@ class ScaleExplorer:
             ),
             "virtual_stages": sel("virtual stages", [1, 2, 4, 8], 1),
             "schedule": W.ToggleButtons(
+                # the schedules whose bubble has the closed form the bubble figure draws, (p-1)/(v·m+p-1)
                 options=["gpipe", "1f1b", "interleaved"],
                 value="1f1b",
                 description="schedule",
@@ -114,6 +119,7 @@ class ScaleExplorer:
             ),
             "sequence_parallel": W.Checkbox(value=False, description="sequence_parallel", indent=False),
             "checkpoint_activations": W.ToggleButtons(
+                # (label, value): the config spells none and full as False and True
                 options=[("none", False), ("selective", "selective"), ("op", "op"), ("full", True)],
                 value=False,
                 description="recompute",
@@ -142,8 +148,10 @@ class ScaleExplorer:
         self._lock = threading.Lock()
         self._comm_thread: threading.Thread | None = None
         self._stale = threading.Event()
+        # True while several controls change together (a new model, an opened plan): one redraw at the end
         self._holding = False
         for name, w in self.controls.items():
+            # a new model first changes which degrees are allowed, then redraws
             w.observe(self._model_changed if name == "model" else self._changed, names="value")
         c, f = self.controls, self.figures
         col = lambda *ws: W.VBox(list(ws))  # noqa: E731
@@ -190,6 +198,7 @@ class ScaleExplorer:
         m, c = self.model, self.controls
         opts = {
             "tp": [t for t in _powers(128, m.heads) if m.vocab % t == 0 and m.ffn % t == 0],
+            # even stages only here: an uneven split comes from a plan opened in the panel
             "pp": [p for p in range(1, min(m.layers, 128) + 1) if m.layers % p == 0],
             "cp": [x for x in _powers(64) if m.seq % (2 * x) == 0],
             "ep": [x for x in range(1, max(m.experts, 1) + 1) if max(m.experts, 1) % x == 0],
@@ -197,6 +206,7 @@ class ScaleExplorer:
         for d, o in opts.items():
             want = values.get(d, c[d].value)
             c[d].options = o
+            # a degree the model does not allow falls back to 1, which every model allows
             c[d].value = want if want in o else 1
 
     def _changed(self, change) -> None:
@@ -208,6 +218,7 @@ class ScaleExplorer:
     def _question(self) -> tuple:
         """What the planner is asked: the model, the GPUs, the global batch the controls give, the hardware."""
         cfg, _ = self.config()
+        # no valid layout yet: ask for one sequence per GPU
         gb = cfg.global_batch if cfg is not None else self.controls["gpus"].value
         return self.model, self.controls["gpus"].value, gb, self.controls["hardware"].value
 
@@ -220,6 +231,7 @@ class ScaleExplorer:
                 if getattr(cfg, d) not in c[d].options:
                     c[d].options = sorted({*c[d].options, getattr(cfg, d)})
                 c[d].value = getattr(cfg, d)
+            # the control counts sequences per microbatch on one data rank: the global batch gives it back
             c["micro_batch"].value = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
             for name in ("schedule", "sharding", "precision", "sequence_parallel", "checkpoint_activations"):
                 c[name].value = getattr(cfg, name)
@@ -256,8 +268,10 @@ class ScaleExplorer:
             precision=c["precision"],
             sequence_parallel=c["sequence_parallel"],
             checkpoint_activations=c["checkpoint_activations"],
+            # dp·ep data ranks, each m microbatches of micro_batch sequences (batch.microbatch_rows, inverted)
             global_batch=dp * c["ep"] * c["microbatches"] * c["micro_batch"],
         )
+        # the opened plan's uneven stages only while pp · virtual stages still match them
         if self.stage_layers and len(self.stage_layers) == cfg.pp * cfg.virtual_stages:
             cfg = cfg.replace(stage_layers=self.stage_layers)
         return cfg, layout_problems(cfg, self.model)
@@ -274,13 +288,16 @@ class ScaleExplorer:
         model = self.model
         self._stale.set()  # a comm walk still running for an older layout stops
         self._stale = threading.Event()
+        # cheap or remembered: the comm rows now; else on a thread, and everything else draws first
         now = comm_work(cfg, model) <= SYNC_WORK or comm_cached(cfg, model)
         view = at_scale(cfg, model, comm=now, hardware=self.controls["hardware"].value)
+        # the comm thread reads self.view under the lock to tell whether its work still matters
         with self._lock:
             self.view = view
         self._draw(view)
         self.timings = {"update": time.perf_counter() - t0, "update_cpu": time.thread_time() - c0}
         if not now:
+            # daemon: a walk left running never holds up the kernel's exit
             self._comm_thread = threading.Thread(target=self._comm_later, args=(view, self._stale), daemon=True)
             self._comm_thread.start()
 
@@ -290,6 +307,7 @@ class ScaleExplorer:
             if comm is None or self.view is not view:
                 return  # the controls moved on; their own update draws
             view.comm, view.comm_pending = comm, False
+        # widget state goes out on the kernel's thread only (live.UI): this runs on the comm thread
         self.ui.call(refresh, self.figures["comm"], TF.stage_comm_figure(view), height=340)
 
     def _draw(self, view: AtScale) -> None:

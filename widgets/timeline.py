@@ -38,7 +38,9 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
 
     One bar trace per legend entry (a microbatch, a kind, an op on a dim), so a run with many
     microbatches stays a handful of traces and redraws quickly."""
+    # a negative step counts from the end (-1: the last), as Python's indexing does
     wanted = step % result.steps
+    # every span from the step's first start on any rank: all rows share one origin
     t0 = min((e.start for r in result.ranks for e in r.timeline if e.step == wanted), default=0.0)
     traces: dict[str, dict] = {}
 
@@ -47,6 +49,7 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
             name, {"preferred": color, "y": [], "x": [], "base": [], "text": [], "hover": [], "pattern": []}
         )
         t["y"].append(y)
+        # ms; at least 1 µs, so a span the clock saw as instant still draws
         t["x"].append(max((end - start) * 1e3, 1e-3))
         t["base"].append((start - t0) * 1e3)
         t["text"].append(text)
@@ -56,8 +59,10 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
     for rk in result.ranks:
         y = f"rank {rk.rank}"
         for e in rk.timeline:
+            # the 'step' span covers all the others: drawn, it would hide them
             if e.step != wanted or e.kind == "step":
                 continue
+            # -1: a span of no microbatch (sync, opt, a user's region), named by its kind
             mb = e.microbatch if e.microbatch is not None else -1
             name = f"mb {mb}" if mb >= 0 else e.kind
             bar(
@@ -66,15 +71,18 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
                 y,
                 e.start,
                 e.end,
+                # 'F3.1': kind, microbatch and chunk, short enough to fit inside the bar
                 f"{e.kind}{'' if mb < 0 else mb}{f'.{e.chunk}' if e.chunk else ''}",
                 f"{span_label(e.kind, e.microbatch, e.chunk)}<br>{(e.start - t0) * 1e3:.2f}–"
                 f"{(e.end - t0) * 1e3:.2f} ms<br>{y}",
                 KIND_PATTERNS.get(e.kind, ""),
             )
         for c in rk.comm:
+            # an op whose end was never seen has no bar to draw
             if c.step != wanted or c.end is None:
                 continue
             bar(
+                # comm on a thin lane of its own under the rank, one series per op and dim as in comm_figure
                 f"{c.op} [{c.dim}]",
                 OP_COLORS.get(c.op, "#4D4D4D"),
                 f"{y} comm",
@@ -87,6 +95,7 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
     colors = Palette()
     for name in sorted(traces, key=_series_order):  # colours by a fixed order, not by arrival
         colors(name, traces[name]["preferred"])
+    # one bar trace per series, however many spans it holds: a run with many microbatches redraws fast
     for name, t in traces.items():
         fig.add_bar(
             y=t["y"],
@@ -98,12 +107,16 @@ def timeline_figure(result, step: int = -1) -> go.Figure:
             textposition="inside",
             hovertext=t["hover"],
             hovertemplate="%{hovertext}<extra></extra>",
+            # one colour per microbatch, and the pattern per bar: F solid, B hatched, W cross-hatched
             marker=dict(color=colors.of[name], pattern_shape=t["pattern"], line=dict(width=0.5, color="white")),
         )
     bubble = result.bubble_fraction(step)["overall"]
+    # each rank's lane, then its comm lane right under it; lanes with nothing in them are left out
     used = {y for t in traces.values() for y in t["y"]}
     lanes = [y for rk in result.ranks for y in (f"rank {rk.rank}", f"rank {rk.rank} comm") if y in used]
+    # an explicit category order: plotly would order the lanes by which trace first uses them
     fig.update_yaxes(autorange="reversed", type="category", categoryorder="array", categoryarray=lanes)
+    # 'overlay': bars with a base sit at their own times, neither stacked nor side by side
     return _layout(
         fig, f"Timeline, step {wanted + 1} (bubble {bubble:.0%})", barmode="overlay", xaxis_title="ms", bargap=0.25
     )
@@ -135,10 +148,12 @@ def _gantt(
         fig.add_trace(
             go.Bar(
                 y=[y],
+                # a zero-length span still draws as a sliver
                 x=[max(e["end"] - e["start"], 1e-6)],
                 base=[e["start"]],
                 orientation="h",
                 name=name,
+                # one legend entry per name over both panels (the caller shares `seen`); clicking it hides both
                 legendgroup=name,
                 showlegend=name not in seen,
                 text=f"{kind}{mb}{chunk}" if compute else "",
@@ -159,12 +174,14 @@ def simulated_timeline_figure(sim, unit: str = "units", title: str | None = None
     one row per pipeline rank, F/B/W coloured by microbatch, messages in flight on a thin
     lane below; the predicted bubble in the title, or why the schedule would deadlock.
     unit: 'units' for unit costs; 'ms' for a simulation with measured costs (in seconds)."""
+    # a simulation with measured costs runs in seconds: ms on the axis, as the measured timeline has
     scale = 1e3 if unit == "ms" else 1.0
     spans = [{**e, "y": f"rank {e['rank']}", "start": e["start"] * scale, "end": e["end"] * scale} for e in sim.events]
     fig = go.Figure()
     _gantt(fig, spans, unit=unit)
     table = sim.table
     if sim.problems:
+        # a schedule that would deadlock has no timeline worth reading: the figure says why instead
         fig.add_annotation(
             text="<br>".join(sim.problems[:6]),
             showarrow=False,
@@ -192,9 +209,11 @@ def timeline_comparison_figure(result, sim=None, step: int = -1) -> go.Figure:
     is what the ideal model leaves out: jitter, contention for cores, Python overhead."""
 
     wanted = step % result.steps
+    # the run's own costs, so what still differs between the panels is what the ideal model leaves out
     if sim is None:
         sim = pipeline_theory.simulated(result.config, pipeline_theory.costs_from_result(result, step))
     spans = [e for rk in result.ranks for e in rk.timeline if e.step == wanted]
+    # from the first compute span, as the simulation starts at its first F: the panels line up at 0
     t0 = min((e.start for e in spans if e.kind in ("F", "B", "W")), default=0.0)
     measured = [
         {
@@ -225,6 +244,7 @@ def timeline_comparison_figure(result, sim=None, step: int = -1) -> go.Figure:
         vertical_spacing=0.08,
         subplot_titles=(f"measured (bubble {bubble:.0%})", f"simulated (bubble {sim.bubble:.0%})"),
     )
+    # one legend entry per microbatch for both panels
     seen: set = set()
     _gantt(fig, measured, row=1, seen=seen)
     _gantt(fig, simulated, row=2, seen=seen)
@@ -236,5 +256,6 @@ def timeline_comparison_figure(result, sim=None, step: int = -1) -> go.Figure:
         barmode="overlay",
         xaxis2_title="ms",
         bargap=0.25,
+        # 90 px a rank over the two panels keeps each lane tall enough to read its label
         height=220 + 90 * len(result.ranks),
     )

@@ -27,10 +27,12 @@ from __future__ import annotations
 
 
 def _key(e: dict) -> tuple:
+    # a process group is its name and its ranks: rebuilt worlds reuse names (the module docstring)
     return (str(e.get("pg", "")), tuple(e["group"]))
 
 
 def _sig(e: dict) -> tuple:
+    # what ranks must agree on at one seq of one group: op, shape, size, dtype, a new group's members
     return (e["op"], tuple(e.get("shape") or ()), e.get("numel"), e.get("dtype"), tuple(e.get("members") or ()))
 
 
@@ -65,6 +67,7 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
     stuck: dict[int, dict | None] = {}
     for r, log in logs.items():
         open_ops = [e for e in log if e.get("end") is None]
+        # the oldest open op: the later ones (work queued behind it) follow from it
         stuck[r] = min(open_ops, key=lambda e: e["start"]) if open_ops else None
 
     by_key: dict[tuple, dict[int, dict[int, dict]]] = {}  # (pg, ranks) -> rank -> seq -> event
@@ -75,8 +78,10 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
     def reached(m: int, key: tuple, seq: int) -> bool:
         counts = polls[m].get("groups") or {}
         pg, ranks = key
+        # the rank's own count of ops entered on that group: exact even for ops past the log's tail
         if pg in counts and tuple(counts[pg][1]) == ranks:
             return counts[pg][0] > seq
+        # else the log, which holds only its last entries
         return seq in by_key.get(key, {}).get(m, {})
 
     def where(m: int) -> str:
@@ -98,10 +103,12 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
         if e is None:
             continue
         key = _key(e)
+        # members that were not read are not accused
         absent = [m for m in key[1] if m != r and m in polls and not reached(m, key, e["seq"])]
         waits_for[r] = absent
         if not absent:
             continue
+        # one entry per open op, however many ranks wait in it
         ident = (key, e["seq"])
         if ident in seen:
             seen[ident]["waiting"].append(r)
@@ -124,16 +131,19 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
         for pg, ranks in (p.get("registry") or {}).items():
             names.setdefault(tuple(ranks), {}).setdefault(r, set()).add(pg)
     for ranks, per in sorted(names.items()):
+        # the members know the same ranks by different names: they created their groups in different orders
         if len(per) > 1 and len({frozenset(v) for v in per.values()}) > 1:
             renamed.append({"group": list(ranks), "names": {r: sorted(v) for r, v in sorted(per.items())}})
 
     divergence = None
     for key, per_rank in by_key.items():
         members = [m for m in key[1] if m in per_rank]
+        # the seqs any member logged, in order, up to the first where two members disagree
         for s in sorted(set().union(*[set(per_rank[m]) for m in members]) if members else []):
             have = {m: per_rank[m][s] for m in members if s in per_rank[m]}
             if len(have) > 1 and len({_sig(e) for e in have.values()}) > 1:
                 start = min(e["start"] for e in have.values())
+                # over all groups, the divergence that began first is the cause; the others follow from it
                 if divergence is None or start < divergence["start"]:
                     divergence = {
                         "group": list(key[1]),
@@ -152,6 +162,7 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
         at = f" ({hosts[r]})" if r in hosts else ""
         e = stuck[r]
         if e is not None:
+            # ops entered after the oldest open one: nonblocking work queued behind it
             others = sum(1 for x in logs[r] if x.get("end") is None) - 1
             more = f" (+{others} later op(s) also open)" if others > 0 else ""
             lines.append(f"rank {r}{at}: entered and never left {_fmt(e)}{more}")
@@ -195,6 +206,7 @@ def analyse(polls: dict[int, dict | list], hosts: dict[int, str] | None = None) 
             + " (each waits in a collective the next one has not entered: collectives issued "
             "in different orders)"
         )
+    # no rank waits in a collective: saying so spares a search of the communication
     if not any(stuck.values()) and not gpu_stuck:
         lines.append("no rank is inside a collective: the run is slow or stuck in computation, not in communication")
     return {
@@ -216,6 +228,7 @@ def _gpu(polls: dict, logs: dict, where) -> tuple[dict, list]:
     for r, p in sorted(polls.items()):
         g = p.get("gpu") or {}
         if g.get("open"):
+            # the oldest op the GPU has not completed
             stuck[r] = dict(g["open"][0])
     for r, e in stuck.items():
         ranks = (polls[r].get("registry") or {}).get(e["pg"], [])
@@ -276,12 +289,14 @@ def _cycle(waits_for: dict[int, list[int]]) -> list[int] | None:
     for start in sorted(waits_for):
         path, node = [start], start
         while True:
+            # only ranks that wait themselves can close a cycle
             nxt = [m for m in waits_for.get(node, []) if m in waits_for]
             if not nxt:
                 break
             node = nxt[0]
             if node in path:
                 loop = path[path.index(node) :]
+                # from its smallest rank: a cycle reads the same whichever rank it was found from
                 i = loop.index(min(loop))
                 return loop[i:] + loop[:i]
             path.append(node)

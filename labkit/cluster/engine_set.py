@@ -126,6 +126,8 @@ class EngineSet:
     def _rendezvous(self, addr: str, threads: list[int], loopback: bool, ifnames: list[str] | None = None) -> None:
         """A fresh port (the OS picks it on rank 0) and a new process group on every rank."""
         self.generation += 1
+        # the OS picks the port on rank 0's host: one chosen here could be taken there, and a rebuilt
+        # world never meets the last one's
         port = self.each(process_group.open_rendezvous, [0], addr, bound=START_TIMEOUT_S)[0]
         got = self.gather(
             {
@@ -172,12 +174,14 @@ class EngineSet:
                     raise EngineGone([r], e.evalue or "its engine went away") from None
             if not pending:
                 return out
+            # a dead engine shows by its pid or its registration long before the bound
             if watch:
                 dead = self.dead(pending)
                 if dead:
                     raise EngineGone(dead, "its process is gone")
             if time.monotonic() > deadline:
                 raise EngineGone(list(pending), f"it did not answer within {bound:g} s")
+            # a short wait on one result: any answer or death elsewhere is seen within 50 ms
             next(iter(pending.values())).wait(0.05)
 
     def each(self, fn, ranks, *args, bound: float | None = None) -> dict:
@@ -197,11 +201,13 @@ class EngineSet:
         ids = set(self.client.ids)
         out = []
         for r in ranks:
+            # an engine on another machine or pid namespace: gone once the controller no longer lists it
             if not (self.here[r] if r < len(self.here) else self.local):
                 if self.ids[r] not in ids:
                     out.append(r)
                 continue
             try:
+                # a zombie's pid still answers: its process is gone all the same
                 if psutil.Process(self.pids[r]).status() in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
                     out.append(r)
             except psutil.NoSuchProcess:
@@ -261,6 +267,7 @@ class EngineSet:
         except Exception as e:
             raise LabError(f"could not start new engines on {sorted(set(hosts))} for ranks {ranks}: {e}") from e
         self.watch_jobs()
+        # each new engine takes a replaced rank's place: rank numbers never move
         for r, eid in zip(ranks, fresh):
             self.ids[r] = eid
             self._condemned.pop(r, None)
@@ -274,6 +281,7 @@ class EngineSet:
                 "with ipcluster and call Lab.connect again"
             )
         self._end(range(self.world))
+        # on a loop and thread of its own, finished there (launchers.drained: the _sync wrappers hung)
         launchers.drained(self.cluster.stop_engines)
         self.cluster.start_engines_sync(n=self._n)
         self.watch_jobs()
@@ -292,6 +300,7 @@ class EngineSet:
                 elsewhere.append(self.ids[r])
                 continue
             try:
+                # SIGKILL: a rank stuck inside a collective never gets back to Python to handle a gentler signal
                 os.kill(self.pids[r], signal.SIGKILL)
                 procs.append(psutil.Process(self.pids[r]))
             except (ProcessLookupError, psutil.NoSuchProcess):
@@ -318,6 +327,7 @@ class EngineSet:
     def _new_engines(self, n: int) -> list[int]:
         end = time.monotonic() + REPLACE_WAIT_S
         while time.monotonic() < end:
+            # ids never seen before: the controller numbers new engines on from the old ones
             fresh = sorted(set(self.client.ids) - self._known_ids)
             if len(fresh) >= n:
                 self._known_ids |= set(fresh)

@@ -9,7 +9,7 @@ fault paths, labkit/cluster/jobs.py). Every wait is bounded; each error is raise
   Lab.cancel()                   Cancelled           (ranks stop at a boundary)
 
 The functions hold no state: what they learn about engines (one to replace) they mark on the
-EngineSet. How releasing works, and why a rank is sometimes replaced instead: notes/faults.md.
+EngineSet. How releasing works, and why a rank is sometimes replaced instead: ARCHITECTURE.md, "Faults".
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ def on_error(engines: EngineSet, states: list[dict], timeout: float) -> None:
     world = range(engines.world)
     failures = {r: s["error"] for r, s in enumerate(states) if s["state"] == "error"}
     end = time.monotonic() + ERROR_GRACE_S
+    # a rank still running may be about to fail on its own (the same bug everywhere): a short grace
     while time.monotonic() < end and any(s["state"] == "running" for s in states):
         time.sleep(0.05)
         got = engines.each(runtime.poll, world, 10**9)
@@ -58,18 +59,21 @@ def on_error(engines: EngineSet, states: list[dict], timeout: float) -> None:
     if all(_COLLECTIVE_TIMEOUT.search(tb) for tb in failures.values()):
         on_timeout(engines, timeout)  # gloo's own timeout fired first: diagnose it as a hang
     final = release_cascade(engines)
+    # ranks that failed only because the release cut their collective: named apart from the causes
     released = [r for r, s in final.items() if r not in failures and s["state"] == "error"]
     raise RankError({r: {"host": engines.hosts[r], "traceback": tb} for r, tb in failures.items()}, released)
 
 
 def on_timeout(engines: EngineSet, timeout: float) -> None:
     """No progress within the timeout: CollectiveTimeout with the diagnosis of the ranks' logs."""
+    # no progress records (all read), the last LOG_TAIL collective-log entries: what the diagnosis reads
     got = engines.each(runtime.poll, range(engines.world), 10**9, LOG_TAIL)
     found = analyse(got, dict(enumerate(engines.hosts)))
     try:
         engines.each(runtime.cancel, range(engines.world))
         release_cascade(engines, bound=1.0)  # ranks waiting only on each other are freed by the groups' timeout
     except EngineGone as d:
+        # an engine that does not answer the cancel is replaced at the next call
         engines.condemn(d.ranks, d.detail)
     raise CollectiveTimeout(timeout, found["text"], found)
 
@@ -79,6 +83,7 @@ def on_died(engines: EngineSet, gone: EngineGone) -> None:
     engines.condemn(gone.ranks, gone.detail)
     try:
         release_cascade(engines)
+    # best effort: the error to raise is the death, whatever the release runs into
     except Exception:
         pass
     first = gone.ranks[0]
@@ -91,6 +96,7 @@ def abandon(engines: EngineSet) -> bool:
     Best effort and bounded; whatever is left is repaired at the next call. Returns whether the
     process groups can be kept (see stop_after_cancel)."""
     try:
+        # live engines only: a dead one would raise EngineGone before anything is cancelled
         engines.each(runtime.cancel, engines.live(), bound=5.0)
         return stop_after_cancel(engines)
     except EngineGone as d:
@@ -109,9 +115,11 @@ def stop_after_cancel(engines: EngineSet) -> bool:
         got = engines.each(runtime.poll, engines.live(), 10**9, LOG_TAIL)
         running = [r for r, s in got.items() if s["state"] == "running"]
         if not running:
+            # every rank answered and no group was left half-entered: the groups can be kept
             if len(got) == engines.world and consistent(got):
                 return True
             break
+        # some stopped, some still run: those may be waiting on a stopped one inside a collective
         if len(running) < len(got):
             first_stop = first_stop or time.monotonic()
             if time.monotonic() - first_stop > SETTLE_S:
@@ -128,6 +136,7 @@ def free_stuck(engines: EngineSet) -> None:
         got = engines.each(runtime.poll, engines.live(), 10**9)
     except EngineGone as d:
         engines.condemn(d.ranks, d.detail)
+        # again without the condemned engines, which live() no longer lists
         return free_stuck(engines)
     running = [r for r, s in got.items() if s["state"] == "running"]
     if not running:
@@ -153,8 +162,11 @@ def release_cascade(engines: EngineSet, bound: float = RELEASE_S) -> dict:
             got = engines.each(runtime.poll, live, 10**9)
             over = [r for r in live if got[r]["state"] != "running" and r not in released]
             if over:
+                # every engine's own listening endpoints: a release shuts its torch connections to them, since
+                # destroying the groups alone leaves gloo's open under PyTorch's DDP (ARCHITECTURE.md, "Faults")
                 peers = sorted({ep for eps in engines.each(sockets.listening, live).values() for ep in eps})
                 for r, out in engines.each(release.release, over, peers).items():
+                    # torch still holds its groups: a new engine at the next call, so that no port leaks
                     if out["held"]:
                         engines.taint(
                             r,
@@ -164,6 +176,7 @@ def release_cascade(engines: EngineSet, bound: float = RELEASE_S) -> dict:
                 released |= set(over)
         except EngineGone as d:
             engines.condemn(d.ranks, d.detail)
+            # polled again without the engine that went away
             continue
         if all(s["state"] != "running" for s in got.values()) or time.monotonic() > end:
             return got
@@ -180,6 +193,7 @@ def consistent(polls: dict[int, dict]) -> bool:
         for pg, (n, ranks) in (p.get("groups") or {}).items():
             counts.setdefault((pg, tuple(ranks)), {})[r] = n
     for (_, ranks), per in counts.items():
+        # one member entered more ops than a peer: that peer was left waiting in a collective
         if len({per.get(m, 0) for m in ranks if m in polls}) > 1:
             return False
     return True

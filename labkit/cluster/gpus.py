@@ -55,6 +55,8 @@ def pick(table: list[Gpu], count: int) -> list[Gpu]:
         raise LabError(
             f"{count} GPUs wanted, the machine has {len(table)}; ask for fewer engines or more ranks_per_gpu"
         )
+    # free memory decides first: a GPU another Lab already fills is the one to avoid; then the fewest
+    # processes (contention for its compute); the index makes the choice the same on every call
     return sorted(table, key=lambda g: (-g.free, g.processes, g.index))[:count]
 
 
@@ -64,7 +66,9 @@ def visible_devices(gpus, engines: int, ranks_per_gpu: int | None, table: list[G
         return None
     if gpus == "auto":
         table = read_table() if table is None else table
+        # as many GPUs as the ranks fill at ranks_per_gpu each, the last one perhaps part-filled
         chosen = pick(table, math.ceil(engines / (ranks_per_gpu or 1)))
+        # by UUID where there is one: nvidia-smi's index is PCI order, which CUDA's numbering need not follow
         return ",".join(g.uuid or str(g.index) for g in chosen)
     return ",".join(str(g) for g in gpus)
 
@@ -106,6 +110,7 @@ def parse_smi(gpus_csv: str, apps_csv: str) -> list[Gpu]:
     out = []
     for line in gpus_csv.strip().splitlines():
         index, uuid, total, used = (f.strip() for f in line.split(",")[:4])
+        # nounits: MiB, perhaps written as a float
         out.append(Gpu(int(index), uuid, int(float(total)) * MIB, int(float(used)) * MIB, per_gpu.get(uuid, 0)))
     return out
 
@@ -121,8 +126,10 @@ def read_table() -> list[Gpu]:
                 mem = pynvml.nvmlDeviceGetMemoryInfo(h)
                 uuid = pynvml.nvmlDeviceGetUUID(h)
                 procs = len(pynvml.nvmlDeviceGetComputeRunningProcesses(h))
+                # older nvidia-ml-py returns the UUID as bytes
                 out.append(Gpu(k, uuid if isinstance(uuid, str) else uuid.decode(), mem.total, mem.used, procs))
             return out
+        # no driver NVML can talk to: nvidia-smi may still answer
         except pynvml.NVMLError:
             pass
     smi = shutil.which("nvidia-smi")
@@ -133,4 +140,5 @@ def read_table() -> list[Gpu]:
         [*query, "--query-gpu=index,uuid,memory.total,memory.used"], capture_output=True, text=True, timeout=30
     )
     apps = subprocess.run([*query, "--query-compute-apps=gpu_uuid,pid"], capture_output=True, text=True, timeout=30)
+    # no GPUs (or an error): an empty table, and `pick` says the machine has none
     return parse_smi(gpus.stdout, apps.stdout) if gpus.returncode == 0 else []

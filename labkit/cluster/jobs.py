@@ -66,9 +66,11 @@ class JobRunner:
         """fn(*args, **kwargs) on every rank (after a repair if one is due); results in rank order.
         steps: a StepProgress fed with the ranks' progress records, or None."""
         lock = self.engines.lock
+        # longer than any call can take (its timeout and two start-ups): one holding it longer is stuck
         if not lock.acquire(timeout=timeout + 2 * START_TIMEOUT_S):
             raise LabError("the Lab is busy with another call that did not end in time; lab.cancel() stops it")
         try:
+            # a cancel meant for the previous call must not stop this one
             self._cancel_request.clear()
             self.repair_if_needed()
             with interrupts_remembered() as interrupted:
@@ -86,6 +88,7 @@ class JobRunner:
         with self.engines.lock:
             for r in range(self.engines.world):
                 try:
+                    # 10**9: past every progress record, so the poll returns the state alone
                     out.append(self.engines.each(runtime.poll, [r], 10**9)[r]["state"])
                 except EngineGone:
                     out.append("dead")
@@ -101,13 +104,16 @@ class JobRunner:
             engines.each(runtime.start, ranks, fn, args, kwargs, timeout)
             self.jobs += 1
             deadline = time.monotonic() + timeout
+            # seen[r]: rank r's progress records already read; a poll returns only newer ones
             seen, pause, cancel_sent = [0] * engines.world, POLL_MIN_S, False
             while True:
                 if interrupted():
                     raise KeyboardInterrupt
                 if self._cancel_request.is_set() and not cancel_sent:
+                    # once: the ranks stop at their next boundary, and the loop waits for them to say so
                     engines.each(runtime.cancel, ranks)
                     cancel_sent = True
+                # every rank asked at once, each answer bounded: an engine that does not answer becomes EngineGone
                 got = engines.gather({r: engines.send(r, runtime.poll, seen[r]) for r in ranks}, ANSWER_S)
                 states = [got[r] for r in ranks]
                 for r, s in enumerate(states):
@@ -117,21 +123,25 @@ class JobRunner:
                             steps.add(rec)
                 kinds = {s["state"] for s in states}
                 if kinds == {"done"}:
+                    # results fetched only once every rank is done: a partial result is no result
                     got = engines.each(runtime.result, ranks, bound=START_TIMEOUT_S)
                     self._rebuild_needed = False
                     return [got[r] for r in ranks]
                 if "error" in kinds:
                     faults.on_error(engines, states, timeout)
                 if "cancelled" in kinds or ("running" not in kinds and cancel_sent):
+                    # the groups stay usable only if every rank stopped in step at a boundary
                     if faults.stop_after_cancel(engines):
                         self._rebuild_needed = False
                     raise Cancelled("the run was cancelled (Lab.cancel); it stopped on every rank")
                 if time.monotonic() > deadline:
                     faults.on_timeout(engines, timeout)
                 time.sleep(pause)
+                # backing off: a short run returns at once, a long one costs the engines few polls
                 pause = min(POLL_MAX_S, pause * 1.5)
         except EngineGone as gone:
             faults.on_died(engines, gone)
+        # already the clear error of a fault path, or a refused config: passed on as it is
         except (LabError, ConfigError):
             raise
         except BaseException:  # Ctrl-C, a progress callback that raised, a broken client
@@ -144,15 +154,18 @@ class JobRunner:
         """Before a call: replace dead or stuck engines and rebuild the process groups, if a
         fault left them so. Falls back to restarting every engine; raises LabError if even that fails."""
         engines = self.engines
+        # the last call ended cleanly and no engine is marked: nothing to repair, no cost
         if not self._rebuild_needed and not engines.to_replace():
             return
         t0 = time.monotonic()
         note = {"replaced": {}, "restarted_all": None}
         try:
+            # ranks still inside the last job first: cancelled, released, condemned if even that fails
             faults.free_stuck(engines)
             note["replaced"] = engines.to_replace()
             if note["replaced"]:
                 engines.replace(sorted(note["replaced"]))
+            # the torch world rebuilt, new engines included, on a fresh port
             engines.setup()
         except Exception as first:
             note["restarted_all"] = str(first)

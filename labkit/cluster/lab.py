@@ -52,7 +52,9 @@ def _by_value(fn) -> bytes:
     """Pickle fn so an engine can run it: by value when its module is not an installed package."""
     mod = sys.modules.get(getattr(fn, "__module__", "") or "")
     path = getattr(mod, "__file__", None) or ""
+    # an installed module the engines import by name; a notebook's, a script's or a test's they cannot
     installed = "site-packages" in path or "dist-packages" in path or path.startswith(sys.base_prefix)
+    # __main__'s functions cloudpickle sends by value already; labkit is installed beside the engines
     if mod is not None and mod.__name__ != "__main__" and not installed and not mod.__name__.startswith("labkit"):
         cloudpickle.register_pickle_by_value(mod)
     return cloudpickle.dumps(fn)
@@ -259,6 +261,7 @@ class Lab:
         cfg = ParallelConfig() if cfg is None else cfg
         model = ModelConfig() if model is None else model
         optim = OptimConfig() if optim is None else optim
+        # every argument's problem at once, before any engine work
         bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit)
         bad += data_problems(data, model)
         if bad:
@@ -333,6 +336,7 @@ class Lab:
     def close(self) -> None:
         """Stop the engines and controller this Lab started (or disconnect from a shared cluster).
         A call still running in another thread is cancelled first (waited for a few seconds)."""
+        # a call still running in another thread stops first, so that the engines close idle
         self._runner.cancel()
         self.engines.close(wait=10.0)
 

@@ -110,6 +110,7 @@ def default_route_address(route_table: str = "/proc/net/route") -> str:
     with open(route_table) as f:
         for line in f.readlines()[1:]:
             fields = line.split()
+            # destination 0.0.0.0 (the table writes addresses in hex): the default route
             if len(fields) > 1 and fields[1] == "00000000":
                 return interface_address(fields[0])
     raise ValueError("this machine has no default route; pass controller_ip= or interface=")
@@ -143,6 +144,7 @@ def slurm_script(options: dict) -> str:
         if options.get(key) is not None:
             lines.append(f"#SBATCH {flag}={options[key]}")
     lines += [f"#SBATCH {extra}" for extra in options.get("sbatch_options") or ()]
+    # srun inside the allocation: one engine per task
     lines.append("srun {program_and_args}")
     return "\n".join(lines) + "\n"
 
@@ -150,6 +152,7 @@ def slurm_script(options: dict) -> str:
 def mpi_args(options: dict) -> list[str]:
     out = []
     if options.get("hosts"):
+        # Open MPI's host:slots
         out += ["--host", ",".join(f"{h}:{n}" for h, n in options["hosts"].items())]
     if options.get("hostfile"):
         out += ["--hostfile", str(options["hostfile"])]
@@ -173,6 +176,7 @@ def cluster_settings(launcher: str, n: int, token: str, options: dict, env: dict
         controller_ip=controller_ip(launcher, options),
         controller_args=["--IPController.use_threads=True"],
         engine_timeout=int(START_TIMEOUT_S),
+        # errors only: ipyparallel's info lines would fill the notebook's cells
         log_level=40,
         config=c,
     )
@@ -216,6 +220,7 @@ class Started:
         """The cancel commands of the cluster's batch jobs not yet known (scancel JOBID, ...)."""
         new = []
         for engine_set in cluster.engines.values():
+            # only a batch launcher's engine set has a job id
             job = getattr(engine_set, "job_id", "")
             if job:
                 cmd = [*engine_set.delete_command, str(job)]
@@ -230,6 +235,7 @@ class Started:
         if self.launcher != "ssh":
             return {}
         known = self.options["hosts"]
+        # an engine may report its host's short name where the options gave the full one, or the reverse
         short = {h.split(".")[0]: h for h in known}
         where = Counter()
         for h in hosts:
@@ -263,6 +269,7 @@ def wait_for(client, n: int, registered=None) -> None:
     START_TIMEOUT_S."""
     deadline, seen = time.monotonic() + START_TIMEOUT_S, -1
     while len(client.ids) < n:
+        # told only when the count changes: one update of the bar per engine, not per poll
         if len(client.ids) != seen and registered is not None:
             seen = len(client.ids)
             registered(seen)
@@ -301,6 +308,8 @@ def drained(cluster_call) -> None:
         except Exception as e:
             failed.append(e)
         finally:
+            # what the call left running is cancelled and finished here, before the loop closes: never
+            # by the garbage collector in some other thread (the docstring's hang)
             left = asyncio.all_tasks(loop)
             for task in left:
                 task.cancel()

@@ -27,8 +27,10 @@ def bar(progress, total: int | None, label: str):
     """A bar for this Lab setting (see the module docstring), or None: silent."""
     if progress is False or progress is None or callable(progress):
         return None
+    # in a notebook a widget whatever was asked: the cell keeps one bar, updated in place
     if in_kernel():
         return WidgetBar(total, label)
+    # 'auto' on a terminal only: a log or a test's captured output gets no bar
     if progress is True or sys.stderr.isatty():
         return TextBar(total, label)
     return None
@@ -83,6 +85,7 @@ class TextBar:
 
     def update(self, value: int, note: str = "") -> None:
         line = self._line(value, note)
+        # spaces over what a longer previous line left behind the new one
         self.stream.write("\r" + line + " " * max(0, self._last - len(line)))
         self.stream.flush()
         self._last = len(line)
@@ -146,11 +149,13 @@ class StepProgress:
 
     def add(self, rec: dict) -> None:
         if "loss_share" not in rec:
+            # a user's records come from every rank: rank 0's stand for them
             if rec.get("rank", 0) == 0:
                 self.show(rec)
             return
         got = self.pending.setdefault(rec["step"], [])
         got.append(rec)
+        # shown once every rank reported the step: a loss summed from some ranks would be wrong
         if len(got) == rec["ranks"]:
             del self.pending[rec["step"]]
             self.show(
@@ -158,6 +163,7 @@ class StepProgress:
                     "step": rec["step"],
                     "steps": rec["steps"],
                     "loss": sum(r["loss_share"] for r in got) / rec["shards"],
+                    # the slowest rank's: a step ends when every rank has ended it
                     "seconds": max(r["seconds"] for r in got),
                 }
             )

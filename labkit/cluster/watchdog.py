@@ -43,6 +43,8 @@ class Watchdog:
     def __init__(self, token: str):
         self.token = token
         read, write = os.pipe()  # the write end is the kernel's alone (not inherited by exec'd children)
+        # -I: isolated (no user site, no PYTHONPATH); start_new_session: setsid, so a signal to the
+        # kernel's process group does not reach it
         self.proc = subprocess.Popen(
             [sys.executable, "-I", os.path.abspath(__file__), str(os.getpid()), token],
             stdin=read,
@@ -52,6 +54,7 @@ class Watchdog:
             close_fds=True,
         )
         os.close(read)
+        # line-buffered: each instruction reaches the watchdog when it is said, not when the kernel dies
         self._pipe = os.fdopen(write, "w", buffering=1)
 
     def cancel_on_death(self, command: list[str]) -> None:
@@ -95,6 +98,7 @@ def end_all(token: str, cancels: list[list[str]]) -> int:
     """Cancel the jobs and end every tagged process; returns how many processes it signalled."""
     for cmd in cancels:
         try:
+            # bounded: a scheduler that does not answer must not keep the processes alive
             subprocess.run(cmd, timeout=10, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         except (OSError, subprocess.SubprocessError):
             pass
@@ -103,6 +107,7 @@ def end_all(token: str, cancels: list[list[str]]) -> int:
         left = tagged(token)  # zombies excepted: their environment cannot be read
         if not left:
             break
+        # SIGTERM first, so that each process may clean up; SIGKILL to what is left past KILL_AFTER_S
         late = time.monotonic() - start > KILL_AFTER_S
         for p in left:
             try:
@@ -124,13 +129,16 @@ def watch(owner_pid: int, token: str, fd: int = 0) -> bool:
     except psutil.NoSuchProcess:
         owner = None
     pending = b""
+    # a zombie owner is dead: its pid only lingers until its parent reaps it
     while owner is not None and owner.is_running() and owner.status() != psutil.STATUS_ZOMBIE:
+        # woken every POLL_S to look at the pid too: a forked child of the kernel may hold the pipe open
         ready, _, _ = select.select([fd], [], [], POLL_S)
         if not ready:
             continue
         chunk = os.read(fd, 65536)
         if not chunk:  # EOF: the kernel's end of the pipe is closed, so the kernel is gone
             break
+        # a line the read cut in two waits in `pending` for its end
         *lines, pending = (pending + chunk).split(b"\n")
         for line in lines:
             word, _, rest = line.decode().strip().partition(" ")
@@ -139,6 +147,7 @@ def watch(owner_pid: int, token: str, fd: int = 0) -> bool:
             elif word == "remove":
                 files.append(json.loads(rest))
             elif word == "close":
+                # a normal close: no job to cancel, only what the cluster's own stop left to sweep
                 end_all(token, [])
                 return False
     end_all(token, cancels)

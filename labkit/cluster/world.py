@@ -66,6 +66,7 @@ def nccl_version(info: dict) -> tuple[int, ...] | None:
 def shared_nccl_problem(infos: list[dict], devices: list[str], limit: int | None = NCCL_SHARED_RANKS) -> str | None:
     """Why ranks on `devices` (some sharing a GPU) cannot be one NCCL world, or None if they can:
     every engine's NCCL must be >= NCCL_SHARED_SINCE, and (with a limit) no GPU may hold more ranks."""
+    # an engine with no NCCL counts as too old
     old = sorted({info.get("nccl") or "none" for info in infos if (nccl_version(info) or (0,)) < NCCL_SHARED_SINCE})
     if old:
         since = ".".join(map(str, NCCL_SHARED_SINCE))
@@ -73,6 +74,7 @@ def shared_nccl_problem(infos: list[dict], devices: list[str], limit: int | None
             f"NCCL {', '.join(old)} cannot run two ranks on one GPU (NCCL >= {since} can, with "
             f"NCCL_MULTI_RANK_GPU_ENABLE=1; e.g. pip install 'nvidia-nccl-cu13>={since}')"
         )
+    # ranks per physical GPU, by host and UUID: two engines may see one GPU under different indices
     per_gpu = Counter((info["host"], _gpu_id(info, d)) for info, d in zip(infos, devices))
     most = max(per_gpu.values())
     if limit is not None and most > limit:
@@ -124,9 +126,11 @@ def own_gpus(infos: list[dict]) -> list[int] | None:
     out = []
     for info in infos:
         uuids = info.get("gpu_uuids") or []
+        # no UUID for each GPU: the host's engines are taken to see its GPUs in one order
         if len(uuids) != info["gpus"] or not all(uuids):
             uuids = [f"{info['host']}#{k}" for k in range(info["gpus"])]
         used = taken.setdefault(info["host"], set())
+        # the first GPU of the host that no rank took yet
         free = [k for k, u in enumerate(uuids) if u not in used]
         if not free:
             return None
@@ -148,6 +152,7 @@ def world_setup(
     gpu_uuids, cpus), in rank order. Raises LabError for a choice the engines cannot honour."""
     hosts = [i["host"] for i in infos]
     per_host = Counter(hosts)
+    # each engine's index among its host's engines: which GPU it shares, round-robin
     local_index, seen = [], Counter()
     for h in hosts:
         local_index.append(seen[h])
@@ -156,6 +161,7 @@ def world_setup(
     if device == "cuda" and not has_gpu:
         raise LabError(f"device='cuda' but the engines see {[i['gpus'] for i in infos]} GPUs; use device='cpu'")
     own = own_gpus(infos) if has_gpu else None
+    # a GPU of its own per rank: CUDA unless the CPU or gloo was asked for
     if own is not None and (device == "cuda" or (device == "auto" and backend != "gloo")):
         devices = [f"cuda:{k}" for k in own]
     elif has_gpu and (device == "cuda" or backend == "nccl"):  # shared GPUs: round-robin over what each sees
@@ -179,9 +185,11 @@ def world_setup(
         else:
             backend, why = "gloo", f"ranks share GPUs and {problem}: gloo on CUDA tensors"
     elif backend == "auto":
+        # the plain rule: NCCL where each rank has a GPU of its own, gloo otherwise
         backend = "nccl" if own is not None and device != "cpu" else "gloo"
     one_host = len(per_host) == 1
     loopback = local and one_host
+    # across hosts rank 0's address as seen on the route to the controller: that network reaches them all
     addr = master_addr or ("127.0.0.1" if loopback else infos[0].get("route_addr") or infos[0]["addr"])
     if not one_host and is_loopback(addr):
         others = [a for a in infos[0].get("addrs") or [] if not is_loopback(a)]
@@ -190,6 +198,7 @@ def world_setup(
             f"engines on {sorted(set(hosts) - {hosts[0]})} cannot reach; pass master_addr='<an address of "
             f"{hosts[0]} they reach>'" + (f", e.g. one of {others}" if others else "")
         )
+    # a host's CPUs shared among its engines, at least one thread each
     threads = [max(1, (i.get("cpus") or default_cpus) // per_host[h]) for i, h in zip(infos, hosts)]
     ifnames = ["lo"] * len(infos) if loopback else [i.get("route_ifname") or "" for i in infos]
     return WorldSetup(backend, devices, addr, loopback, threads, ifnames if any(ifnames) else None, env, why)
@@ -205,6 +214,7 @@ def host_order(infos: list[dict]) -> list[int]:
         range(len(infos)),
         key=lambda k: (
             first[infos[k]["host"]],
+            # engines with a launcher rank first, in its order (mpiexec and srun number a host's tasks)
             infos[k].get("launcher_rank") is None,
             infos[k].get("launcher_rank") or 0,
             k,

@@ -98,6 +98,7 @@ class Sharded:
 def sharded(sharding: Sharding) -> Sharded:
     match sharding:
         case "none":
+            # DDP: every model state replicated over the data ranks
             return Sharded(0)
         case "zero1":
             return Sharded(1)
@@ -106,8 +107,10 @@ def sharded(sharding: Sharding) -> Sharded:
         case "zero3":
             return Sharded(3)
         case "fsdp":
+            # ZeRO-3's sharding in FSDP's units (a root, then one per block)
             return Sharded(3, fsdp=True)
         case _:
+            # the one place an unknown value is refused: whatever reads the decode can trust it
             raise ConfigError([unknown("sharding", sharding, SHARDINGS)])
 
 
@@ -133,6 +136,7 @@ class PipelineShape:
 def pipeline_shape(schedule: Schedule) -> PipelineShape:
     match schedule:
         case "gpipe":
+            # GPipe (Huang et al. 2019): every forward first, all m microbatches in flight
             return PipelineShape(forwards_first=True)
         case "1f1b":
             return PipelineShape(one_f_one_b=True)
@@ -141,8 +145,10 @@ def pipeline_shape(schedule: Schedule) -> PipelineShape:
         case "zbh1":  # 1F1B's memory, W deferred into the bubble
             return PipelineShape(splits_backward=True)
         case "zbv":
+            # ZB-V (Qi et al. 2024, section 6): two chunks a rank in a V, backward split
             return PipelineShape(v_shaped=True, splits_backward=True)
         case "dualpipev":
+            # DualPipeV (DeepSeek-V3, section 3.2.1): two microbatches a rank, one per stage of its V
             return PipelineShape(v_shaped=True, splits_backward=True, microbatches_per_stage=2)
         case _:
             raise ConfigError([unknown("schedule", schedule, SCHEDULES)])
@@ -179,6 +185,7 @@ def numerics(precision: Precision) -> Numerics:
         case "bf16":
             return Numerics(mixed=True, fp8=False)
         case "fp8":
+            # fp8: matmuls in fp8, activations in bf16, fp32 masters (torchao's float8 training)
             return Numerics(mixed=True, fp8=True)
         case _:
             raise ConfigError([unknown("precision", precision, PRECISIONS)])
@@ -211,12 +218,16 @@ def recomputation(checkpoint_activations: Checkpointing | Recompute) -> Recomput
     """The decode of a checkpoint_activations value, or of its name (`Recomputation.mode`)."""
     match checkpoint_activations:
         case False | "none":
+            # False and 'none' alike: the config holds values, ParallelConfig.recompute names them
             return Recomputation("none", reruns_forward=False, attention_only=False, per_op=False)
         case True | "full":
+            # True is 'full' (Chen et al. 2016): a block keeps its input, its forward runs again
             return Recomputation("full", reruns_forward=True, attention_only=False, per_op=False)
         case "selective":
+            # Korthikanti et al. 2022, section 4.2: the attention core alone is rebuilt
             return Recomputation("selective", reruns_forward=False, attention_only=True, per_op=False)
         case "op":
+            # torchtitan's per-op policy: every second matmul's output kept, the rest rebuilt
             return Recomputation("op", reruns_forward=True, attention_only=False, per_op=True)
         case _:
             raise ConfigError([unknown("checkpoint_activations", checkpoint_activations, CHECKPOINTING)])
@@ -248,8 +259,10 @@ def family(arch: Arch) -> Family:
         case "gpt":  # labkit's toy: LayerNorm, learned positions, exact GELU, no biases
             return Family()
         case "gpt2":
+            # GPT-2 (Radford et al. 2019): biases everywhere, tanh GELU ('gelu_new'), a tied head
             return Family(biases=True, gelu_approximate="tanh", ties=True)
         case "llama":
+            # Llama (Touvron et al. 2023): RMSNorm, RoPE, SwiGLU, no biases (Qwen2 adds q, k, v's)
             return Family(rms_norm=True, rotary=True, gated_mlp=True, takes_qkv_bias=True)
         case _:
             raise ConfigError([unknown("arch", arch, ARCHS)])

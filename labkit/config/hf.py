@@ -79,12 +79,14 @@ def _read(c: dict, key: str, kind: type, problems: list[str], default=_REQUIRED,
     the key is absent or null; a missing required key or a value of another type is a problem
     naming the key (`within`: the dict holding it), and None comes back."""
     value = c.get(key)
+    # JSON null reads as absent: transformers writes null for some defaults (GPT-2's n_inner)
     if value is None:
         if default is _REQUIRED:
             problems.append(
                 f"config.json has no {within + key!r}, which this architecture needs; pass the model's config.json"
             )
         return None if default is _REQUIRED else default
+    # bool is an int to Python, but true is no layer count; and 12.0 is no whole number to JSON
     whole = isinstance(value, int) and not isinstance(value, bool)
     fits = {int: whole, float: whole or isinstance(value, float), bool: isinstance(value, bool)}[kind]
     if not fits:
@@ -97,6 +99,7 @@ _KINDS = {int: "whole number", float: "number", bool: "boolean (true or false)"}
 
 
 def _arch_class(c: dict) -> str | None:
+    # the class named in "architectures" decides; model_type only where that names none we build
     names = c.get("architectures") or []
     for name in names:
         if name in LLAMA_LIKE or name == GPT2:
@@ -109,6 +112,7 @@ def _rope_scaling(c: dict, problems: list[str]):
     rs = c.get("rope_scaling")
     if rs is None:
         return None
+    # transformers' older configs call it "type"
     kind = rs.get("rope_type", rs.get("type"))
     if kind == "default":
         return None
@@ -134,9 +138,11 @@ def _llama(c: dict, kind: str, seq: int | None, problems: list[str]) -> dict:
         "layers": _read(c, "num_hidden_layers", int, missing),
         "hidden": hidden,
         "heads": heads,
+        # absent from configs of multi-head models: one KV head per query head
         "kv_heads": _read(c, "num_key_value_heads", int, missing, heads),
         "ffn": _read(c, "intermediate_size", int, missing),
         "vocab": _read(c, "vocab_size", int, missing),
+        # the longest context, unless the caller gives the training sequence (presets.py says why)
         "seq": seq or _read(c, "max_position_embeddings", int, missing),
         "norm_eps": _read(c, "rms_norm_eps", float, missing, 1e-6),
         "rope_theta": _read(c, "rope_theta", float, missing, 10000.0),
@@ -165,6 +171,7 @@ def _llama(c: dict, kind: str, seq: int | None, problems: list[str]) -> dict:
     if c.get("partial_rotary_factor", 1.0) != 1.0:
         problems.append(f"partial_rotary_factor={c['partial_rotary_factor']}: RoPE rotates every dimension here")
     window = c.get("sliding_window")
+    # Qwen2's configs carry a window that use_sliding_window leaves off
     if kind == "qwen2":
         window = window if c.get("use_sliding_window") else None
     if window is not None and window < out["seq"]:
@@ -185,6 +192,7 @@ def _gpt2(c: dict, seq: int | None, problems: list[str]) -> dict:
         "layers": _read(c, "n_layer", int, missing),
         "hidden": hidden,
         "heads": _read(c, "n_head", int, missing),
+        # GPT-2's n_inner is null: 4·n_embd, as transformers' GPT2MLP takes it
         "ffn": _read(c, "n_inner", int, missing, None) or 4 * (hidden or 0),
         "vocab": _read(c, "vocab_size", int, missing),
         "seq": seq or _read(c, "n_positions", int, missing),

@@ -114,6 +114,7 @@ def _checks(cls) -> tuple:
     if cls not in _CHECKS:
         fields = field_tests(cls)
         ranges = _RANGES.get(cls.__name__, {})
+        # a field's type test and range test fused into one call: check_fields runs them on every config built
         tests = [_fused(fits, ranges.get(f.name, (None,))[0]) for f, _, fits in fields]
         tuples = [i for i, (_, hint, _) in enumerate(fields) if typing.get_origin(hint) is tuple]
         _CHECKS[cls] = operator.attrgetter(*(f.name for f, _, _ in fields)), tests, tuples
@@ -126,14 +127,17 @@ def check_fields(obj) -> None:
     values = values_of(obj)
     try:  # types too, and a tuple field's items': 1 == True and (2, 3) == (2.0, 3.0) in a set
         key = (type(obj), values, tuple(map(type, values)), *(tuple(map(type, values[i])) for i in tuples))
+        # the same values of the same types passed before: no test runs
         if key in _PASSED:
             return
     except TypeError:  # unhashable, or no tuple where one belongs: the tests name it
         key = None
     for ok, value in zip(tests, values, strict=True):
+        # the fast path stops at the first failure; field_problems then names every wrong field
         if not ok(value):
             raise ConfigError(field_problems(obj))
     if key is not None:
+        # bounded: a long search must not grow the set without end
         if len(_PASSED) > 100_000:
             _PASSED.clear()
         _PASSED.add(key)
@@ -143,6 +147,7 @@ def argument_problems(call: str, cfg, model) -> list[str]:
     """The problem of a (cfg, model) that is not a ParallelConfig and a ModelConfig (the caller
     checked): the two swapped, or something else."""
     got = (type(cfg).__name__, type(model).__name__)
+    # the common slip, said as such rather than as two wrong types
     if got == ("ModelConfig", "ParallelConfig"):
         return [
             f"{call}(cfg, model) takes the ParallelConfig first and the ModelConfig second, and was given "
@@ -231,6 +236,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     if model.experts > 0 and not 1 <= model.top_k <= model.experts:
         out.append(f"top_k={model.top_k} must be between 1 and experts={model.experts}")
 
+    # the engines split the global batch over dp x ep, then into microbatches (theory/exact/batch.py)
     split = cfg.dp * cfg.ep * cfg.microbatches
     if cfg.global_batch % split:
         out.append(
@@ -260,6 +266,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
             "sequence_parallel=True needs tp > 1 (it shards along the sequence inside a TP group); "
             "set tp=2 or sequence_parallel=False"
         )
+    # SP splits a cp rank's s/cp positions over tp
     if cfg.sequence_parallel and model.seq % (cfg.tp * cfg.cp):
         out.append(f"sequence_parallel needs seq={model.seq} divisible by tp*cp={cfg.tp * cfg.cp}")
     out += _sharding_problems(cfg)
@@ -377,6 +384,7 @@ def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
 def validate(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None) -> None:
     """Raise ConfigError listing every violated constraint (with a fix), or return None."""
     found = problems(cfg, model, engines)
+    # a problem both lists name is said once
     found += [p for p in not_built_yet(cfg, model) if p not in found]
     if found:
         raise ConfigError(found)

@@ -52,6 +52,8 @@ class PieceIssue:
 
 def _positions(pc: dict, index: np.ndarray) -> np.ndarray:
     """Flat positions in the full tensor of the piece's elements, in the order of its values."""
+    # the box first (a TP or EP slice of the full tensor), then the flat range of that slice's elements
+    # (a ZeRO / FSDP shard of a flat buffer holding it)
     if pc["box"] is not None:
         index = index[tuple(slice(a, b) for a, b in pc["box"])]
     index = index.reshape(-1)
@@ -72,27 +74,33 @@ def assemble(pieces: list[dict], what: str = "parameters") -> tuple[dict[str, np
     for pc in pieces:
         name, rank = pc["name"], pc.get("rank", -1)
         if name not in out:
+            # in fp32 whatever the pieces were sent as: the bits are compared as fp32 below
             out[name] = np.zeros(pc["shape"], dtype=np.float32)
             owner[name] = np.full(prod(pc["shape"]), -1, dtype=np.int64)
         values = np.asarray(pc["values"], dtype=np.float32).reshape(-1)
         bad = int(np.count_nonzero(~np.isfinite(values)))
         if bad:
             issues.append(PieceIssue("not finite", what, name, (rank,), bad))
+        # an index grid of the full tensor, cut as the piece was cut: each value's flat position
         pos = _positions(pc, np.arange(out[name].size).reshape(out[name].shape))
         flat, first = out[name].reshape(-1), owner[name]
+        # elements some rank wrote already: compared with that first copy, never overwritten
         seen = first[pos] >= 0
         if seen.any():  # bit for bit: compare the bits, so -0.0 vs 0.0 and NaN payloads count too
             old, new = flat[pos[seen]], values[seen]
             diff = old.view(np.uint32) != new.view(np.uint32)
+            # one issue per pair of ranks (the first writer, this one), counted over all their pieces
             for r in np.unique(first[pos[seen]][diff]):
                 here = diff & (first[pos[seen]] == r)
                 acc = differs.setdefault((name, int(r), rank), [0, 0.0])
                 acc[0] += int(np.count_nonzero(here))
                 gap = np.abs(old[here].astype(np.float64) - new[here])
+                # every gap NaN (a NaN on one side): the largest is NaN, not nanmax's warning
                 acc[1] = max(acc[1], float(np.nanmax(gap)) if np.isfinite(gap).any() else float("nan"))
         flat[pos[~seen]] = values[~seen]
         first[pos[~seen]] = rank
     issues += [PieceIssue("differs", what, n, (a, b), k, big) for (n, a, b), (k, big) in differs.items()]
+    # an element no piece covers means the pieces are wrong, not the training: raised, not reported
     missing = [n for n, o in owner.items() if (o < 0).any()]
     if missing:
         raise ValueError(f"{what} not fully covered by any rank's pieces: {missing}")

@@ -49,22 +49,27 @@ def bounds(precision: str, layers: int) -> Bounds:
     kind = numerics(precision)
     if not kind.mixed:
         return FP32
+    # fp8 is the theory's only: the engines refuse it (validation.not_built_yet), so no bound is derived
     if kind.fp8:
         raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
     # one bf16 rounding per tensor on the longest backward path: the embedding, two per block
     # (attention and MLP), the head and the loss's input, and the gradient's own rounding
     path = (2 * layers + 4) * UNIT_ROUNDOFF["bf16"]
+    # losses 1e-3 (128 tokens' roundings average down), the whole model 2e-2 (AdamW moves an element
+    # whose gradient sign bf16 flips by 2·lr): DERIVATIONS.md, "The oracle's bounds"
     return Bounds(losses=1e-3, grad_norms=path, grads=path, params=2e-2)
 
 
 def tensor_errors(grads: dict, ref: dict) -> dict[str, tuple[float, float]]:
     """{name: (error, allowed scale)} per tensor: error ||g_t - g_ref,t||, scale max(||g_ref,t||,
     sqrt(n_t / Ψ) ||g_ref||); the bound holds when error <= bound * scale (NaN never does)."""
+    # ||g_ref|| of the whole model, in float64
     total = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in ref.values()) ** 0.5
     psi = sum(g.size for g in ref.values())
     out = {}
     for name, want in ref.items():
         own = float(np.linalg.norm(want.astype(np.float64)))
+        # what a uniform relative error over the whole gradient would put on this tensor's n_t elements
         floor = total * (want.size / psi) ** 0.5
         out[name] = (float(np.linalg.norm(grads[name].astype(np.float64) - want)), max(own, floor))
     return out
@@ -75,6 +80,7 @@ def round_to(values: np.ndarray, precision: str) -> np.ndarray:
     fp32: bf16 keeps the upper 16 bits of an fp32."""
     if not numerics(precision).mixed:
         return values.astype(np.float32)
+    # in uint64: adding the rounding bias to the largest fp32 patterns would overflow 32 bits
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # the carry may round up into the exponent
     return rounded.astype(np.uint32).view(np.float32)

@@ -30,6 +30,8 @@ import numpy as np
 from labkit.config.choices import numerics
 from labkit.oracle.bounds import Bounds, bounds, round_to, tensor_errors
 
+# the whole model's bounds (DERIVATIONS.md, "The oracle's bounds"): fp32's ~20x above what reordered
+# sums do (model_error); bf16's over the 3.5e-3 to 1.12e-2 its layouts measured after 3 steps
 FP32_RTOL = 1e-5
 BF16_RTOL = 2e-2
 
@@ -61,6 +63,7 @@ def param_errors(params: dict, ref_params: dict) -> dict[str, float]:
     if missing:
         raise AssertionError(f"parameters missing from the run: {sorted(missing)}")
     return {
+        # a reference of zeros (an expert no token reached) gives a huge ratio, never a ZeroDivisionError
         k: float(np.linalg.norm(params[k] - ref_params[k]) / max(np.linalg.norm(ref_params[k]), 1e-30))
         for k in ref_params
     }
@@ -74,6 +77,7 @@ def model_error(params: dict, ref_params: dict) -> float:
     missing = set(ref_params) - set(params)
     if missing:
         raise AssertionError(f"parameters missing from the run: {sorted(missing)}")
+    # in float64: millions of tiny squared differences, which fp32 sums would round away
     diff = sum(float(np.sum((params[k].astype(np.float64) - ref_params[k]) ** 2)) for k in ref_params)
     norm = sum(float(np.sum(ref_params[k].astype(np.float64) ** 2)) for k in ref_params)
     return (diff / norm) ** 0.5
@@ -93,10 +97,12 @@ def finite(result) -> list[Mismatch]:
     if bad:
         out.append(Mismatch("finite", f"the loss is not finite at step(s) {bad}: {result.losses}"))
     for rk in result.ranks:
+        # each rank's own numbers too: one bad rank can hide inside the combined loss
         for what, xs in (("loss share", rk.losses), ("gradient norm", rk.grad_norms)):
             bad = [s for s, x in enumerate(xs) if not np.isfinite(x)]
             if bad:
                 out.append(Mismatch("finite", f"rank {rk.rank}'s {what} is not finite at step(s) {bad}: {xs}"))
+    # what the assembly found non-finite in the returned pieces (RunResult.piece_issues)
     out += [Mismatch("finite", str(i)) for i in result.piece_issues if i.kind == "not finite"]
     return out
 
@@ -104,6 +110,7 @@ def finite(result) -> list[Mismatch]:
 def steps(result, ref) -> list[Mismatch]:
     want = len(ref.losses)
     out = []
+    # a run that stopped early would pass every other check on the steps it has
     if result.steps != want or len(result.losses) != want:
         out.append(Mismatch("steps", f"{len(result.losses)} losses for {result.steps} steps; the reference has {want}"))
     for rk in result.ranks:
@@ -116,11 +123,13 @@ def steps(result, ref) -> list[Mismatch]:
 def working_weights(result) -> list[Mismatch]:
     """The weights forward reads (GradSync.compute_pieces) equal the masters rounded to the compute
     dtype, bit for bit: a stale gather or a working copy not refreshed after the update shows here."""
+    # without return_params there are no pieces: the checks that need them have nothing to read
     if result.compute is None or result.params is None:
         return []
     out = []
     for name, w in result.compute.items():
         want = round_to(result.params[name], result.config.precision)
+        # compared as bits: identical NaNs are equal, +0 and -0 are not; the copy must be exactly the rounding
         differ = int(np.count_nonzero(w.view(np.uint32) != want.view(np.uint32)))
         if differ:
             gap = float(np.nanmax(np.abs(w.astype(np.float64) - want)))
@@ -142,8 +151,10 @@ def gradients(result, ref, bound: float, show: int = 6) -> list[Mismatch]:
     if missing:
         return [Mismatch("gradients", f"first-step gradients missing from the run: {missing}")]
     errs = tensor_errors(result.grads, ref.first_grads)
+    # error over its floored scale (bounds.tensor_errors): a zero scale is exact with no error, else inf
     ratio = {n: e / scale if scale else (0.0 if e == 0 else np.inf) for n, (e, scale) in errs.items()}
     bad = [n for n, (e, scale) in errs.items() if _over(e, bound * scale)]
+    # the worst first, NaN worst of all: the `show` listed are the ones that matter most
     bad.sort(key=lambda n: -np.nan_to_num(ratio[n], nan=np.inf))
     return [
         Mismatch(
@@ -174,6 +185,7 @@ def grad_norms(result, ref, bound: float) -> list[Mismatch]:
     or a doubled shard shows here and in clipping, hardly in the parameters."""
     out = []
     for rk in result.ranks:
+        # every rank computes the global norm after its reduction: each must agree with the reference's
         errs = loss_errors(rk.grad_norms, ref.grad_norms)
         if any(_over(e, bound) for e in errs):
             out.append(
@@ -194,6 +206,7 @@ def parameters(result, ref, bound: float) -> list[Mismatch]:
     if not _over(err, bound):
         return []
     perr = param_errors(result.params, ref.params)
+    # the three tensors furthest off, NaN first: where to look
     worst = sorted(perr, key=lambda k: -perr[k] if np.isfinite(perr[k]) else -np.inf)[:3]
     return [
         Mismatch(
@@ -213,7 +226,9 @@ def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
             f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
             "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"
         )
+    # by precision and depth: bf16's bounds grow with the layers a gradient passes through, (2L + 4)·u
     b = within or bounds(result.config.precision, result.model.layers)
+    # in the module docstring's order: the most basic failure is named first
     found = finite(result) + steps(result, ref)
     found += [Mismatch("replicas", str(i)) for i in result.piece_issues if i.kind == "differs"]
     found += working_weights(result)
@@ -228,6 +243,7 @@ def margins(result, ref, within: Bounds | None = None) -> dict[str, float]:
     benchmark reports beside pass/fail, e.g. how far GPU arithmetic sits inside the CPU-derived
     bounds (benchmarks/gpu_layouts.py)."""
     b = within or bounds(result.config.precision, result.model.layers)
+    # NaN is the worst margin of all: it fails
     worst = lambda xs: float(max(xs, key=lambda x: np.inf if np.isnan(x) else x)) if xs else 0.0
     out = {
         "losses": worst(loss_errors(result.losses, ref.losses)) / b.losses,

@@ -83,6 +83,7 @@ def reference(
     found = data_problems(data, model or ModelConfig())
     if found:
         raise ConfigError(found)
+    # torch when the reference trains, not when the oracle is imported (the kernel never loads it else)
     import torch
 
     if threads is not None:
@@ -90,6 +91,7 @@ def reference(
         torch.set_num_threads(threads)
         try:
             return reference(model, steps, seed, global_batch, precision, optim, shards, data=data)
+        # the notebook's own thread count comes back, whatever the reference did
         finally:
             torch.set_num_threads(before)
 
@@ -103,6 +105,7 @@ def reference(
     optim = optim or OptimConfig()
     torch.manual_seed(seed)  # nothing random is drawn from it; set for any future dropout
     net = build_model(model, seed)
+    # registration order; weight decay on matrices only, decided as the engines decide it (nanoGPT's rule)
     names, params = zip(*net.named_parameters())
     opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
     compute = compute_copy(net, precision)  # the module that runs forward/backward
@@ -111,9 +114,12 @@ def reference(
         tokens, targets = batches.batch(data, step, seed, global_batch, model)
         loss, grads = 0.0, None
         for i in range(shards):
+            # each shard's mean loss; their sum is divided by `shards` below, as data ranks' means are averaged
             part = compute.module(batches.shard(tokens, i, shards), batches.shard(targets, i, shards))
             part.backward()
             loss = loss + part.detach()
+            # each shard's gradient as fp32 master gradients, summed here in fp32, as a layout's reduction sums;
+            # zeroed after, so autograd never accumulates shards in the compute dtype
             mine = compute.master_grads()
             grads = mine if grads is None else [a + b for a, b in zip(grads, mine)]
             compute.zero_grads()
@@ -122,7 +128,9 @@ def reference(
         norm = grad_norm(grads)
         if step == 0:
             first = {n: g.detach().float().numpy().copy() for n, g in zip(names, grads)}
+        # clipped by the global norm, before the update, as every layout does
         opt.step(grads, clip_coefficient(norm, optim.clip))
+        # the compute copy taken again from the updated masters (bf16: rounded)
         compute.after_step()
         losses.append(loss.item())
         norms.append(float(norm))

@@ -81,6 +81,7 @@ def _event(d: dict, t0: float, offset: float) -> Event:
         kind=d["kind"],
         microbatch=d.get("microbatch"),
         chunk=d.get("chunk"),
+        # onto rank 0's clock (offset: from the start-up handshake), from the run's first span (t0)
         start=d["start"] + offset - t0,
         end=d["end"] + offset - t0,
         step=d.get("step", 0),
@@ -147,6 +148,7 @@ class RunResult(RankViews):
     def from_reports(
         cls, cfg, model, optim, steps, seed, reports: list[dict], wall: float, data: Data = "synthetic"
     ) -> RunResult:
+        # ranks outside the layout (a world larger than it) took part in nothing
         active = [r for r in reports if not r.get("idle")]
         starts = [e["start"] + r["clock_offset"] for r in active for e in r["timeline"]]
         t0 = min(starts) if starts else 0.0
@@ -162,6 +164,8 @@ class RunResult(RankViews):
             for r in active
         ]
         shards = cfg.dp * cfg.ep * cfg.cp
+        # every tp rank computes the same loss (counted on tp 0 alone); the pipeline's shares are summed and
+        # the data shards' averaged
         losses = [sum(rk.losses[s] for rk in ranks if rk.coords["tp"] == 0) / shards for s in range(steps)]
         found: dict[str, dict | None] = {}
         issues: list[PieceIssue] = []
@@ -170,6 +174,7 @@ class RunResult(RankViews):
             ("grad_pieces", "gradients"),
             ("compute_pieces", "working weights"),
         ):
+            # each piece tagged with its sender, so that a copy that differs names its rank
             mine = [{**pc, "rank": r["rank"]} for r in active for pc in r.get(key) or []]
             found[key], more = assemble(mine, what) if mine else (None, [])
             issues += more
@@ -221,6 +226,7 @@ class RunResult(RankViews):
         }
         for key in ("params", "grads", "compute"):
             if getattr(self, key) is not None:
+                # flat lists under their shapes: JSON has no arrays
                 d[key] = {
                     k: {"shape": list(v.shape), "values": v.reshape(-1).tolist()} for k, v in getattr(self, key).items()
                 }
@@ -271,6 +277,7 @@ class RunResult(RankViews):
     def compare(self, ref) -> Rows:
         """The losses step by step beside a reference's (labkit.oracle.reference), with the relative
         error; the result's card shows them from then on."""
+        # kept on the result, so that its card shows the comparison from then on
         self._reference_losses = list(ref.losses)
         return self.loss_table()
 

@@ -39,6 +39,7 @@ class RankViews:
                 row["calls"] += 1
                 row["payload_bytes"] += e.payload_bytes
                 row["wire_bytes"] += e.wire_bytes
+        # by (rank, dim, op), as the theory's Comm.table: measured and predicted rows line up one to one
         return Rows(acc[k] for k in sorted(acc))
 
     def memory_table(self) -> Rows:
@@ -50,12 +51,14 @@ class RankViews:
         best: dict[tuple, dict] = {}
         for row in self.comm_table(step):
             key = (row["dim"], row["op"])
+            # the busiest rank of each dim and op: ranks of one dim may differ (a pipeline's end stages)
             if key not in best or row["wire_bytes"] > best[key]["wire_bytes"]:
                 best[key] = {"dim": row["dim"], "op": row["op"], "calls": row["calls"], "wire_bytes": row["wire_bytes"]}
         return Rows(best[k] for k in sorted(best))
 
     def fullest(self):
         """The RankReport with the highest peak memory."""
+        # a tie goes to the lowest rank
         return max(self.ranks, key=lambda rk: (rk.memory.get("peak", 0), -rk.rank))
 
     def bubble_fraction(self, step: int = -1) -> dict:
@@ -71,9 +74,11 @@ class RankViews:
         wanted = step % self.steps
         spans = {rk.rank: [e for e in rk.timeline if e.kind in COMPUTE_KINDS and e.step == wanted] for rk in self.ranks}
         per = {r: 0.0 for r in spans}
+        # no rank past pp 0: no pipeline, no bubble
         if any(rk.coords.get("pp", 0) > 0 for rk in self.ranks):
             pipelines: dict[tuple, list[int]] = defaultdict(list)
             for rk in self.ranks:
+                # one pipeline: the ranks equal in every coordinate but pp
                 pipelines[tuple(v for d, v in sorted(rk.coords.items()) if d != "pp")].append(rk.rank)
             for ranks in pipelines.values():
                 everything = [e for r in ranks for e in spans[r]]
@@ -82,6 +87,7 @@ class RankViews:
                 t0 = min(e.start for e in everything)
                 t1 = max(e.end for e in everything)
                 for r in ranks:
+                    # the window less the rank's own compute: time in send/recv counts as idle, as in the formula
                     per[r] = 1.0 - sum(e.end - e.start for e in spans[r]) / (t1 - t0)
         return {"per_rank": per, "overall": float(np.mean(list(per.values()))) if per else 0.0}
 
@@ -105,12 +111,14 @@ class RankViews:
                         "pid": pid,
                         "tid": 0,
                         "name": label,
+                        # microseconds, the trace format's unit
                         "ts": e.start * 1e6,
                         "dur": (e.end - e.start) * 1e6,
                         "args": {"microbatch": e.microbatch, "chunk": e.chunk, "step": e.step},
                     }
                 )
             for c in rk.comm:
+                # an op that never ended (a hang) is marked at its start with no length
                 end = c.end if c.end is not None else c.start
                 events.append(
                     {

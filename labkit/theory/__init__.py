@@ -54,6 +54,7 @@ class Estimate:
 
     def rank_rows(self, rank: int) -> list[dict]:
         """One rank's rows {rank, dim, op, calls, payload_bytes, wire_bytes} for one step."""
+        # the class's rows under this rank's number: the bytes are its representative's
         return [{**row, "rank": rank} for row in self.rows_of[self.representative[rank]]]
 
     def comm_table(self) -> Rows:
@@ -105,7 +106,8 @@ class Estimate:
 def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.ndarray]:
     """Per rank: its pipeline stage, and its index in its data-parallel (dp x ep x cp) group —
     the only coordinates the predictions depend on (tp, cp and ep ranks are symmetric; the
-    shard index decides which rank holds a flat buffer's padding)."""
+    shard index decides how many of an FSDP2 parameter's dim-0 rows a rank holds)."""
+    # every rank's coordinate along each axis of the grid, all ranks at once (no loop over 16k ranks)
     idx = np.unravel_index(np.arange(layout.world), layout.grid.shape)
     coord = {d: idx[layout._axis(d)] for d in layout.inner_first}
     shard, stride = np.zeros(layout.world, dtype=np.int64), 1
@@ -133,6 +135,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     stage, shard = _classes(cfg, layout)
     if not (cfg.sharded.fsdp and cfg.torch_impl):
         shard = np.zeros_like(shard)  # only FSDP2's uneven dim-0 chunks differ by shard index
+    # one rank_memory per (stage, shard) class; every rank of the class shares its dict
     keys = list(zip(stage.tolist(), shard.tolist()))
     first: dict[tuple, int] = {}
     for r, k in enumerate(keys):
@@ -140,6 +143,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     by_key = {k: rank_memory(cfg, model, layout, r) for k, r in first.items()}
     memory = [by_key[k] for k in keys]
 
+    # the comm rows depend on the stage alone (the splits are even): one rank per stage is walked
     stage_rep: dict[int, int] = {}
     for r, s in enumerate(stage.tolist()):
         stage_rep.setdefault(s, r)

@@ -22,9 +22,12 @@ from labkit.theory.exact.pipeline import peak_in_flight
 def _bytes(cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: bool, embed: bool) -> int:
     """What one microbatch of `b` sequences keeps in `layers` blocks (+ head / embedding), no recompute."""
     act = ELEM[cfg.precision]
+    # a cp rank keeps the activations of its own s/cp positions only (DERIVATIONS.md, "Context parallelism")
     seq = model.seq // cfg.cp
     if cfg.tp == 1:
         return memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act)
+    # tensor.activation_bytes reads the block count off the model and takes the sequence apart: under SP
+    # the stream holds s/(cp·tp) rows of it while the gathered inputs, q, k, v and MoE layers keep all s/cp
     return tensor.activation_bytes(
         model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act, head=head, embed=embed
     )
@@ -63,10 +66,15 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     e, t, h, f = ELEM[cfg.precision], cfg.tp, model.hidden, model.ffn
     s, rows = model.seq // cfg.cp, stream_rows(cfg, model)
     widths = [h // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
+    # an MoE layer's grouped expert products are not matmuls to the policy: nothing of its MLP is saved
     if not model.experts:
         widths += [f // t, f // t, h] if model.family.gated_mlp else [f // t, h]
+    # every second matmul's output is saved (1st, 3rd, ...), each over all s positions: a column-parallel
+    # output is on the gathered sequence, a row-parallel one the full-width partial sum before its reduction
     mm = sum(widths[::2]) * e * b * s
+    # SP's two reduce-scatters (after wo, after the MLP) leave this rank's stream rows: saved by the policy
     scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
+    # the block's input + the saved products + the attention output (b, s, h/t) + its lse + SP's scatters
     return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
 
 
@@ -78,6 +86,8 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     (`op_block_bytes` kept, the rest rebuilt one block at a time)."""
     b = microbatch_rows(cfg)
     r = cfg.recomputation
+    # no block's forward rerun (none, 'selective'): all is kept but, under 'selective', each block's lse
+    # (Korthikanti et al. 2022, section 4.2; DERIVATIONS.md, "Activations per rank": the rest stays)
     if not r.reruns_forward:
         dropped = layers * lse_bytes(cfg, model, b) if r.attention_only else 0
         return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
@@ -85,9 +95,14 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
         x = op_block_bytes(cfg, model, b)
     else:
         x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
+    # one whole block, no head or embedding: the most that is rebuilt at a time in backward
     block = _bytes(cfg, model, b, 1, False, False)
+    # the head and the embedding are never checkpointed: they keep all they keep under any policy
     head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
     kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
+    # the loss's backward frees the head before the first block is rebuilt, and the rebuilt block
+    # replaces its kept input: extra over the forward's total is block - x - head, never below 0;
+    # a chunk with no blocks (stage_layers may give a stage 0) rebuilds nothing
     extra = max(0, block - x - head_bytes) if layers else 0
     return Chunk(kept + layers * x + head_bytes, extra, block, x, head_bytes)
 
@@ -99,21 +114,28 @@ def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int
     freed by their backward): the backward adds max_l(block_l + l·x) - L·x - head."""
     b, act = microbatch_rows(cfg), ELEM[cfg.precision]
     seq = model.seq // cfg.cp
+    # each MoE layer's bytes with its R received rows, less the balanced R = N that `c` counted
     delta = [
         layer_activation_bytes(model, b, seq, act, received=r) - layer_activation_bytes(model, b, seq, act)
         for r in received
     ]
+    # every layer's routed rows are kept through the forward at once: they simply add
     if not cfg.recomputation.reruns_forward:
         return Chunk(c.forward + sum(delta))
+    # backward rebuilds block L-1 first, then down to 0: at block l's rebuild the inputs of blocks
+    # 0..l-1 are still kept (l·x) beside it, and the heaviest layer need not be the last one
     rebuilt = max((c.block + d + l * c.x for l, d in enumerate(delta)), default=0)
     return Chunk(c.forward, max(0, rebuilt - len(delta) * c.x - c.head) if delta else 0, c.block, c.x, c.head)
 
 
 def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, Chunk]:
     """Each of pipeline rank `pp_rank`'s chunks (chunk 0: the whole model when pp == 1)."""
+    # without a pipeline there is one chunk whatever virtual_stages says
     p, v, placement = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
     out = {}
     for c in range(v):
+        # the stage, not c, says whether a chunk holds the embedding (stage 0) or the head (the last):
+        # a V-shaped schedule puts rank r's chunks on stages r and 2p-1-r (schedules.style)
         s = stage_of(pp_rank, c, p, placement)
         layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement))
         out[c] = chunk(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
@@ -130,6 +152,8 @@ def peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0, received: di
     return _walk(cfg, model, pp_rank, received)
 
 
+# frozen configs hash: estimate and the planner ask for the same (layout, rank) many times over;
+# a routed walk (received given) depends on one run's routing and is not cached
 @lru_cache(maxsize=4096)
 def _peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
     return _walk(cfg, model, pp_rank, None)
@@ -144,14 +168,18 @@ def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict 
     if cfg.pp == 1:  # accumulation: each microbatch's graph is freed before the next forward
         return max(per(mb, 0).forward + per(mb, 0).backward_extra for mb in range(cfg.microbatches))
     v = cfg.virtual_stages
+    # this rank's chunks on stage 0 (rank 0's chunk 0; empty on every other rank)
     first = tuple(c for c in range(v) if stage_of(pp_rank, c, cfg.pp, style(cfg.schedule)) == 0)
     # under CP the first stage's positions (this rank's zigzag indices, 8·s/cp bytes) are one
     # tensor for every microbatch: counted once however many are in flight (the meter counts storages)
     # (llama has no position table: nothing keeps them)
     shared = 8 * (model.seq // cfg.cp) if cfg.cp > 1 and first and not model.family.rotary else 0
+    # the executor's own action list (DERIVATIONS.md, "Pipeline parallelism"): the peak depends on the
+    # order of F and B, not only on how many microbatches are in flight
     actions = schedule_table(cfg.schedule, cfg.pp, cfg.microbatches, v).actions[pp_rank]
     return peak_in_flight(
         actions,
+        # each microbatch counts its bytes without the shared positions; peak_in_flight adds them back once
         kept=lambda mb, c: per(mb, c).forward - (shared if c in first else 0),
         extra=lambda mb, c: per(mb, c).backward_extra,
         shared=shared,

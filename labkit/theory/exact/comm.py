@@ -59,6 +59,7 @@ class Comm:
         for rank in self.ranks(layout):
             pp_rank = layout.coords(rank)["pp"]
             if pp_rank not in done:
+                # summed once, in a Comm of its own: every rank of the coordinate then gets the same floats
                 stage = Comm()
                 for dim, op, payload, n, calls in ops_of(pp_rank):
                     stage.add(0, dim, op, payload, n, calls)
@@ -76,4 +77,5 @@ class Comm:
             row["wire_bytes"] += r["wire_bytes"]
 
     def table(self) -> list[dict]:
+        # by (rank, dim, op): tables and tests read the rows in one order, whatever order they came in
         return [self.rows[k] for k in sorted(self.rows)]

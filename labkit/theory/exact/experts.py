@@ -27,7 +27,7 @@ def local_shapes(cfg: ParallelConfig, model: ModelConfig, shapes: list) -> list:
 
 
 def reduce_dims(name: str, cfg: ParallelConfig) -> tuple[str, ...]:
-    """Mesh dims a parameter's gradient is summed over (engines/parallel/common.py `_lk_reduce`)."""
+    """Mesh dims a parameter's gradient is summed over (engines/parallel/common.py `ParamMeta.reduce`)."""
     return EXPERT_DIMS if cfg.ep > 1 and is_expert(name) else DATA_DIMS
 
 

@@ -20,6 +20,7 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     h, f, v, s = m.hidden, m.ffn, m.vocab, m.seq
     kv = m.n_kv_heads * m.head_dim
     fam = m.family
+    # a rotary model (llama) has no position table
     out = [("embed.tok.weight", (v, h))] + ([] if fam.rotary else [("embed.pos.weight", (s, h))])
 
     def norm(name: str) -> list:  # RMSNorm has a weight only
@@ -28,6 +29,7 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     def linear(name: str, rows: int, cols: int, bias: bool) -> list:
         return [(name + ".weight", (rows, cols))] + ([(name + ".bias", (rows,))] if bias else [])
 
+    # gpt2 has biases everywhere; Qwen2 (llama family) on q, k and v alone
     qkv_bias = fam.biases or m.qkv_bias
     for i in range(m.layers):
         b = f"blocks.{i}."
@@ -45,6 +47,7 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
             out += linear(b + "mlp.down", h, f, False)
         else:
             out += linear(b + "mlp.fc1", f, h, fam.biases) + linear(b + "mlp.fc2", h, f, fam.biases)
+    # a tied head registers no weight of its own: it is the embedding's one Parameter
     out += norm("head.norm") + ([] if m.tied else [("head.proj.weight", (v, h))])
     return tuple(out)
 

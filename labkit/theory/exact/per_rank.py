@@ -40,6 +40,7 @@ def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: i
         out["held_for_w"] = pipeline.held_peak(cfg, model, pp_rank)
     out.update(sharding.transient_peaks(cfg, model, None, pp_rank))
     out["peak"] = sum(out.values())
+    # a tuple, not the dict: callers get a fresh dict each (rank_memory), never the cached value
     return tuple(out.items())
 
 
@@ -62,6 +63,7 @@ def rank_comm(
     """The comm rows {rank, dim, op, calls, payload_bytes, wire_bytes} of one step of each rank in
     `ranks`, and of those ranks only (the theory's loops skip the others). `stop`: see Comm; the
     walk raises theory.Stopped once it returns True."""
+    # a rank asked twice is filled once
     comm = Comm(only=sorted(set(ranks)), stop=stop)
     comm_rows(comm, cfg, model, layout)
     out: dict[int, list[dict]] = {r: [] for r in comm.only}

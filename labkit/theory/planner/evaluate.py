@@ -81,10 +81,12 @@ def describe(c: ParallelConfig) -> str:
     """A layout in one line: 'fsdp 8 · tp 8 · pp 4 · interleaved v2 · m 16 × 1 seq · SP · AC full · fp8'
     (the data-parallel degree named by its sharding)."""
     dims = [f"{d} {getattr(c, d)}" for d in ("dp", "tp", "pp", "cp", "ep") if getattr(c, d) > 1] or ["1 GPU"]
+    # the dp degree named by its sharding ('fsdp 8'), as the frameworks' tables name it
     if c.sharded.optimizer and dims[0].startswith("dp"):
         dims[0] = f"{c.sharding} {c.dp}"
     if c.pp > 1:
         dims.append(c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else ""))
+    # m microbatches of global_batch / (dp·ep·m) sequences each
     dims.append(f"m {c.microbatches} × {c.global_batch // (c.dp * c.ep * c.microbatches)} seq")
     if c.sequence_parallel:
         dims.append("SP")
@@ -132,6 +134,7 @@ def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware =
 
 def fullest(cfg: ParallelConfig, model: ModelConfig, hw: Hardware) -> dict:
     """The memory terms of the rank that holds the most (over the pipeline's ranks)."""
+    # the fullest rank is not known ahead: each candidate priced, the one that needs the most kept
     st = max(fullest_candidates(cfg, model), key=lambda st: required(cfg, model, hw, st))
     best = {**memory_terms(cfg, model, hw, st), "pp_rank": st.rank}
     best["allocated"] = allocated_bytes(best)
@@ -149,6 +152,7 @@ def fullest_required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac) 
 def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dict | None = None) -> Plan:
     memory = memory or fullest(cfg, model, hw)
     t: StepTime = step_time(cfg, model, hw)
+    # the step's tokens over its time and the whole world: per GPU, as published runs report it
     tokens = cfg.global_batch * model.seq / (t.total * cfg.world)
     breakdown = {
         "memory": memory,
@@ -162,8 +166,10 @@ def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dic
         "comm": dict(t.comm),
         "step": t,
     }
+    # fits on the required bytes, not the reserved: the allocator frees its cache and retries first
     fits = memory["required"] <= hw.memory
     why = "" if fits else _over(memory["required"], hw)
+    # fits, but only once the allocator has given back its cache (a retry the time leaves out)
     tight = fits and memory["peak"] > hw.memory
     return Plan(cfg, model, hw.name, memory["peak"], t.total, tokens, t.mfu, t.dominant, breakdown, fits, why, tight)
 

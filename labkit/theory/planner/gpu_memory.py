@@ -62,12 +62,17 @@ def states(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, floa
     Gradients exist at the peak only when another microbatch's backward came before it: the peak
     is at the loss's backward, and zero_grad(set_to_none=True) frees them after every step."""
     dense, expert = stage_params(model, cfg, st)
+    # dense weights are reduced over dp·ep·cp, experts over dp·cp where ep splits them
+    # (DERIVATIONS.md, "Mixture of experts and expert parallelism")
     n = cfg.dp * cfg.ep * cfg.cp
     n_exp = cfg.dp * cfg.cp if cfg.ep > 1 else n
+    # fp32: Adam's two moments; mixed: fp32 masters beside them; FSDP2 keeps fp32 shards whatever the
+    # compute dtype (DERIVATIONS.md, "Data parallelism: DDP, ZeRO, FSDP")
     p, g, k = (4, 4, 8) if not cfg.numerics.mixed or cfg.sharded.fsdp else (2, 2, 12)
     sharded = dense / n + expert / n_exp
     whole = dense + expert
     z = cfg.sharded
+    # one microbatch and no pipeline: the peak is the loss's backward, before any gradient exists
     accumulated = cfg.pp > 1 or cfg.microbatches > 1
     return {
         "params": p * (sharded if z.params else whole),
@@ -80,9 +85,11 @@ def states(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, floa
 def _chunk_bytes(model: ModelConfig, tp: int, cp: int, sp: bool, precision: str, ac, b: int) -> tuple:
     """(a block's forward bytes, one block's rebuild, the embedding's, the head's) for one
     microbatch of b sequences: theory/exact/activations.py's chunk, which is linear in the blocks."""
+    # only the fields activations depend on, so the cache serves every mesh with the same block
     cfg = ParallelConfig(
         tp=tp, cp=cp, sequence_parallel=sp, precision=precision, checkpoint_activations=ac, global_batch=b
     )
+    # one block: chunk() is linear in the blocks, so a stage's is this times its blocks
     one = chunk(cfg, model, 1, head=False, embed=False)
     embed = chunk(cfg, model, 0, head=False, embed=True).forward
     return one.forward, one.backward_extra, embed, chunk(cfg, model, 0, head=True, embed=False).forward
@@ -93,11 +100,15 @@ def activation_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage, ac=None
     flight, each the rank's mean chunk), and one block's rebuild in backward. `ac`: the
     checkpointing to price (default the config's)."""
     p, v, m = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, cfg.microbatches
+    # without a pipeline one microbatch is alive at a time (accumulation frees each graph first)
     flying = 1 if p == 1 else _in_flight(cfg.schedule, p, m, st.rank, v)
     b = cfg.global_batch // (cfg.dp * cfg.ep * m)
     ac = cfg.checkpoint_activations if ac is None else ac
     block, extra, embed, head = _chunk_bytes(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision, ac, b)
+    # `flying` (chunk-)microbatches of the rank's mean chunk; the embedding's ids for each microbatch
+    # in flight, at most m of them
     total = flying * block * st.layers / st.chunks + min(flying, m) * embed * st.embed + head * st.head
+    # a stage with no blocks rebuilds nothing
     return {"activations": total, "recompute": extra if st.layers else 0.0}
 
 
@@ -106,12 +117,16 @@ def buffer_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str
     rp = rank_params(model, cfg.tp, cfg.ep)
     dense, expert = stage_params(model, cfg, st)
     e, unit = ELEM[cfg.precision], rp.dense + rp.expert
+    # the root unit (embedding, head) where this stage holds them
     root = rp.embed * st.embed + rp.head * st.head
     if cfg.sharded.params:
         if cfg.pp > 1:  # torchtitan under pp: no reshard, gradients accumulated unsharded in fp32
             return {"gathered": GATHER[cfg.precision] * (dense + expert), "reduce_buffers": REDUCE * (dense + expert)}
+        # gathered: the root, the block computing and the one prefetched; reduced: a block's gradients in
+        # the compute dtype, and in fp32 for its reduce-scatter and for the one still in flight
         return {"gathered": GATHER[cfg.precision] * (root + 2 * unit), "reduce_buffers": (e + 2 * REDUCE) * unit}
     if cfg.sharded.optimizer:  # ZeRO-1 / 2
+        # two fp32 buckets, one filling while the other reduces; never more than the whole stage
         return {"gathered": 0.0, "reduce_buffers": 2 * REDUCE * min(dense + expert, cfg.bucket_mb * 2**20 / e)}
     return {"gathered": 0.0, "reduce_buffers": 0.0}  # DDP's buckets are views of the gradients
 
@@ -121,13 +136,17 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
     e = ELEM[cfg.precision]
     b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     tokens = b * model.seq // cfg.cp
+    # the logits exist only on the head's rank, V/tp of them each (the vocab-parallel loss)
     n = tokens * model.vocab / cfg.tp if st.head else 0.0  # the logits on this rank
     # 'fused': the gradient in the compute dtype and one chunk's fp32 softmax; 'fp32': 8 bytes a logit
     logits = e * n + 4 * min(n, LOSS_CHUNK) if model.fused_loss else 8 * n
     kv = model.n_kv_heads * model.head_dim
+    # the MLP's backward holds its intermediate gradients, 3 of (T, f/t) under SwiGLU (gate, up and
+    # their product), 2 under GELU; attention's: the fp32 dq accumulator with dq, dk and dv
     mats = 3 if model.family.gated_mlp else 2
     mlp = mats * e * tokens * model.ffn / cfg.tp
     attention = ((4 + e) * model.hidden + 2 * e * kv) * tokens / cfg.tp
+    # ops run one at a time: the larger of the two is the peak
     return {"logits": logits, "temporaries": max(mlp, attention) if st.layers else 0.0}
 
 
@@ -135,6 +154,7 @@ def communicators(cfg: ParallelConfig) -> int:
     """Process groups with more than one rank that a rank talks in (each dim, and the combined
     data-parallel group when it is more than dp)."""
     dims = [d for d in ("tp", "cp", "ep", "dp", "pp") if getattr(cfg, d) > 1]
+    # the combined dp-cp-ep group of the gradient reduction is a communicator of its own
     return len(dims) + (1 if cfg.dp > 1 and (cfg.cp > 1 or cfg.ep > 1) else 0)
 
 
@@ -151,15 +171,18 @@ def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stag
     allocated = allocated_bytes(out)
     out["cuda_context"] = hw.context
     out["nccl"] = nccl_bytes(cfg, hw)
+    # a measured fraction of the allocated peak (hardware.py: 1.19-1.29 reserved / allocated)
     out["allocator"] = hw.allocator * allocated
     return {k: float(out[k]) for k in TERMS}
 
 
 def required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, ac=None) -> float:
     """required_bytes(memory_terms(...)), as the planner's search asks it thousands of times."""
+    # memory_terms' sum without building its dict: the search asks this for every candidate
     held = _held(cfg, model, st)
     acts = activation_terms(cfg, model, st, ac)
     trans = transient_terms(cfg, model, st)
+    # the loss's backward comes before any block's: the larger of the two, never both
     allocated = held["total"] + acts["activations"] + max(trans["logits"], acts["recompute"] + trans["temporaries"])
     return allocated + hw.context + nccl_bytes(cfg, hw)
 
@@ -174,6 +197,7 @@ def _held(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float
 @lru_cache(maxsize=65536)
 def _held_cached(model: ModelConfig, fields: tuple, uneven: tuple, st: Stage) -> dict[str, float]:
     names = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "sharding", "precision", "bucket_mb", "microbatches")
+    # rebuilt from the key alone, so a field the key leaves out cannot leak into the cached value
     cfg = ParallelConfig(**dict(zip(names, fields)), stage_layers=uneven)
     out = {**states(cfg, model, st), **buffer_terms(cfg, model, st)}
     out["total"] = sum(out.values())

@@ -54,6 +54,7 @@ def _kv(model: ModelConfig) -> int:
 
 def _matmul(name: str, tokens: int, k: int, n: int, precision: str, kept: bool) -> list[Op]:
     e = ELEM[precision]
+    # T·K·N multiply-adds, 2 FLOPs each
     flops = 2.0 * tokens * k * n
     if not numerics(precision).fp8:
         return [Op(name, "matmul", flops, e * (tokens * k + k * n + tokens * n), kept=kept)]
@@ -77,10 +78,12 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     ops: list[Op] = []
     index = 0  # torchtitan's op policy keeps the 1st, 3rd, ... matmul of a block
     for name, shape in param_shapes(model):
+        # block 0 stands for every block; vectors are the memory ops below; the router goes with the experts
         if not name.startswith("blocks.0.") or len(shape) != 2 or name.endswith("router.weight"):
             continue
         n, k = shape  # nn.Linear's (out, in)
         module = name[len("blocks.0.") : -len(".weight")]
+        # row-parallel layers split their input features, column-parallel ones their output features
         n, k = (n, k // tp) if module in ROWWISE else (n // tp, k)
         ops += _matmul(module, tokens, k, n, precision, kept=index % 2 == 0)
         index += 1
@@ -94,6 +97,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
         ops.append(Op("moe gather/scatter", "memory", 0, 4 * e * routed * h, kept=False))
     hd = h // a
     attn_flops = 4.0 * b * s * model.seq * (a // tp) * hd / 2  # causal: half the products
+    # the kernel reads q, k, v and writes its output once: q and the output h/t wide, k and v kv/t
     attn_bytes = e * tokens * (2 * h + 2 * _kv(model)) / tp
     ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5, head_dim=hd, length=s))
     # eager kernels, bytes per element forward / backward (each reads its inputs and writes its
@@ -109,6 +113,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     kv = _kv(model)
     if fam.rotary:
         ops.append(Op("rope", "memory", 0, (2 * e + 16) * tokens * (h + kv) / tp, backward=1.0, kept=False))
+    # the output's transpose back to (b, s, h); GQA's repeat of k and v only where kv < h
     layout = 2 * e * tokens * h / tp + (2 * e * tokens * (kv + h) / tp if kv < h else 0)
     ops.append(Op("attention layout", "memory", 0, layout, backward=1.0, kept=False))
     if not model.experts:
@@ -173,10 +178,12 @@ def model_flops_per_token(model: ModelConfig) -> float:
     attention products counted whole (not halved for the causal mask)."""
     total = 0.0
     for name, shape in param_shapes(model):
+        # the embedding table is a lookup, not a product: PaLM leaves it out
         if name.startswith("embed."):
             continue
         n = prod(shape)
         if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
+            # a token passes through top_k of the E experts
             n = n * model.top_k / model.experts
         total += n
     if model.tied:

@@ -25,6 +25,8 @@ from labkit.layout.wire import WIRE
 from labkit.theory.planner.hardware import Hardware, Link
 from labkit.theory.planner.stages import Stage, rank_params, stage_params
 
+# a ring all-reduce is a reduce-scatter then an all-gather, 2(n-1) steps; a send one; a receive
+# none (its sender's count holds it); every other collective n - 1 steps of its ring
 RING_STEPS = {"all_reduce": lambda n: 2 * (n - 1), "send": lambda n: 1, "recv": lambda n: 0}
 
 
@@ -59,6 +61,8 @@ def _link(order_text: str, sizes: tuple[int, ...], dims: tuple[str, ...], hw: Ha
     """link_of, memoised on the degrees (the search asks it for thousands of layouts)."""
     size = dict(zip(("tp", "cp", "ep", "dp", "pp"), sizes))
     order = order_text.split("-")
+    # extent: the consecutive ranks the group spans; inner: the smallest stride of a dim it splits,
+    # which sets how many of its ranks share a node
     extent, inner = 1, hw.gpus_per_node
     for d in dims:
         stride = 1
@@ -67,8 +71,10 @@ def _link(order_text: str, sizes: tuple[int, ...], dims: tuple[str, ...], hw: Ha
         extent = max(extent, stride * size[d])
         if size[d] > 1:
             inner = min(inner, stride)
+    # a node's consecutive ranks share NVLink
     if extent <= hw.gpus_per_node:
         return hw.intra
+    # k ranks of the group on each node, each on its own NIC: k rings side by side, never past NVLink
     k = max(1, hw.gpus_per_node // inner)
     return Link(hw.inter.alpha, min(hw.intra.beta, k * hw.inter.beta))
 
@@ -79,6 +85,7 @@ class DataParallel:
     def __init__(self, cfg: ParallelConfig, model: ModelConfig, hw: Hardware):
         self.cfg, self.model = cfg, model
         order = cfg.order.split("-")
+        # the data dims of size > 1 in mesh order: the group the gradients are reduced over, and its label
         data = tuple(d for d in order if d in DATA_DIMS and getattr(cfg, d) > 1)
         self.dim = "-".join(data) or "dp"
         self.n = cfg.dp * cfg.ep * cfg.cp  # dense weights: reduced (and sharded) over dp x ep x cp
@@ -98,10 +105,12 @@ class DataParallel:
     def per_microbatch(self, st: Stage, block) -> list[tuple[str, float, float]]:
         """(dim, seconds, hidden) of the traffic each microbatch repeats."""
         cfg = self.cfg
+        # ZeRO-2: a reduce-scatter after every microbatch's backward, behind it
         if cfg.sharded.stage == 2:
             dense, expert = stage_params(self.model, cfg, st)
             total = self._both("reduce_scatter", REDUCE, dense, expert)
             return [(self.dim, total, st.layers * block.backward)]
+        # DDP and ZeRO-1 reduce once a step, and so does FSDP under a pipeline (per_step)
         if not self.sharded or cfg.pp > 1:
             return []
         rp = rank_params(self.model, cfg.tp, cfg.ep)
@@ -109,11 +118,13 @@ class DataParallel:
         rs = self._both("reduce_scatter", REDUCE, rp.dense, rp.expert)
         root = rp.embed * st.embed + rp.head * st.head
         L = st.layers
+        # behind a block's backward: its gather again (when it was resharded) and its reduce-scatter
         back = (ag if self.reshard else 0.0) + rs
         again = block.recompute(cfg.recomputation)
         return [
             (self.dim, L * ag, max(0, L - 1) * min(ag, block.forward)),  # the first block's gather is exposed
             (self.dim, L * back, max(0, L - 1) * min(back, block.backward + again)),
+            # the root unit is gathered around the whole forward (and backward, resharded): nothing to hide behind
             (self.dim, self._both("all_gather", self.gather, root, 0) * (1 + self.reshard), 0.0),
             (self.dim, self._both("reduce_scatter", REDUCE, root, 0), 0.0),
         ]
@@ -121,6 +132,7 @@ class DataParallel:
     def per_step(self, st: Stage, block, m: int) -> list[tuple[str, float, float]]:
         """(dim, seconds, hidden) of the traffic once per step."""
         cfg = self.cfg
+        # one data rank: nothing to reduce
         if self.n == 1:
             return []
         dense, expert = stage_params(self.model, cfg, st)
@@ -130,8 +142,10 @@ class DataParallel:
             return [(self.dim, self._both("all_reduce", REDUCE, dense, expert), backward)]
         gather = self._both("all_gather", self.gather, dense, expert)
         if not cfg.sharded.params:  # ZeRO-1 / 2
+            # ZeRO-2 reduced per microbatch already (per_microbatch): its gather is what is left
             scatter = self._both("reduce_scatter", REDUCE, dense, expert) if not cfg.sharded.grads else 0.0
             return [(self.dim, scatter, backward), (self.dim, gather, forward)]
+        # FSDP without a pipeline moves everything per microbatch (per_microbatch)
         if cfg.pp == 1:
             return []
         rs = self._both("reduce_scatter", REDUCE, dense, expert)
@@ -156,4 +170,5 @@ class DataParallel:
         dense, expert = stage_params(self.model, self.cfg, st)
         if not self.cfg.sharded.optimizer:
             return dense + expert
+        # dense shards over dp·ep·cp, experts over dp·cp
         return dense / self.n + expert / self.n_expert

@@ -110,17 +110,23 @@ def meshes(model: ModelConfig, gpus: int, hw: Hardware, fixed: dict | None = Non
     """(tp, cp, ep, pp, dp) whose product is `gpus` and whose degrees the model allows (a degree
     in `fixed` is the only one tried; the layout's checks judge it)."""
     fixed = fixed or {}
+    # tp stays within a node: its all-reduces are on every layer's critical path, on NVLink there and on the
+    # NICs beyond (DERIVATIONS.md, "The time model"); it must split the heads. zigzag CP cuts the sequence
+    # into 2·cp chunks, two per rank (DERIVATIONS.md, "Context parallelism"); ep must split the experts
     tps = [fixed["tp"]] if "tp" in fixed else [t for t in _pow2(hw.gpus_per_node) if model.heads % t == 0]
     cps = [fixed["cp"]] if "cp" in fixed else [c for c in _pow2(32) if model.seq % (2 * c) == 0]
     eps = [fixed["ep"]] if "ep" in fixed else [e for e in _divisors(model.experts, 64)] if model.experts else [1]
     for tp in tps:
         for cp in cps:
             for ep in eps:
+                # the degrees must use every GPU: a remainder would leave some idle
                 rest, left = gpus // (tp * cp * ep), gpus % (tp * cp * ep)
                 if left:
                     continue
+                # no more stages than blocks; whether they split evenly or as Llama 3's uneven stages is judged later
                 pps = [fixed["pp"]] if "pp" in fixed else _divisors(rest, min(rest, model.layers))
                 for pp in pps:
+                    # dp takes what is left: a fixed dp admits only the pp that leaves exactly it
                     if rest % pp == 0 and fixed.get("dp", rest // pp) == rest // pp:
                         yield tp, cp, ep, pp, rest // pp
 
@@ -130,9 +136,12 @@ def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally, s
     v > 1 unless `schedule` says, uneven stages where the layers do not split), or None with the
     reason tallied."""
     pp = mesh.pp
+    # Megatron's interleaved schedule runs microbatches in rounds of pp per chunk, and a virtual stage
+    # without a block would be a chunk with nothing to compute
     if v > 1 and (m % pp or model.layers < pp * v):
         tally.invalid("interleaved needs microbatches a multiple of pp and a layer per virtual stage")
         return None
+    # Llama 3's uneven stages only where the layers do not divide by the stages (else stage_split gives ())
     split = stage_split(model.layers, pp * v) if pp > 1 else ()
     schedule = schedule or ("interleaved" if v > 1 else "1f1b")
     cfg = mesh.replace(microbatches=m, schedule=schedule, virtual_stages=v, sharding=sharding, precision=precision)
@@ -191,18 +200,24 @@ def plan(
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
     for tp, cp, ep, pp, dp in meshes(model, gpus, hw, fixed):
+        # SP is on with tp unless held off: the same wire bytes as TP's all-reduces and less memory, so SP
+        # off is dominated (Korthikanti et al. 2022, section 4.2.2)
         sp = fixed.get("sequence_parallel", tp > 1)
         mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=sp)
         split = stage_split(model.layers, pp) if pp > 1 else ()
         # the degrees' arithmetic, on the uneven split a pipeline would take
         found = layout_problems(mesh.replace(global_batch=dp * ep, stage_layers=split), model)
         if found:
+            # counted under the first violation, its fix (after ';') cut off
             tally.invalid(found[0].split(";")[0])
             continue
+        # checked here, not by the degrees' check above, which was given a batch of dp·ep to judge them alone
         if gb % (dp * ep):
             tally.invalid("global_batch is not divisible by dp·ep")
             continue
         per = gb // (dp * ep)
+        # under a pipeline ZeRO-2 keeps every bucket's gradients from the first microbatch to the last
+        # (DERIVATIONS.md, "FSDP and ZeRO-2/3 under pipeline parallelism"): ZeRO-1's memory and traffic
         shardings = ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp")
         for sharding in (fixed["sharding"],) if "sharding" in fixed else shardings:
             for prec in precisions:
@@ -210,6 +225,7 @@ def plan(
                     first = 0  # the lightest checkpointing that fit a smaller microbatch: a larger one needs as much
                     sizes = _divisors(per, min(per, 64))  # ascending: memory only grows
                     if "microbatches" in fixed:
+                        # a fixed m leaves one b, or none when it does not divide the sequences per data rank
                         sizes = [b for b in sizes if per // b == fixed["microbatches"]]
                     for b in sizes:
                         m = per // b
@@ -217,18 +233,25 @@ def plan(
                         if cfg is None:
                             continue
                         considered += 1
+                        # the first prune, before any memory is priced: -floors[0] is the slowest of the best `top`
+                        # so far (a min-heap of negated times); the floor at the lightest checkpointing still possible
+                        # is the lowest any can give, so a layout that cannot beat it here never will
                         if len(floors) == top and compute_floor(cfg, model, hw, ckpts[first]) >= -floors[0]:
                             tally.invalid(f"slower than the best {top} on its compute alone")
                             continue
+                        # from `first`: a larger microbatch never fits with lighter checkpointing than a
+                        # smaller one needed
                         for i in range(first, len(ckpts)):
                             need = fullest_required(cfg, model, hw, ckpts[i])
                             if need <= hw.memory:
                                 first = i
                                 break
+                        # nothing fits, not even full: one miss kept with its overshoot, and the larger b are not tried
                         else:
                             tally.too_big(cfg.replace(checkpoint_activations=ckpts[-1]), need, hw)
                             break  # larger microbatches hold more
                         cfg = cfg.replace(checkpoint_activations=ckpts[first])
+                        # the checkpointing that fit may recompute more than the first prune assumed: its floor again
                         if len(floors) == top and compute_floor(cfg, model, hw, ckpts[first]) >= -floors[0]:
                             tally.invalid(f"slower than the best {top} on its compute alone")
                             continue
@@ -238,7 +261,9 @@ def plan(
                             heapq.heappush(floors, -plan_.step_seconds)
                         if len(floors) > top:
                             heapq.heappop(floors)
+    # tight plans last whatever their speed: the allocator's retries they would pay are not priced
     timed.sort(key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))
+    # the nearest misses: the smallest overshoot first, what a little more memory would let in
     misses = [r for _, r in sorted(tally.misses, key=lambda x: x[0])[:NEAREST]]
     return Plans(timed[:top], misses, tally.counts, considered, len(timed))
 

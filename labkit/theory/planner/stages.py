@@ -50,6 +50,7 @@ def fullest_candidates(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, 
 def _candidates(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, ...]:
     every = _stages(model, p, v, uneven)
     most = max(every, key=lambda st: st.layers)
+    # min and max fold the picks together when p < 4
     picked = {0, min(1, p - 1), max(p - 2, 0), p - 1, most.rank}
     return tuple(every[r] for r in sorted(picked))
 
@@ -63,6 +64,7 @@ def distinct(cfg: ParallelConfig, model: ModelConfig) -> tuple[Stage, ...]:
 def _distinct(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, ...]:
     seen: dict[tuple, Stage] = {}
     for st in _stages(model, p, v, uneven):
+        # ranks alike in these four take the same time: the step's timing prices each kind once
         seen.setdefault((st.layers, st.chunks, st.embed, st.head), st)
     return tuple(seen.values())
 
@@ -71,6 +73,7 @@ def _distinct(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage,
 def _stages(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, ...]:
     if p == 1:
         return (Stage(0, model.layers, 1, model.layers, True, True),)
+    # a bare config only to place the chunks: Megatron's loop, stage c·p + r, whatever the schedule
     cfg = ParallelConfig(pp=p, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b")
     if uneven:
         cfg = cfg.replace(stage_layers=uneven)
@@ -105,9 +108,12 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
     dense = expert = embed = head = 0
     for name, shape in param_shapes(model):
         n = prod(shape)
+        # block 0 stands for every block: they are alike
         if name.startswith("blocks.0."):
             if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
                 expert += n // ep
+            # matrices split over tp, row- or column-wise alike; the router stays whole, as an MoE layer is
+            # replicated over tp
             elif len(shape) == 2 and not name.endswith("router.weight"):
                 dense += n // tp
             elif name.endswith(".bias") and _column_parallel(name[len("blocks.0.") : -len(".bias")]):
@@ -115,8 +121,10 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             else:
                 dense += n  # norms, a row-parallel layer's bias (added once), the router
         elif name.startswith("embed."):
+            # the token table is vocab-parallel; a learned position table stays whole on every tp rank
             embed += n // tp if name.startswith("embed.tok") else n
         elif name.startswith("head."):
+            # the projection is vocab-parallel; the final norm stays whole
             head += n // tp if name.startswith("head.proj") else n
     if model.tied:
         head += model.vocab // tp * model.hidden  # the head's copy when it sits on another stage
@@ -128,6 +136,7 @@ def stage_params(model: ModelConfig, cfg: ParallelConfig, st: Stage) -> tuple[in
     ends)."""
     rp = rank_params(model, cfg.tp, cfg.ep)
     ends = rp.embed * st.embed + rp.head * st.head
+    # one rank holding both ends (pp = 1) keeps one tied table, not a copy for the head
     if model.tied and st.embed and st.head:
         ends -= model.vocab // cfg.tp * model.hidden
     return st.layers * rp.dense + ends, st.layers * rp.expert

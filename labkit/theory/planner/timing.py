@@ -68,22 +68,29 @@ def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
     rate = {
         "matmul": hw.flops * hw.matmul_eff,
         "fp8-matmul": hw.fp8_flops * hw.fp8_matmul_eff,
+        # flash attention's rate falls for short blocks and head dim 64, as measured (hardware.py)
         "attention": attention_rate(hw, op.head_dim, op.length),
     }.get(op.kind)
+    # an elementwise kernel has no FLOP rate: its bytes alone price it
     compute = scale * op.flops / rate if rate else 0.0
     memory = scale * op.bytes / (hw.hbm * hw.hbm_eff)
+    # the roofline: a kernel overlaps its arithmetic and its memory traffic, so the slower side is its time
     return max(compute, memory), memory > compute
 
 
+# a block's ops are the same for every mesh with the same (tp, cp, SP, b, precision): priced once
 @lru_cache(maxsize=8192)
 def phase(ops: tuple[Op, ...], hw: Hardware) -> Phase:
     fwd = bwd = attn = unkept = bound_c = bound_m = 0.0
     for op in ops:
         f, f_mem = op_seconds(op, hw)
+        # backward at its multiple of the forward: 2 for a matmul (input and weight gradients), 2.5 for
+        # flash attention, each memory op its own bytes
         b, b_mem = op_seconds(op, hw, op.backward)
         fwd, bwd = fwd + f, bwd + b
         attn += f if op.kind == "attention" else 0.0
         unkept += 0.0 if op.kept else f
+        # each side's seconds, so that the step can say which side of the roofline it spends its time on
         bound_m += f * f_mem + b * b_mem
         bound_c += f * (not f_mem) + b * (not b_mem)
     return Phase(fwd, bwd, attn, unkept, bound_c, bound_m)
@@ -135,6 +142,7 @@ def microbatch(
     key = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision)
     block, head, embed = phase(block_ops(*key), hw), phase(head_ops(*key), hw), phase(embed_ops(*key), hw)
     r, L = cfg.recomputation, st.layers
+    # the head and the embedding count only on the stages that hold them
     ends = [(head, st.head), (embed, st.embed)]
     again = L * block.recompute(r)
     compute = L * (block.forward + block.backward) + again
@@ -144,6 +152,7 @@ def microbatch(
         "memory-bound": L * block.memory_bound + sum(p.memory_bound * h for p, h in ends),
         "recompute": again,
     }
+    # the recomputation joins the side of the roofline its block's ops mostly sit on
     parts["compute-bound" if block.compute_bound >= block.memory_bound else "memory-bound"] += again
     comm: dict[str, float] = {}
     exposed: dict[str, float] = {}
@@ -159,13 +168,18 @@ def microbatch(
     # pairs, the same bytes), 2 more when the forward is recomputed; the embedding's and the
     # head's input on the end stages
     tp_calls = L * (4 + 2 * repeat) + 2 * (st.head + st.embed)
+    # nothing hides TP's collectives: the next op needs their result
     add("tp", tp_calls * ring("all_reduce", e * b * s * h, cfg.tp, link_of(cfg, ("tp",), hw)))
     if cfg.cp > 1:  # ring attention: cp-1 hops of K/V forward, of K/V and fp32 dK/dV backward
         link = link_of(cfg, ("cp",), hw)
         kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
+        # Hockney per hop: α + bytes/β; K/V in the compute dtype, the dK/dV accumulators in fp32
         hop, dhop = link.alpha + e * kv / link.beta, link.alpha + REDUCE * kv / link.beta
         fwd, bwd = (cfg.cp - 1) * hop, (cfg.cp - 1) * (hop + dhop)
+        # every recomputation runs the ring once more in backward, selective included
         again_cp = fwd if r.recomputes else 0.0
+        # the hops hide behind the attention kernel of their pass: the forward's, the backward's (2.5 times
+        # it, FlashAttention-2's five products against two) with the recomputed forward
         for total, kernel in (
             (fwd, block.attention_forward),
             (bwd + again_cp, (2.5 + r.recomputes) * block.attention_forward),
@@ -173,12 +187,16 @@ def microbatch(
             add("cp", L * total, L * kernel)
     if cfg.ep > 1 and model.experts:  # dispatch and combine, forward and backward
         a2a = ring("all_to_all", e * b * s * model.top_k * h, cfg.ep, link_of(cfg, ("ep",), hw))
+        # exposed: the experts need the dispatched rows and the next layer the combined ones
         add("ep", L * (4 + 2 * repeat) * a2a)
     if cfg.pp > 1:  # each chunk sends its output forward and its input's gradient back
+        # under SP a stage passes its s/tp rows to the same tp rank of the next stage
         rows = s // (cfg.tp if cfg.sequence_parallel else 1)
+        # exposed: a stage waits for its input; two messages per chunk (the activation, its gradient)
         add("pp", st.chunks * 2 * ring("send", e * b * rows * h, 2, link_of(cfg, ("pp",), hw)))
     for dim, total, hidden in dp.per_microbatch(st, block):
         add(dim, total, hidden)
+    # FSDP2's copies around its collectives are memory-bound compute (DERIVATIONS.md, "The time model")
     copies = dp.copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
     parts["memory-bound"] += copies
     return Microbatch(compute + copies, parts, comm, exposed)
@@ -191,22 +209,29 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
     b = cfg.global_batch // (cfg.dp * cfg.ep * m)
     dp = DataParallel(cfg, model, hw)
     per = [(st, microbatch(cfg, model, hw, st, b, dp)) for st in distinct(cfg, model)]
+    # the pipeline moves at its slowest rank's pace
     st, mb = max(per, key=lambda x: x[1].seconds)
     v = cfg.virtual_stages if p > 1 else 1
     busy = m * mb.seconds
+    # fill and drain: (p - 1)/(m·v) of the busy time (Narayanan et al. 2021, section 2.2)
     bubble = busy * (p - 1) / (m * v) if p > 1 else 0.0
     comm = {d: m * t for d, t in mb.comm.items()}
     exposed = {d: m * t for d, t in mb.exposed.items()}
     key = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision)
+    # once a step: DDP's all-reduce behind the last backward, ZeRO-1/2's gather behind the forward,
+    # FSDP under a pipeline (overlap.py)
     for dim, total, hidden in dp.per_step(st, phase(block_ops(*key), hw), m):
         comm[dim] = comm.get(dim, 0.0) + total
         exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
+    # AdamW and clipping stream their fp32 states: memory-bound, 40 bytes a local parameter
     optimizer = (dp.optimizer_elements(st) * OPTIMIZER_BYTES + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
     total = m * mb.compute + bubble + optimizer + sum(exposed.values())
+    # model FLOPs (PaLM's, recomputation not counted) per GPU
     flops = model_flops_per_token(model) * cfg.global_batch * model.seq / (world or cfg.world)
     parts = {k: m * x for k, x in mb.parts.items()}
     worst = max(exposed, key=exposed.get) if exposed else None
     dominant = "memory" if parts["memory-bound"] > parts["compute-bound"] else "compute"
+    # a dim is named the bound only when its exposed time outweighs either side of the roofline
     if worst is not None and exposed[worst] > max(parts["memory-bound"], parts["compute-bound"]):
         dominant = worst
     return StepTime(
@@ -220,8 +245,10 @@ def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None
     is above the slowest of the best it has. `ac`: the checkpointing to price (default the config's)."""
     b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     block = phase(block_ops(model, cfg.tp, cfg.cp, cfg.sequence_parallel, b, cfg.precision), hw)
+    # the slowest rank's blocks alone: whatever its head or its messages cost, the step is longer
     layers = max(st.layers for st in distinct(cfg, model))
     m, v = cfg.microbatches, cfg.virtual_stages if cfg.pp > 1 else 1
     r = recomputation(cfg.checkpoint_activations if ac is None else ac)
     busy = m * layers * (block.forward + block.backward + block.recompute(r))
+    # stretched by the bubble, (m·v + p - 1)/(m·v)
     return busy * (1 + (cfg.pp - 1) / (m * v))
