@@ -39,3 +39,8 @@ def main(spec: dict) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(1)
     main(json.loads(sys.argv[1]))
+    sys.stdout.flush()
+    # After the group is destroyed, about 1 exit in 5 here aborts in a C++ destructor ("terminate
+    # called without an active exception", torch 2.13 CPU, gloo) and torchrun then fails the whole
+    # launch: the step is done and reported, so leave without running the static destructors.
+    os._exit(0)

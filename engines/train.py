@@ -16,8 +16,8 @@ import torch
 from labkit.config import DIMS, RunSpec
 from labkit.engines import data, evaluate, runtime
 from labkit.engines.mesh import Mesh
+from labkit.engines.meters.audit import CommAudit
 from labkit.engines.meters.bundle import Meters
-from labkit.engines.meters.comm import CommAudit
 from labkit.engines.model import build_model
 from labkit.engines.parallelize import parallelize
 from labkit.layout.mesh import MeshLayout

@@ -33,16 +33,25 @@ def test_interleave_calls_a_and_b_in_turn(run):
 
 def test_every_pair_runs_and_gives_a_finite_positive_ratio(run, lab, tiny, monkeypatch):
     monkeypatch.setattr(run, "PAIRS", {"DDP": run.PAIRS["DDP"], "TP / DTensor TP": (P(tp=2), P(tp=2, impl="torch"))})
-    monkeypatch.setattr(run, "COMM_LOG", {"collective log, DDP": P(dp=4)})
     rows = run.ratio_rows(lab, tiny, repeats=1, steps=2)
-    assert [r.name for r in rows] == [
-        "DDP: ours / PyTorch",
-        "TP / DTensor TP: ours / PyTorch",
-        "collective log, DDP: with / without",
-    ]
+    assert [r.name for r in rows] == ["DDP: ours / PyTorch", "TP / DTensor TP: ours / PyTorch"]
     for r in rows:
         assert math.isfinite(r.ratio) and r.ratio > 0 and r.samples == 1
         assert r.met() in ("yes", "NO")
+
+
+def test_the_log_is_compared_in_back_to_back_pairs(run, lab, tiny, monkeypatch):
+    monkeypatch.setattr(run, "COMM_LOG", {"collective log, DDP": P(dp=4)})
+    calls = []
+    real = run.step_time
+    monkeypatch.setattr(run, "step_time", lambda *a, **kw: calls.append(kw.get("_comm_log", True)) or real(*a, **kw))
+    (row,) = run.log_rows(lab, tiny, repeats=4, steps=2, blocks=2, ops=5)
+    assert calls == [True, False, True, False, False, True, True, False, False, True]  # warm, then ABBA
+    lo, hi = row.extra["range"]
+    assert row.samples == 4 and 0 < lo <= row.ratio <= hi and math.isfinite(hi)
+    assert "with the log" in row.note
+    info = {**run.machine(), "load_after": (0.0, 0.0, 0.0), "seconds": 1.0, "repeats": 4, "steps": 2}
+    assert "the median of 4 back-to-back pairs' ratios (ABBA)" in run.render([row], info)
 
 
 def test_the_table_and_results_block(run, tmp_path):

@@ -11,14 +11,16 @@ sharding propagation (loss_parallel's reductions, a clip_grad_norm_ over sharded
 from inside its own dispatch, where the Autograd keys are already excluded; BackendSelect is
 still ahead of them. (A TorchDispatchMode would see them too, but it sends every aten op
 through Python: 35-130% slower steps on the lab's models, measured. It is kept as
-`CommAudit`, which the tests run beside this meter to prove it missed nothing.)
+`CommAudit` (engines/meters/audit.py), which the tests run beside this meter to prove it missed nothing.)
 
 What it records, per op (a plain dict, see labkit.results.run.CommEvent): op, dim (the mesh
 dimension whose group it ran on), group ranks, numel, dtype, payload bytes (B: the logical full
 tensor), wire bytes this rank sends under the ring model (labkit/layout/wire.py), a sequence
 number per group, start/end on the run's clock, and the phase of the step. An op is 'left' when
-its Work completes (a future callback), or for works without a future (gloo's reduce-scatter)
-and ops on CUDA tensors (see `watch`), when the meter next finds it completed; entered-but-not-
+its Work completes: for a blocking call of torch.distributed's Python API (`dist.all_reduce(t)`
+without async_op: most of labkit's own collectives) when that call returns, its wait done
+(`_blocking`); else from a future callback, or for works without a future (gloo's reduce-scatter)
+and ops on CUDA tensors (see `watch`), when the meter next finds it completed. Entered-but-not-
 left ops are what the hang diagnosis reads. An op whose Work fails (a peer died, gloo's timeout)
 is never 'left': it keeps end None and gets an 'error'. Each event also names its process group
 ('pg'): the sequence numbers count per process group, so the diagnosis compares ranks' ops only
@@ -30,12 +32,14 @@ line to its last. `uninstall()` takes the kernels out again (the overhead benchm
 
 from __future__ import annotations
 
+import functools
+import inspect
 import threading
 import time
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.distributed import distributed_c10d as c10d_api
 
 from labkit.layout.wire import WIRE
 
@@ -271,6 +275,10 @@ def _c10d_kernel(name: str):
             root = pg.rank() == local
         ev = meter.begin(our, pg, tensor, payload, peer if p2p else None, root)
         out = redispatch(below, *args, **kwargs)
+        waiting = getattr(_caller, "events", None)
+        if waiting is not None and not (tensor is not None and tensor.is_cuda):
+            waiting.append(ev)  # a blocking Python call issued it: its return is the end (_blocking)
+            return out
         work = out[-1] if isinstance(out, tuple) else out
         meter.watch(unbox_work(work) if work is not None else None, ev, tensor is not None and tensor.is_cuda)
         return out
@@ -281,9 +289,61 @@ def _c10d_kernel(name: str):
 _LIBS: list = []  # the registrations live as long as these Library objects
 
 
+_caller = threading.local()
+"""`events`: the ops a blocking torch.distributed call of this thread has issued so far (None
+outside one): the kernel leaves their end to the call's return instead of a future callback."""
+
+BLOCKING = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter",
+    "reduce_scatter_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce",
+    "gather",
+    "scatter",
+    "barrier",
+    "send",
+    "recv",
+)
+"""torch.distributed's calls that wait for their op unless async_op=True (send and recv always)."""
+
+_UNWRAPPED: dict[str, object] = {}
+
+
+def _blocking(fn):
+    """fn, its ops stamped 'left' when it returns. A gloo future's callback runs in gloo's thread
+    and takes the GIL from the rank's own thread once per op: ~100 us a collective on this 2-core
+    machine (benchmarks/RESULTS.md, the collective log), 6% of a TP step with 21 of them. A
+    blocking call has waited when it returns, so its return is the ops' end, on the caller's clock."""
+    at = next((i for i, name in enumerate(inspect.signature(fn).parameters) if name == "async_op"), None)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        asynchronous = kwargs.get("async_op", args[at] if at is not None and at < len(args) else False)
+        meter = CommMeter.current
+        if meter is None or asynchronous or getattr(_caller, "events", None) is not None:
+            return fn(*args, **kwargs)
+        _caller.events = []
+        try:
+            out = fn(*args, **kwargs)
+        except BaseException:  # a failed op is never 'left' (the module docstring)
+            _caller.events = None
+            raise
+        events, _caller.events = _caller.events, None
+        for ev in events:
+            meter.end(ev)
+        return out
+
+    return call
+
+
 def install() -> None:
     """Register the metering kernels once per process (idempotent; a no-op pass-through when no
-    meter is active)."""
+    meter is active), and wrap torch.distributed's blocking calls (`_blocking`)."""
     if _LIBS:
         return
     c10d = torch.library.Library("c10d", "IMPL")
@@ -291,42 +351,20 @@ def install() -> None:
         if hasattr(torch.ops.c10d, name):
             c10d.impl(name, _c10d_kernel(name), "BackendSelect", with_keyset=True)
     _LIBS.append(c10d)
+    for name in BLOCKING:
+        original = getattr(c10d_api, name)
+        _UNWRAPPED[name] = original
+        wrapped = _blocking(original)
+        setattr(c10d_api, name, wrapped)
+        setattr(dist, name, wrapped)  # torch.distributed re-exports the same functions
 
 
 def uninstall() -> None:
-    """Unregister the metering kernels (the overhead benchmark measures steps without them)."""
+    """Unregister the metering kernels and unwrap the calls (the overhead benchmark measures
+    steps without them)."""
     while _LIBS:
         _LIBS.pop()._destroy()
-
-
-class CommAudit:
-    """A TorchDispatchMode that counts every c10d op issued in its thread (tests use it to prove
-    that CommMeter saw each one). Slow: every aten op passes through Python while it is on.
-    DTensor ops are handed back (NotImplemented, as PyTorch's CommDebugMode does) so that DTensor
-    desugars them first and the mode sees the collectives they turn into."""
-
-    def __init__(self):
-        from torch.distributed.tensor import (
-            DTensor,  # deferred: the DTensor package is heavy, tests only
-        )
-
-        counts: dict[str, int] = {}
-
-        class _Mode(TorchDispatchMode):
-            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-                if DTensor in types:
-                    return NotImplemented
-                name = str(func.overloadpacket)
-                if "c10d" in name and "wait" not in name and "_wrap" not in name:
-                    counts[name] = counts.get(name, 0) + 1
-                return func(*args, **(kwargs or {}))
-
-        self.counts = counts
-        self._mode = _Mode()
-
-    def __enter__(self):
-        self._mode.__enter__()
-        return self
-
-    def __exit__(self, *exc):
-        return self._mode.__exit__(*exc)
+    for name, original in _UNWRAPPED.items():
+        setattr(c10d_api, name, original)
+        setattr(dist, name, original)
+    _UNWRAPPED.clear()
