@@ -49,7 +49,8 @@ from labkit.engines.accumulate import accumulate
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.checkpoint import apply_ac
 from labkit.engines.parallel.common import GradSync, ParamMetas, on_device
-from labkit.engines.parallel.context import apply_cp, zigzag_inputs
+from labkit.engines.parallel.context import zigzag_inputs
+from labkit.engines.parallel.context_kinds import apply_cp
 from labkit.engines.parallel.ddp import DDP, TorchDDP
 from labkit.engines.parallel.experts import apply_ep
 from labkit.engines.parallel.fsdp import apply_fsdp, apply_fsdp_torch
@@ -99,9 +100,9 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     elif cfg.tp > 1:
         model, info["tp_styles"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel)
 
-    # 2. context parallelism: engines/parallel/context.py
+    # 2. context parallelism: engines/parallel/context.py (the ring), context_kinds.py (all-gather, Ulysses)
     if cfg.cp > 1:
-        model, info["cp"] = apply_cp(model, mesh)
+        model, info["cp"] = apply_cp(model, mesh, cfg.context)
         inputs = zigzag_inputs(model.cfg.seq, mesh)
 
     # 3. expert parallelism: engines/parallel/experts.py

@@ -163,6 +163,27 @@ def unmasked_ring_block(original):
     return _scores
 
 
+def gathered_dkv_kept_home(original):
+    """engines/parallel/context_kinds.py reduce_scatter_single, which hands each cp rank its own part
+    of the K/V gradients without the other ranks' (the all-gather kind's reduce-scatter skipped)."""
+    import torch.distributed as dist
+
+    def reduce_scatter_single(output, input, group=None, async_op=False):
+        n, r = dist.get_world_size(group), dist.get_rank(group)
+        output.copy_(input.view(n, -1)[r])
+
+    return reduce_scatter_single
+
+
+def heads_sent_reversed(original):
+    """engines/parallel/context_kinds.py _to_heads, whose all-to-all sends the heads in reverse order."""
+
+    def _to_heads(x, group, cp):
+        return original(x.flip(2), group, cp)
+
+    return _to_heads
+
+
 def tokens_to_the_wrong_rank(original):
     """engines/parallel/experts.py ExpertParallel.__call__, whose combine swaps the last row bound
     for source rank 0 with the first bound for rank 1."""
@@ -260,6 +281,11 @@ MUTATIONS = [
              (E + "pipeline", "PipelineExecutor", "_tag"), wrong_microbatch, "losses", ("step 0",)),
     Mutation("ring attention without the causal mask on one rank's blocks", ParallelConfig(cp=2, dp=2),
              (E + "context", None, "_scores"), unmasked_ring_block, "losses", ("step 0",)),
+    Mutation("all-gather CP's dK/dV not reduce-scattered", ParallelConfig(cp=2, dp=2, cp_kind="allgather"),
+             (E + "context_kinds", None, "reduce_scatter_single"), gathered_dkv_kept_home, "gradients",
+             ("blocks.1.attn.wv.weight", "blocks.0.attn.wv.weight")),
+    Mutation("Ulysses' all-to-all splitting the heads wrongly", ParallelConfig(cp=2, dp=2, cp_kind="ulysses"),
+             (E + "context_kinds", None, "_to_heads"), heads_sent_reversed, "losses", ("step 0",)),
     Mutation("an expert's tokens returned to the wrong rank", ParallelConfig(ep=2, dp=2),
              (E + "experts", "ExpertParallel", "__call__"), tokens_to_the_wrong_rank, "losses", ("step 0",), MOE),
     Mutation("gradient clipping skipped on one rank", DDP4, (E + "ddp", "DDP", "step"), clipping_skipped_on_rank_1,

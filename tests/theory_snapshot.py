@@ -92,9 +92,18 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
+ADDED_AT_DEFAULT = {"cp_kind": "ring"}
+"""Config fields added after the snapshot was recorded, with the default that keeps the old
+behaviour: left out of a plan's config while they hold it, so a new choice proves it moved nothing."""
+
+
+def _config(cfg) -> dict:
+    return {k: v for k, v in cfg.to_dict().items() if ADDED_AT_DEFAULT.get(k, object()) != v}
+
+
 def _plan_row(p) -> dict:
     return {
-        "config": p.config.to_dict(),
+        "config": _config(p.config),
         "peak": p.peak_bytes,
         "step": p.step_seconds,
         "tps": p.tokens_per_second_per_gpu,

@@ -1,4 +1,5 @@
-"""Context parallelism: ring attention over the cp ranks, zigzag load balancing.
+"""Context parallelism: ring attention over the cp ranks, zigzag load balancing (the other kinds,
+all-gather and Ulysses, and the choice among them: context_kinds.py).
 
 Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
 (2023): the sequence is split over the cp ranks; each keeps its query block while the key/value
@@ -225,22 +226,6 @@ class _RingAttention(torch.autograd.Function):
             own = own + incoming  # everyone else's part, back home
         dq = torch.cat(dq, dim=2).to(q.dtype)
         return dq, own[0].to(k.dtype), own[1].to(v.dtype), None
-
-
-def apply_cp(model: torch.nn.Module, mesh) -> tuple[torch.nn.Module, dict]:
-    """Swap every block's attention kernel for ring attention on the mesh's cp group; tell
-    per-sequence statistics (the MoE router's balance loss) that a sequence spans the cp group.
-    Returns (model, this rank's chunks and ring schedule as data for the report); `zigzag_inputs`
-    gives the tokens it must be fed."""
-    cp, rank = mesh.size("cp"), mesh.coord("cp")
-    group = mesh.group("cp")
-    ring = Ring(group, rank, cp)
-    for block in model.blocks:
-        block.attn.core = ring
-    for m in model.modules():
-        if hasattr(m, "seq_split"):
-            m.seq_split = (group, cp)
-    return model, {"cp_chunks": list(zigzag_chunks(rank, cp)), "ring_schedule": ring.schedule}
 
 
 def zigzag_inputs(seq: int, mesh):

@@ -18,6 +18,7 @@ from labkit.config import choices
 from labkit.config.choices import (
     ARCHS,
     CHECKPOINTING,
+    CONTEXT_KINDS,
     DATA,
     DIMS,
     IMPLS,
@@ -28,6 +29,8 @@ from labkit.config.choices import (
     Arch,
     Checkpointing,
     ConfigError,
+    ContextComm,
+    ContextKind,
     Data,
     Family,
     Impl,
@@ -47,6 +50,7 @@ from labkit.config.validation import check_fields
 __all__ = [
     "ARCHS",
     "CHECKPOINTING",
+    "CONTEXT_KINDS",
     "DATA",
     "DIMS",
     "IMPLS",
@@ -236,7 +240,7 @@ class ParallelConfig(_Dict):
     pp: int = 1
     """Pipeline-parallel degree: layers split into stages that pass activations."""
     cp: int = 1
-    """Context-parallel degree: the sequence split over ranks, attention by a ring (zigzag)."""
+    """Context-parallel degree: the sequence split over ranks (zigzag), attention as cp_kind says."""
     ep: int = 1
     """Expert-parallel degree: ranks that share the experts and split the batch (needs experts > 0)."""
     sharding: Sharding = "none"
@@ -274,6 +278,10 @@ class ParallelConfig(_Dict):
     """Gradient bucket size in MiB for DDP-style reduction (PyTorch DDP's bucket_cap_mb)."""
     reshard_after_forward: bool = True
     """FSDP: free gathered parameters after forward (ZeRO-3 traffic) or keep them (ZeRO-2-like)."""
+    cp_kind: ContextKind = "ring"
+    """How the cp ranks attend across their shards (Megatron's --cp-comm-type): 'ring' (K/V passed
+    round, p2p), 'allgather' (K/V gathered once per layer, all_gather), 'ulysses' (all-to-all from
+    sequence to head shards and back, a2a; heads and KV heads per tp rank must divide by cp)."""
 
     def __post_init__(self):
         if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable
@@ -311,6 +319,11 @@ class ParallelConfig(_Dict):
     def recomputation(self) -> Recomputation:
         """What checkpoint_activations rebuilds: .recomputes, .reruns_forward, .attention_only, .per_op."""
         return choices.recomputation(self.checkpoint_activations)
+
+    @property
+    def context(self) -> ContextComm:
+        """What `cp_kind` moves: .ring (K/V hops), .gathers (K/V all-gathered), .splits_heads (Ulysses)."""
+        return choices.context_comm(self.cp_kind)
 
     @property
     def recompute(self) -> Recompute:

@@ -31,6 +31,10 @@ SHARDINGS: tuple[str, ...] = get_args(Sharding)
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 """Pipeline schedules (labkit/layout/orders.py); the last three split backward into B and W."""
+ContextKind = Literal["ring", "allgather", "ulysses"]
+CONTEXT_KINDS: tuple[str, ...] = get_args(ContextKind)
+"""How a context-parallel group attends across its sequence shards (engines/parallel/context.py and
+context_kinds.py): K/V round a ring, K/V all-gathered, or an all-to-all to head shards (Ulysses)."""
 Impl = Literal["lab", "torch"]
 IMPLS: tuple[str, ...] = get_args(Impl)
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -55,6 +59,7 @@ FIXES = {
     "checkpoint_activations": "pick one of those (True is 'full')",
     "loss": "'fused' keeps the logits in the compute dtype",
     "data": "try 'text' (Shakespeare, in bytes) or 'synthetic'",
+    "cp_kind": "'ring' (K/V passed round), 'allgather' (K/V gathered), 'ulysses' (all-to-all to heads)",
 }
 """The fix an unknown value's message offers, where it says more than 'pick one of those'."""
 
@@ -189,6 +194,35 @@ def numerics(precision: Precision) -> Numerics:
             return Numerics(mixed=True, fp8=True)
         case _:
             raise ConfigError([unknown("precision", precision, PRECISIONS)])
+
+
+@dataclass(frozen=True)
+class ContextComm:
+    """How a `cp_kind` moves the sequence between the cp ranks. Every kind keeps the zigzag layout
+    (each rank two chunks, 2cp chunks in all) and so the same balanced causal work."""
+
+    ring: bool
+    """K/V blocks pass round the ring, one hop per step, overlapped with the block in hand (Liu et
+    al. 2023); dK/dV accumulators follow them home in backward."""
+    gathers: bool
+    """K/V all-gathered once per layer, then attended to locally (Llama 3, Dubey et al. 2024,
+    section 3.3.2: cheap under GQA, where K/V are small); dK/dV reduce-scattered back."""
+    splits_heads: bool
+    """An all-to-all turns sequence shards into head shards before attention and back after
+    (DeepSpeed-Ulysses, Jacobs et al. 2023): the local heads and KV heads must divide by cp."""
+
+
+@cache
+def context_comm(cp_kind: ContextKind) -> ContextComm:
+    match cp_kind:
+        case "ring":
+            return ContextComm(ring=True, gathers=False, splits_heads=False)
+        case "allgather":
+            return ContextComm(ring=False, gathers=True, splits_heads=False)
+        case "ulysses":
+            return ContextComm(ring=False, gathers=False, splits_heads=True)
+        case _:
+            raise ConfigError([unknown("cp_kind", cp_kind, CONTEXT_KINDS)])
 
 
 @dataclass(frozen=True)

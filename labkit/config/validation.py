@@ -4,7 +4,8 @@ At construction (`field_problems`, which each config's __post_init__ runs): a fi
 choice among its Literal's values (field_types.py reads the annotations), and a range that needs
 no other field. Across fields and against the world (`problems`, `validate`): what the layout and
 the model must satisfy together (divisibility, the schedule's rules, what runs with what), the
-model family's and the stages' own rules asked from model_problems.py; `not_built_yet` what only
+model family's and the stages' own rules asked from model_problems.py, the schedule's and the
+cp kind's from strategy_problems.py; `not_built_yet` what only
 the theory predicts; `optim_problems` the optimizer, `data_problems` a run's data. Checks on other
 things live with them: Lab.run's other arguments (labkit/cluster/arguments.py), what a world's
 backend and devices allow (cluster/world.py backend_problems), the planner's arithmetic-only view
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
 from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
+from labkit.config.strategy_problems import context_problems, schedule_problems
 
 if TYPE_CHECKING:
     from labkit.config import ModelConfig, OptimConfig, ParallelConfig
@@ -227,6 +229,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
             f"seq={model.seq} is not divisible by 2*cp={2 * cfg.cp} (ring attention's zigzag "
             f"halves); {suggest([c for c in divisors(model.seq // 2) if c <= 8])} for cp"
         )
+    out += context_problems(cfg, model)
     if cfg.ep > 1 and model.experts == 0:
         out.append(f"ep={cfg.ep} needs an MoE model; set experts to a multiple of {cfg.ep} or ep=1")
     elif model.experts and model.experts % cfg.ep:
@@ -273,33 +276,6 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     return out
 
 
-def schedule_problems(cfg: ParallelConfig) -> list[str]:
-    """How the schedule, the chunks per rank and the microbatches fit together."""
-    out, m, pp = [], cfg.microbatches, cfg.pp
-    if cfg.pipeline.interleaved and cfg.virtual_stages < 2:
-        out.append("schedule='interleaved' needs virtual_stages >= 2; try virtual_stages=2")
-    if cfg.pipeline.v_shaped and cfg.virtual_stages != 2:
-        out.append(f"schedule={cfg.schedule!r} places two chunks per rank in a V; set virtual_stages=2")
-    if cfg.virtual_stages > 1 and not (cfg.pipeline.interleaved or cfg.pipeline.v_shaped):
-        out.append(
-            f"virtual_stages={cfg.virtual_stages} only applies to schedule='interleaved' (or 2 to 'zbv', "
-            "'dualpipev'); set schedule='interleaved' or virtual_stages=1"
-        )
-    if cfg.pipeline.interleaved and pp > 1 and m % pp:
-        out.append(
-            f"interleaved 1F1B needs microbatches ({m}) to be a multiple of pp ({pp}), as in Megatron; "
-            f"try microbatches={pp * max(1, m // pp)}"
-        )
-    need = cfg.pipeline.microbatches_per_stage * pp
-    if pp > 1 and m < need:
-        out.append(
-            f"schedule={cfg.schedule!r} needs microbatches ({m}) >= {cfg.pipeline.microbatches_per_stage} * pp, "
-            f"one per stage of the V, as DeepSeek's DualPipeV does; try microbatches={need}"
-        )
-    return out
-
-
-# What PyTorch offers for each ZeRO stage (impl='torch'), or why nothing: the reason in the refusal.
 _TORCH_ZERO = {
     1: "PyTorch has no ZeRO-1 for a module (ZeroRedundancyOptimizer shards only the optimizer "
     "and is not wired into labkit); use impl='lab'",

@@ -24,13 +24,25 @@ def _bytes(cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: b
     act = ELEM[cfg.precision]
     # a cp rank keeps the activations of its own s/cp positions only (DERIVATIONS.md, "Context parallelism")
     seq = model.seq // cfg.cp
+    heads = layers * ulysses_bytes(cfg, model, b)
     if cfg.tp == 1:
-        return memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act)
+        plain = memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act)
+        return plain + heads
     # tensor.activation_bytes reads the block count off the model and takes the sequence apart: under SP
     # the stream holds s/(cp·tp) rows of it while the gathered inputs, q, k, v and MoE layers keep all s/cp
-    return tensor.activation_bytes(
+    return heads + tensor.activation_bytes(
         model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act, head=head, embed=embed
     )
+
+
+def ulysses_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
+    """Ulysses keeps one more attention output per block, (b, s/cp, h/tp) in the compute dtype: the
+    kernel saves its output as head shards (b, nh/(tp·cp), s, hd), the all-to-all back gives wo a
+    tensor of its own (without CP, or with the other kinds, wo's input is the kernel's output).
+    Selective recomputation drops it with the log-sum-exp; 0 for the other kinds."""
+    if cfg.cp == 1 or not cfg.context.splits_heads:
+        return 0
+    return ELEM[cfg.precision] * b * (model.seq // cfg.cp) * (model.hidden // cfg.tp)
 
 
 @dataclass(frozen=True)
@@ -89,7 +101,7 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     # no block's forward rerun (none, 'selective'): all is kept but, under 'selective', each block's lse
     # (Korthikanti et al. 2022, section 4.2; DERIVATIONS.md, "Activations per rank": the rest stays)
     if not r.reruns_forward:
-        dropped = layers * lse_bytes(cfg, model, b) if r.attention_only else 0
+        dropped = layers * (lse_bytes(cfg, model, b) + ulysses_bytes(cfg, model, b)) if r.attention_only else 0
         return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
     if r.per_op:
         x = op_block_bytes(cfg, model, b)

@@ -1,5 +1,6 @@
-"""Context parallelism (ring attention, engines/parallel/context.py), predicted: what a cp rank
-sends per step (Liu et al. 2023, zigzag layout). Activations need nothing of their own: a cp
+"""Context parallelism (engines/parallel/context.py, context_kinds.py), predicted: what a cp rank
+sends per step for each cp_kind — the ring (Liu et al. 2023, zigzag layout), K/V all-gathered
+(Llama 3) or Ulysses' all-to-alls (Jacobs et al. 2023). Activations need nothing of their own: a cp
 rank keeps those of its s/cp tokens (theory/exact/activations.py). The derivation: DERIVATIONS.md.
 """
 
@@ -18,25 +19,43 @@ def kv_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_by
     return act_bytes * 2 * batch * (model.seq // cfg.cp) * local_kv * model.head_dim
 
 
+def q_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_bytes: int = 4) -> int:
+    """Ulysses' query (and output) message: (b, nh/tp, s/cp, head_dim) of this rank's tokens."""
+    return act_bytes * batch * (model.seq // cfg.cp) * (model.heads // cfg.tp) * model.head_dim
+
+
+def _kind_rows(cfg: ParallelConfig, model: ModelConfig, micro: int, forwards: int) -> list[tuple[str, int, int]]:
+    """(op, payload bytes, calls) per attention pass (one layer, one microbatch) of cp_kind."""
+    e = ELEM[cfg.precision]
+    kv, dkv = kv_message_bytes(cfg, model, micro, e), kv_message_bytes(cfg, model, micro, 4)
+    hops = cfg.cp - 1
+    if cfg.context.ring:  # K/V in each forward and again in backward, then the dK/dV accumulators
+        return [(op, b, n) for op in ("send", "recv") for b, n in ((kv, (forwards + 1) * hops), (dkv, hops))]
+    if cfg.context.gathers:  # every rank's K/V in each forward and again in backward; dK/dV home in fp32
+        return [("all_gather", cfg.cp * kv, forwards + 1), ("reduce_scatter", cfg.cp * dkv, 1)]
+    # Ulysses: q, K/V and the output each forward; their gradients (compute dtype) back in backward
+    q = q_message_bytes(cfg, model, micro, e)
+    return [("all_to_all", q, 2 * (forwards + 1)), ("all_to_all", kv, forwards + 1)]
+
+
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
-    """Ring sends/receives per rank for one step — per layer and microbatch cp-1 hops of K/V
-    forward, cp-1 again backward and cp-1 of the dK/dV accumulators — and the MoE balance-loss
-    count all-reduce. With checkpoint_activations a block's forward (or, selective, its attention
-    core) runs again in backward: one more K/V round per layer (and, 'full', one more count
-    all-reduce). K/V travel in the compute dtype,
-    dK/dV in fp32 (the ring's accumulation dtype)."""
+    """What a cp rank sends for one step (per layer and microbatch: _kind_rows, by cp_kind) and
+    the MoE balance-loss count all-reduce. The ring: cp-1 hops of K/V forward, cp-1 again backward
+    and cp-1 of the dK/dV accumulators; all-gather: K/V gathered in forward and again in backward,
+    dK/dV reduce-scattered; Ulysses: q, K/V and the output all-to-all'd in forward, their gradients
+    in backward. With checkpoint_activations a block's forward (or, selective, its attention core)
+    runs again in backward: its attention's collectives once more per layer (and, 'full', one more
+    count all-reduce). K/V travel in the compute dtype, dK/dV in fp32 (the accumulation dtype of
+    the ring and of the gathered kind); Ulysses' gradients in the compute dtype."""
     if cfg.cp == 1:
         return
     micro = microbatch_rows(cfg)
     forwards = 2 if cfg.recomputation.recomputes else 1  # every recomputation runs the ring again
     moe_forwards = 2 if cfg.recomputation.reruns_forward else 1  # selective leaves the MoE layer alone
-    kv = kv_message_bytes(cfg, model, micro, ELEM[cfg.precision])
-    dkv = kv_message_bytes(cfg, model, micro, 4)
     label = layout.label("cp")
     for rank in comm.ranks(layout):
         passes = stage_layers(cfg, model, layout.coords(rank)["pp"])[0] * cfg.microbatches  # attention layers run
-        for op in ("send", "recv"):  # K/V in each forward and again in backward, then dK/dV
-            comm.add(rank, label, op, kv, cfg.cp, (forwards + 1) * (cfg.cp - 1) * passes)
-            comm.add(rank, label, op, dkv, cfg.cp, (cfg.cp - 1) * passes)
+        for op, payload, calls in _kind_rows(cfg, model, micro, forwards):
+            comm.add(rank, label, op, payload, cfg.cp, calls * passes)
         if model.experts:
             comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, moe_forwards * passes)

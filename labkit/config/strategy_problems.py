@@ -1,0 +1,64 @@
+"""What the pipeline schedule and the context-parallel kind need of the layout and the model,
+each problem with a fix; validation.problems asks these. Plain Python, the ladder's bottom rung.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from labkit.config import ModelConfig, ParallelConfig
+
+
+def context_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
+    """What a cp_kind needs of the layout and the model."""
+    if cfg.cp == 1:
+        if cfg.context.ring:
+            return []
+        return [f"cp_kind={cfg.cp_kind!r} applies with cp > 1; set cp=2 or leave cp_kind='ring'"]
+    if not cfg.context.splits_heads:
+        return []
+    out = []
+    # Ulysses hands each cp rank whole heads: the heads a tp rank holds split over cp
+    heads, kv = model.heads // max(1, cfg.tp), max(1, model.n_kv_heads // cfg.tp)
+    if heads % cfg.cp:
+        out.append(
+            f"cp_kind='ulysses' splits the heads over cp: heads/tp = {model.heads}/{cfg.tp} = {heads} is not "
+            f"divisible by cp={cfg.cp}; use cp_kind='allgather' or 'ring', or a cp dividing {heads}"
+        )
+    elif kv % cfg.cp:
+        # refused rather than replicated: copies of a KV head would send nh/nkv times the K/V bytes
+        out.append(
+            f"cp_kind='ulysses' splits the KV heads over cp: kv_heads/tp = {model.n_kv_heads}/{cfg.tp} -> {kv} "
+            f"is not divisible by cp={cfg.cp}; use cp_kind='allgather' (K/V are small under GQA) or 'ring'"
+        )
+    return out
+
+
+def schedule_problems(cfg: ParallelConfig) -> list[str]:
+    """How the schedule, the chunks per rank and the microbatches fit together."""
+    out, m, pp = [], cfg.microbatches, cfg.pp
+    if cfg.pipeline.interleaved and cfg.virtual_stages < 2:
+        out.append("schedule='interleaved' needs virtual_stages >= 2; try virtual_stages=2")
+    if cfg.pipeline.v_shaped and cfg.virtual_stages != 2:
+        out.append(f"schedule={cfg.schedule!r} places two chunks per rank in a V; set virtual_stages=2")
+    if cfg.virtual_stages > 1 and not (cfg.pipeline.interleaved or cfg.pipeline.v_shaped):
+        out.append(
+            f"virtual_stages={cfg.virtual_stages} only applies to schedule='interleaved' (or 2 to 'zbv', "
+            "'dualpipev'); set schedule='interleaved' or virtual_stages=1"
+        )
+    if cfg.pipeline.interleaved and pp > 1 and m % pp:
+        out.append(
+            f"interleaved 1F1B needs microbatches ({m}) to be a multiple of pp ({pp}), as in Megatron; "
+            f"try microbatches={pp * max(1, m // pp)}"
+        )
+    need = cfg.pipeline.microbatches_per_stage * pp
+    if pp > 1 and m < need:
+        out.append(
+            f"schedule={cfg.schedule!r} needs microbatches ({m}) >= {cfg.pipeline.microbatches_per_stage} * pp, "
+            f"one per stage of the V, as DeepSeek's DualPipeV does; try microbatches={need}"
+        )
+    return out
+
+
+# What PyTorch offers for each ZeRO stage (impl='torch'), or why nothing: the reason in the refusal.

@@ -1,0 +1,112 @@
+"""Context parallelism's kinds (issue 30): K/V all-gathered and Ulysses' all-to-all, each alone
+against dense causal attention and composed on the 4-engine cluster against the one-process
+reference, with measured bytes and memory against the theory."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import TINY
+
+from labkit import ConfigError, ParallelConfig, theory, validate
+from labkit.oracle.checks import assert_matches
+
+GQA = TINY.replace(arch="llama", kv_heads=2)
+"""Grouped-query attention: 4 query heads read 2 KV heads."""
+
+# (cp, seq, batch, heads, kv heads, head_dim): odd shapes on purpose (chunks of 3 and 5 tokens)
+KERNEL_CASES = [(2, 12, 2, 4, 2, 4), (2, 20, 1, 2, 2, 8), (4, 24, 2, 4, 4, 5), (4, 40, 1, 8, 2, 3)]
+
+
+def _kinds_against_dense(cases):
+    """On every rank: random q, k, v (float64, the same on all ranks); dense causal attention on the
+    whole sequence against each cp kind on this rank's zigzag tokens; per case and kind the largest
+    relative error of the output and of dq, dk, dv at this rank's positions."""
+    import torch
+    import torch.nn.functional as F
+
+    from labkit.engines import runtime
+    from labkit.engines.mesh import Mesh
+    from labkit.engines.parallel.context import zigzag_index
+    from labkit.engines.parallel.context_kinds import Gathered, Ulysses
+    from labkit.layout.mesh import MeshLayout
+
+    rank = runtime.current().rank
+    errors = {}
+    for cp, seq, b, nh, nkv, hd in cases:
+        mesh = Mesh.build(MeshLayout.from_sizes(cp=cp, dp=4 // cp), rank)
+        r, group = mesh.coord("cp"), mesh.group("cp")
+        gen = torch.Generator().manual_seed(1000 * cp + seq)
+        q, w = (torch.randn(b, nh, seq, hd, generator=gen, dtype=torch.float64) for _ in range(2))
+        k, v = (torch.randn(b, nkv, seq, hd, generator=gen, dtype=torch.float64) for _ in range(2))
+        dense = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*dense, is_causal=True, enable_gqa=True)
+        (out * w).sum().backward()
+        idx = zigzag_index(seq, cp, r)
+        want = [out[:, :, idx]] + [t.grad[:, :, idx] for t in dense]
+        kinds = {"allgather": Gathered(group, r, cp)}
+        if nkv % cp == 0:
+            kinds["ulysses"] = Ulysses(group, r, cp, seq)
+        for name, core in kinds.items():
+            local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
+            y = core(*local)
+            (y * w[:, :, idx]).sum().backward()
+            got = [y.detach()] + [t.grad for t in local]
+            errors[cp, seq, name] = max(float((g - x).abs().max() / x.abs().max()) for g, x in zip(got, want))
+    return errors
+
+
+def test_every_kind_matches_dense_causal_attention(lab):
+    per_rank = lab.apply(_kinds_against_dense, KERNEL_CASES)
+    for rank, errors in enumerate(per_rank):
+        assert len(errors) == 7  # every case has all-gather; Ulysses where the KV heads divide by cp
+        for key, err in errors.items():
+            assert err < 1e-12, (rank, key, err)
+
+
+LAYOUTS = [
+    (ParallelConfig(cp=2, dp=2, cp_kind="allgather"), TINY),
+    (ParallelConfig(cp=4, cp_kind="allgather"), GQA),
+    (ParallelConfig(cp=4, cp_kind="ulysses"), TINY),
+    (ParallelConfig(cp=2, tp=2, sequence_parallel=True, cp_kind="ulysses"), TINY),
+    (ParallelConfig(cp=2, dp=2, cp_kind="ulysses", precision="bf16"), GQA),
+    (ParallelConfig(cp=2, pp=2, microbatches=2, cp_kind="allgather", checkpoint_activations=True), TINY),
+    (ParallelConfig(cp=2, dp=2, cp_kind="ulysses", checkpoint_activations="selective"), TINY),
+    (ParallelConfig(cp=2, dp=2, cp_kind="ulysses", checkpoint_activations="full"), GQA),
+]
+
+
+@pytest.mark.parametrize(
+    "cfg,model",
+    LAYOUTS,
+    ids=[
+        "allgather-cp2xdp2",
+        "allgather-cp4-gqa",
+        "ulysses-cp4",
+        "ulysses-cp2xtp2-sp",
+        "ulysses-bf16-gqa",
+        "allgather-pp-ac",
+        "ulysses-selective",
+        "ulysses-full-gqa",
+    ],
+)
+def test_context_kinds_train_like_one_process(lab, ref_cache, cfg, model):
+    """Losses, gradients and parameters match the fp32 reference; comm rows equal the theory's
+    (calls included); model states and activations equal it exactly."""
+    res = lab.run(cfg, model=model, steps=3, return_params=True)
+    assert_matches(res, ref_cache(model=model))
+    est = theory.estimate(cfg, model, world=4)
+    assert res.comm_table() == est.comm_table()
+    ops = {r["op"] for r in res.comm_table() if r["dim"] == "cp"} - {"all_reduce"}  # the gradients' (cp is a data dim)
+    assert ops == ({"all_gather", "reduce_scatter"} if cfg.context.gathers else {"all_to_all"})
+    for rk in res.ranks:
+        for k in ("params", "grads", "optimizer", "activations"):
+            assert rk.memory[k] == est.memory[rk.rank][k], (rk.rank, k, rk.memory[k], est.memory[rk.rank][k])
+
+
+def test_ulysses_refuses_heads_that_do_not_divide():
+    with pytest.raises(ConfigError, match="splits the KV heads over cp"):
+        validate(ParallelConfig(cp=4, cp_kind="ulysses"), GQA, 4)
+    with pytest.raises(ConfigError, match="splits the heads over cp"):
+        validate(ParallelConfig(cp=2, tp=4, cp_kind="ulysses"), TINY.replace(heads=4), 8)
+    with pytest.raises(ConfigError, match="applies with cp > 1"):
+        validate(ParallelConfig(dp=2, cp_kind="allgather"), TINY, 4)
