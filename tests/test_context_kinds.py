@@ -110,3 +110,40 @@ def test_ulysses_refuses_heads_that_do_not_divide():
         validate(ParallelConfig(cp=2, tp=4, cp_kind="ulysses"), TINY.replace(heads=4), 8)
     with pytest.raises(ConfigError, match="applies with cp > 1"):
         validate(ParallelConfig(dp=2, cp_kind="allgather"), TINY, 4)
+
+
+# -- the planner: every kind searched, each priced from the exact theory's calls and bytes -----------
+@pytest.mark.parametrize("kind", ["allgather", "ulysses"])
+def test_the_time_model_prices_the_exact_theorys_collectives(kind):
+    """The planner's seconds for a collective kind equal Hockney's α·steps + bytes/β summed over the
+    calls and bytes theory.estimate counts for the cp dim (its gradient all-reduce aside)."""
+    from labkit.theory.planner.hardware import hardware_of
+    from labkit.theory.planner.overlap import collective_seconds, link_of
+    from labkit.theory.planner.timing import _context_collectives
+
+    model = GQA.replace(layers=3, seq=32, heads=8, kv_heads=4, hidden=64)
+    cfg = ParallelConfig(cp=4, dp=2, global_batch=4, microbatches=2, cp_kind=kind, checkpoint_activations="selective")
+    hw = hardware_of("h100")
+    link = link_of(cfg, ("cp",), hw)
+    rows = [r for r in theory.estimate(cfg, model).comm_table() if r["rank"] == 0 and r["dim"] == "cp"]
+    exact = sum(
+        r["calls"] * collective_seconds(r["op"], r["wire_bytes"] / r["calls"], cfg.cp, link)
+        for r in rows
+        if r["op"] != "all_reduce"
+    )
+    b = cfg.global_batch // (cfg.dp * cfg.microbatches)
+    priced = model.layers * cfg.microbatches * _context_collectives(cfg, model, hw, b, recomputes=True)
+    assert exact > 0 and priced == pytest.approx(exact, rel=1e-12)
+
+
+def test_the_planner_searches_every_kind():
+    from labkit.theory.presets import PRESETS
+
+    model = PRESETS["llama3.1-8b"]
+    kinds = {p.config.cp_kind for p in theory.plan(model, 8, "h100", top=50, fixed={"cp": 2, "tp": 1})}
+    assert kinds == {"ring", "allgather", "ulysses"}
+    held = theory.plan(model, 8, "h100", top=5, fixed={"cp": 4, "cp_kind": "ulysses"})
+    assert held and {(p.config.cp, p.config.cp_kind) for p in held} == {(4, "ulysses")}
+    # 8 KV heads: Ulysses cannot split them over cp=16, and says so
+    none = theory.plan(model, 16, "h100", fixed={"cp": 16, "cp_kind": "ulysses"})
+    assert not none and any("splits the KV heads over cp" in why for why in none.counts), none.counts

@@ -82,12 +82,14 @@ def states(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, floa
 
 
 @lru_cache(maxsize=16384)
-def _chunk_bytes(model: ModelConfig, tp: int, cp: int, sp: bool, precision: str, ac, b: int) -> tuple:
+def _chunk_bytes(
+    model: ModelConfig, tp: int, cp: int, sp: bool, precision: str, ac, b: int, kind: str = "ring"
+) -> tuple:
     """(a block's forward bytes, one block's rebuild, the embedding's, the head's) for one
     microbatch of b sequences: theory/exact/activations.py's chunk, which is linear in the blocks."""
     # only the fields activations depend on, so the cache serves every mesh with the same block
     cfg = ParallelConfig(
-        tp=tp, cp=cp, sequence_parallel=sp, precision=precision, checkpoint_activations=ac, global_batch=b
+        tp=tp, cp=cp, sequence_parallel=sp, precision=precision, checkpoint_activations=ac, global_batch=b, cp_kind=kind
     )
     # one block: chunk() is linear in the blocks, so a stage's is this times its blocks
     one = chunk(cfg, model, 1, head=False, embed=False)
@@ -104,7 +106,8 @@ def activation_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage, ac=None
     flying = 1 if p == 1 else _in_flight(cfg.schedule, p, m, st.rank, v)
     b = cfg.global_batch // (cfg.dp * cfg.ep * m)
     ac = cfg.checkpoint_activations if ac is None else ac
-    block, extra, embed, head = _chunk_bytes(model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision, ac, b)
+    args = (model, cfg.tp, cfg.cp, cfg.sequence_parallel, cfg.precision, ac, b, cfg.cp_kind)
+    block, extra, embed, head = _chunk_bytes(*args)
     # `flying` (chunk-)microbatches of the rank's mean chunk; the embedding's ids for each microbatch
     # in flight, at most m of them
     total = flying * block * st.layers / st.chunks + min(flying, m) * embed * st.embed + head * st.head
@@ -146,6 +149,10 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
     mats = 3 if model.family.gated_mlp else 2
     mlp = mats * e * tokens * model.ffn / cfg.tp
     attention = ((4 + e) * model.hidden + 2 * e * kv) * tokens / cfg.tp
+    if cfg.cp > 1 and cfg.context.gathers:
+        # the all-gather kind's backward holds every cp rank's K/V (compute dtype) and their fp32 dK/dV
+        # (engines/parallel/context_kinds.py): cp times this rank's K and V, at e + 4 bytes
+        attention += cfg.cp * (e + 4) * 2 * tokens * max(1, model.n_kv_heads // cfg.tp) * model.head_dim
     # ops run one at a time: the larger of the two is the peak
     return {"logits": logits, "temporaries": max(mlp, attention) if st.layers else 0.0}
 

@@ -5,6 +5,7 @@ What is enumerated, and what is left out because another choice dominates it (sa
 memory, or the same memory in less time, in this model):
   mesh          tp (powers of two within a node, dividing heads), cp (2·cp | seq), ep (| experts),
                 pp (| the GPUs left; uneven stages when the layers do not split), dp the rest
+  cp kind       with cp > 1, each of ring, all-gather and Ulysses (where the heads divide by cp)
   batch         the microbatch size b (a divisor of the sequences per data rank), m = the rest
   pipeline      1F1B, interleaved with v = 2, 4 (m a multiple of pp, as Megatron needs); GPipe is
                 left out (1F1B's bubble with more activations in flight)
@@ -33,7 +34,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.config.choices import Precision, pipeline_shape, recomputation
+from labkit.config.choices import CONTEXT_KINDS, Precision, pipeline_shape, recomputation
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
 from labkit.theory.planner.timing import compute_floor
@@ -44,7 +45,7 @@ is True), in order of recomputation (time added) and of memory kept (falling).""
 NEAREST = 20
 """Layouts that do not fit kept in `.rejected`, the nearest misses first."""
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "sharding", "schedule", "virtual_stages", "microbatches")
-FIXABLE += ("checkpoint_activations", "sequence_parallel")
+FIXABLE += ("checkpoint_activations", "sequence_parallel", "cp_kind")
 """The layout fields `plan(fixed=...)` can hold."""
 
 
@@ -162,6 +163,16 @@ def _checked(fixed: dict | None) -> dict:
     return fixed
 
 
+def _with_kinds(meshes, fixed: dict):
+    """Each mesh with each cp kind it can take: every kind where cp > 1 (none dominates another: the
+    ring hides its hops behind attention, the all-gather sends K/V once, Ulysses moves q, K/V and the
+    output but needs heads that divide), the ring alone where cp = 1 (the kinds differ only with cp)."""
+    for mesh in meshes:
+        kinds = (fixed["cp_kind"],) if "cp_kind" in fixed else CONTEXT_KINDS if mesh[1] > 1 else ("ring",)
+        for kind in kinds:
+            yield (*mesh, kind)
+
+
 def _chunks_per_rank(pp: int, fixed: dict) -> tuple[int, ...]:
     """The v to try: 1F1B and interleaved (2, 4) unless the schedule or v is fixed."""
     if pp == 1:
@@ -199,11 +210,11 @@ def plan(
     ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else TRIED_CHECKPOINTING
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
-    for tp, cp, ep, pp, dp in meshes(model, gpus, hw, fixed):
+    for tp, cp, ep, pp, dp, kind in _with_kinds(meshes(model, gpus, hw, fixed), fixed):
         # SP is on with tp unless held off: the same wire bytes as TP's all-reduces and less memory, so SP
         # off is dominated (Korthikanti et al. 2022, section 4.2.2)
         sp = fixed.get("sequence_parallel", tp > 1)
-        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=sp)
+        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=sp, cp_kind=kind)
         split = stage_split(model.layers, pp) if pp > 1 else ()
         # the degrees' arithmetic, on the uneven split a pipeline would take
         found = layout_problems(mesh.replace(global_batch=dp * ep, stage_layers=split), model)

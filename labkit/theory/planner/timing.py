@@ -170,7 +170,9 @@ def microbatch(
     tp_calls = L * (4 + 2 * repeat) + 2 * (st.head + st.embed)
     # nothing hides TP's collectives: the next op needs their result
     add("tp", tp_calls * ring("all_reduce", e * b * s * h, cfg.tp, link_of(cfg, ("tp",), hw)))
-    if cfg.cp > 1:  # ring attention: cp-1 hops of K/V forward, of K/V and fp32 dK/dV backward
+    if cfg.cp > 1 and not cfg.context.ring:
+        add("cp", L * _context_collectives(cfg, model, hw, b, r.recomputes))
+    if cfg.cp > 1 and cfg.context.ring:  # ring attention: cp-1 hops of K/V forward, of K/V and fp32 dK/dV backward
         link = link_of(cfg, ("cp",), hw)
         kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
         # Hockney per hop: α + bytes/β; K/V in the compute dtype, the dK/dV accumulators in fp32
@@ -200,6 +202,23 @@ def microbatch(
     copies = dp.copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
     parts["memory-bound"] += copies
     return Microbatch(compute + copies, parts, comm, exposed)
+
+
+def _context_collectives(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, b: int, recomputes: bool) -> float:
+    """Seconds per layer and microbatch of the collective cp kinds (theory/exact/context.py counts the
+    same calls and bytes), all exposed: the attention waits for its K/V, or for its heads. All-gather:
+    the cp ranks' K/V gathered in forward and again in backward, fp32 dK/dV reduce-scattered; Ulysses:
+    q, K/V and the output all-to-all'd in forward, their gradients in backward. A recomputation runs
+    the forward's collectives once more."""
+    link, e, n = link_of(cfg, ("cp",), hw), ELEM[cfg.precision], cfg.cp
+    s = model.seq // n
+    kv = 2 * b * s * max(1, model.n_kv_heads // cfg.tp) * model.head_dim  # this rank's K and V, elements
+    forwards = 2 if recomputes else 1
+    if cfg.context.gathers:
+        gather, scatter = ring("all_gather", n * e * kv, n, link), ring("reduce_scatter", n * REDUCE * kv, n, link)
+        return (forwards + 1) * gather + scatter
+    q = b * s * (model.heads // cfg.tp) * model.head_dim  # q, and the output, elements
+    return (forwards + 1) * (2 * ring("all_to_all", e * q, n, link) + ring("all_to_all", e * kv, n, link))
 
 
 def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, world: int | None = None) -> StepTime:
