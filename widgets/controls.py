@@ -12,13 +12,19 @@ from __future__ import annotations
 
 import ipywidgets as W
 
-from labkit.config import IMPLS, PRECISIONS, SCHEDULES, SHARDINGS, ModelConfig, ParallelConfig
+from labkit.config import CONTEXT_KINDS, IMPLS, PRECISIONS, SCHEDULES, SHARDINGS, ModelConfig, ParallelConfig
 from labkit.config.validation import problems
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
 SLIDERS = DEGREES + ("microbatches", "virtual_stages", "global_batch")
 """Numeric fields whose offered values are narrowed to those that fit."""
-CHOICES = {"sharding": SHARDINGS, "schedule": SCHEDULES, "impl": IMPLS, "precision": PRECISIONS}
+CHOICES = {
+    "sharding": SHARDINGS,
+    "schedule": SCHEDULES,
+    "impl": IMPLS,
+    "precision": PRECISIONS,
+    "cp_kind": CONTEXT_KINDS,
+}
 FLAGS = ("sequence_parallel", "checkpoint_activations", "reshard_after_forward")
 BUCKETS_MB = (0.01, 0.05, 0.25, 1.0, 5.0, 25.0, 100.0)
 ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-dp-ep-pp", "tp-ep-cp-dp-pp", "dp-tp-cp-ep-pp", "pp-tp-cp-ep-dp")

@@ -65,6 +65,7 @@ def describe(cfg: ParallelConfig) -> str:
         "checkpoint_activations",
         "order",
         "bucket_mb",
+        "cp_kind",
     ):
         if getattr(cfg, f) != getattr(base, f):
             parts.append(f"{f}={getattr(cfg, f)}")
@@ -145,7 +146,7 @@ class Dashboard:
             children=[
                 col(*(c[d] for d in DEGREES)),
                 col(c["microbatches"], c["virtual_stages"], c["global_batch"], c["bucket_mb"], c["steps"]),
-                col(c["schedule"], c["sharding"], c["impl"], c["precision"], c["order"]),
+                col(c["schedule"], c["sharding"], c["impl"], c["precision"], c["cp_kind"], c["order"]),
                 col(c["sequence_parallel"], c["checkpoint_activations"], c["reshard_after_forward"]),
             ],
         )

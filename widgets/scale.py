@@ -31,7 +31,7 @@ import ipywidgets as W
 import plotly.graph_objects as go
 
 from labkit import theory
-from labkit.config import LOSSES, PRECISIONS, SHARDINGS, ModelConfig, ParallelConfig
+from labkit.config import CONTEXT_KINDS, LOSSES, PRECISIONS, SHARDINGS, ModelConfig, ParallelConfig
 from labkit.config.choices import Precision, Sharding
 from labkit.theory.planner.evaluate import layout_problems
 from labkit.theory.planner.hardware import HARDWARE
@@ -111,6 +111,12 @@ class ScaleExplorer:
                 description="sharding",
                 style={"button_width": button_width(SHARDINGS)},
             ),
+            "cp_kind": W.ToggleButtons(
+                options=list(CONTEXT_KINDS),
+                value="ring",
+                description="cp kind",
+                style={"button_width": button_width(CONTEXT_KINDS)},
+            ),
             "precision": W.ToggleButtons(
                 options=list(PRECISIONS),
                 value=precision,
@@ -164,7 +170,7 @@ class ScaleExplorer:
                         col(c["microbatches"], c["virtual_stages"], c["sequence_parallel"]),
                     ]
                 ),
-                col(c["schedule"], c["sharding"], c["precision"], c["checkpoint_activations"], c["loss"]),
+                col(c["schedule"], c["sharding"], c["cp_kind"], c["precision"], c["checkpoint_activations"], c["loss"]),
                 self.plans.widget,
                 self.status,
                 self.error_box,
@@ -233,7 +239,7 @@ class ScaleExplorer:
                 c[d].value = getattr(cfg, d)
             # the control counts sequences per microbatch on one data rank: the global batch gives it back
             c["micro_batch"].value = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
-            for name in ("schedule", "sharding", "precision", "sequence_parallel", "checkpoint_activations"):
+            for name in ("schedule", "sharding", "cp_kind", "precision", "sequence_parallel", "checkpoint_activations"):
                 c[name].value = getattr(cfg, name)
             self.stage_layers = cfg.stage_layers
         finally:
@@ -268,6 +274,8 @@ class ScaleExplorer:
             precision=c["precision"],
             sequence_parallel=c["sequence_parallel"],
             checkpoint_activations=c["checkpoint_activations"],
+            # the kinds differ only with cp > 1 (validation refuses a kind without it): the ring stands in
+            cp_kind=c["cp_kind"] if c["cp"] > 1 else "ring",
             # dp·ep data ranks, each m microbatches of micro_batch sequences (batch.microbatch_rows, inverted)
             global_batch=dp * c["ep"] * c["microbatches"] * c["micro_batch"],
         )
