@@ -71,12 +71,12 @@ class Mesh:
                 self._group_ranks[dims] = mine
                 if len(mine) > 1:
                     self.dim_of.setdefault(pg.group_name, dim_name(dims))
-        for dim, ranks in self.layout.subgroups():  # same order on every rank
+        for dim, kind, ranks in self.layout.subgroups():  # same order on every rank
             key = tuple(ranks)
             if key not in self._pg_cache:
                 self._pg_cache[key] = dist.new_group(ranks)
             if self.rank in ranks:
-                self._sub[dim, len(ranks) if dim == "tp" else "ends"] = self._pg_cache[key]
+                self._sub[dim, kind] = self._pg_cache[key]
 
     def device_mesh_2d(self, device_type: str) -> DeviceMesh:
         """One (dp, tp) DeviceMesh over this layout, from this mesh's own dp and tp groups (no new
@@ -95,6 +95,10 @@ class Mesh:
     def run_group(self, dim: str, k: int):
         """This rank's run of k consecutive coordinates along `dim` (the tp ranks sharing a KV head)."""
         return self.group(dim) if k == self.size(dim) else self._sub[dim, k]
+
+    def stride_group(self, dim: str, k: int):
+        """This rank's coordinates along `dim` equal to its own mod k (MeshLayout.strides)."""
+        return self._sub[dim, ("stride", k)]
 
     def ends_group(self, dim: str):
         """The group of the first and last rank along `dim`, for a rank that is one of them (the

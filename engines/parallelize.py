@@ -102,7 +102,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
     # 2. context parallelism: engines/parallel/context.py (the ring), context_kinds.py (all-gather, Ulysses)
     if cfg.cp > 1:
-        model, info["cp"] = apply_cp(model, mesh, cfg.context)
+        model, info["cp"] = apply_cp(model, mesh, cfg.context, cfg.cp_a2a)
         inputs = zigzag_inputs(model.cfg.seq, mesh)
 
     # 3. expert parallelism: engines/parallel/experts.py

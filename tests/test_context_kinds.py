@@ -27,7 +27,7 @@ def _kinds_against_dense(cases):
     from labkit.engines import runtime
     from labkit.engines.mesh import Mesh
     from labkit.engines.parallel.context import zigzag_index
-    from labkit.engines.parallel.context_kinds import Gathered, Ulysses
+    from labkit.engines.parallel.context_kinds import Gathered, Hierarchical, Ulysses
     from labkit.layout.mesh import MeshLayout
 
     rank = runtime.current().rank
@@ -46,6 +46,8 @@ def _kinds_against_dense(cases):
         kinds = {"allgather": Gathered(group, r, cp)}
         if nkv % cp == 0:
             kinds["ulysses"] = Ulysses(group, r, cp, seq)
+        if cp == 4:  # all-to-all over runs of 2, the ring across the 2 runs
+            kinds["hierarchical"] = Hierarchical(mesh.run_group("cp", 2), mesh.stride_group("cp", 2), cp, 2, r)
         for name, core in kinds.items():
             local = [t[:, :, idx].clone().requires_grad_() for t in (q, k, v)]
             y = core(*local)
@@ -58,7 +60,8 @@ def _kinds_against_dense(cases):
 def test_every_kind_matches_dense_causal_attention(lab):
     per_rank = lab.apply(_kinds_against_dense, KERNEL_CASES)
     for rank, errors in enumerate(per_rank):
-        assert len(errors) == 7  # every case has all-gather; Ulysses where the KV heads divide by cp
+        # every case has all-gather; Ulysses where the KV heads divide by cp; hierarchical at cp = 4
+        assert len(errors) == 9
         for key, err in errors.items():
             assert err < 1e-12, (rank, key, err)
 
@@ -72,6 +75,11 @@ LAYOUTS = [
     (ParallelConfig(cp=2, pp=2, microbatches=2, cp_kind="allgather", checkpoint_activations=True), TINY),
     (ParallelConfig(cp=2, dp=2, cp_kind="ulysses", checkpoint_activations="selective"), TINY),
     (ParallelConfig(cp=2, dp=2, cp_kind="ulysses", checkpoint_activations="full"), GQA),
+    (ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2), GQA),
+    (
+        ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2, precision="bf16", checkpoint_activations="selective"),
+        TINY,
+    ),
 ]
 
 
@@ -87,6 +95,8 @@ LAYOUTS = [
         "allgather-pp-ac",
         "ulysses-selective",
         "ulysses-full-gqa",
+        "hierarchical-gqa",
+        "hierarchical-bf16-selective",
     ],
 )
 def test_context_kinds_train_like_one_process(lab, ref_cache, cfg, model):
@@ -97,7 +107,13 @@ def test_context_kinds_train_like_one_process(lab, ref_cache, cfg, model):
     est = theory.estimate(cfg, model, world=4)
     assert res.comm_table() == est.comm_table()
     ops = {r["op"] for r in res.comm_table() if r["dim"] == "cp"} - {"all_reduce"}  # the gradients' (cp is a data dim)
-    assert ops == ({"all_gather", "reduce_scatter"} if cfg.context.gathers else {"all_to_all"})
+    kind = cfg.context
+    want = (
+        {"all_gather", "reduce_scatter"}
+        if kind.gathers
+        else {"all_to_all"} | ({"send", "recv"} if kind.ring else set())
+    )
+    assert ops == want
     for rk in res.ranks:
         for k in ("params", "grads", "optimizer", "activations"):
             assert rk.memory[k] == est.memory[rk.rank][k], (rk.rank, k, rk.memory[k], est.memory[rk.rank][k])
@@ -113,23 +129,29 @@ def test_ulysses_refuses_heads_that_do_not_divide():
 
 
 # -- the planner: every kind searched, each priced from the exact theory's calls and bytes -----------
-@pytest.mark.parametrize("kind", ["allgather", "ulysses"])
+@pytest.mark.parametrize("kind", ["allgather", "ulysses", "hierarchical"])
 def test_the_time_model_prices_the_exact_theorys_collectives(kind):
     """The planner's seconds for a collective kind equal Hockney's α·steps + bytes/β summed over the
-    calls and bytes theory.estimate counts for the cp dim (its gradient all-reduce aside)."""
+    calls and bytes theory.estimate counts for the cp dim (its gradient all-reduce aside; the
+    hierarchical kind's ring hops are priced with the ring's, hidden behind attention)."""
     from labkit.theory.planner.hardware import hardware_of
     from labkit.theory.planner.overlap import collective_seconds, link_of
     from labkit.theory.planner.timing import _context_collectives
 
     model = GQA.replace(layers=3, seq=32, heads=8, kv_heads=4, hidden=64)
-    cfg = ParallelConfig(cp=4, dp=2, global_batch=4, microbatches=2, cp_kind=kind, checkpoint_activations="selective")
+    a2a = 2 if kind == "hierarchical" else 1
+    cfg = ParallelConfig(
+        cp=4, dp=2, global_batch=4, microbatches=2, cp_kind=kind, cp_a2a=a2a, checkpoint_activations="selective"
+    )
     hw = hardware_of("h100")
     link = link_of(cfg, ("cp",), hw)
     rows = [r for r in theory.estimate(cfg, model).comm_table() if r["rank"] == 0 and r["dim"] == "cp"]
+    # 8 GPUs, one node: the all-to-all's runs and the whole cp group share NVLink
+    n = a2a if kind == "hierarchical" else cfg.cp
     exact = sum(
-        r["calls"] * collective_seconds(r["op"], r["wire_bytes"] / r["calls"], cfg.cp, link)
+        r["calls"] * collective_seconds(r["op"], r["wire_bytes"] / r["calls"], n, link)
         for r in rows
-        if r["op"] != "all_reduce"
+        if r["op"] not in ("all_reduce", "send", "recv")
     )
     b = cfg.global_batch // (cfg.dp * cfg.microbatches)
     priced = model.layers * cfg.microbatches * _context_collectives(cfg, model, hw, b, recomputes=True)
@@ -144,6 +166,9 @@ def test_the_planner_searches_every_kind():
     assert kinds == {"ring", "allgather", "ulysses"}
     held = theory.plan(model, 8, "h100", top=5, fixed={"cp": 4, "cp_kind": "ulysses"})
     assert held and {(p.config.cp, p.config.cp_kind) for p in held} == {(4, "ulysses")}
+    # hierarchical: each proper divisor of cp as the all-to-all's size
+    runs = theory.plan(model, 8, "h100", top=50, fixed={"cp": 8, "tp": 1, "cp_kind": "hierarchical"})
+    assert {p.config.cp_a2a for p in runs} == {2, 4}
     # 8 KV heads: Ulysses cannot split them over cp=16, and says so
     none = theory.plan(model, 16, "h100", fixed={"cp": 16, "cp_kind": "ulysses"})
     assert not none and any("splits the KV heads over cp" in why for why in none.counts), none.counts

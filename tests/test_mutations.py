@@ -184,6 +184,16 @@ def heads_sent_reversed(original):
     return _to_heads
 
 
+def run_chunks_swapped(original):
+    """engines/parallel/context_kinds.py zigzag_chunks, which the hierarchical kind's ring reads
+    for each run's chunks: each rank's two chunks listed the wrong way round."""
+
+    def zigzag_chunks(rank, cp):
+        return original(rank, cp)[::-1]
+
+    return zigzag_chunks
+
+
 def tokens_to_the_wrong_rank(original):
     """engines/parallel/experts.py ExpertParallel.__call__, whose combine swaps the last row bound
     for source rank 0 with the first bound for rank 1."""
@@ -286,6 +296,9 @@ MUTATIONS = [
              ("blocks.1.attn.wv.weight", "blocks.0.attn.wv.weight")),
     Mutation("Ulysses' all-to-all splitting the heads wrongly", ParallelConfig(cp=2, dp=2, cp_kind="ulysses"),
              (E + "context_kinds", None, "_to_heads"), heads_sent_reversed, "losses", ("step 0",)),
+    Mutation("hierarchical CP's ring reading a run's chunks in the wrong order",
+             ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2), (E + "context_kinds", None, "zigzag_chunks"),
+             run_chunks_swapped, "losses", ("step 0",)),
     Mutation("an expert's tokens returned to the wrong rank", ParallelConfig(ep=2, dp=2),
              (E + "experts", "ExpertParallel", "__call__"), tokens_to_the_wrong_rank, "losses", ("step 0",), MOE),
     Mutation("gradient clipping skipped on one rank", DDP4, (E + "ddp", "DDP", "step"), clipping_skipped_on_rank_1,

@@ -16,7 +16,7 @@ from labkit.config import CONTEXT_KINDS, IMPLS, PRECISIONS, SCHEDULES, SHARDINGS
 from labkit.config.validation import problems
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
-SLIDERS = DEGREES + ("microbatches", "virtual_stages", "global_batch")
+SLIDERS = DEGREES + ("microbatches", "virtual_stages", "global_batch", "cp_a2a")
 """Numeric fields whose offered values are narrowed to those that fit."""
 CHOICES = {
     "sharding": SHARDINGS,
@@ -29,7 +29,7 @@ FLAGS = ("sequence_parallel", "checkpoint_activations", "reshard_after_forward")
 BUCKETS_MB = (0.01, 0.05, 0.25, 1.0, 5.0, 25.0, 100.0)
 ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-dp-ep-pp", "tp-ep-cp-dp-pp", "dp-tp-cp-ep-pp", "pp-tp-cp-ep-dp")
 """Orders offered in the list (any other can be typed): Megatron's default first."""
-LIMITS = {"microbatches": 64, "virtual_stages": 8, "global_batch": 64}
+LIMITS = {"microbatches": 64, "virtual_stages": 8, "global_batch": 64, "cp_a2a": 8}
 FIELDS = SLIDERS + tuple(CHOICES) + FLAGS + ("bucket_mb", "order")
 """Every ParallelConfig field the dashboard controls."""
 HELP = {
@@ -41,6 +41,7 @@ HELP = {
     "microbatches": "microbatches per step",
     "virtual_stages": "model chunks per pipeline rank (interleaved)",
     "global_batch": "sequences per optimizer step",
+    "cp_a2a": "cp_kind='hierarchical': ranks of each all-to-all (the ring runs across cp / cp_a2a)",
     "bucket_mb": "gradient bucket size (MiB)",
     "order": "mesh order, innermost first",
     "steps": "training steps per run",

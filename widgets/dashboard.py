@@ -66,6 +66,7 @@ def describe(cfg: ParallelConfig) -> str:
         "order",
         "bucket_mb",
         "cp_kind",
+        "cp_a2a",
     ):
         if getattr(cfg, f) != getattr(base, f):
             parts.append(f"{f}={getattr(cfg, f)}")
@@ -145,7 +146,7 @@ class Dashboard:
             layout=W.Layout(flex_flow="row wrap"),
             children=[
                 col(*(c[d] for d in DEGREES)),
-                col(c["microbatches"], c["virtual_stages"], c["global_batch"], c["bucket_mb"], c["steps"]),
+                col(c["microbatches"], c["virtual_stages"], c["global_batch"], c["cp_a2a"], c["bucket_mb"], c["steps"]),
                 col(c["schedule"], c["sharding"], c["impl"], c["precision"], c["cp_kind"], c["order"]),
                 col(c["sequence_parallel"], c["checkpoint_activations"], c["reshard_after_forward"]),
             ],

@@ -32,9 +32,9 @@ import plotly.graph_objects as go
 
 from labkit import theory
 from labkit.config import CONTEXT_KINDS, LOSSES, PRECISIONS, SHARDINGS, ModelConfig, ParallelConfig
-from labkit.config.choices import Precision, Sharding
+from labkit.config.choices import Precision, Sharding, context_comm
 from labkit.theory.planner.evaluate import layout_problems
-from labkit.theory.planner.hardware import HARDWARE
+from labkit.theory.planner.hardware import HARDWARE, hardware_of
 from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF
 from labkit.widgets.at_scale import AtScale, at_scale, comm_at_scale, comm_cached, comm_work
@@ -55,6 +55,14 @@ def _powers(limit: int, divides: int | None = None) -> list[int]:
             out.append(v)
         v *= 2
     return out
+
+
+def _a2a(c: dict) -> int:
+    """cp_kind='hierarchical': the all-to-all's ranks, the largest proper divisor of cp whose run
+    (tp · cp_a2a consecutive ranks, tp innermost) stays inside a node; 1 (refused) when cp has none."""
+    node = hardware_of(c["hardware"]).gpus_per_node
+    fits = [a for a in range(2, c["cp"]) if c["cp"] % a == 0 and c["tp"] * a <= node]
+    return max(fits, default=1)
 
 
 class ScaleExplorer:
@@ -276,6 +284,7 @@ class ScaleExplorer:
             checkpoint_activations=c["checkpoint_activations"],
             # the kinds differ only with cp > 1 (validation refuses a kind without it): the ring stands in
             cp_kind=c["cp_kind"] if c["cp"] > 1 else "ring",
+            cp_a2a=_a2a(c) if context_comm(c["cp_kind"]).hierarchical and c["cp"] > 1 else 1,
             # dp·ep data ranks, each m microbatches of micro_batch sequences (batch.microbatch_rows, inverted)
             global_batch=dp * c["ep"] * c["microbatches"] * c["micro_batch"],
         )

@@ -28,7 +28,7 @@ def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
         for g in mesh.layout.groups(*dims):
             if len(g) > 1:
                 out.setdefault(tuple(g), mesh.layout.label(*dims))
-    for dim, g in mesh.layout.subgroups():  # a shared KV head's tp ranks, a tied embedding's stages
+    for dim, _, g in mesh.layout.subgroups():  # a shared KV head's tp ranks, a tied embedding's stages, cp's levels
         out.setdefault(tuple(g), dim)
     return out
 

@@ -53,24 +53,24 @@ def zigzag_index(seq: int, cp: int, rank: int) -> torch.Tensor:
     return torch.cat([torch.arange(k * c, (k + 1) * c) for k in zigzag_chunks(rank, cp)])
 
 
-def ring_schedule(rank: int, cp: int) -> list[list[tuple[int, int, str]]]:
-    """What cp rank `rank` computes at each ring step t (it then holds the K/V of rank
-    (rank - t) % cp): (query half, key half, 'causal' | 'full') for every chunk pair whose keys
-    the queries may see — the diagonal chunk under a causal mask, earlier chunks in full,
-    later ones not at all."""
-    mine = zigzag_chunks(rank, cp)
-    schedule = []
-    for t in range(cp):
-        theirs = zigzag_chunks((rank - t) % cp, cp)
-        schedule.append(
-            [
-                (qa, kb, "causal" if kc == qc else "full")
-                for qa, qc in enumerate(mine)
-                for kb, kc in enumerate(theirs)
-                if kc <= qc
-            ]
-        )
-    return schedule
+def block_pairs(mine: list[int], theirs: list[int]) -> list[tuple[int, int, str]]:
+    """(query chunk, key chunk, 'causal' | 'full') by their places in `mine` and `theirs` (global
+    chunk numbers) for every pair whose keys the queries may see: the diagonal chunk under a
+    causal mask, earlier chunks in full, later ones not at all."""
+    return [
+        (qa, kb, "causal" if kc == qc else "full")
+        for qa, qc in enumerate(mine)
+        for kb, kc in enumerate(theirs)
+        if kc <= qc
+    ]
+
+
+def ring_schedule(rank: int, cp: int, chunks_of=None) -> list[list[tuple[int, int, str]]]:
+    """What ring member `rank` of `cp` computes at each ring step t (it then holds the K/V of
+    member (rank - t) % cp): block_pairs of its chunks and the holder's. `chunks_of(member)` lists
+    a member's chunks in the order its tokens sit (default: the zigzag, two per rank)."""
+    chunks_of = chunks_of or (lambda r: zigzag_chunks(r, cp))
+    return [block_pairs(chunks_of(rank), chunks_of((rank - t) % cp)) for t in range(cp)]
 
 
 def _scores(q, k, causal: bool, scale: float) -> torch.Tensor:
@@ -124,9 +124,11 @@ def _block_grads(q, k, v, do, lse, delta, causal: bool, scale: float):
 class Ring:
     """The cp ring of this rank: its schedule and point-to-point hops to the next / from the previous rank."""
 
-    def __init__(self, group, rank: int, cp: int):
+    def __init__(self, group, rank: int, cp: int, chunks_of=None):
         self.group, self.rank, self.cp = group, rank, cp
-        self.schedule = ring_schedule(rank, cp)
+        self.schedule = ring_schedule(rank, cp, chunks_of)
+        # the chunks each member's tokens are cut into: the zigzag's two, or a hierarchical run's 2·cp_a2a
+        self.n_chunks = len(chunks_of(rank)) if chunks_of else 2
         self.next, self.prev = (rank + 1) % cp, (rank - 1) % cp
         self.link = Link(group)
         self._next_global = dist.get_global_rank(group, self.next)
@@ -161,15 +163,15 @@ class _RingAttention(torch.autograd.Function):
         b, nh, s_local, hd = q.shape
         scale = 1.0 / math.sqrt(hd)
         acc = torch.promote_types(q.dtype, torch.float32)
-        qh = q.to(acc).chunk(2, dim=2)  # 2 x (b, nh, c, hd)
+        qh = q.to(acc).chunk(ring.n_chunks, dim=2)  # n x (b, nh, c, hd)
         out = [torch.zeros_like(x) for x in qh]
         lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
         g = q.shape[1] // k.shape[1]  # query heads per KV head
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd): one message per hop
         for t, pairs in enumerate(ring.schedule):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
-            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nh, c, hd)
-            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(2, dim=2)]
+            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(ring.n_chunks, dim=2)]  # n x (b, nh, c, hd)
+            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(ring.n_chunks, dim=2)]
             for qa, kb, mask in pairs:
                 o, l = _block(qh[qa], kh[kb], vh[kb], mask == "causal", scale)
                 out[qa], lse[qa] = _merge(out[qa], lse[qa], o, l)
@@ -190,8 +192,8 @@ class _RingAttention(torch.autograd.Function):
         acc = lse.dtype
         do = dy.to(acc)
         delta = (do * y.to(acc)).sum(-1)  # (b, nh, s/cp)
-        qh, doh = q.to(acc).chunk(2, dim=2), do.chunk(2, dim=2)
-        lseh, deltah = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
+        qh, doh = q.to(acc).chunk(ring.n_chunks, dim=2), do.chunk(ring.n_chunks, dim=2)
+        lseh, deltah = lse.chunk(ring.n_chunks, dim=2), delta.chunk(ring.n_chunks, dim=2)
         dq = [torch.zeros_like(x) for x in qh]
         g = q.shape[1] // k.shape[1]
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd)
@@ -199,9 +201,9 @@ class _RingAttention(torch.autograd.Function):
         incoming, pending, sent = None, [], []
         for t, pairs in enumerate(ring.schedule):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
-            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nh, c, hd)
-            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(2, dim=2)]
-            dk = [torch.zeros_like(x) for x in kv[0].to(acc).chunk(2, dim=2)]  # 2 x (b, nkv, c, hd)
+            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(ring.n_chunks, dim=2)]  # n x (b, nh, c, hd)
+            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(ring.n_chunks, dim=2)]
+            dk = [torch.zeros_like(x) for x in kv[0].to(acc).chunk(ring.n_chunks, dim=2)]  # n x (b, nkv, c, hd)
             dv = [torch.zeros_like(x) for x in dk]
             for qa, kb, mask in pairs:
                 gq, gk, gv = _block_grads(

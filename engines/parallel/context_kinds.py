@@ -124,12 +124,12 @@ class _SeqToHeads(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ulysses: Ulysses):
         ctx.ulysses = ulysses
-        return _to_heads(x, ulysses.group, ulysses.cp)[:, :, :, ulysses.natural.to(x.device)].contiguous()
+        return _reorder(_to_heads(x, ulysses.group, ulysses.cp), ulysses.natural)
 
     @staticmethod
     def backward(ctx, dx):
         u = ctx.ulysses
-        return _to_seq(dx[:, :, :, u.back.to(dx.device)], u.group, u.cp), None
+        return _to_seq(_reorder(dx, u.back), u.group, u.cp), None
 
 
 class _HeadsToSeq(torch.autograd.Function):
@@ -138,12 +138,17 @@ class _HeadsToSeq(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ulysses: Ulysses):
         ctx.ulysses = ulysses
-        return _to_seq(x[:, :, :, ulysses.back.to(x.device)], ulysses.group, ulysses.cp)
+        return _to_seq(_reorder(x, ulysses.back), ulysses.group, ulysses.cp)
 
     @staticmethod
     def backward(ctx, dx):
         u = ctx.ulysses
-        return _to_heads(dx, u.group, u.cp)[:, :, :, u.natural.to(dx.device)].contiguous(), None
+        return _reorder(_to_heads(dx, u.group, u.cp), u.natural), None
+
+
+def _reorder(x: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """(p, b, n, s, hd) with its s rows in `index`'s order (None: as they are)."""
+    return x if index is None else x[:, :, :, index.to(x.device)].contiguous()
 
 
 def _to_heads(x: torch.Tensor, group, cp: int) -> torch.Tensor:
@@ -187,15 +192,40 @@ class Ulysses:
         return _HeadsToSeq.apply(y.unsqueeze(0), self)[0]
 
 
-def apply_cp(model: torch.nn.Module, mesh, kind) -> tuple[torch.nn.Module, dict]:
+class Hierarchical:
+    """Both levels (Megatron's --cp-comm-type a2a+p2p): the Ulysses all-to-all inside this rank's
+    run of a = cp_a2a consecutive cp ranks, so each rank holds the run's 2a zigzag chunks for nh/a
+    heads; then ring attention across the cp/a runs, each ring member holding its run's chunks
+    (context.py's ring with 2a chunks a member: the pairs stay balanced, 2a² blocks a step, as a
+    run's chunks are a zigzag of width a); then the all-to-all back. The all-to-all stays on the
+    fast link (a node), only the ring's overlapped hops cross the slow one."""
+
+    def __init__(self, inner, outer, cp: int, a: int, rank: int):
+        self.group, self.cp = inner, a  # the all-to-all's group and size (_SeqToHeads reads these)
+        self.natural = self.back = None  # the ring takes the run's tokens as they arrive, rank by rank
+        run = lambda r: [c for j in range(a) for c in zigzag_chunks(r * a + j, cp)]  # noqa: E731
+        self.ring = Ring(outer, rank // a, cp // a, run)
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q (b, nh, s/cp, hd), k and v (b, nkv, s/cp, hd) -> (b, nh, s/cp, hd), as layers.causal_attention."""
+        q = _SeqToHeads.apply(q.unsqueeze(0), self)[0]  # (b, nh/a, a·s/cp, hd): the run's tokens
+        k, v = _SeqToHeads.apply(torch.stack([k, v]), self)  # 2 x (b, nkv/a, a·s/cp, hd)
+        y = self.ring(q, k, v)  # the runs' K/V round the ring
+        return _HeadsToSeq.apply(y.unsqueeze(0), self)[0]
+
+
+def apply_cp(model: torch.nn.Module, mesh, kind, cfg_a2a: int = 1) -> tuple[torch.nn.Module, dict]:
     """Swap every block's attention kernel for the cp group's attention of `kind` (ParallelConfig.context:
-    the ring, K/V all-gathered, or Ulysses' all-to-all: context_kinds.py); tell
+    the ring, K/V all-gathered, Ulysses' all-to-all, or hierarchical over runs of `cfg_a2a`); tell
     per-sequence statistics (the MoE router's balance loss) that a sequence spans the cp group.
     Returns (model, this rank's chunks and the zigzag's block pairs per step as data for the report); `zigzag_inputs`
     gives the tokens it must be fed."""
     cp, rank = mesh.size("cp"), mesh.coord("cp")
     group = mesh.group("cp")
-    if kind.ring:
+    if kind.hierarchical:
+        a = cfg_a2a
+        core = Hierarchical(mesh.run_group("cp", a), mesh.stride_group("cp", a), cp, a, rank)
+    elif kind.ring:
         core = Ring(group, rank, cp)
     elif kind.gathers:
         core = Gathered(group, rank, cp)

@@ -281,7 +281,11 @@ class ParallelConfig(_Dict):
     cp_kind: ContextKind = "ring"
     """How the cp ranks attend across their shards (Megatron's --cp-comm-type): 'ring' (K/V passed
     round, p2p), 'allgather' (K/V gathered once per layer, all_gather), 'ulysses' (all-to-all from
-    sequence to head shards and back, a2a; heads and KV heads per tp rank must divide by cp)."""
+    sequence to head shards and back, a2a; heads and KV heads per tp rank must divide by cp),
+    'hierarchical' (a2a+p2p: Ulysses inside runs of cp_a2a consecutive cp ranks, the ring across)."""
+    cp_a2a: int = 1
+    """cp_kind='hierarchical': the ranks of each all-to-all (consecutive cp coordinates), the ring across
+    cp / cp_a2a of them (Megatron's --hierarchical-context-parallel-sizes). 1 for every other kind."""
 
     def __post_init__(self):
         if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable
@@ -322,7 +326,8 @@ class ParallelConfig(_Dict):
 
     @property
     def context(self) -> ContextComm:
-        """What `cp_kind` moves: .ring (K/V hops), .gathers (K/V all-gathered), .splits_heads (Ulysses)."""
+        """What `cp_kind` moves: .ring (K/V hops), .gathers (K/V all-gathered), .splits_heads (Ulysses'
+        all-to-all), .hierarchical (both: the all-to-all inside cp_a2a ranks, the ring across)."""
         return choices.context_comm(self.cp_kind)
 
     @property

@@ -31,10 +31,11 @@ SHARDINGS: tuple[str, ...] = get_args(Sharding)
 Schedule = Literal["gpipe", "1f1b", "interleaved", "zbh1", "zbv", "dualpipev"]
 SCHEDULES: tuple[str, ...] = get_args(Schedule)
 """Pipeline schedules (labkit/layout/orders.py); the last three split backward into B and W."""
-ContextKind = Literal["ring", "allgather", "ulysses"]
+ContextKind = Literal["ring", "allgather", "ulysses", "hierarchical"]
 CONTEXT_KINDS: tuple[str, ...] = get_args(ContextKind)
 """How a context-parallel group attends across its sequence shards (engines/parallel/context.py and
-context_kinds.py): K/V round a ring, K/V all-gathered, or an all-to-all to head shards (Ulysses)."""
+context_kinds.py): K/V round a ring, K/V all-gathered, an all-to-all to head shards (Ulysses), or
+both levels: an all-to-all inside runs of cp_a2a ranks and a ring across them (hierarchical)."""
 Impl = Literal["lab", "torch"]
 IMPLS: tuple[str, ...] = get_args(Impl)
 Precision = Literal["fp32", "bf16", "fp8"]
@@ -59,7 +60,8 @@ FIXES = {
     "checkpoint_activations": "pick one of those (True is 'full')",
     "loss": "'fused' keeps the logits in the compute dtype",
     "data": "try 'text' (Shakespeare, in bytes) or 'synthetic'",
-    "cp_kind": "'ring' (K/V passed round), 'allgather' (K/V gathered), 'ulysses' (all-to-all to heads)",
+    "cp_kind": "'ring' (K/V passed round), 'allgather' (K/V gathered), 'ulysses' (all-to-all to heads), "
+    "'hierarchical' (all-to-all inside cp_a2a ranks, ring across)",
 }
 """The fix an unknown value's message offers, where it says more than 'pick one of those'."""
 
@@ -209,7 +211,14 @@ class ContextComm:
     section 3.3.2: cheap under GQA, where K/V are small); dK/dV reduce-scattered back."""
     splits_heads: bool
     """An all-to-all turns sequence shards into head shards before attention and back after
-    (DeepSpeed-Ulysses, Jacobs et al. 2023): the local heads and KV heads must divide by cp."""
+    (DeepSpeed-Ulysses, Jacobs et al. 2023): the local heads and KV heads must divide by the
+    all-to-all's ranks (cp, or cp_a2a with the ring too)."""
+
+    @property
+    def hierarchical(self) -> bool:
+        """Both levels (Megatron's 'a2a+p2p'): the all-to-all inside runs of cp_a2a consecutive cp
+        ranks, then a ring across the runs with the run's tokens."""
+        return self.ring and self.splits_heads
 
 
 @cache
@@ -221,6 +230,8 @@ def context_comm(cp_kind: ContextKind) -> ContextComm:
             return ContextComm(ring=False, gathers=True, splits_heads=False)
         case "ulysses":
             return ContextComm(ring=False, gathers=False, splits_heads=True)
+        case "hierarchical":
+            return ContextComm(ring=True, gathers=False, splits_heads=True)
         case _:
             raise ConfigError([unknown("cp_kind", cp_kind, CONTEXT_KINDS)])
 

@@ -12,25 +12,36 @@ if TYPE_CHECKING:
 
 def context_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """What a cp_kind needs of the layout and the model."""
+    kind = cfg.context
+    if kind.hierarchical:
+        if not (1 < cfg.cp_a2a < cfg.cp and cfg.cp % cfg.cp_a2a == 0):
+            return [
+                f"cp_kind='hierarchical' needs cp_a2a strictly between 1 and cp={cfg.cp} and dividing it "
+                f"(got cp_a2a={cfg.cp_a2a}); try cp_a2a={next((k for k in range(2, cfg.cp) if cfg.cp % k == 0), 2)}, "
+                "or cp_kind='ulysses' (all-to-all over all of cp) or 'ring'"
+            ]
+    elif cfg.cp_a2a != 1:
+        return [f"cp_a2a={cfg.cp_a2a} only applies to cp_kind='hierarchical'; set cp_a2a=1 or cp_kind='hierarchical'"]
     if cfg.cp == 1:
-        if cfg.context.ring:
+        if kind.ring:
             return []
         return [f"cp_kind={cfg.cp_kind!r} applies with cp > 1; set cp=2 or leave cp_kind='ring'"]
-    if not cfg.context.splits_heads:
+    if not kind.splits_heads:
         return []
     out = []
-    # Ulysses hands each cp rank whole heads: the heads a tp rank holds split over cp
+    # the all-to-all hands each of its ranks whole heads: the heads a tp rank holds split over them
+    n, over = (cfg.cp_a2a, "cp_a2a") if kind.hierarchical else (cfg.cp, "cp")
     heads, kv = model.heads // max(1, cfg.tp), max(1, model.n_kv_heads // cfg.tp)
-    if heads % cfg.cp:
+    if heads % n:
         out.append(
-            f"cp_kind='ulysses' splits the heads over cp: heads/tp = {model.heads}/{cfg.tp} = {heads} is not "
-            f"divisible by cp={cfg.cp}; use cp_kind='allgather' or 'ring', or a cp dividing {heads}"
+            f"cp_kind={cfg.cp_kind!r} splits the heads over {over}: heads/tp = {model.heads}/{cfg.tp} = {heads} is "
+            f"not divisible by {over}={n}; use cp_kind='allgather' or 'ring', or a {over} dividing {heads}"
         )
-    elif kv % cfg.cp:
+    elif kv % n:
         # refused rather than replicated: copies of a KV head would send nh/nkv times the K/V bytes
         out.append(
-            f"cp_kind='ulysses' splits the KV heads over cp: kv_heads/tp = {model.n_kv_heads}/{cfg.tp} -> {kv} "
-            f"is not divisible by cp={cfg.cp}; use cp_kind='allgather' (K/V are small under GQA) or 'ring'"
+            f"cp_kind={cfg.cp_kind!r} splits the KV heads over {over}: kv_heads/tp = {model.n_kv_heads}/{cfg.tp} -> "
+            f"{kv} is not divisible by {over}={n}; use cp_kind='allgather' (K/V are small under GQA) or 'ring'"
         )
     return out
 

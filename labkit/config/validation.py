@@ -76,6 +76,7 @@ _RANGES = {
             lambda v: f"stage_layers={v} must hold whole numbers >= 0",
         ),
         "bucket_mb": _above_zero("bucket_mb", "try 25"),
+        "cp_a2a": _at_least(1, "cp_a2a", "1, or with cp_kind='hierarchical' a divisor of cp"),
     },
     "RopeScaling": {  # Llama 3.1's values as the fixes
         "factor": _above_zero("factor", "try 8.0", _ROPE),

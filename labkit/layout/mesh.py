@@ -100,12 +100,25 @@ class MeshLayout:
         which all-reduce its gradient (Megatron-LM's embedding group)."""
         return [[g[0], g[-1]] for g in self.groups(dim) if len(g) > 1]
 
-    def subgroups(self) -> list[tuple[str, list[int]]]:
-        """(the dim they belong to, ranks) of every group below a dim: tp runs of each proper
-        divisor of tp (whichever kv_heads a model has) and the pp ends, listed in one fixed order."""
-        t = self.size("tp")
-        out = [("tp", g) for k in range(2, t) if t % k == 0 for g in self.runs("tp", k)]
-        return out + [("pp", g) for g in self.ends("pp")]
+    def strides(self, dim: str, k: int) -> list[list[int]]:
+        """Each group of `dim` cut into the k sets of coordinates equal mod k: with `runs(dim, k)`
+        the two levels of hierarchical context parallelism (an all-to-all inside each run of k, a
+        ring across the runs through each stride)."""
+        return [g[j::k] for g in self.groups(dim) for j in range(k)]
+
+    def subgroups(self) -> list[tuple[str, object, list[int]]]:
+        """(the dim they belong to, which kind of subgroup, ranks) of every group below a dim, listed
+        in one fixed order: tp runs of each proper divisor k of tp (whichever kv_heads a model
+        has; kind k), the pp ends ('ends'), and for each proper divisor k of cp its runs of k
+        (kind k) and its strides of k (kind ('stride', k)), whichever cp_a2a a layout asks for."""
+        t, c = self.size("tp"), self.size("cp")
+        out = [("tp", k, g) for k in range(2, t) if t % k == 0 for g in self.runs("tp", k)]
+        out += [("pp", "ends", g) for g in self.ends("pp")]
+        for k in (k for k in range(2, c) if c % k == 0):
+            out += [("cp", k, g) for g in self.runs("cp", k)] + [
+                ("cp", ("stride", k), g) for g in self.strides("cp", k)
+            ]
+        return out
 
     def group_of(self, rank: int, *dims: str) -> list[int]:
         """The ranks in `rank`'s group along `dims`."""

@@ -24,18 +24,24 @@ def q_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_byt
     return act_bytes * batch * (model.seq // cfg.cp) * (model.heads // cfg.tp) * model.head_dim
 
 
-def _kind_rows(cfg: ParallelConfig, model: ModelConfig, micro: int, forwards: int) -> list[tuple[str, int, int]]:
-    """(op, payload bytes, calls) per attention pass (one layer, one microbatch) of cp_kind."""
+def _kind_rows(cfg: ParallelConfig, model: ModelConfig, micro: int, forwards: int) -> list[tuple[str, int, int, int]]:
+    """(op, payload bytes, calls, group size) per attention pass (one layer, one microbatch) of cp_kind."""
     e = ELEM[cfg.precision]
     kv, dkv = kv_message_bytes(cfg, model, micro, e), kv_message_bytes(cfg, model, micro, 4)
-    hops = cfg.cp - 1
-    if cfg.context.ring:  # K/V in each forward and again in backward, then the dK/dV accumulators
-        return [(op, b, n) for op in ("send", "recv") for b, n in ((kv, (forwards + 1) * hops), (dkv, hops))]
-    if cfg.context.gathers:  # every rank's K/V in each forward and again in backward; dK/dV home in fp32
-        return [("all_gather", cfg.cp * kv, forwards + 1), ("reduce_scatter", cfg.cp * dkv, 1)]
-    # Ulysses: q, K/V and the output each forward; their gradients (compute dtype) back in backward
-    q = q_message_bytes(cfg, model, micro, e)
-    return [("all_to_all", q, 2 * (forwards + 1)), ("all_to_all", kv, forwards + 1)]
+    kind = cfg.context
+    # hierarchical: the all-to-all over runs of cp_a2a ranks, the ring over the cp / cp_a2a runs; a
+    # ring message is the run's tokens for the rank's nkv/cp_a2a heads, as many elements as its own K/V
+    a2a, ring = (cfg.cp_a2a, cfg.cp // cfg.cp_a2a) if kind.hierarchical else (cfg.cp, cfg.cp)
+    out = []
+    if kind.splits_heads:  # q, K/V and the output each forward; their gradients (compute dtype) in backward
+        q = q_message_bytes(cfg, model, micro, e)
+        out += [("all_to_all", q, 2 * (forwards + 1), a2a), ("all_to_all", kv, forwards + 1, a2a)]
+    if kind.ring:  # K/V in each forward and again in backward, then the dK/dV accumulators
+        hops = ring - 1
+        out += [(op, b, n * hops, ring) for op in ("send", "recv") for b, n in ((kv, forwards + 1), (dkv, 1))]
+    if kind.gathers:  # every rank's K/V in each forward and again in backward; dK/dV home in fp32
+        out += [("all_gather", cfg.cp * kv, forwards + 1, cfg.cp), ("reduce_scatter", cfg.cp * dkv, 1, cfg.cp)]
+    return out
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
@@ -43,7 +49,8 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     the MoE balance-loss count all-reduce. The ring: cp-1 hops of K/V forward, cp-1 again backward
     and cp-1 of the dK/dV accumulators; all-gather: K/V gathered in forward and again in backward,
     dK/dV reduce-scattered; Ulysses: q, K/V and the output all-to-all'd in forward, their gradients
-    in backward. With checkpoint_activations a block's forward (or, selective, its attention core)
+    in backward; hierarchical: Ulysses' all-to-alls over runs of cp_a2a ranks and the ring's hops
+    across the cp / cp_a2a runs. With checkpoint_activations a block's forward (or, selective, its attention core)
     runs again in backward: its attention's collectives once more per layer (and, 'full', one more
     count all-reduce). K/V travel in the compute dtype, dK/dV in fp32 (the accumulation dtype of
     the ring and of the gathered kind); Ulysses' gradients in the compute dtype."""
@@ -55,7 +62,7 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     label = layout.label("cp")
     for rank in comm.ranks(layout):
         passes = stage_layers(cfg, model, layout.coords(rank)["pp"])[0] * cfg.microbatches  # attention layers run
-        for op, payload, calls in _kind_rows(cfg, model, micro, forwards):
-            comm.add(rank, label, op, payload, cfg.cp, calls * passes)
+        for op, payload, calls, n in _kind_rows(cfg, model, micro, forwards):
+            comm.add(rank, label, op, payload, n, calls * passes)
         if model.experts:
             comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, moe_forwards * passes)

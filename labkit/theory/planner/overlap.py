@@ -56,6 +56,14 @@ def link_of(cfg: ParallelConfig, dims: tuple[str, ...], hw: Hardware) -> Link:
     return _link(cfg.order, tuple(getattr(cfg, d) for d in ("tp", "cp", "ep", "dp", "pp")), dims, hw)
 
 
+def run_link(cfg: ParallelConfig, dim: str, k: int, hw: Hardware) -> Link:
+    """The link of a run of k consecutive coordinates along `dim` (hierarchical CP's all-to-all):
+    link_of as if `dim` had k ranks, the dims outside it unmoved."""
+    return _link(
+        cfg.order, tuple(k if d == dim else getattr(cfg, d) for d in ("tp", "cp", "ep", "dp", "pp")), (dim,), hw
+    )
+
+
 @lru_cache(maxsize=4096)
 def _link(order_text: str, sizes: tuple[int, ...], dims: tuple[str, ...], hw: Hardware) -> Link:
     """link_of, memoised on the degrees (the search asks it for thousands of layouts)."""

@@ -5,7 +5,8 @@ What is enumerated, and what is left out because another choice dominates it (sa
 memory, or the same memory in less time, in this model):
   mesh          tp (powers of two within a node, dividing heads), cp (2·cp | seq), ep (| experts),
                 pp (| the GPUs left; uneven stages when the layers do not split), dp the rest
-  cp kind       with cp > 1, each of ring, all-gather and Ulysses (where the heads divide by cp)
+  cp kind       with cp > 1, each of ring, all-gather, Ulysses (where the heads divide by cp) and
+                hierarchical with each proper divisor of cp as its all-to-all's size
   batch         the microbatch size b (a divisor of the sequences per data rank), m = the rest
   pipeline      1F1B, interleaved with v = 2, 4 (m a multiple of pp, as Megatron needs); GPipe is
                 left out (1F1B's bubble with more activations in flight)
@@ -34,7 +35,7 @@ import heapq
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.config.choices import CONTEXT_KINDS, Precision, pipeline_shape, recomputation
+from labkit.config.choices import CONTEXT_KINDS, Precision, context_comm, pipeline_shape, recomputation
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
 from labkit.theory.planner.timing import compute_floor
@@ -45,7 +46,7 @@ is True), in order of recomputation (time added) and of memory kept (falling).""
 NEAREST = 20
 """Layouts that do not fit kept in `.rejected`, the nearest misses first."""
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "sharding", "schedule", "virtual_stages", "microbatches")
-FIXABLE += ("checkpoint_activations", "sequence_parallel", "cp_kind")
+FIXABLE += ("checkpoint_activations", "sequence_parallel", "cp_kind", "cp_a2a")
 """The layout fields `plan(fixed=...)` can hold."""
 
 
@@ -164,13 +165,21 @@ def _checked(fixed: dict | None) -> dict:
 
 
 def _with_kinds(meshes, fixed: dict):
-    """Each mesh with each cp kind it can take: every kind where cp > 1 (none dominates another: the
-    ring hides its hops behind attention, the all-gather sends K/V once, Ulysses moves q, K/V and the
-    output but needs heads that divide), the ring alone where cp = 1 (the kinds differ only with cp)."""
+    """Each mesh with each cp kind it can take, as (..., kind, cp_a2a): every kind where cp > 1 (none
+    dominates another: the ring hides its hops behind attention, the all-gather sends K/V once,
+    Ulysses moves q, K/V and the output but needs heads that divide; hierarchical once per proper
+    divisor of cp as its all-to-all's size), the ring alone where cp = 1 (the kinds differ only
+    with cp)."""
     for mesh in meshes:
-        kinds = (fixed["cp_kind"],) if "cp_kind" in fixed else CONTEXT_KINDS if mesh[1] > 1 else ("ring",)
+        cp = mesh[1]
+        kinds = (fixed["cp_kind"],) if "cp_kind" in fixed else CONTEXT_KINDS if cp > 1 else ("ring",)
         for kind in kinds:
-            yield (*mesh, kind)
+            if not context_comm(kind).hierarchical:
+                yield (*mesh, kind, 1)
+                continue
+            runs = (fixed["cp_a2a"],) if "cp_a2a" in fixed else [a for a in range(2, cp) if cp % a == 0]
+            for a in runs:
+                yield (*mesh, kind, a)
 
 
 def _chunks_per_rank(pp: int, fixed: dict) -> tuple[int, ...]:
@@ -210,11 +219,13 @@ def plan(
     ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else TRIED_CHECKPOINTING
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
-    for tp, cp, ep, pp, dp, kind in _with_kinds(meshes(model, gpus, hw, fixed), fixed):
+    for tp, cp, ep, pp, dp, kind, a2a in _with_kinds(meshes(model, gpus, hw, fixed), fixed):
         # SP is on with tp unless held off: the same wire bytes as TP's all-reduces and less memory, so SP
         # off is dominated (Korthikanti et al. 2022, section 4.2.2)
         sp = fixed.get("sequence_parallel", tp > 1)
-        mesh = ParallelConfig(dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=sp, cp_kind=kind)
+        mesh = ParallelConfig(
+            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, global_batch=gb, sequence_parallel=sp, cp_kind=kind, cp_a2a=a2a
+        )
         split = stage_split(model.layers, pp) if pp > 1 else ()
         # the degrees' arithmetic, on the uneven split a pipeline would take
         found = layout_problems(mesh.replace(global_batch=dp * ep, stage_layers=split), model)

@@ -23,7 +23,7 @@ from labkit.config.choices import Recomputation, recomputation
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.theory.planner.hardware import H100, HARDWARE, Hardware, Link, attention_rate
 from labkit.theory.planner.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
-from labkit.theory.planner.overlap import DataParallel, collective_seconds, link_of, ring, spans_nodes
+from labkit.theory.planner.overlap import DataParallel, collective_seconds, link_of, ring, run_link, spans_nodes
 from labkit.theory.planner.stages import Stage, distinct
 
 __all__ = [
@@ -170,14 +170,16 @@ def microbatch(
     tp_calls = L * (4 + 2 * repeat) + 2 * (st.head + st.embed)
     # nothing hides TP's collectives: the next op needs their result
     add("tp", tp_calls * ring("all_reduce", e * b * s * h, cfg.tp, link_of(cfg, ("tp",), hw)))
-    if cfg.cp > 1 and not cfg.context.ring:
+    if cfg.cp > 1 and not (cfg.context.ring and not cfg.context.splits_heads):
         add("cp", L * _context_collectives(cfg, model, hw, b, r.recomputes))
-    if cfg.cp > 1 and cfg.context.ring:  # ring attention: cp-1 hops of K/V forward, of K/V and fp32 dK/dV backward
+    if cfg.cp > 1 and cfg.context.ring:  # ring attention: n-1 hops of K/V forward, of K/V and fp32 dK/dV backward
+        # hierarchical: the ring across the cp / cp_a2a runs, on the link the whole cp group spans
+        n = cfg.cp // cfg.cp_a2a if cfg.context.hierarchical else cfg.cp
         link = link_of(cfg, ("cp",), hw)
         kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
         # Hockney per hop: α + bytes/β; K/V in the compute dtype, the dK/dV accumulators in fp32
         hop, dhop = link.alpha + e * kv / link.beta, link.alpha + REDUCE * kv / link.beta
-        fwd, bwd = (cfg.cp - 1) * hop, (cfg.cp - 1) * (hop + dhop)
+        fwd, bwd = (n - 1) * hop, (n - 1) * (hop + dhop)
         # every recomputation runs the ring once more in backward, selective included
         again_cp = fwd if r.recomputes else 0.0
         # the hops hide behind the attention kernel of their pass: the forward's, the backward's (2.5 times
@@ -208,10 +210,13 @@ def _context_collectives(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, 
     """Seconds per layer and microbatch of the collective cp kinds (theory/exact/context.py counts the
     same calls and bytes), all exposed: the attention waits for its K/V, or for its heads. All-gather:
     the cp ranks' K/V gathered in forward and again in backward, fp32 dK/dV reduce-scattered; Ulysses:
-    q, K/V and the output all-to-all'd in forward, their gradients in backward. A recomputation runs
-    the forward's collectives once more."""
+    q, K/V and the output all-to-all'd in forward, their gradients in backward (hierarchical: over a
+    run of cp_a2a ranks; its ring is priced with the ring's). A recomputation runs the forward's
+    collectives once more."""
     link, e, n = link_of(cfg, ("cp",), hw), ELEM[cfg.precision], cfg.cp
-    s = model.seq // n
+    if cfg.context.hierarchical:  # the all-to-all over a run of cp_a2a consecutive cp ranks: its own, nearer link
+        link, n = run_link(cfg, "cp", cfg.cp_a2a, hw), cfg.cp_a2a
+    s = model.seq // cfg.cp
     kv = 2 * b * s * max(1, model.n_kv_heads // cfg.tp) * model.head_dim  # this rank's K and V, elements
     forwards = 2 if recomputes else 1
     if cfg.context.gathers:
