@@ -66,6 +66,9 @@ LAYOUTS = [
     # context and expert parallel
     ("cp ring", ParallelConfig(cp=2), GPT),
     ("cp ring llama", ParallelConfig(cp=2), LLAMA),
+    # the other kinds on NCCL: all_gather_into_tensor / reduce_scatter_tensor, and all_to_all_single
+    ("cp allgather llama", ParallelConfig(cp=2, cp_kind="allgather"), LLAMA),
+    ("cp ulysses llama", ParallelConfig(cp=2, cp_kind="ulysses"), LLAMA),
     ("ep", ParallelConfig(ep=2), MOE),
 ]
 PRECISIONS = ("fp32", "bf16")
