@@ -137,6 +137,24 @@ def test_what_the_link_carries_per_step(lab2):
     assert 1.0 <= ratio < 1.25
 
 
+def test_hierarchical_cp_keeps_its_all_to_alls_on_each_host(lab2, ref_cache):
+    """cp=4 over the two hosts, all-to-alls over runs of 2 (issue 30's a2a+p2p): each run is one host's
+    two ranks, so only the ring's hops (and the gradients' all-reduce) cross the link; Ulysses over all
+    four ranks sends its all-to-alls across."""
+    runs = ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2)
+    res = lab2.run(runs, model=TINY, steps=3, return_params=True)
+    assert_matches(res, ref_cache())
+    hosts = lab2.hosts
+    spans = lambda group: len({hosts[r] for r in group}) > 1  # noqa: E731
+    events = [e for rk in res.ranks for e in rk.comm if e.step == res.steps - 1]
+    a2a = [e for e in events if e.op == "all_to_all"]
+    hops = [(rk.rank, e.peer) for rk in res.ranks for e in rk.comm if e.op == "send" and e.step == res.steps - 1]
+    assert a2a and not [e for e in a2a if spans(e.group)]  # every all-to-all inside a host
+    assert hops and all(hosts[a] != hosts[b] for a, b in hops)  # every ring hop across the link
+    flat = lab2.run(runs.replace(cp_kind="ulysses", cp_a2a=1), model=TINY, steps=1)
+    assert all(spans(e.group) for rk in flat.ranks for e in rk.comm if e.op == "all_to_all")
+
+
 def test_a_dead_hosts_engines_are_named_and_replaced_on_that_host(lab2, ref_cache):
     victims = lab2.engines.pids[2:]
     for pid in victims:
