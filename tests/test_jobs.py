@@ -265,3 +265,32 @@ def test_cli_refuses_a_broken_job_without_a_traceback(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
     assert main(["estimate", "--from", str(TT8)]) == 2  # dp_shard = -1 and no --gpus
     assert "--gpus N" in capsys.readouterr().err
+
+
+def test_torchtitan_pipeline_schedules_and_their_stages(tmp_path):
+    pp = broken(tmp_path, TT70, "pipeline_parallel_degree = 1",
+                'pipeline_parallel_degree = 4\npipeline_parallel_schedule = "Interleaved1F1B"')  # fmt: skip
+    p = read_job(pp, gpus=128).parallel  # a looped schedule: two stages per rank, torchtitan's default
+    assert (p.dp, p.tp, p.pp, p.schedule, p.virtual_stages, p.microbatches, p.reshard_after_forward) == (
+        4, 8, 4, "interleaved", 2, 8, False)  # fmt: skip
+    assert main(["plan", "--from", str(pp), "--gpus", "128", "--top", "2"]) == 0
+    bad = broken(tmp_path, pp, '"Interleaved1F1B"', '"LoopedBFS"')
+    with pytest.raises(ConfigError, match="pipeline_parallel_schedule = 'LoopedBFS' is not one labkit runs"):
+        read_job(bad, gpus=128)
+
+
+@pytest.mark.parametrize("which", ["torchtitan-70b", "deepspeed-zero3"])
+def test_a_job_shrunk_to_the_lab_trains_like_one_process(lab, ref_cache, which):
+    """The job's structure (dims, sharding, impl, precision, recompute, GQA) on the session's 4 engines."""
+    from labkit.config.jobs.shrink import shrink
+    from labkit.oracle.checks import mismatches
+
+    job = read_job(TT70, gpus=64) if which == "torchtitan-70b" else read_job(DS, hf=HF, gpus=8, **DS_AUTO)
+    small = shrink(job, engines=lab.world)
+    p = small.parallel
+    assert p.sharding == job.parallel.sharding and p.precision == "bf16"
+    assert small.world == (4 if which == "torchtitan-70b" else 2)  # tp 8 x dp 8 -> 2 x 2; dp 8 -> 2
+    assert any(s.startswith("model layers:") for s in small.shrunk)  # what was shrunk is said
+    res = lab.run(p, model=small.model, steps=2, return_params=True)
+    ref = ref_cache(small.model, steps=2, global_batch=p.global_batch)  # fp32: bf16 is held to its bounds
+    assert mismatches(res, ref) == []

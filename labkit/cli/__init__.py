@@ -267,7 +267,12 @@ def cmd_plan(ns: argparse.Namespace) -> int:
 
 def _rank_job(job, model: ModelConfig, hw, plans) -> None:
     """The job's own layout, predicted on the same hardware, and where it falls among the plans."""
-    own = theory.evaluate(job.parallel, model, hw)
+    cfg = job.parallel
+    if cfg.pp > 1:
+        # the planner keeps an FSDP stage gathered under a pipeline whatever the flag says (planner/overlap.py),
+        # and its arithmetic check (evaluate.layout_problems) refuses the flag's False once it reads FSDP as ZeRO-1
+        cfg = cfg.replace(reshard_after_forward=True)
+    own = theory.evaluate(cfg, model, hw)
     place = sum(p.tokens_per_second_per_gpu > own.tokens_per_second_per_gpu for p in plans) + 1
     where = f"#{place} of these {len(plans)}" if place <= len(plans) else f"below these {len(plans)}"
     print(f"\nyour job's layout: {own}\n  ranks {where} by predicted tokens/s/GPU")
