@@ -294,3 +294,24 @@ def test_a_job_shrunk_to_the_lab_trains_like_one_process(lab, ref_cache, which):
     res = lab.run(p, model=small.model, steps=2, return_params=True)
     ref = ref_cache(small.model, steps=2, global_batch=p.global_batch)  # fp32: bf16 is held to its bounds
     assert mismatches(res, ref) == []
+
+
+def test_torchtitan_float8_and_what_labkit_prices_differently(tmp_path):
+    fp8 = broken(tmp_path, TT8, '# converters = ["float8"]', 'converters = ["float8"]')
+    job = read_job(fp8, gpus=64)
+    assert job.parallel.precision == "fp8"
+    assert any(n.startswith("[float8] enable_fsdp_float8_all_gather = false") for n in job.notes)
+    assert any(n.startswith("[float8] filter_fqns") for n in job.notes)
+    assert theory.evaluate(job.parallel, job.model, "h100").mfu > 0  # fp8 is priced on an fp8 GPU
+
+
+def test_deepspeed_values_given_beside_the_file_must_agree(tmp_path):
+    fixed = broken(tmp_path, DS, '"train_micro_batch_size_per_gpu": "auto"', '"train_micro_batch_size_per_gpu": 1')
+    assert read_job(fixed, hf=HF, gpus=8, **DS_AUTO).parallel.global_batch == 32  # the same 1: fine
+    with pytest.raises(ConfigError, match=r"micro_batch=2 \(given\) contradicts train_micro_batch_size_per_gpu = 1"):
+        read_job(fixed, hf=HF, gpus=8, **{**DS_AUTO, "micro_batch": 2})
+    bf16 = broken(tmp_path, DS, '"enabled": "auto"', '"enabled": false')
+    with pytest.raises(ConfigError, match=r"precision='bf16' \(given\) contradicts the file's"):
+        read_job(bf16, hf=HF, gpus=8, **DS_AUTO)
+    with pytest.raises(ConfigError, match=r"\['vocab'\] do not apply to ds_config_zero3.json"):
+        read_job(DS, hf=HF, gpus=8, vocab=1000)

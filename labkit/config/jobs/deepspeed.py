@@ -58,6 +58,9 @@ def _batch(top: Fields, dp: int, given: dict) -> tuple[int, int, int]:
                     ]
                 )
             v = given[kw]
+        elif v is not None and given.get(GIVEN.get(key, "")) not in (None, v):
+            # a value given beside a file that fixes it: one of the two is wrong
+            raise ConfigError([f"{GIVEN[key]}={given[GIVEN[key]]} (given) contradicts {key} = {v} (the file)"])
         if v is not None:
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError([f"{key} = {v!r} must be a positive whole number"])
@@ -73,7 +76,7 @@ def _batch(top: Fields, dp: int, given: dict) -> tuple[int, int, int]:
                     f"gradient_accumulation_steps ({ga}) x data-parallel GPUs ({dp}) = {mb * ga * dp}"
                 ]
             )
-    elif tb is not None:
+    elif tb is not None:  # DeepSpeed derives the missing one(s); accumulation 1 when both are missing
         known = mb or ga or 1
         if tb % (known * dp):
             name = "train_micro_batch_size_per_gpu" if mb else "gradient_accumulation_steps"
@@ -81,7 +84,7 @@ def _batch(top: Fields, dp: int, given: dict) -> tuple[int, int, int]:
                 [f"train_batch_size = {tb} is not divisible by {name} ({known}) x data-parallel GPUs ({dp})"]
             )
         mb, ga = (mb, tb // (mb * dp)) if mb else (tb // ((ga or 1) * dp), ga or 1)
-    else:
+    else:  # no global batch: DeepSpeed's defaults, 1 sequence per GPU and no accumulation
         mb, ga = mb or 1, ga or 1
     return mb * ga * dp, mb, ga
 
@@ -105,9 +108,14 @@ def _precision(top: Fields, given: dict, notes: list[str]) -> str:
         return given["precision"]
     if on["bf16"] is True and on["fp16"] is True:
         raise ConfigError(['bf16 "enabled": true and fp16 "enabled": true: DeepSpeed takes one; disable the other'])
-    if on["fp16"] is True:
+    if on["fp16"] is True:  # the same 2 bytes a value; the loss scaler is not modelled
         notes.append("fp16 enabled: labkit prices fp16 as bf16 (the same bytes)")
-    return "bf16" if True in on.values() else "fp32"
+    written = "bf16" if True in on.values() else "fp32"
+    if given.get("precision") not in (None, written):  # the file says; a different word beside it is a mistake
+        raise ConfigError(
+            [f'precision={given["precision"]!r} (given) contradicts the file\'s bf16/fp16 "enabled" = {written}']
+        )
+    return written
 
 
 def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> Job:
@@ -121,6 +129,7 @@ def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> 
         raise ConfigError(
             [f"read_job got {sorted(unknown)}; the DeepSpeed reader takes micro_batch, grad_accum, precision, seq"]
         )
+    # DeepSpeed's JSON holds no model: the architecture is the config.json's, refused by name where labkit lacks it
     model = ModelConfig.from_hf(str(hf), seq=seq)
     notes: list[str] = (
         []
@@ -136,6 +145,7 @@ def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> 
     stage = zero.take("stage", int, 0)
     if stage not in STAGES:
         raise ConfigError([f"zero_optimization stage = {stage!r} is not 0, 1, 2 or 3"])
+    # offload changes where bytes live, not what a step computes: the layout stands, the GPU memory is an upper bound
     for key in ("offload_optimizer", "offload_param"):
         dev = (zero.take(key, dict, {}) or {}).get("device", "none")
         if dev != "none":
@@ -154,6 +164,7 @@ def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> 
         )
     tpsec = Fields(doc.get("tensor_parallel") or {}, "tensor_parallel")
     top.skip("tensor_parallel")
+    # DeepSpeed's AutoTP (training) splits the linears Megatron's way over autotp_size ranks
     tp = tpsec.take("autotp_size", int, 1)
     notes += tpsec.rest("not represented")
 
@@ -180,6 +191,7 @@ def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> 
 
     ac = Fields(doc.get("activation_checkpointing") or {}, "activation_checkpointing")
     top.skip("activation_checkpointing")
+    # the section configures deepspeed.checkpointing; a model that calls it checkpoints each block
     recompute = "full" if "activation_checkpointing" in doc else False
     if recompute:
         notes.append(
@@ -200,7 +212,7 @@ def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> 
     if auto:
         notes.append(f"optimizer params {', '.join(auto)} = \"auto\": the HF Trainer's; labkit's defaults stand")
     num = {k: v for k, v in values.items() if v is not None and v != AUTO}
-    betas = num.get("betas") or (0.9, 0.999)
+    betas = num.get("betas") or (0.9, 0.999)  # torch.optim.AdamW's defaults, which DeepSpeed passes on
     clip = doc.get("gradient_clipping")
     top.skip("gradient_clipping")
     optim = OptimConfig(
@@ -226,5 +238,6 @@ def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> 
         precision=precision,
         checkpoint_activations=recompute,
     )
-    del micro  # the per-GPU micro batch is global / (dp x microbatches) in labkit's terms
+    # labkit's per-GPU micro batch is implied: global_batch / (dp x microbatches) = the file's micro batch
+    assert glob // (cfg.dp * cfg.microbatches) == micro
     return Job(cfg, model, str(path), READER, optim, tuple(notes))

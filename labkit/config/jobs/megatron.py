@@ -40,6 +40,7 @@ def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
     layers, h, heads, seq = need.values()
     swiglu, norm = a.flag("swiglu"), a.get("normalization", str, "LayerNorm")
     pos = a.get("position-embedding-type", str, "learned_absolute")
+    # the three arguments that make a GPT a Llama; labkit builds the two families whole, not a mix
     llama = (swiglu, norm, pos) == (True, "RMSNorm", "rope")
     if not llama and (swiglu, norm, pos) != (False, "LayerNorm", "learned_absolute"):
         raise ConfigError(
@@ -59,6 +60,7 @@ def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
         )
     if not llama and no_bias:
         raise ConfigError(["--disable-bias-linear on a GELU/LayerNorm model: labkit's gpt2 has biases; remove it"])
+    # validate_args' defaults: SwiGLU's two up-projections at 2/3 of 4h keep the parameters of a 4h MLP
     ffn = a.get("ffn-hidden-size", int, int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
     experts = a.get("num-experts", int, 0) or 0
     if experts:
@@ -67,9 +69,9 @@ def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
         if freq != "1":
             raise ConfigError([f"--moe-layer-freq {freq}: labkit's MoE models have experts in every layer; use 1"])
     rope = None
-    if a.flag(
-        "use-rope-scaling"
-    ):  # Megatron's llama 3.x scaling: low 1, high 4, original 8192 (rotary_pos_embedding.py)
+    # Megatron's llama 3.x scaling has low 1, high 4 and an original context of 8192 fixed in
+    # rotary_pos_embedding.py; only the factor is an argument
+    if a.flag("use-rope-scaling"):
         rope = RopeScaling(
             factor=a.get("rope-scaling-factor", float, 8.0),
             low_freq_factor=1.0,
@@ -77,6 +79,7 @@ def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
             original_max_position=8192,
         )
     positions = a.get("max-position-embeddings", int, seq)
+    # a rope model has no position table; a learned one is sized by max-position-embeddings in Megatron
     if not llama and positions != seq:
         notes.append(
             f"--max-position-embeddings {positions}: labkit's learned position table has --seq-length "
@@ -93,6 +96,7 @@ def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
         ffn=ffn,
         vocab=vocab,
         seq=seq,
+        # --num-query-groups counts only with --group-query-attention (its default 1 is otherwise unused)
         kv_heads=a.get("num-query-groups", int, 1) if gqa else None,
         experts=experts,
         top_k=a.get("moe-router-topk", int, 2) if experts else 1,
@@ -101,6 +105,7 @@ def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
         norm_eps=a.get("norm-epsilon", float, 1e-5),
         rope_theta=float(a.get("rotary-base", int, 10000)),
         rope_scaling=rope,
+        # Megatron always pads (default 128 x TP); the published count stays the unpadded one
         vocab_divisible_by=a.get("make-vocab-size-divisible-by", int, 128),
     )
     return model, notes
@@ -131,6 +136,7 @@ def read(
         for k in launcher
         if k not in ("nnodes", "nproc_per_node", "nproc-per-node")
     ]
+    # torchrun spells its flags both ways; without them the world is the caller's to give
     per_node = launcher.get("nproc_per_node") or launcher.get("nproc-per-node")
     world = None
     if per_node is not None:
@@ -170,7 +176,7 @@ def read(
                 f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}"
             ]
         )
-    dp = world // (tp * pp * cp)
+    dp = world // (tp * pp * cp)  # Megatron's data-parallel size, its expert ranks inside it
     if dp % ep:
         raise ConfigError(
             [
@@ -181,6 +187,7 @@ def read(
     micro = a.get("micro-batch-size", int)
     if micro is None:
         raise ConfigError(["the arguments have no --micro-batch-size (Megatron requires it)"])
+    # the global batch defaults to one micro batch per data-parallel rank: no accumulation
     glob = a.get("global-batch-size", int, micro * dp)
     if glob % (micro * dp):
         raise ConfigError(
@@ -217,9 +224,10 @@ def read(
 
 
 def _sharding(a: Args) -> str:
-    fsdp = a.flag("use-megatron-fsdp") or a.flag("use-custom-fsdp")
-    strategy = a.get("data-parallel-sharding-strategy", str, "optim_grads_params")
-    if fsdp:
+    # Megatron FSDP shards as --data-parallel-sharding-strategy says (default no_shard in core_v0.14.0);
+    # without it the distributed optimizer shards the optimizer's state alone: ZeRO-1
+    if a.flag("use-megatron-fsdp") or a.flag("use-custom-fsdp"):
+        strategy = a.get("data-parallel-sharding-strategy", str, "no_shard")
         if strategy not in SHARDING:
             raise ConfigError([f"--data-parallel-sharding-strategy {strategy} is not one of {sorted(SHARDING)}"])
         return SHARDING[strategy]
@@ -228,7 +236,7 @@ def _sharding(a: Args) -> str:
 
 def _precision(a: Args, notes: list[str]) -> str:
     fp8, bf16, fp16 = a.get("fp8-format"), a.flag("bf16"), a.flag("fp16")
-    if fp16:
+    if fp16:  # the same 2 bytes a value: memory and wire bytes are bf16's; the loss scaler is not modelled
         notes.append("--fp16: labkit prices fp16 as bf16 (the same bytes), without loss scaling")
     if fp8 is not None:
         notes.append(f"--fp8-format {fp8}: labkit's fp8 is per-tensor e4m3 forward, e5m2 gradients (torchao's)")
@@ -237,7 +245,7 @@ def _precision(a: Args, notes: list[str]) -> str:
 
 
 def _recompute(a: Args, notes: list[str]):
-    if a.flag("recompute-activations"):
+    if a.flag("recompute-activations"):  # the old spelling of --recompute-granularity selective
         return "selective"
     gran = a.get("recompute-granularity")
     method, n = a.get("recompute-method"), a.get("recompute-num-layers", int)
@@ -253,6 +261,7 @@ def _recompute(a: Args, notes: list[str]):
         return "selective"
     if gran != "full":
         raise ConfigError([f"--recompute-granularity {gran} is not 'full' or 'selective'"])
+    # uniform with 1 layer per unit is every block recomputed from its input: labkit's 'full'
     if (method, n) not in ((None, None), ("uniform", 1)):
         notes.append(
             f"--recompute-method {method} --recompute-num-layers {n}: labkit's 'full' keeps every block's "
@@ -262,6 +271,7 @@ def _recompute(a: Args, notes: list[str]):
 
 
 def _optim(a: Args, notes: list[str]) -> OptimConfig:
+    # Megatron's 'adam' is AdamW (decoupled weight decay), as labkit's
     if a.get("optimizer", str, "adam") != "adam":
         notes.append(f"--optimizer {a.args['optimizer']}: labkit's optimizer is AdamW (its state bytes priced)")
     return OptimConfig(

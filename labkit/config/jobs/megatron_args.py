@@ -33,6 +33,7 @@ FLAGS = {
 def split(text: str) -> list[str]:
     """A launch script's words as the shell would split them: comments dropped, continuations
     joined, NAME=value assignments substituted (only those; another $X stays and is refused where used)."""
+    # a backslash at a line's end continues the command: one logical line, as bash reads it
     text = text.replace("\\\n", " ")
     env = {}
     for line in text.splitlines():
@@ -51,6 +52,7 @@ def split(text: str) -> list[str]:
 def parse(words: list[str]) -> tuple[dict, dict]:
     """(launcher args, Megatron args): name -> value (a string, a list for several, None for a
     flag); the launcher's are those before the script (the first word ending in .py)."""
+    # torchrun's own flags come before the training script; Megatron's after it
     script = next((i for i, w in enumerate(words) if w.endswith(".py")), None)
     launcher, args = {}, {}
     for part, out in (
@@ -60,9 +62,11 @@ def parse(words: list[str]) -> tuple[dict, dict]:
         name = None
         for w in part:
             if w.startswith("--"):
+                # --name=value and --name value are the same to argparse
                 name, eq, value = w[2:].partition("=")
                 out[name] = value if eq else None
             elif name is not None and name not in FLAGS:
+                # nargs='*' arguments (--recompute-modules core_attn mlp) collect every word up to the next flag
                 prev = out[name]
                 out[name] = w if prev is None else ([*prev, w] if isinstance(prev, list) else [prev, w])
     return launcher, args
@@ -83,7 +87,7 @@ class Args:
         if name not in self.args:
             return default
         v = self.args[name]
-        if kind is list:
+        if kind is list:  # nargs: one word or several read the same
             return v if isinstance(v, list) else [] if v is None else [v]
         if not isinstance(v, str):
             raise ConfigError([f"--{name} {v!r}: expected one value"])
@@ -111,6 +115,7 @@ def layout_string(text: str, pp: int, layers: int) -> tuple[int, tuple[int, ...]
         if new == s:
             break
         s = new
+    # "|" separates stages in virtual order: stage i sits on pipeline rank i % pp, as chunk i // pp
     stages = s.split("|")
     if set(s) - set("EtLm|") or "m" in s:
         raise ConfigError(
@@ -126,6 +131,7 @@ def layout_string(text: str, pp: int, layers: int) -> tuple[int, tuple[int, ...]
                 f"--pipeline-model-parallel-size {pp} needed), the embedding E first and the loss L last"
             ]
         )
+    # Megatron asserts the same: the layout places every decoder layer once
     if s.count("t") != layers:
         raise ConfigError(
             [
@@ -143,7 +149,7 @@ def stages_of(a: Args, layers: int, pp: int) -> tuple[int, tuple[int, ...]]:
     per = a.get("num-layers-per-virtual-pipeline-stage", int)
     vp = a.get("num-virtual-stages-per-pipeline-rank", int)
     first, last = a.get("decoder-first-pipeline-num-layers", int), a.get("decoder-last-pipeline-num-layers", int)
-    if layout:
+    if layout:  # the layout string, when given, decides alone (Megatron ignores the other split arguments)
         return layout_string(layout, pp, layers)
     total = layers + e + l_  # the embedding and the loss as one layer each, where the split counts them
     if per is not None:
@@ -155,7 +161,7 @@ def stages_of(a: Args, layers: int, pp: int) -> tuple[int, tuple[int, ...]]:
                 ]
             )
         vp = total // (pp * per)
-    vp = vp or 1
+    vp = vp or 1  # neither given: one model chunk per pipeline rank
     if first is not None or last is not None:
         if vp > 1 or e or l_:
             raise ConfigError(
@@ -172,6 +178,7 @@ def stages_of(a: Args, layers: int, pp: int) -> tuple[int, tuple[int, ...]]:
                     f"{last} leave {rest} layers that do not split over the other {mid} stages"
                 ]
             )
+        # the stages neither argument names share the rest evenly (Megatron's transformer_layer.py)
         even = [rest // mid] * mid
         return 1, tuple(([first] if first is not None else []) + even + ([last] if last is not None else []))
     chunks = pp * vp
@@ -183,6 +190,7 @@ def stages_of(a: Args, layers: int, pp: int) -> tuple[int, tuple[int, ...]]:
             ]
         )
     sizes = [total // chunks] * chunks
-    sizes[0] -= e
-    sizes[-1] -= l_
+    sizes[0] -= e  # the embedding takes one block's place in the first chunk
+    sizes[-1] -= l_  # the loss (the head) one in the last
+    # an even split is labkit's default (stage_layers empty): said only when the ends differ
     return vp, tuple(sizes) if e or l_ else ()

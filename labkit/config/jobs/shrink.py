@@ -98,11 +98,14 @@ def shrink(job: Job, engines: int) -> Shrunk:
         virtual_stages=p.virtual_stages if deg["pp"] > 1 else 1,
         schedule=p.schedule if deg["pp"] > 1 else "1f1b",
     )  # fmt: skip
+    # PyTorch's building blocks (FSDP2, DTensor, pipelining) are not wired for every layout: labkit's own
+    # implementations run the same arithmetic (its oracle holds both to one process)
     if cfg.torch_impl and not_built_yet(cfg, model):
         cfg = cfg.replace(impl="lab")
     found = problems(cfg, model, engines) + not_built_yet(cfg, model)
     if found:
         raise ConfigError([f"the job shrunk to {engines} engines does not run here: {f}" for f in found])
+    # what the user reads next to the run: every field that moved, the job's value first
     said = [f"{d}: {getattr(p, d)} -> {deg[d]}" for d in KEEP_FIRST if getattr(p, d) != deg[d]]
     if p.stage_layers != cfg.stage_layers:
         said.append(f"stage_layers: {runs(p.stage_layers)} -> {runs(cfg.stage_layers)}")

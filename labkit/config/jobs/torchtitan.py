@@ -112,7 +112,8 @@ def _recompute(ac: Fields) -> tuple[object, list[str]]:
         raise ConfigError([f"[activation_checkpoint] mode = {mode!r} is not one of 'none', 'selective', 'full'"])
     if option == "op":
         return "op", []
-    if option == "1":  # every block: full recomputation
+    # torchtitan's int option N checkpoints every Nth block whole; N = 1 is every block
+    if option == "1":
         return "full", []
     if option.isdigit():
         return "full", [
@@ -125,6 +126,7 @@ def _recompute(ac: Fields) -> tuple[object, list[str]]:
 
 def _stages(par: Fields, layers: int, pp: int, schedule: str) -> tuple[int, tuple[int, ...]]:
     """(virtual stages per rank, blocks of each stage or ()) from the split points or layers_per_stage."""
+    # split points name the first block of each stage after the first ('layers.8'): cuts in the block list
     points = par.take("pipeline_parallel_split_points", list, [])
     per = par.take("pipeline_parallel_layers_per_stage", int)
     if points:
@@ -166,6 +168,7 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
     mdl, tr, par = sec["model"], sec["training"], sec["parallelism"]
     seq_len = tr.take("seq_len", int, 2048)
     model = flavor_model(mdl.take("name", str, "llama3"), mdl.take("flavor", str, "debugmodel"), seq or seq_len)
+    # a list in the current JobConfig; a comma-separated string in older configs
     converters = mdl.take("converters", (list, str), [])
     fp8 = "float8" in ([converters] if isinstance(converters, str) else converters)
 
@@ -173,13 +176,14 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
     shard = par.take("data_parallel_shard_degree", int, -1)
     tp, pp = par.take("tensor_parallel_degree", int, 1), par.take("pipeline_parallel_degree", int, 1)
     cp, ep = par.take("context_parallel_degree", int, 1), par.take("expert_parallel_degree", int, 1)
-    if ep > 1:
+    if ep > 1:  # torchtitan's llama3 flavors are dense; its MoE models are other TrainSpecs
         raise ConfigError(
             [
                 f"[parallelism] expert_parallel_degree = {ep} on {model.num_params():,}-parameter llama3 "
                 f"flavor {mdl.data.get('flavor')!r}, which has no experts; set it to 1"
             ]
         )
+    # HSDP shards inside each replica group and replicates across them: two data dims where labkit has one
     if rep > 1 and shard not in (1,):
         raise ConfigError(
             [
@@ -205,7 +209,7 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
         found = world_problem(gpus, shard * others, "the product of [parallelism]'s degrees")
         if found:
             raise ConfigError(found)
-    dp = rep * shard
+    dp = rep * shard  # one of the two is 1 here: labkit's one data-parallel dim
 
     schedule_name = par.take("pipeline_parallel_schedule", str, "1F1B")
     if schedule_name not in SCHEDULES:
@@ -219,7 +223,8 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
 
     local = tr.take("local_batch_size", int) or tr.take("batch_size", int, 8)  # the published configs' spelling
     glob = tr.take("global_batch_size", int, -1)
-    glob = local * dp if glob in (-1, None) else glob
+    glob = local * dp if glob in (-1, None) else glob  # -1: no accumulation, torchtitan's default
+    # a pipeline splits each local batch into microbatches; without one, a step accumulates whole local batches
     micro = par.take("pipeline_parallel_microbatch_size", int, 1) if pp > 1 else local
     if pp > 1 and local % micro:
         raise ConfigError(
@@ -240,6 +245,7 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
     recompute, more = _recompute(sec["activation_checkpoint"])
     notes += more
     param_dtype = tr.take("mixed_precision_param", str, "bfloat16")
+    # FSDP2's MixedPrecisionPolicy computes in mixed_precision_param with fp32 masters: labkit's bf16
     precision = "fp8" if fp8 else ("bf16" if param_dtype == "bfloat16" else "fp32")
     if cp > 1 and shard > 1:
         notes.append(
@@ -276,6 +282,13 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
     if opt.take("name", str, "AdamW") != "AdamW":
         notes.append(f"[optimizer] name = {opt.data['name']!r}: labkit's optimizer is AdamW (its state bytes priced)")
     sec["float8"].skip("filter_fqns")  # which linears stay bf16: listed below when fp8 is on
+    # read only with fp8 on; off, the [float8] fields are all listed below as unused
+    gather8 = sec["float8"].take("enable_fsdp_float8_all_gather", bool, False) if fp8 else None
+    if fp8 and shard > 1 and not gather8:
+        notes.append(
+            "[float8] enable_fsdp_float8_all_gather = false: labkit's fp8 gathers FSDP's weights in fp8, so "
+            "its dp all-gather bytes are half the job's"
+        )
     if fp8 and "filter_fqns" in sec["float8"].data:
         notes.append(
             f"[float8] filter_fqns = {sec['float8'].data['filter_fqns']!r}: labkit's fp8 covers every "
