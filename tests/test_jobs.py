@@ -315,3 +315,15 @@ def test_deepspeed_values_given_beside_the_file_must_agree(tmp_path):
         read_job(bf16, hf=HF, gpus=8, **DS_AUTO)
     with pytest.raises(ConfigError, match=r"\['vocab'\] do not apply to ds_config_zero3.json"):
         read_job(DS, hf=HF, gpus=8, vocab=1000)
+
+
+def test_cli_flags_override_the_file(capsys):
+    """A layout flag beside --from overrides the file (DeepSpeed's "auto" precision aside)."""
+
+    def step_ms(*extra):
+        assert main(["estimate", "--from", str(TT70), "--gpus", "64", *extra]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("step time on"))
+        return float(line.split(": ")[1].split(" ms")[0].replace(",", ""))
+
+    bf16, fp8 = step_ms(), step_ms("--precision", "fp8")
+    assert fp8 < bf16  # the file's bf16 replaced: fp8 matmuls on an H100 are faster

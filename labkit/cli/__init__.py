@@ -145,7 +145,9 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def _job(ns: argparse.Namespace):
     """The job of --from FILE (labkit/config/jobs), its layout and model overridden by the flags given."""
-    given = {k: getattr(ns, k) for k in ("seq", "micro_batch", "grad_accum", "precision") if getattr(ns, k, None)}
+    given = {k: getattr(ns, k) for k in ("seq", "micro_batch", "grad_accum") if getattr(ns, k, None)}
+    if ns.from_file.lower().endswith(".json") and ns.precision:  # DeepSpeed's "auto" precision; else an override
+        given["precision"] = ns.precision
     job = read_job(ns.from_file, hf=ns.hf, gpus=ns.gpus, **given)
     print(job.describe())
     return job

@@ -289,7 +289,7 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
             "[float8] enable_fsdp_float8_all_gather = false: labkit's fp8 gathers FSDP's weights in fp8, so "
             "its dp all-gather bytes are half the job's"
         )
-    if fp8 and "filter_fqns" in sec["float8"].data:
+    if fp8 and sec["float8"].has("filter_fqns"):
         notes.append(
             f"[float8] filter_fqns = {sec['float8'].data['filter_fqns']!r}: labkit's fp8 covers every "
             "block linear and no others (the head stays bf16 either way)"
