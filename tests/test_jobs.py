@@ -327,3 +327,22 @@ def test_cli_flags_override_the_file(capsys):
 
     bf16, fp8 = step_ms(), step_ms("--precision", "fp8")
     assert fp8 < bf16  # the file's bf16 replaced: fp8 matmuls on an H100 are faster
+
+
+def test_torchtitan_python_config_read_without_running_it(tmp_path, capsys):
+    """torchtitan's newer train config (Python, tests/data/jobs/llama3_8b.py) reads as its TOML does."""
+    py, toml = read_job(DATA / "llama3_8b.py", gpus=64), read_job(TT8, gpus=64)
+    assert (py.parallel, py.model, py.optim) == (toml.parallel, toml.model, toml.optim)
+    assert any(n.startswith("[validation] dataset, freq, steps") for n in py.notes)
+    code = broken(
+        tmp_path, DATA / "llama3_8b.py", "OptimizersContainer.Config(lr=3e-4)", "OptimizersContainer.Config(lr=LR)"
+    )
+    with pytest.raises(ConfigError, match="optimizer.lr = LR is code, not a value"):
+        read_job(code, gpus=64)
+    bad = broken(
+        tmp_path, DATA / "llama3_8b.py", "default_config = Trainer.Config(", "default_config = Trainer.Config(("
+    )
+    with pytest.raises(ConfigError, match="llama3_8b.py is not valid Python"):
+        read_job(bad, gpus=64)
+    assert main(["estimate", "--from", str(DATA / "llama3_8b.py"), "--gpus", "64"]) == 0
+    assert "torchtitan Python config, read with ast" in capsys.readouterr().out

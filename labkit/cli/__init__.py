@@ -145,7 +145,7 @@ def cmd_run(ns: argparse.Namespace) -> int:
 
 def _job(ns: argparse.Namespace):
     """The job of --from FILE (labkit/config/jobs), its layout and model overridden by the flags given."""
-    given = {k: getattr(ns, k) for k in ("seq", "micro_batch", "grad_accum") if getattr(ns, k, None)}
+    given = {k: getattr(ns, k) for k in ("seq", "micro_batch", "grad_accum", "config") if getattr(ns, k, None)}
     if ns.from_file.lower().endswith(".json") and ns.precision:  # DeepSpeed's "auto" precision; else an override
         given["precision"] = ns.precision
     job = read_job(ns.from_file, hf=ns.hf, gpus=ns.gpus, **given)
@@ -291,6 +291,7 @@ def _from_flags(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--hf", default=None, metavar="CONFIG_JSON", help="the model's config.json beside a DeepSpeed JSON")
     p.add_argument("--seq", type=int, default=None, help="the training sequence where the file leaves it open")
+    p.add_argument("--config", default=None, metavar="NAME", help="which config of a torchtitan Python file")
     p.add_argument("--micro-batch", dest="micro_batch", type=int, default=None, help="a DeepSpeed 'auto' micro batch")
     p.add_argument("--grad-accum", dest="grad_accum", type=int, default=None, help="a DeepSpeed 'auto' accumulation")
 

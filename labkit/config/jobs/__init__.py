@@ -31,7 +31,7 @@ __all__ = ["Job", "read_job"]
 
 
 def read_job(path, *, hf=None, gpus: int | None = None, **given) -> Job:
-    """The Job of a file, by its kind: .toml (torchtitan), .json (DeepSpeed: `hf` names the model's
+    """The Job of a file, by its kind: .toml or .py (torchtitan), .json (DeepSpeed: `hf` names the model's
     config.json), anything else a Megatron launch script or arguments file. `gpus`: the GPU count
     where the file leaves it open (torchtitan's dp_shard=-1, a Megatron argument list without
     torchrun, DeepSpeed); must agree with the file where the file says. `given`: the reader's
@@ -45,10 +45,11 @@ def read_job(path, *, hf=None, gpus: int | None = None, **given) -> Job:
             ]
         )
     suffix = p.suffix.lower()
-    takes = {".toml": {"seq"}, ".json": {"seq", "micro_batch", "grad_accum", "precision"}}.get(suffix, {"seq", "vocab"})
+    takes = {".toml": {"seq"}, ".py": {"seq", "config"}, ".json": {"seq", "micro_batch", "grad_accum", "precision"}}
+    takes = takes.get(suffix, {"seq", "vocab"})
     if set(given) - takes:
         raise ConfigError([f"{sorted(set(given) - takes)} do not apply to {p.name}; its reader takes {sorted(takes)}"])
-    if suffix == ".toml":
+    if suffix in (".toml", ".py"):  # torchtitan's TOML, or its newer Python train config (read, never run)
         return torchtitan.read(p, gpus=gpus, **given)
     if suffix == ".json":
         if hf is None:

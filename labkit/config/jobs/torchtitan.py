@@ -7,8 +7,8 @@ f3534d77: [training] batch_size for local_batch_size). The model flavors are tor
 (torchtitan/models/llama3/__init__.py at commit 8c6bf93e, `llama3_configs`), their FFN width
 computed as its FeedForward does (2/3 of 4*dim, times ffn_dim_multiplier, rounded up to
 multiple_of), the vocabulary its Llama 3 tiktoken tokenizer's (128,000 + 256 special tokens); the
-result equals labkit's presets of Llama 3.1 (tests/test_jobs.py). Its newer Python config
-registry (config_registry.py) is code, not data: not read here.
+result equals labkit's presets of Llama 3.1 (tests/test_jobs.py). Its newer Python train configs
+are read the same way, parsed and never run (torchtitan_registry.py).
 
 How torchtitan runs the layout, and so what labkit sets:
   data_parallel_shard_degree > 1    FSDP2 over those ranks: sharding='fsdp', impl='torch'
@@ -34,10 +34,12 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10: the package tomllib was 
 
 from labkit.config import ModelConfig, OptimConfig, ParallelConfig, RopeScaling
 from labkit.config.choices import ConfigError
+from labkit.config.jobs import torchtitan_registry
 from labkit.config.jobs.fields import Fields
 from labkit.config.jobs.job import Job, need_world, world_problem
 
 READER = "torchtitan TOML (job_config.py @ 000204a4)"
+READER_PY = "torchtitan Python config, read with ast (train_configs/llama3_8b.py @ da236a8b; job_config.py @ 000204a4)"
 
 FLAVORS = {
     # name: (dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of): llama3_configs @ 8c6bf93e
@@ -157,9 +159,10 @@ def _stages(par: Fields, layers: int, pp: int, schedule: str) -> tuple[int, tupl
     return (2 if schedule in LOOPED else 1), ()
 
 
-def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
-    """The Job of a torchtitan TOML; `gpus`: the GPU count when data_parallel_shard_degree = -1."""
-    doc = _load(path)
+def read(path, gpus: int | None = None, seq: int | None = None, config: str | None = None) -> Job:
+    """The Job of a torchtitan TOML, or of a Python train config (`config`: which of the file's;
+    torchtitan_registry.py); `gpus`: the GPU count when data_parallel_shard_degree = -1."""
+    doc = torchtitan_registry.load(path, config) if path.suffix == ".py" else _load(path)
     notes: list[str] = []
     sec = {
         s: Fields(doc.get(s, {}), f"[{s}]")
@@ -298,4 +301,4 @@ def read(path, gpus: int | None = None, seq: int | None = None) -> Job:
         notes += s.rest(NOT_LAID_OUT if s.where != "[float8]" or fp8 else "float8 is off ([model] converters)")
     for s in sorted(set(doc) - set(sec)):
         notes.append(f"[{s}] {', '.join(doc[s]) if isinstance(doc[s], dict) else repr(doc[s])}: {NOT_LAID_OUT}")
-    return Job(cfg, model, str(path), READER, optim, tuple(notes))
+    return Job(cfg, model, str(path), READER_PY if path.suffix == ".py" else READER, optim, tuple(notes))
