@@ -118,6 +118,8 @@ def test_megatron_argument_lists_experts_and_layouts():
         "64",
     ]
     gpt = mg.read(args=base + ["--tensor-model-parallel-size", "2"], gpus=8)
+    mapped = mg.read(args=base + ["--tensor-model-parallel-size", "2", "--use-tp-pp-dp-mapping"], gpus=8)
+    assert (gpt.parallel.order, mapped.parallel.order) == ("tp-cp-ep-dp-pp", "tp-cp-ep-pp-dp")  # initialize.py
     assert (gpt.model.arch, gpt.model.ffn, gpt.model.tied, gpt.parallel.dp, gpt.parallel.microbatches) == (
         "gpt2",
         1024,

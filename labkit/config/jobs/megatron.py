@@ -206,6 +206,8 @@ def read(
             ep=ep,
             sharding=_sharding(a),
             sequence_parallel=a.flag("sequence-parallel"),
+            # Megatron's rank order (initialize.py: initialize_model_parallel's order), labkit's spelling
+            order="tp-cp-ep-pp-dp" if a.flag("use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
             schedule="interleaved" if vp > 1 else "1f1b",
             virtual_stages=vp,
             stage_layers=stage_layers,

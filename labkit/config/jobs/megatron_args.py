@@ -26,6 +26,7 @@ FLAGS = {
     "recompute-activations",
     "use-megatron-fsdp",
     "use-custom-fsdp",
+    "use-tp-pp-dp-mapping",
 }
 """Arguments that take no value (store_true / store_false)."""
 
