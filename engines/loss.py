@@ -8,7 +8,8 @@
          gradient in the compute dtype; fp32 only LOSS_CHUNK logits at a time, forward and back
 
 The vocab-parallel loss under tensor parallelism is engines/parallel/tensor_ops.py's, with the
-same two ways.
+same two ways. A padded vocabulary (ModelConfig.vocab_divisible_by) has its padding logits set to
+-inf first (`mask_padding`), so both ways give the unpadded model's loss and gradients.
 """
 
 from __future__ import annotations
@@ -58,6 +59,29 @@ def softmax_grad(logits, lse, targets, scale, held=None) -> torch.Tensor:
         g[torch.arange(b - a, device=g.device), targets[a:b]] -= one
         out[a:b] = g.mul_(scale)
     return out
+
+
+class MaskPadding(torch.autograd.Function):
+    """The padding rows' logits (ModelConfig.vocab_divisible_by) out of the loss: forward writes -inf
+    to columns [valid:) of the (..., V) logits in place (no copy: the matmul that made them keeps
+    only its input); backward identity — every loss here gives a -inf logit exactly zero gradient
+    (its softmax is exp(-inf) = 0, and no target is padding), so nothing reaches the padding rows
+    (the oracle's padding check holds them at zero)."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, valid: int) -> torch.Tensor:
+        logits[..., valid:] = float("-inf")  # (..., V): the padding columns
+        ctx.mark_dirty(logits)
+        return logits
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def mask_padding(logits: torch.Tensor, valid: int) -> torch.Tensor:
+    """`logits` with columns [valid:) masked (MaskPadding), or as they are when every column is a token."""
+    return logits if valid >= logits.shape[-1] else MaskPadding.apply(logits, valid)
 
 
 def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, loss: Loss) -> torch.Tensor:

@@ -22,7 +22,7 @@ import torch.nn as nn
 
 from labkit.config import ModelConfig
 from labkit.engines.layers import MLP, Attention, Rotary, SwiGLU, norm
-from labkit.engines.loss import cross_entropy
+from labkit.engines.loss import cross_entropy, mask_padding
 from labkit.engines.moe import MoE
 
 
@@ -30,9 +30,9 @@ class Embedding(nn.Module):
     """Token embedding, plus a learned absolute position embedding (gpt, gpt2; llama rotates q and
     k instead: engines/layers.py)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rows: int):
         super().__init__()
-        self.tok = nn.Embedding(cfg.vocab, cfg.hidden)
+        self.tok = nn.Embedding(rows, cfg.hidden)  # rows: the vocabulary, padded (ModelConfig.padded_vocab)
         self.pos = None if cfg.family.rotary else nn.Embedding(cfg.seq, cfg.hidden)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -63,29 +63,32 @@ class Block(nn.Module):
 
 class Head(nn.Module):
     """Final norm, LM head and the mean cross-entropy over every token. A tied head's weight is
-    the token embedding's (GPT.__init__ ties it)."""
+    the token embedding's (GPT.__init__ ties it). Of its `rows` outputs the first `vocab` are
+    tokens; the rest (a padded vocabulary) are masked out of the loss."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rows: int):
         super().__init__()
         self.norm = norm(cfg)
-        self.proj = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
-        self.loss = cfg.loss
+        self.proj = nn.Linear(cfg.hidden, rows, bias=False)
+        self.loss, self.vocab = cfg.loss, cfg.vocab
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self.proj(self.norm(x))  # (b, s, h) -> (b, s, V)
+        logits = mask_padding(self.proj(self.norm(x)), self.vocab)  # (b, s, h) -> (b, s, V padded)
         return cross_entropy(logits, targets, self.loss)
 
 
 class GPT(nn.Module):
     """The decoder of every family (ModelConfig.arch). Positions come with the tokens: the whole
-    sequence by default, a context-parallel rank's zigzag positions under CP."""
+    sequence by default, a context-parallel rank's zigzag positions under CP. `rows`: the
+    embedding's and the head's, the vocabulary padded for a layout (ModelConfig.padded_vocab;
+    default unpadded, the one-process reference's)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, rows: int | None = None):
         super().__init__()
         self.cfg = cfg
-        self.embed = Embedding(cfg)
+        self.embed = Embedding(cfg, rows or cfg.vocab)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
-        self.head = Head(cfg)
+        self.head = Head(cfg, rows or cfg.vocab)
         self.rope = Rotary(cfg) if cfg.family.rotary else None
         if cfg.tied:  # one Parameter: named_parameters lists it once, as embed.tok.weight
             self.head.proj.weight = self.embed.tok.weight
@@ -121,7 +124,8 @@ def init_weights(model: GPT, seed: int) -> GPT:
     GPT-2's scheme: N(0, 0.02) for embeddings and matrices, residual output projections
     (attn.wo, mlp.fc2 / mlp.down and the experts' second layer) scaled by 1/sqrt(2 * layers);
     norm weights 1, biases 0. Every layout initialises the full model this way and then
-    slices it, so every layout starts from the same weights.
+    slices it, so every layout starts from the same weights. A padded vocabulary's rows beyond
+    `vocab` start at zero, drawn from nothing: the random stream is the unpadded model's.
     """
     gen = torch.Generator().manual_seed(seed)
     resid = 0.02 / math.sqrt(2 * model.cfg.layers)
@@ -133,10 +137,13 @@ def init_weights(model: GPT, seed: int) -> GPT:
                 p.zero_()
             else:
                 std = resid if name.endswith(("wo.weight", "fc2.weight", "down.weight", "w2")) else 0.02
-                p.copy_(torch.randn(p.shape, generator=gen) * std)
+                rows = model.cfg.vocab if name in ("embed.tok.weight", "head.proj.weight") else p.shape[0]
+                p.zero_()  # the padding rows, if any (a vocab table's rows beyond vocab)
+                p[:rows].copy_(torch.randn((rows, *p.shape[1:]), generator=gen) * std)
     return model
 
 
-def build_model(cfg: ModelConfig, seed: int) -> GPT:
-    """The full model, initialised from `seed`, in fp32 on the CPU."""
-    return init_weights(GPT(cfg), seed)
+def build_model(cfg: ModelConfig, seed: int, tp: int | None = None) -> GPT:
+    """The full model, initialised from `seed`, in fp32 on the CPU. `tp`: its vocabulary padded as
+    a `tp`-way layout pads it (ModelConfig.padded_vocab); None: unpadded, the reference's model."""
+    return init_weights(GPT(cfg, None if tp is None else cfg.padded_vocab(tp)), seed)

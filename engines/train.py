@@ -45,7 +45,8 @@ def run_rank(spec: dict) -> dict:
 
     device = torch.device(rt.device)
     meters = Meters(mesh, device, run.comm_log)
-    rank_model = parallelize(build_model(model_cfg, seed), mesh, cfg, run.optim, meters)
+    # the vocabulary padded for this tp (ModelConfig.vocab_divisible_by), then sliced
+    rank_model = parallelize(build_model(model_cfg, seed, cfg.tp), mesh, cfg, run.optim, meters)
     meters.memory.exclude(p for chunk in rank_model.chunks for p in chunk.parameters())
     audit = CommAudit() if run.audit else None
 

@@ -23,6 +23,8 @@ from labkit.oracle.checks import mismatches
 
 STEPS = 2
 MOE = TINY.replace(experts=4, top_k=2)
+PADDED = TINY.replace(vocab=125, vocab_divisible_by=4)
+"""TINY on a vocabulary tp=2 cannot split: 128 rows, the last 3 padding (ModelConfig.vocab_divisible_by)."""
 BUCKET_MB = 0.02
 """TINY in 8 DDP buckets (layout/buckets.py); bucket 2 holds the four tensors below."""
 SKIPPED = ("blocks.1.mlp.fc1.weight", "blocks.1.ln2.bias", "blocks.1.ln2.weight", "blocks.1.attn.wo.weight")
@@ -256,6 +258,15 @@ def nan_on_rank_2(original):
     return finish
 
 
+def padding_in_the_loss(original):
+    """engines/loss.py MaskPadding.forward without the mask: the padding logits (0) join the softmax."""
+
+    def forward(ctx, logits, valid):
+        return logits.clone()
+
+    return forward
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -305,6 +316,9 @@ MUTATIONS = [
              "replicas", ("rank 1",), optim=OptimConfig(clip=0.5)),
     Mutation("a NaN appearing on one rank", DDP4, (E + "ddp", "DDP", "finish"), nan_on_rank_2, "finite",
              ("rank 2", "step(s) [1]")),
+    Mutation("a padded vocabulary's padding logits left in the loss", ParallelConfig(tp=2, dp=2),
+             ("labkit.engines.loss", "MaskPadding", "forward"), padding_in_the_loss, "padding",
+             ("head.proj.weight", "[125:)"), PADDED),
 ]  # fmt: skip
 """OptimConfig(clip=0.5) where clipping must act: TINY's gradient norms are 0.82 to 0.92, under the
 default max norm of 1.0."""

@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config.choices import fused_loss
+from labkit.engines.loss import mask_padding
 from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.tensor_ops import (
     Copy,
@@ -111,16 +112,18 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class VocabParallelHead(nn.Module):
-    """Final norm, the LM head split along the vocabulary, and the vocab-parallel loss."""
+    """Final norm, the LM head split along the vocabulary, and the vocab-parallel loss. Rows of a
+    padded vocabulary at or beyond `vocab` (on the last tp ranks) are masked out of the loss."""
 
-    def __init__(self, norm: nn.Module, proj: nn.Linear, start: int, enter, group, loss: str):
+    def __init__(self, norm: nn.Module, proj: nn.Linear, start: int, enter, group, loss: str, vocab: int):
         super().__init__()
         self.norm, self.proj, self.start, self.enter, self.group = norm, proj, start, enter, group
         self.loss, self.fused = loss, fused_loss(loss)
+        self.valid = min(max(vocab - start, 0), proj.weight.shape[0])  # this rank's rows that are tokens
 
     def forward(self, x: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         x = self.enter(self.norm(x))  # (b, s, h) on every tp rank
-        logits = self.proj(x)  # (b, s, h) -> (b, s, V/t)
+        logits = mask_padding(self.proj(x), self.valid)  # (b, s, h) -> (b, s, V/t)
         logits = logits if self.fused else logits.float()  # ModelConfig.loss
         return VocabParallelCrossEntropy.apply(
             logits.flatten(0, 1), targets.flatten(), self.start, self.group, self.fused
@@ -182,7 +185,10 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
             if "tied" in style:  # the embedding's slice, one Parameter for both ends
                 module.weight = model.get_submodule(style["tied"]).weight
             model.set_submodule(
-                parent_name, VocabParallelHead(parent.norm, module, box[0][0], ops[style["input"]], group, parent.loss)
+                parent_name,
+                VocabParallelHead(
+                    parent.norm, module, box[0][0], ops[style["input"]], group, parent.loss, parent.vocab
+                ),
             )
         elif kind == "input":
             enter = ops[style["input"]]

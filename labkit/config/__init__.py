@@ -129,7 +129,8 @@ class ModelConfig(_Dict):
     ffn: int = 256
     """MLP inner width: fc1's outputs (gpt, gpt2: 4h), or each of SwiGLU's gate and up (llama); tp must divide it."""
     vocab: int = 256
-    """Vocabulary size; tp must divide it (vocab-parallel embedding and loss); data="text" needs >= 256 (bytes)."""
+    """Vocabulary size (the tokens that exist); tp must divide it (vocab-parallel embedding and loss)
+    unless vocab_divisible_by pads it; data="text" needs >= 256 (bytes)."""
     seq: int = 64
     """Sequence length s; 2 * cp must divide it (ring attention's zigzag halves). gpt, gpt2: the
     learned position table's size too."""
@@ -165,6 +166,11 @@ class ModelConfig(_Dict):
     in the compute dtype, keeping them and each row's fp32 log-sum-exp, its gradient written in
     the compute dtype (flash-attn's CrossEntropyLoss, llm-foundry's default for MPT; Liger's keeps
     the same bytes). The same loss to rounding; in bf16 'fused' keeps half the bytes a logit."""
+    vocab_divisible_by: int | None = None
+    """Megatron's --make-vocab-size-divisible-by (its default 128): the embedding and the head get
+    `padded_vocab(tp)` rows, vocab rounded up to a multiple of vocab_divisible_by * tp, so any vocab
+    splits over any tp (GPT-2's 50257). The padding rows start at zero and their logits are masked
+    out of the loss (-inf), so the model trains exactly as the unpadded one. None: no padding."""
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)
@@ -182,6 +188,17 @@ class ModelConfig(_Dict):
         if found:
             raise ConfigError(found)
         return cls(**fields)
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """Rows of the embedding and head on a `tp`-way layout (Megatron core_v0.19.0 vocab_utils.py)."""
+        multiple = (self.vocab_divisible_by or 0) * tp
+        return -(-self.vocab // multiple) * multiple if multiple else self.vocab
+
+    def padded(self, tp: int = 1) -> ModelConfig:
+        """The model as a `tp`-way layout's ranks hold it, padding rows counted as vocabulary: what
+        the theory prices. num_params() of self stays the published (unpadded) count."""
+        off = self.vocab_divisible_by is None
+        return self if off else self.replace(vocab=self.padded_vocab(tp), vocab_divisible_by=None)
 
     @property
     def head_dim(self) -> int:

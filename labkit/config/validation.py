@@ -62,6 +62,7 @@ _RANGES = {
         "top_k": _at_least(1, "top_k", "the experts each token is routed to; try 1"),
         "aux_loss_coef": ((lambda v: v >= 0), lambda v: f"aux_loss_coef={v} must be >= 0; try 0.01"),
         "kv_heads": ((lambda v: v is None or v >= 1), lambda v: f"kv_heads={v} must be >= 1, or None (= heads)"),
+        "vocab_divisible_by": ((lambda v: v is None or v >= 1), lambda v: f"vocab_divisible_by={v} must be >= 1"),
         "rope_theta": _above_zero("rope_theta", "RoPE's base: try 10000.0 (Llama 2) or 500000.0 (Llama 3)"),
         "norm_eps": _above_zero("norm_eps", "try 1e-5"),
     },
@@ -218,10 +219,13 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         out.append(f"heads={model.heads} is not divisible by tp={cfg.tp}; {suggest(divisors(model.heads))} for tp")
     if model.ffn % cfg.tp:
         out.append(f"ffn={model.ffn} is not divisible by tp={cfg.tp}; tp must divide ffn")
-    if model.vocab % cfg.tp:
+    # padded (vocab_divisible_by), the rows split evenly whatever the vocab
+    if model.vocab % cfg.tp and model.vocab_divisible_by is None:
         out.append(
-            f"vocab={model.vocab} is not divisible by tp={cfg.tp} (vocab-parallel embedding); "
-            f"use a vocab that is a multiple of {cfg.tp}"
+            f"vocab={model.vocab} is not divisible by tp={cfg.tp} (vocab-parallel embedding); set "
+            f"ModelConfig.vocab_divisible_by=128 to pad the embedding and the head to "
+            f"{model.replace(vocab_divisible_by=128).padded_vocab(cfg.tp)} rows as Megatron does (the padding "
+            f"masked out of the loss: the same model), or use a vocab that is a multiple of {cfg.tp}"
         )
     out += family_problems(cfg, model)
     out += stage_problems(cfg, model)
@@ -332,6 +336,11 @@ def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
                 f"impl='torch' with pp > 1 and {what} on torch.distributed.pipelining stages) is not built "
                 "yet; use impl='lab'"
             )
+    if cfg.tp > 1 and cfg.torch_impl and model.padded_vocab(cfg.tp) != model.vocab:
+        out.append(
+            f"impl='torch' with tp > 1 and vocab_divisible_by={model.vocab_divisible_by}: DTensor's loss_parallel "
+            "has no mask for the padding logits; use impl='lab' (its vocab-parallel loss masks them)"
+        )
     if cfg.tp > 1 and cfg.torch_impl and model.experts:
         out.append(
             "impl='torch' with tp > 1 and an MoE model (DTensor styles for the experts) is not built yet; "

@@ -8,6 +8,7 @@ naming the step, rank or tensor; `assert_matches` raises if anything is. The che
   steps            as many steps as the reference, on every rank
   replicas         every rank holding an element holds the same bits (labkit/oracle/assembly.py)
   working weights  the weights forward reads are the masters rounded to the compute dtype
+  padding          a padded vocabulary's padding rows: zero parameters, zero gradients (never in the loss)
   gradients        the first step's reduced gradient of every tensor (before clipping)
   losses           each step's global loss
   grad norms       each step's global gradient norm, on every rank
@@ -39,7 +40,7 @@ BF16_RTOL = 2e-2
 @dataclass(frozen=True)
 class Mismatch:
     check: str
-    """finite | steps | replicas | working weights | gradients | losses | grad norms | parameters"""
+    """finite | steps | replicas | working weights | padding | gradients | losses | grad norms | parameters"""
     message: str
 
     def __str__(self) -> str:
@@ -166,6 +167,24 @@ def gradients(result, ref, bound: float, show: int = 6) -> list[Mismatch]:
     ] + ([Mismatch("gradients", f"... and {len(bad) - show} more tensor(s)")] if len(bad) > show else [])
 
 
+def padding(result) -> list[Mismatch]:
+    """A padded vocabulary's padding rows (ModelConfig.vocab_divisible_by) never take part: they start
+    at zero and their logits are masked out of the loss, so their gradient is exactly zero and they
+    stay zero through every update. A non-zero element is a mask that leaked into the model."""
+    out = []
+    for kind, tensors in (result.padding or {}).items():
+        for name, rows in tensors.items():
+            if np.count_nonzero(rows):
+                out.append(
+                    Mismatch(
+                        "padding",
+                        f"{kind} {name}: {np.count_nonzero(rows)} element(s) of the padding rows "
+                        f"[{result.model.vocab}:) are not zero (largest |x| {float(np.nanmax(np.abs(rows))):.3g})",
+                    )
+                )
+    return out
+
+
 def losses(result, ref, bound: float) -> list[Mismatch]:
     errs = loss_errors(result.losses, ref.losses)
     if not any(_over(e, bound) for e in errs):
@@ -231,7 +250,7 @@ def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     # in the module docstring's order: the most basic failure is named first
     found = finite(result) + steps(result, ref)
     found += [Mismatch("replicas", str(i)) for i in result.piece_issues if i.kind == "differs"]
-    found += working_weights(result)
+    found += working_weights(result) + padding(result)
     found += gradients(result, ref, b.grads)
     found += losses(result, ref, b.losses) + grad_norms(result, ref, b.grad_norms)
     return found + parameters(result, ref, b.params)

@@ -111,6 +111,32 @@ def _comm(d: dict, t0: float, offset: float) -> CommEvent:
     return CommEvent(**d)
 
 
+def _lists(tensors: dict) -> dict:
+    """name -> array as flat lists under their shapes: JSON has no arrays."""
+    return {k: {"shape": list(v.shape), "values": v.reshape(-1).tolist()} for k, v in tensors.items()}
+
+
+def _arrays(lists: dict) -> dict:
+    return {k: np.asarray(v["values"], dtype=np.float32).reshape(v["shape"]) for k, v in lists.items()}
+
+
+VOCAB_TABLES = ("embed.tok.weight", "head.proj.weight")
+"""The tensors whose rows are the vocabulary: the ones a padded vocabulary pads."""
+
+
+def _split_padding(found: dict, vocab: int) -> dict | None:
+    """Cut the padding rows (beyond `vocab`) off the vocabulary tables of each assembled kind in
+    `found`, in place; returns them by kind ('params', 'grads', 'compute'), or None: no padding."""
+    kinds = {"pieces": "params", "grad_pieces": "grads", "compute_pieces": "compute"}
+    out: dict = {}
+    for key, tensors in found.items():
+        for name in VOCAB_TABLES:
+            if tensors is not None and name in tensors and tensors[name].shape[0] > vocab:
+                out.setdefault(kinds[key], {})[name] = tensors[name][vocab:]
+                tensors[name] = tensors[name][:vocab]  # (V padded, h) -> (V, h): the reference's shape
+    return out or None
+
+
 @dataclass
 class RunResult(RankViews):
     """What a run measured; its tables, bubble and trace are the views every result shares
@@ -142,6 +168,10 @@ class RunResult(RankViews):
     validation_loss: float | None = None
     """data='text': the trained model's mean loss on the held-out validation windows, computed by
     the ranks in the run's own layout after the last step (engines/evaluate.py); else None."""
+    padding: dict[str, dict[str, np.ndarray]] | None = field(default=None, repr=False)
+    """A padded vocabulary's padding rows (ModelConfig.vocab_divisible_by), kept apart: what -> name ->
+    rows [vocab:) of 'params', 'grads', 'compute'. params / grads / compute hold the vocabulary rows
+    alone, the unpadded model the reference trains; the oracle holds these at zero (checks.padding)."""
 
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
@@ -178,6 +208,7 @@ class RunResult(RankViews):
             mine = [{**pc, "rank": r["rank"]} for r in active for pc in r.get(key) or []]
             found[key], more = assemble(mine, what) if mine else (None, [])
             issues += more
+        padding = _split_padding(found, model.vocab)
         audit = [r["audit"] for r in active] if any("audit" in r for r in active) else None
         validation = None
         if any("validation" in r for r in active):  # shares add up like the losses above
@@ -198,6 +229,7 @@ class RunResult(RankViews):
             piece_issues=issues,
             data=data,
             validation_loss=validation,
+            padding=padding,
         )
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
@@ -226,10 +258,9 @@ class RunResult(RankViews):
         }
         for key in ("params", "grads", "compute"):
             if getattr(self, key) is not None:
-                # flat lists under their shapes: JSON has no arrays
-                d[key] = {
-                    k: {"shape": list(v.shape), "values": v.reshape(-1).tolist()} for k, v in getattr(self, key).items()
-                }
+                d[key] = _lists(getattr(self, key))
+        if self.padding:
+            d["padding"] = {kind: _lists(t) for kind, t in self.padding.items()}
         d["piece_issues"] = [i.to_dict() for i in self.piece_issues]
         return d
 
@@ -241,12 +272,7 @@ class RunResult(RankViews):
             r["comm"] = [CommEvent(**e) for e in r["comm"]]
             r["timeline"] = [Event(**e) for e in r["timeline"]]
             ranks.append(RankReport(**r))
-        tensors = {
-            key: {k: np.asarray(v["values"], dtype=np.float32).reshape(v["shape"]) for k, v in d[key].items()}
-            if d.get(key)
-            else None
-            for key in ("params", "grads", "compute")
-        }
+        tensors = {key: _arrays(d[key]) if d.get(key) else None for key in ("params", "grads", "compute")}
         return cls(
             ParallelConfig.from_dict(d["config"]),
             ModelConfig.from_dict(d["model"]),
@@ -262,6 +288,7 @@ class RunResult(RankViews):
             piece_issues=[PieceIssue.from_dict(i) for i in d.get("piece_issues", [])],
             data=d.get("data", "synthetic"),
             validation_loss=d.get("validation_loss"),
+            padding={kind: _arrays(t) for kind, t in d["padding"].items()} if d.get("padding") else None,
         )
 
     def save(self, path) -> None:

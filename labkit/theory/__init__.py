@@ -51,6 +51,14 @@ class Estimate:
     representative: list[int] = field(repr=False)
     """representative[r]: the rank whose rows rank r shares (ranks differ only in symmetric dims)."""
     bubble: float = 0.0
+    laid_out: ModelConfig | None = field(default=None, repr=False)
+    """The model as the ranks hold it: `model` with a padded vocabulary's padding rows counted as
+    vocabulary (ModelConfig.padded); what every prediction here prices. None: `model` itself."""
+
+    @property
+    def padding_params(self) -> int:
+        """Parameters the vocabulary's padding adds (embedding and untied head), beside the published Ψ."""
+        return num_params(self.laid_out or self.model) - num_params(self.model)
 
     def rank_rows(self, rank: int) -> list[dict]:
         """One rank's rows {rank, dim, op, calls, payload_bytes, wire_bytes} for one step."""
@@ -82,11 +90,17 @@ class Estimate:
                 f"{MeshLayout.of(cfg).describe()} ({cfg.order}) on {self.world:,} ranks, "
                 f"sharding={cfg.sharding}, impl={cfg.impl}, {cfg.precision}, microbatches={cfg.microbatches}",
             ),
-            ("model", f"Ψ = {num_params(self.model):,} parameters"),
+            ("model", f"Ψ = {num_params(self.model):,} parameters" + self._padding()),
             (f"fullest rank ({r})", ", ".join(f"{k} {human_bytes(v)}" for k, v in self.memory[r].items())),
             ("bubble", f"{self.bubble:.1%}"),
         ]
         return card("Estimate (theory)", facts, [(f"communication of rank {r}, one step (ring model)", per_dim)])
+
+    def _padding(self) -> str:
+        laid = self.laid_out or self.model
+        if laid.vocab == self.model.vocab:
+            return ""
+        return f", + {self.padding_params:,} of vocabulary padding ({self.model.vocab:,} -> {laid.vocab:,} rows)"
 
     @property
     def comm(self) -> list[dict]:
@@ -100,7 +114,7 @@ class Estimate:
         H100): compute op by op on a roofline, each dim's collectives by α-β on the link its
         groups span, what overlaps hidden, the bubble; `.dominant` names what dominates. The
         step is the slowest pipeline rank's, whichever `rank` is asked for."""
-        return step_time(self.config, self.model, hw or H100, self.world)
+        return step_time(self.config, self.laid_out or self.model, hw or H100, self.world)
 
 
 def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.ndarray]:
@@ -131,6 +145,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     found = problems(cfg, model, world)
     if found:
         raise ConfigError(found)
+    given, model = model, model.padded(cfg.tp)  # a padded vocabulary's rows priced as the ranks hold them
     layout = MeshLayout.of(cfg)
     stage, shard = _classes(cfg, layout)
     if not (cfg.sharded.fsdp and cfg.torch_impl):
@@ -151,12 +166,13 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     rows_of = rank_comm(cfg, model, layout, stage_rep.values())
     return Estimate(
         cfg,
-        model,
+        given,
         world or layout.world,
         memory,
         rows_of,
         representative,
         step_bubble(cfg, model),
+        laid_out=model,
     )
 
 

@@ -16,8 +16,9 @@ from labkit.config import ModelConfig, RopeScaling
 GPT2_124M = ModelConfig(arch="gpt2", layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=1024)
 """GPT-2 small: Radford et al., "Language Models are Unsupervised Multitask Learners" (2019),
 table 2; huggingface.co/openai-community/gpt2 config.json (n_embd 768, n_layer 12, n_head 12,
-n_positions 1024, vocab 50257, gelu_new, tied head). vocab 50257 is odd, so tp must be 1 (nanoGPT
-pads it to 50304 to train fast; that is another model)."""
+n_positions 1024, vocab 50257, gelu_new, tied head). vocab 50257 is odd: tp > 1 needs
+`.replace(vocab_divisible_by=128)`, Megatron's padding (the padding rows out of the loss: the same
+model; nanoGPT's 50304 is a vocab of 50304, another model)."""
 
 LLAMA2_7B = ModelConfig(arch="llama", layers=32, hidden=4096, heads=32, ffn=11008, vocab=32000, seq=4096)
 """Llama 2 7B: Touvron et al., "Llama 2: Open Foundation and Fine-Tuned Chat Models" (2023),

@@ -1,0 +1,286 @@
+"""Megatron-LM's arguments -> labkit (labkit/config/jobs/__init__.py).
+
+Follows Megatron-LM core_v0.14.0 (commit 23e00ed0), megatron/training/arguments.py: the names,
+defaults and derived values of the arguments below (validate_args: --ffn-hidden-size defaults to
+4h, or int(8h/3 / 64) * 64 with --swiglu; --global-batch-size to micro * DP; --moe-ffn-hidden-size
+to --ffn-hidden-size; --make-vocab-size-divisible-by 128), and its launch: torchrun's --nnodes x
+--nproc-per-node ranks before the script, its arguments after. The input is an argument list or a
+launch script's text: comments dropped, continuation lines joined, `NAME=value` assignments
+substituted for $NAME / ${NAME}, then split as the shell would (shlex).
+
+Megatron counts its ranks as world = TP * PP * CP * DP, expert parallelism inside DP (EP | DP),
+in the order tp-cp-ep-dp-pp: labkit lays that out as dp = DP / EP and ep = EP in the same order.
+Its expert-TP must be TP (labkit has one tp dim for dense and expert layers); what labkit cannot
+express is refused by name, what it does not represent listed in Job.notes.
+"""
+
+from __future__ import annotations
+
+from labkit.config import ModelConfig, OptimConfig, ParallelConfig, RopeScaling
+from labkit.config.choices import ConfigError, family
+from labkit.config.jobs.job import Job, need_world, world_problem
+from labkit.config.jobs.megatron_args import Args, parse, split, stages_of
+
+READER = "Megatron-LM arguments (core_v0.14.0, arguments.py @ 23e00ed0)"
+SHARDING = {"no_shard": "none", "optim": "zero1", "optim_grads": "zero2", "optim_grads_params": "zero3"}
+
+
+def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
+    notes = []
+    need = {n: a.get(n, int) for n in ("num-layers", "hidden-size", "num-attention-heads", "seq-length")}
+    vocab = a.get("vocab-size", int, vocab)
+    missing = [f"--{n}" for n, v in {**need, "vocab-size": vocab}.items() if v is None]
+    if missing:
+        raise ConfigError(
+            [
+                f"the arguments have no {', '.join(missing)}, which the model needs (labkit reads no "
+                "tokenizer: give --vocab-size, or vocab= to the reader)"
+            ]
+        )
+    layers, h, heads, seq = need.values()
+    swiglu, norm = a.flag("swiglu"), a.get("normalization", str, "LayerNorm")
+    pos = a.get("position-embedding-type", str, "learned_absolute")
+    # the three arguments that make a GPT a Llama; labkit builds the two families whole, not a mix
+    llama = (swiglu, norm, pos) == (True, "RMSNorm", "rope")
+    if not llama and (swiglu, norm, pos) != (False, "LayerNorm", "learned_absolute"):
+        raise ConfigError(
+            [
+                f"--swiglu {'on' if swiglu else 'off'}, --normalization {norm}, --position-embedding-type "
+                f"{pos}: labkit builds llama (--swiglu, RMSNorm, rope) or gpt2 (GELU, LayerNorm, "
+                "learned_absolute), not this mix"
+            ]
+        )
+    no_bias = a.flag("disable-bias-linear")
+    if llama and not no_bias:
+        raise ConfigError(
+            [
+                "--swiglu with RMSNorm and rope but without --disable-bias-linear: Megatron adds biases to "
+                "every linear, which labkit's llama does not have; add --disable-bias-linear"
+            ]
+        )
+    if not llama and no_bias:
+        raise ConfigError(["--disable-bias-linear on a GELU/LayerNorm model: labkit's gpt2 has biases; remove it"])
+    # validate_args' defaults: SwiGLU's two up-projections at 2/3 of 4h keep the parameters of a 4h MLP
+    ffn = a.get("ffn-hidden-size", int, int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
+    experts = a.get("num-experts", int, 0) or 0
+    if experts:
+        ffn = a.get("moe-ffn-hidden-size", int, ffn)  # labkit's experts are its MLPs: every layer MoE
+        freq = a.get("moe-layer-freq", str, "1")
+        if freq != "1":
+            raise ConfigError([f"--moe-layer-freq {freq}: labkit's MoE models have experts in every layer; use 1"])
+    rope = None
+    # Megatron's llama 3.x scaling has low 1, high 4 and an original context of 8192 fixed in
+    # rotary_pos_embedding.py; only the factor is an argument
+    if a.flag("use-rope-scaling"):
+        rope = RopeScaling(
+            factor=a.get("rope-scaling-factor", float, 8.0),
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position=8192,
+        )
+    positions = a.get("max-position-embeddings", int, seq)
+    # a rope model has no position table; a learned one is sized by max-position-embeddings in Megatron
+    if not llama and positions != seq:
+        notes.append(
+            f"--max-position-embeddings {positions}: labkit's learned position table has --seq-length "
+            f"{seq} rows, {(positions - seq) * h:,} parameters fewer than the job's"
+        )
+    gqa = a.flag("group-query-attention")
+    tied = not a.flag("untie-embeddings-and-output-weights")  # Megatron ties unless told
+    arch = "llama" if llama else "gpt2"
+    model = ModelConfig(
+        arch=arch,
+        layers=layers,
+        hidden=h,
+        heads=heads,
+        ffn=ffn,
+        vocab=vocab,
+        seq=seq,
+        # --num-query-groups counts only with --group-query-attention (its default 1 is otherwise unused)
+        kv_heads=a.get("num-query-groups", int, 1) if gqa else None,
+        experts=experts,
+        top_k=a.get("moe-router-topk", int, 2) if experts else 1,
+        tie_embeddings=None if tied == family(arch).ties else tied,
+        qkv_bias=a.flag("add-qkv-bias"),
+        norm_eps=a.get("norm-epsilon", float, 1e-5),
+        rope_theta=float(a.get("rotary-base", int, 10000)),
+        rope_scaling=rope,
+        # Megatron always pads (default 128 x TP); the published count stays the unpadded one
+        vocab_divisible_by=a.get("make-vocab-size-divisible-by", int, 128),
+    )
+    return model, notes
+
+
+def read(
+    path=None,
+    *,
+    args: list[str] | None = None,
+    text: str | None = None,
+    gpus: int | None = None,
+    vocab: int | None = None,
+    seq: int | None = None,
+) -> Job:
+    """The Job of a launch script (`path` or its `text`) or an argument list (`args`). `gpus`: the
+    world size where no torchrun flags give it; `vocab` where no --vocab-size does; `seq` in place
+    of --seq-length (a note says so)."""
+    if args is None:
+        text = path.read_text() if text is None else text
+        words = split(text)
+    else:
+        words = list(args)
+    launcher, raw = parse(words)
+    a = Args(raw)
+    source = "<arguments>" if path is None else str(path)
+    notes = [
+        f"--{k} (torchrun): not represented"
+        for k in launcher
+        if k not in ("nnodes", "nproc_per_node", "nproc-per-node")
+    ]
+    # torchrun spells its flags both ways; without them the world is the caller's to give
+    per_node = launcher.get("nproc_per_node") or launcher.get("nproc-per-node")
+    world = None
+    if per_node is not None:
+        try:
+            world = int(launcher.get("nnodes") or 1) * int(per_node)
+        except ValueError:
+            raise ConfigError(
+                [
+                    f"torchrun --nnodes {launcher.get('nnodes')} --nproc-per-node {per_node}: labkit needs "
+                    "whole numbers (no elastic ranges)"
+                ]
+            ) from None
+    found = world_problem(gpus, world, "torchrun's --nnodes x --nproc-per-node")
+    if found:
+        raise ConfigError(found)
+    world = need_world(gpus, world, "the arguments (no torchrun --nnodes/--nproc-per-node)")
+
+    model, more = model_of(a, vocab)
+    notes += more
+    if seq and seq != model.seq:
+        notes.append(f"--seq-length {model.seq}: replaced by seq={seq} (given)")
+        model = model.replace(seq=seq)
+    tp, pp = a.get("tensor-model-parallel-size", int, 1), a.get("pipeline-model-parallel-size", int, 1)
+    cp, ep = a.get("context-parallel-size", int, 1), a.get("expert-model-parallel-size", int, 1)
+    etp = a.get("expert-tensor-parallel-size", int, tp)
+    if etp != tp:
+        raise ConfigError(
+            [
+                f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: "
+                "labkit's mesh has one tp dim for the dense and the expert layers"
+            ]
+        )
+    if world % (tp * pp * cp):
+        raise ConfigError(
+            [
+                f"world {world} GPUs is not divisible by --tensor-model-parallel-size {tp} x "
+                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}"
+            ]
+        )
+    dp = world // (tp * pp * cp)  # Megatron's data-parallel size, its expert ranks inside it
+    if dp % ep:
+        raise ConfigError(
+            [
+                f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world "
+                f"{world} / (TP {tp} x PP {pp} x CP {cp})): Megatron's experts split the data-parallel ranks"
+            ]
+        )
+    micro = a.get("micro-batch-size", int)
+    if micro is None:
+        raise ConfigError(["the arguments have no --micro-batch-size (Megatron requires it)"])
+    # the global batch defaults to one micro batch per data-parallel rank: no accumulation
+    glob = a.get("global-batch-size", int, micro * dp)
+    if glob % (micro * dp):
+        raise ConfigError(
+            [
+                f"--global-batch-size {glob} is not divisible by --micro-batch-size {micro} x the "
+                f"data-parallel size {dp} (world {world} / (TP {tp} x PP {pp} x CP {cp}))"
+            ]
+        )
+    vp, stage_layers = stages_of(a, model.layers, pp) if pp > 1 else (1, ())
+    return Job(
+        ParallelConfig(
+            dp=dp // ep,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            ep=ep,
+            sharding=_sharding(a),
+            sequence_parallel=a.flag("sequence-parallel"),
+            # Megatron's rank order (initialize.py: initialize_model_parallel's order), labkit's spelling
+            order="tp-cp-ep-pp-dp" if a.flag("use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
+            schedule="interleaved" if vp > 1 else "1f1b",
+            virtual_stages=vp,
+            stage_layers=stage_layers,
+            microbatches=glob // (micro * dp),
+            global_batch=glob,
+            precision=_precision(a, notes),
+            checkpoint_activations=_recompute(a, notes),
+        ),
+        model,
+        source,
+        READER,
+        _optim(a, notes),
+        tuple(notes + a.rest()),
+        gpus_per_node=int(per_node) if per_node is not None else None,
+    )
+
+
+def _sharding(a: Args) -> str:
+    # Megatron FSDP shards as --data-parallel-sharding-strategy says (default no_shard in core_v0.14.0);
+    # without it the distributed optimizer shards the optimizer's state alone: ZeRO-1
+    if a.flag("use-megatron-fsdp") or a.flag("use-custom-fsdp"):
+        strategy = a.get("data-parallel-sharding-strategy", str, "no_shard")
+        if strategy not in SHARDING:
+            raise ConfigError([f"--data-parallel-sharding-strategy {strategy} is not one of {sorted(SHARDING)}"])
+        return SHARDING[strategy]
+    return "zero1" if a.flag("use-distributed-optimizer") else "none"
+
+
+def _precision(a: Args, notes: list[str]) -> str:
+    fp8, bf16, fp16 = a.get("fp8-format"), a.flag("bf16"), a.flag("fp16")
+    if fp16:  # the same 2 bytes a value: memory and wire bytes are bf16's; the loss scaler is not modelled
+        notes.append("--fp16: labkit prices fp16 as bf16 (the same bytes), without loss scaling")
+    if fp8 is not None:
+        notes.append(f"--fp8-format {fp8}: labkit's fp8 is per-tensor e4m3 forward, e5m2 gradients (torchao's)")
+        return "fp8"
+    return "bf16" if bf16 or fp16 else "fp32"
+
+
+def _recompute(a: Args, notes: list[str]):
+    if a.flag("recompute-activations"):  # the old spelling of --recompute-granularity selective
+        return "selective"
+    gran = a.get("recompute-granularity")
+    method, n = a.get("recompute-method"), a.get("recompute-num-layers", int)
+    modules = a.get("recompute-modules", list, ["core_attn"])
+    if gran is None:
+        return False
+    if gran == "selective":
+        if set(modules) != {"core_attn"}:
+            notes.append(
+                f"--recompute-modules {' '.join(modules)}: labkit's 'selective' recomputes the attention "
+                "core only (Korthikanti et al.)"
+            )
+        return "selective"
+    if gran != "full":
+        raise ConfigError([f"--recompute-granularity {gran} is not 'full' or 'selective'"])
+    # uniform with 1 layer per unit is every block recomputed from its input: labkit's 'full'
+    if (method, n) not in ((None, None), ("uniform", 1)):
+        notes.append(
+            f"--recompute-method {method} --recompute-num-layers {n}: labkit's 'full' keeps every block's "
+            "input and recomputes every block"
+        )
+    return "full"
+
+
+def _optim(a: Args, notes: list[str]) -> OptimConfig:
+    # Megatron's 'adam' is AdamW (decoupled weight decay), as labkit's
+    if a.get("optimizer", str, "adam") != "adam":
+        notes.append(f"--optimizer {a.args['optimizer']}: labkit's optimizer is AdamW (its state bytes priced)")
+    return OptimConfig(
+        lr=a.get("lr", float, 3e-3),
+        beta1=a.get("adam-beta1", float, 0.9),
+        beta2=a.get("adam-beta2", float, 0.999),
+        eps=a.get("adam-eps", float, 1e-8),
+        weight_decay=a.get("weight-decay", float, 0.01),
+        clip=a.get("clip-grad", float, 1.0),
+    )
