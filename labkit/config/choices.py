@@ -1,10 +1,10 @@
 """The choices the configs offer, each defined once: its `Literal` type, the tuple of its values,
 and its one decode (torchtitan's `match policy: case ...: case _: raise`) into what the code
-needs. The configs' properties (labkit/config/__init__.py) read these decodes; code that holds a
+needs. The configs' properties (labkit/config/model.py, parallel.py) read these decodes; code that holds a
 bare name (a schedule passed to layout/schedules.py, a reference's precision) calls them itself.
 Nothing else in labkit compares a choice with a string (tests/test_choices.py reads the code).
 
-Plain Python, the bottom rung of the ladder: labkit/config/__init__.py and validation.py import it.
+Plain Python, the bottom rung of the ladder: the configs' modules and validation.py import it.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Hugging Face config.json -> the ModelConfig fields of the same architecture (ModelConfig.from_hf).
 
-Plain Python, no network and no weights: the bottom rung of the ladder with labkit/config/__init__.py.
+Plain Python, no network and no weights: the bottom rung of the ladder with the configs (labkit/config/model.py).
 Each supported class reads the fields that decide its architecture; a field whose value would
 change the architecture into one labkit does not build is refused, named, with the reason
-(`hf_fields` returns the problems; labkit/config/__init__.py raises them as one ConfigError), and
+(`hf_fields` returns the problems; labkit/config/model.py raises them as one ConfigError), and
 so is a key that is missing or of the wrong type, by its name. Fields that only matter for
 inference or for training noise (dropout, token ids, caches, dtype) are ignored: labkit trains
 without dropout. A config is a dict, or a local config.json (or the folder holding one): labkit

@@ -12,7 +12,7 @@ backend and devices allow (cluster/world.py backend_problems), the planner's ari
 of `problems` (theory/planner/evaluate.py layout_problems), a Hugging Face config.json
 (config/hf.py), generation's arguments (engines/generate.py). The Lab, the theory, the widgets
 (which offer only valid values) and the CLI all ask these. Plain Python, the ladder's bottom rung:
-labkit/config/__init__.py imports it, so it names the config classes for type hints only.
+the configs' modules import it, so it names the config classes for type hints only.
 """
 
 from __future__ import annotations

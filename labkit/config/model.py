@@ -1,0 +1,169 @@
+"""What to train: ModelConfig (and Llama 3.1's RopeScaling), its fields checked when built, its
+choices decoded once (choices.py); `from_hf` reads a Hugging Face config.json (hf.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from labkit.config import choices
+from labkit.config.base import _Dict
+from labkit.config.choices import (
+    Arch,
+    ConfigError,
+    Family,
+    Loss,
+)
+from labkit.config.hf import hf_fields
+from labkit.config.validation import check_fields
+
+
+@dataclass(frozen=True)
+class RopeScaling(_Dict):
+    """Llama 3.1's frequency-dependent RoPE scaling (Hugging Face rope_type 'llama3', Meta's
+    `apply_scaling` in llama-models): wavelengths longer than original_max_position / low_freq_factor
+    are slowed by `factor`, shorter than original_max_position / high_freq_factor kept, and the band
+    between interpolated smoothly (engines/layers.py `rope_frequencies`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+    """The pre-training context the frequencies were tuned for (HF original_max_position_embeddings)."""
+
+    def __post_init__(self):
+        check_fields(self)
+
+
+@dataclass(frozen=True)
+class ModelConfig(_Dict):
+    """A decoder-only transformer of one of three families (`arch`), pre-norm, causal.
+
+    Fields whose default depends on the family are None by default and stay None in the config
+    (its dict round trip is exact, and `replace(arch=...)` carries no stale value); the properties
+    `n_kv_heads` and `tied` resolve them. `from_hf` reads a Hugging Face config.json."""
+
+    layers: int = 4
+    """Transformer blocks. Split evenly over pp * virtual_stages, or as ParallelConfig.stage_layers says.
+    0 is a model of its embedding and head alone (the theory prices a chunk's ends so); a layout needs one."""
+    hidden: int = 64
+    """Model width h. heads must divide it."""
+    heads: int = 4
+    """Attention (query) heads; tp must divide it (tensor parallelism splits attention by heads)."""
+    ffn: int = 256
+    """MLP inner width: fc1's outputs (gpt, gpt2: 4h), or each of SwiGLU's gate and up (llama); tp must divide it."""
+    vocab: int = 256
+    """Vocabulary size (the tokens that exist); tp must divide it (vocab-parallel embedding and loss)
+    unless vocab_divisible_by pads it; data="text" needs >= 256 (bytes)."""
+    seq: int = 64
+    """Sequence length s; 2 * cp must divide it (ring attention's zigzag halves). gpt, gpt2: the
+    learned position table's size too."""
+    experts: int = 0
+    """Experts per MoE layer; 0 keeps dense MLPs. ep must divide it. With arch='llama': Mixtral."""
+    top_k: int = 1
+    """Experts each token is routed to (1 <= top_k <= experts)."""
+    aux_loss_coef: float = 0.01
+    """Weight of the Switch-Transformer load-balancing loss added to the LM loss (MoE only)."""
+    arch: Arch = "gpt"
+    """'gpt': labkit's toy (LayerNorm, learned positions, exact-GELU MLP, no biases, untied head);
+    'gpt2': GPT-2 as published (biases in every Linear and LayerNorm, tanh GELU, learned
+    positions, head tied to the token embedding); 'llama': RMSNorm, rotary positions, SwiGLU,
+    grouped-query attention, no biases (Llama 2/3, Mistral; Mixtral with experts > 0)."""
+    kv_heads: int | None = None
+    """Key/value heads (grouped-query attention, Ainslie et al. 2023); must divide heads.
+    None: heads (multi-head attention)."""
+    tie_embeddings: bool | None = None
+    """The LM head shares the token embedding's weight. None: the family's (gpt2 ties; gpt and
+    llama do not — Llama 3.2 1B/3B tie, give True)."""
+    rope_theta: float = 10000.0
+    """RoPE base (llama only; Su et al. 2021). Llama 2: 1e4, Llama 3: 5e5, Mixtral: 1e6."""
+    rope_scaling: RopeScaling | None = None
+    """Llama 3.1's RoPE scaling (llama only); None: plain RoPE."""
+    norm_eps: float = 1e-5
+    """Epsilon of every LayerNorm / RMSNorm."""
+    qkv_bias: bool = False
+    """Biases on the q, k and v projections only (llama family: Qwen2). gpt2 has biases everywhere anyway."""
+    loss: Loss = "fp32"
+    """How the cross-entropy is taken. 'fp32': the logits cast to fp32, then log-softmax and NLL
+    (F.cross_entropy on logits.float(), as torchtitan calls it): keeps the fp32 log-probabilities,
+    4 bytes a logit, and the backward makes fp32 gradients. 'fused': one function from the logits
+    in the compute dtype, keeping them and each row's fp32 log-sum-exp, its gradient written in
+    the compute dtype (flash-attn's CrossEntropyLoss, llm-foundry's default for MPT; Liger's keeps
+    the same bytes). The same loss to rounding; in bf16 'fused' keeps half the bytes a logit."""
+    vocab_divisible_by: int | None = None
+    """Megatron's --make-vocab-size-divisible-by (its default 128): the embedding and the head get
+    `padded_vocab(tp)` rows, vocab rounded up to a multiple of vocab_divisible_by * tp, so any vocab
+    splits over any tp (GPT-2's 50257). The padding rows start at zero and their logits are masked
+    out of the loss (-inf), so the model trains exactly as the unpadded one. None: no padding."""
+
+    def __post_init__(self):
+        if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)
+            object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        check_fields(self)  # a wrong type or range is refused here, named, with a fix
+
+    @classmethod
+    def from_hf(cls, config, seq: int | None = None) -> ModelConfig:
+        """The exact architecture of a Hugging Face config.json (a dict, or the file's path):
+        LlamaForCausalLM (Llama 2, 3.1, 3.2), MistralForCausalLM, MixtralForCausalLM,
+        Qwen2ForCausalLM, GPT2LMHeadModel. No weights, no network. `seq`: the training sequence
+        (default the config's max_position_embeddings / n_positions). A field that changes the
+        architecture in a way labkit does not build is refused, by name (labkit/config/hf.py)."""
+        fields, found = hf_fields(config, seq)
+        if found:
+            raise ConfigError(found)
+        return cls(**fields)
+
+    def padded_vocab(self, tp: int = 1) -> int:
+        """Rows of the embedding and head on a `tp`-way layout (Megatron core_v0.19.0 vocab_utils.py)."""
+        multiple = (self.vocab_divisible_by or 0) * tp
+        return -(-self.vocab // multiple) * multiple if multiple else self.vocab
+
+    def padded(self, tp: int = 1) -> ModelConfig:
+        """The model as a `tp`-way layout's ranks hold it, padding rows counted as vocabulary: what
+        the theory prices. num_params() of self stays the published (unpadded) count."""
+        off = self.vocab_divisible_by is None
+        return self if off else self.replace(vocab=self.padded_vocab(tp), vocab_divisible_by=None)
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        """Key/value heads: kv_heads, or heads when None."""
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def tied(self) -> bool:
+        """Whether the LM head is the token embedding (tie_embeddings, or the family's default)."""
+        return self.family.ties if self.tie_embeddings is None else self.tie_embeddings
+
+    # -- `arch` and `loss` decoded once (labkit/config/choices.py): the code reads these, never the names
+    @property
+    def family(self) -> Family:
+        """What `arch` builds: .rms_norm, .rotary, .gated_mlp, .biases, .gelu_approximate, ..."""
+        return choices.family(self.arch)
+
+    @property
+    def fused_loss(self) -> bool:
+        """loss='fused': the logits kept in the compute dtype with their fp32 log-sum-exp."""
+        return choices.fused_loss(self.loss)
+
+    def num_params(self) -> int:
+        """Parameter count Ψ of the full model (every weight, counted once; a tied head is the
+        embedding). labkit.theory.num_params counts the same from the parameter list."""
+        h, f, v, s, e = self.hidden, self.ffn, self.vocab, self.seq, self.experts
+        kv = self.n_kv_heads * self.head_dim
+        fam = self.family
+        norm = h if fam.rms_norm else 2 * h  # RMSNorm has no bias
+        attn = 2 * h * h + 2 * h * kv
+        if fam.biases or self.qkv_bias:
+            attn += h + 2 * kv  # q, k, v biases
+        if fam.biases:
+            attn += h  # the output projection's bias
+        mats = 3 if fam.gated_mlp else 2  # SwiGLU: gate, up, down
+        if e:
+            mlp = h * e + e * mats * h * f
+        else:
+            mlp = mats * h * f + (f + h if fam.biases else 0)
+        pos = 0 if fam.rotary else s * h
+        return v * h + pos + self.layers * (2 * norm + attn + mlp) + norm + (0 if self.tied else h * v)
