@@ -94,3 +94,127 @@ def test_summed_not_averaged_gives_the_factor(lab):
     report = lab.verify(build, summed, {"dp": 4}, batch, loss)
     assert not report.ok and report.factor == pytest.approx(4, rel=1e-4)
     assert "[gradients] every tensor's first-step gradient is 4 x the reference's: summed" in report.summary()
+
+
+# -- tensor parallelism with sequence parallelism, and FSDP2 over it ---------------------------------
+def sp_plan(norm="norm"):
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    # the residual stream between modules: local tensors sharded on the sequence (b, s/tp, h)
+    return {
+        "emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        norm: SequenceParallel(use_local_output=True),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+    }
+
+
+def tp_sp(model, mesh, plan=None):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    parallelize_module(model, mesh["tp"], plan or sp_plan())
+    return fully_shard(model, mesh=mesh["dp"])
+
+
+def loss_parallel_step(model, b, ctx):
+    """The rank step of a plan whose head keeps its vocabulary shards: the loss inside loss_parallel."""
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    with loss_parallel():
+        out = ctx.loss(model, ctx.shard(b))
+        out.backward()
+    return out
+
+
+def test_fsdp2_with_tp_and_sp_is_right(lab):
+    report = lab.verify(build, tp_sp, {"dp": 2, "tp": 2}, batch, loss, step=loss_parallel_step)
+    report.assert_ok()
+
+
+def test_a_norm_left_out_of_sp_is_named(lab):
+    plan = sp_plan()
+    del plan["norm"]  # the bug: the LayerNorm stays a plain tensor, each rank its own tokens' gradient
+    report = lab.verify(
+        build, lambda m, mesh: tp_sp(m, mesh, plan), {"dp": 2, "tp": 2}, batch, loss, step=loss_parallel_step
+    )
+    assert not report.ok
+    first = report.first()
+    assert first.check == "gradient replicas" and first.tensor in ("norm.weight", "norm.bias"), report.summary()
+    assert f"[gradient replicas] {first.tensor}" in report.summary()
+    assert set(report.df.set_index("tensor").loc[["norm.weight", "norm.bias"], "status"]) == {"gradient replicas"}
+
+
+def test_a_plan_entry_that_selects_nothing_is_named(lab):
+    report = lab.verify(
+        build, lambda m, mesh: tp_sp(m, mesh, sp_plan("nrom")), {"dp": 2, "tp": 2}, batch, loss, step=loss_parallel_step
+    )
+    assert report.first().check == "plan" and report.first().tensor == "nrom"
+    assert "[plan] nrom: this parallelize_module plan entry selects no module" in report.summary()
+
+
+def test_a_wrong_output_layout_is_caught(lab):
+    from torch.distributed.tensor import Partial
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    def tp(model, mesh, out=None):
+        kw = {} if out is None else {"output_layouts": out}  # the bug: Partial, each rank its own partial sum
+        return parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(**kw)})
+
+    lab.verify(build, tp, {"tp": 4}, batch, loss).assert_ok()
+    report = lab.verify(build, lambda m, mesh: tp(m, mesh, Partial()), {"tp": 4}, batch, loss)
+    assert not report.ok and report.first().check in ("gradient replicas", "gradients"), report.summary()
+
+
+# -- the user's own rank step: data and microbatches ----------------------------------------------------
+def accumulate(divide: bool):
+    def step(model, b, ctx):
+        mine = ctx.shard(b)
+        total = 0.0
+        for mb in mine.chunk(2):  # 2 microbatches
+            out = ctx.loss(model, mb)
+            (out / 2 if divide else out).backward()  # the bug: not divided by the accumulation steps
+            total += out.item() / 2
+        return total
+
+    return step
+
+
+def test_accumulation_without_the_division_gives_the_factor(lab):
+    lab.verify(build, ddp, {"dp": 4}, batch, loss, step=accumulate(True)).assert_ok()
+    report = lab.verify(build, ddp, {"dp": 4}, batch, loss, step=accumulate(False))
+    assert report.factor == pytest.approx(2, rel=1e-4)
+    assert "is 2 x the reference's" in report.summary() and "2 accumulation steps" in report.summary()
+
+
+def test_every_rank_reading_the_same_batch_is_caught(lab):
+    from labkit.engines.verify import slice_batch
+
+    def same_batch(model, b, ctx):
+        out = ctx.loss(model, slice_batch(b, 0, ctx.dp_size))  # the bug: slice 0 on every rank
+        out.backward()
+        return out
+
+    report = lab.verify(build, ddp, {"dp": 4}, batch, loss, step=same_batch)
+    assert report.first().check == "gradients" and report.factor is None, report.summary()
+    assert report.summary().startswith(f"verify FAILED on dp=4: [gradients] {report.first().tensor}:")
+    assert not report.df.query("tensor == 'head.weight'")["status"].eq("ok").any()
+
+
+def test_per_rank_init_with_one_seed_is_caught_before_any_step(lab):
+    from torch.distributed.fsdp import fully_shard
+
+    def meta_style(model, mesh):
+        fully_shard(model, mesh=mesh["dp"])
+        torch.manual_seed(0)  # the bug: every rank draws its shard from the same seed
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().normal_(0, 0.02)
+        return model
+
+    report = lab.verify(build, meta_style, {"dp": 4}, batch, loss)
+    first = report.first()
+    assert first.check == "initial" and first.tensor == "emb.weight", report.summary()
+    assert "identical" in first.message  # the shards repeat one block

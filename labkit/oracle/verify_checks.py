@@ -121,7 +121,21 @@ def gathered(reports: list[dict], what: str, label: str) -> tuple[dict, dict, li
     return full, dtypes, found
 
 
-def initial(full: dict, dtypes: dict, ref: dict) -> tuple[dict, list[Finding]]:
+def repeated(value: np.ndarray, world: int) -> str:
+    """' (its k blocks along dim d are identical: ...)' when the tensor is one block repeated, as
+    when every rank initialises its shard from the same seed; else ''."""
+    for d in {0, value.ndim - 1} if value.ndim else ():
+        for k in range(world, 1, -1):
+            if value.shape[d] % k == 0:
+                blocks = np.split(value, k, axis=d)
+                if all(np.array_equal(b, blocks[0]) for b in blocks[1:]):
+                    return (
+                        f" (its {k} blocks along dim {d} are identical: every rank initialised its shard the same way)"
+                    )
+    return ""
+
+
+def initial(full: dict, dtypes: dict, ref: dict, world: int) -> tuple[dict, list[Finding]]:
     """Each tensor right after parallelize against build()'s, exactly (rounded to the rank's dtype)."""
     errs, out = {}, []
     for n, want in ref["initial"].items():
@@ -138,7 +152,7 @@ def initial(full: dict, dtypes: dict, ref: dict) -> tuple[dict, list[Finding]]:
                     "initial",
                     n,
                     f"{k} of {want.size} element(s) differ from build()'s right after parallelize "
-                    f"(relative L2 {errs[n]:.3g}; they must be equal)",
+                    f"(relative L2 {errs[n]:.3g}; they must be equal){repeated(full[n], world)}",
                     error=errs[n],
                     bound=0.0,
                 )
@@ -241,7 +255,7 @@ def judge(ref: dict, reports: list[dict], within: Bounds, dp_size: int) -> dict:
     start, dtypes, f0 = gathered(reports, "initial", "parameters")
     grads, _, f1 = gathered(reports, "grads", "gradients")
     final, _, f2 = gathered(reports, "final", "parameters")
-    init_err, f3 = initial(start, dtypes, ref)
+    init_err, f3 = initial(start, dtypes, ref, len(reports))
     grad_err, f4 = gradients(grads, ref, within.grads)
     loss_rows, f5 = losses(reports, ref, within.losses, dp_size)
     final_err, f6 = parameters(final, ref, within.params)
