@@ -218,3 +218,60 @@ def test_per_rank_init_with_one_seed_is_caught_before_any_step(lab):
     first = report.first()
     assert first.check == "initial" and first.tensor == "emb.weight", report.summary()
     assert "identical" in first.message  # the shards repeat one block
+
+
+# -- bad input: a clear error, the Lab usable after ------------------------------------------------------
+def test_bad_input_is_refused_before_the_engines(lab):
+    from labkit import ConfigError
+
+    jobs = lab.jobs
+    with pytest.raises(
+        ConfigError, match=r"mesh=\{'dp': 2, 'tp': 3\}: dp\(2\) \* tp\(3\) = 6 ranks, but this Lab has 4"
+    ):
+        lab.verify(build, ddp, {"dp": 2, "tp": 3}, batch, loss)
+    with pytest.raises(ConfigError, match=r"loss\(model, batch\) gave \(8, 8, 32\) at step 0; it must be a scalar"):
+        lab.verify(build, ddp, {"dp": 4}, batch, lambda m, b: m(b[:, :-1]))
+    calls = iter(range(100))
+
+    def drifting():
+        torch.manual_seed(next(calls))  # a different seed at every call
+        return Net()
+
+    with pytest.raises(ConfigError, match=r"build\(\) is not deterministic: two calls .* gave different weights"):
+        lab.verify(drifting, ddp, {"dp": 4}, batch, loss)
+    with pytest.raises(ConfigError, match="steps=0 must be a whole number >= 1"):
+        lab.verify(build, ddp, {"dp": 4}, batch, loss, steps=0)
+    assert lab.jobs == jobs  # nothing reached the engines
+
+
+def test_a_build_that_depends_on_the_rank_is_refused(lab):
+    from labkit import ConfigError
+
+    def by_rank():
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        torch.manual_seed(rank)  # the bug: each rank its own weights
+        return Net()
+
+    with pytest.raises(ConfigError, match=r"build\(\) gave rank\(s\) \[1, 2, 3\] other weights than this process"):
+        lab.verify(by_rank, ddp, {"dp": 4}, batch, loss)
+
+
+def test_parallelize_raising_or_hanging_on_one_rank(lab):
+    from labkit import CollectiveTimeout, RankError
+
+    def fails_on_2(model, mesh):
+        if dist.get_rank() == 2:
+            raise RuntimeError("rank 2's plan fails on purpose")
+        return ddp(model, mesh)
+
+    def hangs_on_1(model, mesh):
+        if dist.get_rank() != 1:
+            dist.all_reduce(torch.ones(1))
+        return model
+
+    with pytest.raises(RankError) as err:
+        lab.verify(build, fails_on_2, {"dp": 4}, batch, loss, timeout=60)
+    assert set(err.value.failures) == {2} and "rank 2's plan fails on purpose" in err.value.failures[2]["traceback"]
+    with pytest.raises(CollectiveTimeout, match=r"ranks \[1\] never reached all_reduce"):
+        lab.verify(build, hangs_on_1, {"dp": 4}, batch, loss, timeout=5)
+    lab.verify(build, ddp, {"dp": 4}, batch, loss).assert_ok()  # the Lab repaired at the next call
