@@ -84,18 +84,6 @@ def test_fsdp2_and_own_collectives_are_right(lab):
     lab.verify(build, own_allreduce, {"dp": 4}, batch, loss).assert_ok()
 
 
-def test_summed_not_averaged_gives_the_factor(lab):
-    def summed(model, mesh):
-        group = mesh.get_group("dp")
-        for p in model.parameters():
-            p.register_hook(lambda g: (dist.all_reduce(g := g.clone(), group=group), g)[1])
-        return model
-
-    report = lab.verify(build, summed, {"dp": 4}, batch, loss)
-    assert not report.ok and report.factor == pytest.approx(4, rel=1e-4)
-    assert "[gradients] every tensor's first-step gradient is 4 x the reference's: summed" in report.summary()
-
-
 # -- tensor parallelism with sequence parallelism, and FSDP2 over it ---------------------------------
 def sp_plan(norm="norm"):
     from torch.distributed.tensor import Replicate, Shard
@@ -129,95 +117,156 @@ def loss_parallel_step(model, b, ctx):
     return out
 
 
-def test_fsdp2_with_tp_and_sp_is_right(lab):
-    report = lab.verify(build, tp_sp, {"dp": 2, "tp": 2}, batch, loss, step=loss_parallel_step)
-    report.assert_ok()
-
-
-def test_a_norm_left_out_of_sp_is_named(lab):
-    plan = sp_plan()
-    del plan["norm"]  # the bug: the LayerNorm stays a plain tensor, each rank its own tokens' gradient
-    report = lab.verify(
-        build, lambda m, mesh: tp_sp(m, mesh, plan), {"dp": 2, "tp": 2}, batch, loss, step=loss_parallel_step
-    )
-    assert not report.ok
-    first = report.first()
-    assert first.check == "gradient replicas" and first.tensor in ("norm.weight", "norm.bias"), report.summary()
-    assert f"[gradient replicas] {first.tensor}" in report.summary()
-    assert set(report.df.set_index("tensor").loc[["norm.weight", "norm.bias"], "status"]) == {"gradient replicas"}
-
-
-def test_a_plan_entry_that_selects_nothing_is_named(lab):
-    report = lab.verify(
-        build, lambda m, mesh: tp_sp(m, mesh, sp_plan("nrom")), {"dp": 2, "tp": 2}, batch, loss, step=loss_parallel_step
-    )
-    assert report.first().check == "plan" and report.first().tensor == "nrom"
-    assert "[plan] nrom: this parallelize_module plan entry selects no module" in report.summary()
-
-
-def test_a_wrong_output_layout_is_caught(lab):
-    from torch.distributed.tensor import Partial
+def plain_tp(model, mesh, out=None):
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    def tp(model, mesh, out=None):
-        kw = {} if out is None else {"output_layouts": out}  # the bug: Partial, each rank its own partial sum
-        return parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(**kw)})
-
-    lab.verify(build, tp, {"tp": 4}, batch, loss).assert_ok()
-    report = lab.verify(build, lambda m, mesh: tp(m, mesh, Partial()), {"tp": 4}, batch, loss)
-    assert not report.ok and report.first().check in ("gradient replicas", "gradients"), report.summary()
+    kw = {} if out is None else {"output_layouts": out}
+    return parallelize_module(model, mesh["tp"], {"up": ColwiseParallel(), "down": RowwiseParallel(**kw)})
 
 
-# -- the user's own rank step: data and microbatches ----------------------------------------------------
 def accumulate(divide: bool):
+    """A rank step over 2 microbatches of this rank's slice."""
+
     def step(model, b, ctx):
-        mine = ctx.shard(b)
         total = 0.0
-        for mb in mine.chunk(2):  # 2 microbatches
+        for mb in ctx.shard(b).chunk(2):
             out = ctx.loss(model, mb)
-            (out / 2 if divide else out).backward()  # the bug: not divided by the accumulation steps
+            (out / 2 if divide else out).backward()
             total += out.item() / 2
         return total
 
     return step
 
 
-def test_accumulation_without_the_division_gives_the_factor(lab):
+def test_correct_plans_pass(lab):
+    """The controls of the bugs below: the same plans, written right."""
+    lab.verify(build, tp_sp, {"dp": 2, "tp": 2}, batch, loss, step=loss_parallel_step).assert_ok()
+    lab.verify(build, plain_tp, {"tp": 4}, batch, loss).assert_ok()
     lab.verify(build, ddp, {"dp": 4}, batch, loss, step=accumulate(True)).assert_ok()
-    report = lab.verify(build, ddp, {"dp": 4}, batch, loss, step=accumulate(False))
-    assert report.factor == pytest.approx(2, rel=1e-4)
-    assert "is 2 x the reference's" in report.summary() and "2 accumulation steps" in report.summary()
 
 
-def test_every_rank_reading_the_same_batch_is_caught(lab):
+# -- the bugs of issue 31, each a few lines in an otherwise correct plan ----------------------------------
+def summed(model, mesh):
+    group = mesh.get_group("dp")
+    for p in model.parameters():  # the bug: all-reduced (summed), never divided by the dp size
+        p.register_hook(lambda g: (dist.all_reduce(g := g.clone(), group=group), g)[1])
+    return model
+
+
+def sp_without_the_norm(model, mesh):
+    plan = sp_plan()
+    del plan["norm"]  # the bug: the LayerNorm stays a plain tensor, each rank its own tokens' gradient
+    return tp_sp(model, mesh, plan)
+
+
+def same_batch(model, b, ctx):
     from labkit.engines.verify import slice_batch
 
-    def same_batch(model, b, ctx):
-        out = ctx.loss(model, slice_batch(b, 0, ctx.dp_size))  # the bug: slice 0 on every rank
-        out.backward()
-        return out
-
-    report = lab.verify(build, ddp, {"dp": 4}, batch, loss, step=same_batch)
-    assert report.first().check == "gradients" and report.factor is None, report.summary()
-    assert report.summary().startswith(f"verify FAILED on dp=4: [gradients] {report.first().tensor}:")
-    assert not report.df.query("tensor == 'head.weight'")["status"].eq("ok").any()
+    out = ctx.loss(model, slice_batch(b, 0, ctx.dp_size))  # the bug: slice 0 on every rank
+    out.backward()
+    return out
 
 
-def test_per_rank_init_with_one_seed_is_caught_before_any_step(lab):
+def one_seed_per_shard(model, mesh):
     from torch.distributed.fsdp import fully_shard
 
-    def meta_style(model, mesh):
-        fully_shard(model, mesh=mesh["dp"])
-        torch.manual_seed(0)  # the bug: every rank draws its shard from the same seed
-        with torch.no_grad():
-            for p in model.parameters():
-                p.to_local().normal_(0, 0.02)
-        return model
+    fully_shard(model, mesh=mesh["dp"])
+    torch.manual_seed(0)  # the bug: every rank draws its shard from the same seed (a meta-device init)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+    return model
 
-    report = lab.verify(build, meta_style, {"dp": 4}, batch, loss)
-    first = report.first()
-    assert first.check == "initial" and first.tensor == "emb.weight", report.summary()
-    assert "identical" in first.message  # the shards repeat one block
+
+def drops_a_bias(model, mesh):
+    model.norm.bias = None  # the bug: a parameter that exists on no rank
+    return ddp(model, mesh)
+
+
+def partial_output(model, mesh):
+    from torch.distributed.tensor import Partial
+
+    return plain_tp(model, mesh, Partial())  # the bug: a wrong output layout, each rank its own partial sum
+
+
+def lr_by_rank(params):
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    return torch.optim.AdamW(params, lr=1e-3 * (1 + rank))  # the bug: replicas step apart
+
+
+def lr_on_the_cluster(params):
+    return torch.optim.AdamW(params, lr=1e-3 * (2 if dist.is_initialized() else 1))  # the bug: another lr there
+
+
+def expect_factor(n: int, words: str):
+    def expect(report):
+        assert report.factor == pytest.approx(n, rel=1e-4), report.summary()
+        assert f"[gradients] every tensor's first-step gradient is {n} x the reference's: {words}" in report.summary()
+
+    return expect
+
+
+def expect_first(check: str, tensors, message: str = ""):
+    def expect(report):
+        first = report.first()
+        assert first is not None and first.check == check and first.tensor in tensors, report.summary()
+        assert report.summary().startswith(f"verify FAILED on {_mesh(report)}: [{check}] {first.tensor}: ")
+        assert message in first.message and report.factor is None
+
+    return expect
+
+
+def expect_found(*checks: str):
+    def expect(report):
+        assert set(checks) <= {f.check for f in report.findings}, report.findings
+
+    return expect
+
+
+def _mesh(report) -> str:
+    return ", ".join(f"{k}={v}" for k, v in report.mesh.items())
+
+
+DP, TP = {"dp": 4}, {"dp": 2, "tp": 2}
+LP = {"step": loss_parallel_step}
+BUGS = {
+    # name: (parallelize, mesh, options, what the report must say)
+    "summed, not averaged": (summed, DP, {}, expect_factor(4, "summed where it should be averaged")),
+    "accumulation not divided": (ddp, DP, {"step": accumulate(False)}, expect_factor(2, "summed where")),
+    "norm outside SP": (sp_without_the_norm, TP, LP, expect_first("gradient replicas", ("norm.weight", "norm.bias"))),
+    "plan key matches nothing": (
+        lambda m, mesh: tp_sp(m, mesh, sp_plan("nrom")),
+        TP,
+        LP,
+        expect_first("plan", ("nrom",), "selects no module"),
+    ),
+    "Partial output layout": (
+        partial_output,
+        {"tp": 4},
+        {},
+        expect_first("gradient replicas", ("down.bias", "down.weight", "norm.weight", "norm.bias", "emb.weight")),
+    ),
+    "same batch on every rank": (
+        ddp,
+        DP,
+        {"step": same_batch},
+        expect_first("gradients", ("head.weight", "emb.weight")),
+    ),
+    "one seed per shard": (one_seed_per_shard, DP, {}, expect_first("initial", ("emb.weight",), "identical")),
+    "a parameter on no rank": (drops_a_bias, DP, {}, expect_first("coverage", ("norm.bias",), "exists on no rank")),
+    "replicas step apart": (ddp, DP, {"optimizer": lr_by_rank}, expect_found("parameter replicas")),
+    "another lr on the ranks": (ddp, DP, {"optimizer": lr_on_the_cluster}, expect_found("losses", "parameters")),
+}
+
+
+@pytest.mark.parametrize("bug", list(BUGS))
+def test_each_bug_is_caught_and_named(lab, bug):
+    parallelize, mesh, options, expect = BUGS[bug]
+    report = lab.verify(build, parallelize, mesh, batch, loss, **options)
+    assert not report.ok
+    expect(report)
+    with pytest.raises(AssertionError, match="verify FAILED"):
+        report.assert_ok()
 
 
 # -- bad input: a clear error, the Lab usable after ------------------------------------------------------
