@@ -39,7 +39,7 @@ def batch(step):
 
 
 def loss(model, b):
-    logits = model(b[:, :-1])
+    logits = model(b[:, :-1]).float()  # bf16 logits: the loss in fp32, as labkit's engines compute it
     return F.cross_entropy(logits.reshape(-1, V), b[:, 1:].reshape(-1))
 
 
@@ -324,3 +324,32 @@ def test_parallelize_raising_or_hanging_on_one_rank(lab):
     with pytest.raises(CollectiveTimeout, match=r"ranks \[1\] never reached all_reduce"):
         lab.verify(build, hangs_on_1, {"dp": 4}, batch, loss, timeout=5)
     lab.verify(build, ddp, {"dp": 4}, batch, loss).assert_ok()  # the Lab repaired at the next call
+
+
+def test_bf16_compute_is_held_to_the_bf16_bounds(lab):
+    """FSDP2 computing in bf16 against the fp32 reference: inside bf16's bounds, outside fp32's."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    def bf16(model, mesh):
+        return fully_shard(model, mesh=mesh["dp"], mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+
+    lab.verify(build, bf16, {"dp": 4}, batch, loss, precision="bf16").assert_ok()
+    report = lab.verify(build, bf16, {"dp": 4}, batch, loss)
+    assert report.first().check == "gradients" and report.factor is None, report.summary()
+
+
+def test_the_report_shows_as_a_card_and_a_table(lab):
+    report = lab.verify(build, summed, {"dp": 4}, batch, loss, steps=1)
+    html = report._repr_html_()
+    assert "verify: FAILED" in html and "4 x the reference" in html and "<table" in html
+    assert list(report.df.columns) == [
+        "tensor",
+        "shape",
+        "initial error",
+        "gradient error",
+        "gradient bound",
+        "final error",
+        "status",
+    ]
+    assert set(report.df["status"]) == {"gradients"} and len(report.losses) == 1
+    assert report.losses.df["run"][0] == pytest.approx(report.losses.df["reference"][0], rel=1e-5)

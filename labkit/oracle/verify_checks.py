@@ -108,6 +108,16 @@ def plan(reports: list[dict]) -> list[Finding]:
     ]
 
 
+def _issue(i) -> str:
+    """A PieceIssue said without its tensor's name (the Finding carries it)."""
+    if i.kind == "differs":
+        a, b = i.ranks
+        return (
+            f"rank {b}'s copy differs from rank {a}'s in {i.elements} element(s) (largest |difference| {i.largest:.3g})"
+        )
+    return f"{i.elements} non-finite element(s) on rank {i.ranks[0]} ({i.what})"
+
+
 def gathered(reports: list[dict], what: str, label: str) -> tuple[dict, dict, list[Finding]]:
     """Every rank's copies of `what` assembled by name: (full tensors, dtypes, findings)."""
     pieces = [p for r in reports for p in r[what]]
@@ -115,7 +125,7 @@ def gathered(reports: list[dict], what: str, label: str) -> tuple[dict, dict, li
     dtypes = {p["name"]: p["dtype"] for p in pieces}
     check = {"initial": "initial replicas", "grads": "gradient replicas", "final": "parameter replicas"}[what]
     found = [
-        Finding(check if i.kind == "differs" else "finite", i.name, str(i), 0 if what == "grads" else None, i.ranks)
+        Finding(check if i.kind == "differs" else "finite", i.name, _issue(i), 0 if what == "grads" else None, i.ranks)
         for i in issues
     ]
     return full, dtypes, found
