@@ -41,10 +41,12 @@ class RankContext:
     """How many slices the global batch is cut into (the product of the data dims' sizes)."""
     loss: object
     """The user's loss(model, batch) -> scalar."""
+    device: object = None
+    """This rank's torch.device (a GPU each under NCCL): where `shard` puts the slice."""
 
     def shard(self, batch):
-        """This rank's slice of `batch` along dim 0 (what the default step trains on)."""
-        return slice_batch(batch, self.dp_rank, self.dp_size)
+        """This rank's slice of `batch` along dim 0, on this rank's device (what the default step trains on)."""
+        return to_device(slice_batch(batch, self.dp_rank, self.dp_size), self.device)
 
 
 def slice_batch(batch, index: int, parts: int):
@@ -62,6 +64,17 @@ def slice_batch(batch, index: int, parts: int):
     if isinstance(batch, dict):
         return {k: slice_batch(v, index, parts) for k, v in batch.items()}
     return batch
+
+
+def to_device(batch, device):
+    """batch's tensors on `device` (None: where they are); the global batch is made on the CPU."""
+    if device is None:
+        return batch
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    return batch.to(device) if hasattr(batch, "to") else batch
 
 
 def plain_step(model, batch, ctx: RankContext):
@@ -184,7 +197,9 @@ def verify_rank(blob: bytes, spec: dict) -> dict:
         warnings.simplefilter("always")
         returned = fns["parallelize"](model, mesh)
     model = model if returned is None else returned  # parallelize may work in place
-    ctx = RankContext(mesh, rt.rank, dp_rank, dp_size, fns["loss"])
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"parallelize returned {type(model).__name__}: return the parallelized nn.Module (or None)")
+    ctx = RankContext(mesh, rt.rank, dp_rank, dp_size, fns["loss"], torch.device(rt.device))
     initial, unknown = read_tensors(model, names, rt.rank)
     opt = fns["optimizer"]([p for p in model.parameters()])
     step = fns["step"] or plain_step

@@ -353,3 +353,30 @@ def test_the_report_shows_as_a_card_and_a_table(lab):
     ]
     assert set(report.df["status"]) == {"gradients"} and len(report.losses) == 1
     assert report.losses.df["run"][0] == pytest.approx(report.losses.df["reference"][0], rel=1e-5)
+
+
+def test_the_dashboard_shows_a_verdict_beside_a_measurement(lab):
+    from labkit.widgets import Dashboard
+
+    def measured():  # the same plan, trained as a script would, under lab.measure
+        from torch.distributed.device_mesh import init_device_mesh
+
+        import labkit
+
+        torch.manual_seed(0)
+        model = ddp(build(), init_device_mesh("cpu", (4,), mesh_dim_names=("dp",)))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        labkit.track(model, opt)
+        for s in range(2):
+            loss(model, batch(s)[2 * dist.get_rank() : 2 * dist.get_rank() + 2]).backward()
+            opt.step()
+            opt.zero_grad()
+
+    report = lab.verify(build, ddp, {"dp": 4}, batch, loss)
+    dash = Dashboard(lab, run=False)
+    try:
+        dash.show(lab.measure(measured), verified=report)
+        assert "verify OK on dp=4" in dash.status.value and "verify: OK" in dash.error_box.value
+        assert any(t.name.startswith("all_reduce") for t in dash.figures["comm"].data)
+    finally:
+        dash.close()
