@@ -181,7 +181,8 @@ def verify_rank(blob: bytes, spec: dict) -> dict:
     # ranks together, before the first collective of the mesh (else the others would wait on it)
     mine = fingerprints(model)
     differ = sorted(n for n, h in spec["fingerprints"].items() if mine.get(n) != h)
-    flag = torch.tensor([1 if differ or set(mine) != set(spec["fingerprints"]) else 0])
+    # on the rank's device: NCCL's collectives take CUDA tensors only
+    flag = torch.tensor([1 if differ or set(mine) != set(spec["fingerprints"]) else 0], device=rt.device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     if flag.item():
         return {"rank": rt.rank, "build_differs": differ or sorted(set(mine) ^ set(spec["fingerprints"]))}

@@ -290,6 +290,10 @@ def test_bad_input_is_refused_before_the_engines(lab):
         lab.verify(drifting, ddp, {"dp": 4}, batch, loss)
     with pytest.raises(ConfigError, match="steps=0 must be a whole number >= 1"):
         lab.verify(build, ddp, {"dp": 4}, batch, loss, steps=0)
+    with pytest.raises(ConfigError, match=r"data_dims: 'fsdp' is not a dim of mesh=\{'dp': 4\}"):
+        lab.verify(build, ddp, {"dp": 4}, batch, loss, data_dims=("fsdp",))
+    with pytest.raises(ConfigError, match=r"parallelize=None is not callable"):
+        lab.verify(build, None, {"dp": 4}, batch, loss)
     assert lab.jobs == jobs  # nothing reached the engines
 
 
@@ -322,7 +326,7 @@ def test_parallelize_raising_or_hanging_on_one_rank(lab):
         lab.verify(build, fails_on_2, {"dp": 4}, batch, loss, timeout=60)
     assert set(err.value.failures) == {2} and "rank 2's plan fails on purpose" in err.value.failures[2]["traceback"]
     with pytest.raises(CollectiveTimeout, match=r"ranks \[1\] never reached all_reduce"):
-        lab.verify(build, hangs_on_1, {"dp": 4}, batch, loss, timeout=5)
+        lab.verify(build, hangs_on_1, {"dp": 4}, batch, loss, timeout=10)
     lab.verify(build, ddp, {"dp": 4}, batch, loss).assert_ok()  # the Lab repaired at the next call
 
 

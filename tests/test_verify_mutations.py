@@ -34,7 +34,7 @@ MUTATIONS = {
     "initial check skipped": ("initial", lambda full, dtypes, ref, world: ({}, []), "one seed per shard"),
     "replicas not compared": ("assemble", _no_differs, "norm outside SP"),
     "replicas not compared (params)": ("assemble", _no_differs, "replicas step apart"),
-    "gradients check skipped": ("gradients", lambda full, ref, bound: ({}, []), "same batch on every rank"),
+    "gradients check skipped": ("gradients", lambda full, ref, bound, held=None: ({}, []), "same batch on every rank"),
     "gradient bound widened": ("tensor_errors", _bound_times_1e6, "same batch on every rank"),
     "parameters check skipped": ("parameters", lambda full, ref, bound: ({}, []), "another lr on the ranks"),
     "losses check skipped": ("losses", lambda reports, ref, bound, dp: ([], []), "another lr on the ranks"),

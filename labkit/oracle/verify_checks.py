@@ -170,9 +170,19 @@ def initial(full: dict, dtypes: dict, ref: dict, world: int) -> tuple[dict, list
     return errs, out
 
 
-def gradients(full: dict, ref: dict, bound: float) -> tuple[dict, list[Finding]]:
+def holders(reports: list[dict], what: str) -> dict[str, tuple[int, ...]]:
+    """The ranks that sent each tensor."""
+    out: dict[str, set[int]] = {}
+    for r in reports:
+        for p in r[what]:
+            out.setdefault(p["name"], set()).add(r["rank"])
+    return {n: tuple(sorted(rs)) for n, rs in out.items()}
+
+
+def gradients(full: dict, ref: dict, bound: float, held: dict | None = None) -> tuple[dict, list[Finding]]:
     """Each tensor's first-step gradient against the reference's (bounds.tensor_errors: relative,
-    floored by the whole gradient's scale)."""
+    floored by the whole gradient's scale); `held`: the ranks holding each, named in a finding."""
+    held = held or {}
     want = ref["grads"]
     out = []
     # a tensor no rank has a gradient for: zero, as an optimizer steps it; wrong unless the reference's is
@@ -185,7 +195,7 @@ def gradients(full: dict, ref: dict, bound: float) -> tuple[dict, list[Finding]]
         ratio[n] = e / scale if scale else (0.0 if e == 0 else np.inf)
         if not ratio[n] <= bound and n in full:  # NaN is over every bound
             msg = f"the first step's gradient is {ratio[n]:.3g} (relative, floored) from the reference's > {bound:.3g}"
-            out.append(Finding("gradients", n, msg, 0, error=ratio[n], bound=bound))
+            out.append(Finding("gradients", n, msg, 0, held.get(n, ()), ratio[n], bound))
     out.sort(key=lambda f: -np.nan_to_num(f.error, nan=np.inf))  # the worst first
     return ratio, out
 
@@ -266,7 +276,7 @@ def judge(ref: dict, reports: list[dict], within: Bounds, dp_size: int) -> dict:
     grads, _, f1 = gathered(reports, "grads", "gradients")
     final, _, f2 = gathered(reports, "final", "parameters")
     init_err, f3 = initial(start, dtypes, ref, len(reports))
-    grad_err, f4 = gradients(grads, ref, within.grads)
+    grad_err, f4 = gradients(grads, ref, within.grads, holders(reports, "grads"))
     loss_rows, f5 = losses(reports, ref, within.losses, dp_size)
     final_err, f6 = parameters(final, ref, within.params)
     found += f0 + f1 + f2 + f3 + f4 + f5 + f6

@@ -64,7 +64,11 @@ class VerifyReport:
                 f"verify FAILED on {where}: [gradients] every tensor's first-step gradient is "
                 f"{self.factor:.4g} x the reference's: {factor_reason(self.factor)}"
             )
-        at = f" (step {f.step})" if f.step is not None else ""
+        at = ", ".join(
+            ([f"step {f.step}"] if f.step is not None else [])
+            + ([f"ranks {list(f.ranks)}"] if f.ranks and f.check in ("gradients", "initial", "parameters") else [])
+        )
+        at = f" ({at})" if at else ""
         return f"verify FAILED on {where}: {f}{at}"
 
     def assert_ok(self) -> None:
