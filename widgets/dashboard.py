@@ -316,10 +316,15 @@ class Dashboard:
             # the run's own layout: the controls may have moved on while it ran
             self._draw_mesh(cfg)
 
-    def show(self, result) -> None:
+    def show(self, result, verified=None) -> None:
         """Draw `result` in the panels: a RunResult, or a Measurement of your own code
-        (Lab.measure: memory, communication, traffic and timeline; no loss)."""
+        (Lab.measure: memory, communication, traffic and timeline; no loss). `verified`: a
+        VerifyReport of the same code (Lab.verify), its verdict in the status line and its card
+        below, so that one view says both whether the code is right and what it moves."""
         self._draw(result)
+        if verified is not None:
+            self._say(verified.summary())
+            self._set(self.error_box, value=verified._repr_html_())
         if self.ui.here:
             self.ui.flush()
 

@@ -22,17 +22,15 @@ never waits on anything without a bound:
 
 from __future__ import annotations
 
-import sys
 import time
 import warnings
-
-import cloudpickle
 
 from labkit.cluster import launchers, magics, startup
 from labkit.cluster import progress as bars
 from labkit.cluster.arguments import run_problems, timeout_problems
 from labkit.cluster.gpus import gpu_problems
 from labkit.cluster.jobs import JobRunner
+from labkit.cluster.shipping import by_value as _by_value
 from labkit.cluster.world import backend_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.config.choices import Data, trains_on_text
@@ -41,23 +39,13 @@ from labkit.config.validation import data_problems, optim_problems, validate
 from labkit.engines import runtime
 from labkit.engines.measure import measure_rank
 from labkit.layout.mesh import MeshLayout
+from labkit.oracle.verify import verify
+from labkit.oracle.verify_report import VerifyReport
 from labkit.results.measurement import Measurement
 from labkit.results.run import RunResult
 
 DEFAULT_TIMEOUT_S = 300.0
 """A run or apply that takes longer is diagnosed as a hang. Generous for CPU demos; pass your own."""
-
-
-def _by_value(fn) -> bytes:
-    """Pickle fn so an engine can run it: by value when its module is not an installed package."""
-    mod = sys.modules.get(getattr(fn, "__module__", "") or "")
-    path = getattr(mod, "__file__", None) or ""
-    # an installed module the engines import by name; a notebook's, a script's or a test's they cannot
-    installed = "site-packages" in path or "dist-packages" in path or path.startswith(sys.base_prefix)
-    # __main__'s functions cloudpickle sends by value already; labkit is installed beside the engines
-    if mod is not None and mod.__name__ != "__main__" and not installed and not mod.__name__.startswith("labkit"):
-        cloudpickle.register_pickle_by_value(mod)
-    return cloudpickle.dumps(fn)
 
 
 class Lab:
@@ -231,6 +219,18 @@ class Lab:
         t0 = time.perf_counter()
         reports = self._execute(measure_rank, (_by_value(fn), *args), kwargs, timeout, self.progress, None, "measure")
         return Measurement.from_reports(reports, time.perf_counter() - t0)
+
+    def verify(self, build, parallelize, mesh: dict, batch, loss, **options) -> VerifyReport:
+        """Is the user's parallel code right? `build()` -> their nn.Module (one process), trained
+        here as the reference; `parallelize(model, mesh)` -> the model as they parallelize it (DDP,
+        FSDP2, DTensor plans, pipeline stages, their own collectives; may work in place), run on the
+        engines on a DeviceMesh of `mesh` (named sizes, e.g. {"dp": 2, "tp": 2}); `batch(step)` ->
+        the global batch; `loss(model, batch)` -> a scalar. Options: optimizer(params) (AdamW lr 1e-3),
+        steps (2), step(model, batch, ctx) (a rank's forward and backward: its own data, microbatches
+        or schedule; default: ctx.shard(batch), the loss, backward), precision ('fp32' / 'bf16'
+        bounds), data_dims (dims that split the batch; default those named dp*, fsdp), seed, timeout.
+        Returns a VerifyReport (labkit/oracle/verify.py says what is compared, and how)."""
+        return verify(self, build, parallelize, mesh, batch, loss, **options)
 
     def run(
         self,

@@ -1,0 +1,76 @@
+"""verify cannot be fooled by a weaker verify: each mutation of its checks (a check skipped, the
+replica comparison loosened, a bound widened, the factor never found) lets some bug of
+tests/test_verify.py through, i.e. makes that test's expectation fail.
+
+The bugs run once on the session's cluster, as test_verify.py runs them, with what the ranks sent
+recorded; each mutation then judges those same reports again (labkit/oracle/verify_checks.py
+with one function replaced), so a mutation costs no engine time. The unmutated judgement of the
+same reports must satisfy every expectation first (the control).
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_verify import BUGS, batch, build, loss
+
+from labkit.oracle import verify as verify_module
+from labkit.oracle import verify_checks as vc
+from labkit.oracle.assembly import assemble
+from labkit.oracle.bounds import tensor_errors
+from labkit.oracle.verify_report import VerifyReport
+
+
+def _no_differs(pieces, what):
+    full, issues = assemble(pieces, what)
+    return full, [i for i in issues if i.kind != "differs"]
+
+
+def _bound_times_1e6(grads, ref):
+    return {n: (e * 1e-6, scale) for n, (e, scale) in tensor_errors(grads, ref).items()}
+
+
+MUTATIONS = {
+    # name: (the attribute of verify_checks replaced, its replacement, a bug it must let through)
+    "initial check skipped": ("initial", lambda full, dtypes, ref, world: ({}, []), "one seed per shard"),
+    "replicas not compared": ("assemble", _no_differs, "norm outside SP"),
+    "replicas not compared (params)": ("assemble", _no_differs, "replicas step apart"),
+    "gradients check skipped": ("gradients", lambda full, ref, bound, held=None: ({}, []), "same batch on every rank"),
+    "gradient bound widened": ("tensor_errors", _bound_times_1e6, "same batch on every rank"),
+    "parameters check skipped": ("parameters", lambda full, ref, bound: ({}, []), "another lr on the ranks"),
+    "losses check skipped": ("losses", lambda reports, ref, bound, dp: ([], []), "another lr on the ranks"),
+    "plan check skipped": ("plan", lambda reports: [], "plan key matches nothing"),
+    "coverage check skipped": ("coverage", lambda ref, reports: [], "a parameter on no rank"),
+    "factor never found": ("uniform_factor", lambda full, ref, bound: None, "summed, not averaged"),
+}
+
+
+@pytest.fixture(scope="module")
+def recorded(lab):
+    """Each bug's judge() arguments, recorded while lab.verify runs it."""
+    out = {}
+    real = verify_module.judge
+    for bug in {m[2] for m in MUTATIONS.values()}:
+        parallelize, mesh, options, _ = BUGS[bug]
+        seen = []
+        verify_module.judge = lambda *args, seen=seen: seen.append(args) or real(*args)
+        try:
+            lab.verify(build, parallelize, mesh, batch, loss, **options)
+        finally:
+            verify_module.judge = real
+        out[bug] = (seen[0], mesh)
+    return out
+
+
+def judged(args, mesh) -> VerifyReport:
+    return VerifyReport(vc.judge(*args), mesh, 2, "fp32", args[2])
+
+
+@pytest.mark.parametrize("name", list(MUTATIONS))
+def test_a_weaker_verify_lets_a_bug_through(recorded, monkeypatch, name):
+    attr, replacement, bug = MUTATIONS[name]
+    args, mesh = recorded[bug]
+    expect = BUGS[bug][3]
+    expect(judged(args, mesh))  # the control: the real checks catch it
+    monkeypatch.setattr(vc, attr, replacement)
+    with pytest.raises(AssertionError):
+        expect(judged(args, mesh))
