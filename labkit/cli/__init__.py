@@ -188,7 +188,7 @@ def _held(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key or not value:
         raise ConfigError([f"--fix {text!r}: write FIELD=VALUE, e.g. --fix tp=8 --fix sharding=fsdp"])
-    if value.isdigit():
+    if value.removeprefix("-").isdigit():  # a negative degree reaches the field check as the number it is
         return key, int(value)
     return key, {"true": True, "false": False}.get(value.lower(), value)
 
@@ -207,7 +207,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
     )
     if not plans:
-        print("nothing fits")
+        print(f"nothing to rank: {plans.why}")
     else:
         print(f"{'#':>2} {'tokens/s/GPU':>13} {'MFU':>6} {'GiB':>6} {'bound':>8}  layout")
     for i, p in enumerate(plans, 1):

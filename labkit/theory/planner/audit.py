@@ -25,6 +25,7 @@ import io
 import os
 from dataclasses import dataclass
 
+from labkit.theory.planner.evaluate import evaluate
 from labkit.theory.planner.hardware import Hardware, Link, hardware_of
 
 SPEED_OK, MEMORY_OK = 0.25, 0.15
@@ -90,8 +91,6 @@ def predicted_memory(run, plan) -> float:
 
 def errors(runs, scale: float = 1.0) -> list[RowError]:
     """Every run priced (its hardware's rates times `scale`) against what it published."""
-    from labkit.theory.planner.evaluate import evaluate
-
     out = []
     for run in runs:
         hw = hardware_of(run.hardware)

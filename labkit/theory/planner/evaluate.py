@@ -43,7 +43,8 @@ class Plan:
     step_seconds: float
     tokens_per_second_per_gpu: float
     mfu: float
-    """Model FLOPs utilisation against the dense bf16 peak (PaLM's 6N + 12·L·h·s per token)."""
+    """Model FLOPs utilisation (PaLM's 6N + 12·L·h·s per token) against the dense peak of the
+    layout's precision: bf16's, fp8's for an fp8 layout (Hardware.peak), so never above 100%."""
     bound: str
     """'compute', 'memory' or the mesh dim whose exposed communication dominates the step."""
     breakdown: dict = field(repr=False)
@@ -129,6 +130,7 @@ def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware =
     found = layout_problems(cfg, model)
     if found:
         raise ConfigError(found)
+    hw.peak(cfg.precision)  # refuses a precision the hardware has no rate for, naming the hardware
     return _evaluate(cfg, model, hw)
 
 

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass
 
 from labkit.config import ConfigError
+from labkit.config.choices import numerics
 
 GiB = 2**30
 
@@ -62,6 +63,25 @@ class Hardware:
     nccl_channels: int = 16
     """Channels NCCL opens per communicator (its ring/tree count on NVLink + IB nodes)."""
     source: str = ""
+
+    def peak(self, precision: str) -> float:
+        """The dense peak FLOP/s a layout in `precision` computes at: MFU's denominator, so that no
+        MFU can pass 100% (fp8 layouts against the fp8 peak; torchtitan quotes its Float8 runs
+        against the bf16 peak, which an fp8 step can pass). fp32 layouts are timed as bf16 autocast
+        runs them: an assumption (no fp32 rate is kept here). ConfigError, naming this hardware,
+        where it has no rate for the precision."""
+        if not numerics(precision).fp8:
+            return self.flops
+        if not self.fp8_flops:
+            with_fp8 = ", ".join(k for k, hw in HARDWARE.items() if hw.fp8_flops)
+            raise ConfigError(
+                [
+                    f"precision='fp8' cannot be priced on {self.name}: it has no fp8 rate (no fp8 tensor "
+                    f"cores, fp8_flops=0 in labkit/theory/planner/hardware.py); use precision='bf16', "
+                    f"or hardware with fp8: {with_fp8}"
+                ]
+            )
+        return self.fp8_flops
 
 
 MEASURED_H100 = "benchmarks/gpu_constants_h100.json (H100 80GB HBM3 SXM, 700 W, torch 2.11, CUDA 13)"

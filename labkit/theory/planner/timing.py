@@ -115,7 +115,7 @@ class StepTime:
     flops: float = 0.0
     """Model FLOPs per GPU per step (PaLM's 6N + 12·L·h·s per token)."""
     mfu: float = 0.0
-    """flops / (total · the hardware's dense bf16 peak)."""
+    """flops / (total · the hardware's dense peak in the layout's precision: bf16's, fp8's for fp8)."""
     dominant: str = "compute"
     """'compute' or 'memory' (whichever side of the roofline the step's ops spend more time on),
     or the dim whose exposed communication outweighs both."""
@@ -205,6 +205,8 @@ def microbatch(
 def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, world: int | None = None) -> StepTime:
     """One optimizer step of `cfg` on `model` (global_batch sequences of model.seq tokens); the
     pipeline's pace is its slowest rank's."""
+    # refused before anything is priced where the hardware has no rate for the precision (fp8 on an A100)
+    peak = hw.peak(cfg.precision)
     m, p = cfg.microbatches, cfg.pp
     b = cfg.global_batch // (cfg.dp * cfg.ep * m)
     dp = DataParallel(cfg, model, hw)
@@ -234,9 +236,9 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
     # a dim is named the bound only when its exposed time outweighs either side of the roofline
     if worst is not None and exposed[worst] > max(parts["memory-bound"], parts["compute-bound"]):
         dominant = worst
-    return StepTime(
-        total, m * mb.compute, bubble, optimizer, comm, exposed, parts, flops, flops / (total * hw.flops), dominant
-    )
+    # against the peak of the precision the matmuls run in (hardware.py: Hardware.peak): never above 100%
+    mfu = flops / (total * peak)
+    return StepTime(total, m * mb.compute, bubble, optimizer, comm, exposed, parts, flops, mfu, dominant)
 
 
 def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None) -> float:
