@@ -162,9 +162,18 @@ def main(argv=None) -> int:
     lines = [f"Measured {stamp()}.", ""] + table(rows, not ns.no_rank) + [""]
     lines += summary(rows, time.perf_counter() - t0)
     print("\n".join(lines[len(rows) + 4 :]))
+    # the counts over every row the planner is held to, the Playbook's cells (benchmarks/playbook.py) included
+    everything = audit.errors(audit.ALL)
+    c = audit.counts(everything)
+    lines.append(
+        f"With the Playbook's {len(audit.ALL) - len(RUNS)} cells: tokens/s/GPU within {audit.SPEED_OK:.0%} on "
+        f"{c['speed today'][0]}/{c['speed today'][1]} rows run on today's software, memory within "
+        f"{audit.MEMORY_OK:.0%} on {c['memory all'][0]}/{c['memory all'][1]} rows that publish it."
+    )
+    print(lines[-1])
     if ns.pin:
-        audit.write_pin([r["error"] for r in rows], f"written by benchmarks/published.py --pin on {stamp()}")
-        print(f"pinned {len(rows)} rows in {os.path.relpath(audit.PIN)}")
+        audit.write_pin(everything, f"written by benchmarks/published.py --pin on {stamp()}")
+        print(f"pinned {len(everything)} rows in {os.path.relpath(audit.PIN)}")
     if ns.out:
         write_results(ns.out, lines)
     return 0

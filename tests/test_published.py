@@ -17,7 +17,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 @pytest.fixture(scope="module")
 def rows():
-    return audit.errors(RUNS)
+    return audit.errors(audit.ALL)
 
 
 def test_every_row_holds_to_the_pinned_table(rows):
@@ -30,7 +30,7 @@ def test_every_row_holds_to_the_pinned_table(rows):
 def test_the_check_fails_when_every_rate_is_off_by_two(k):
     """The audit's own test: the same model with every FLOP and byte rate halved or doubled must
     not pass (before this check, `within or run.missing` passed any scale: every row had a term)."""
-    found = audit.pin_problems(audit.errors(RUNS, scale=k), audit.read_pin())
+    found = audit.pin_problems(audit.errors(audit.ALL, scale=k), audit.read_pin())
     assert any("tokens/s/GPU error" in p for p in found), found
     # the rows that are within today are what a wrong rate throws out first
     assert len(found) >= 5, found
@@ -73,7 +73,7 @@ def test_every_published_run_fits_as_it_ran():
     fits counted the allocator's reserve, 37 of the 83 did not fit; before MPT's fused loss, 13 did
     not fit even on their allocated bytes: this test is in-sample for those two choices.)"""
     too_big = []
-    for run in RUNS:
+    for run in audit.ALL:
         p = theory.evaluate(run.config, run.model_config, hardware=run.hardware)
         if not p.fits:
             too_big.append((run.name, p.why))
@@ -89,11 +89,11 @@ def test_a_named_term_never_makes_a_miss_a_hit(rows):
 
     from labkit.theory.planner.published import COMPILE
 
-    named_misses = [e for run, e in zip(RUNS, rows) if run.unpriced and not e.speed_within]
+    named_misses = [e for run, e in zip(audit.ALL, rows) if run.unpriced and not e.speed_within]
     assert named_misses, "the eager per-op rows name a term and miss today"
     assert audit.counts(rows)["speed all"] == (sum(abs(e.speed_ratio - 1) <= 0.25 for e in rows), len(rows))
     # a row that was a hit, published at half its speed and given a term: a miss all the same
-    run = next(r for r, e in zip(RUNS, rows) if e.speed_within)
+    run = next(r for r, e in zip(audit.ALL, rows) if e.speed_within)
     slow = dataclasses.replace(run, tokens_per_second_per_gpu=run.tokens_per_second_per_gpu / 2, unpriced=(COMPILE,))
     assert audit.counts(audit.errors([slow]))["speed all"] == (0, 1)
     assert audit.counts(audit.errors([run]))["speed all"] == (1, 1)

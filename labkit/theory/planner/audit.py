@@ -27,6 +27,8 @@ from dataclasses import dataclass
 
 from labkit.theory.planner.evaluate import evaluate
 from labkit.theory.planner.hardware import Hardware, Link, hardware_of
+from labkit.theory.planner.playbook import PLAYBOOK
+from labkit.theory.planner.published import RUNS
 
 SPEED_OK, MEMORY_OK = 0.25, 0.15
 """The issue's tolerances: tokens/s/GPU within 25%, memory within 15%."""
@@ -36,6 +38,8 @@ GiB = 2**30
 PIN = os.path.join(os.path.dirname(__file__), "..", "..", "..", "benchmarks", "data", "published_errors.csv")
 """The pinned table, in the repository beside the benchmarks (labkit is installed editable from its checkout)."""
 COLUMNS = ("run", "source", "today", "speed_ratio", "memory_ratio")
+ALL = RUNS + PLAYBOOK
+"""Every row the planner is held to: torchtitan's, llm-foundry's, the steps measured here, the Playbook's."""
 
 
 @dataclass(frozen=True)

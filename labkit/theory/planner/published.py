@@ -85,7 +85,7 @@ class Run:
     unpriced: tuple[Unpriced, ...] = ()
     """Terms the model lacks that this run uses, each with its evidence (attached by hand)."""
     family: str = "torchtitan"
-    """Which table the row comes from: 'torchtitan', 'llm-foundry', 'here'."""
+    """Which table the row comes from: 'torchtitan', 'llm-foundry', 'here', 'playbook'."""
     memory_stat: str = "reserved"
     """The source's memory statistic: 'reserved' (torch.cuda.max_memory_reserved) or 'allocated'."""
 
