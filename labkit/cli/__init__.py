@@ -206,6 +206,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters on {ns.gpus:,} x {hw.name}; "
         f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
     )
+    # the constants with neither a measurement nor a datasheet behind them, named (hardware.py)
+    print("assumed (no measurement or datasheet): " + "; ".join(hw.assumptions))
     if not plans:
         print(f"nothing to rank: {plans.why}")
     else:
