@@ -47,7 +47,7 @@ def sweep_plans(run) -> list:
             continue
         for sharding in ("none", "zero1"):
             fixed = dict(SWEEP, tp=tp, sharding=sharding)
-            found += theory.plan(model, gpus, "h100", run.config.global_batch, TOP, "bf16", fixed)
+            found += theory.plan(model, gpus, "h100", run.config.global_batch, TOP, "bf16", fixed, run.stack)
     return sorted(found, key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))[:TOP]
 
 
@@ -61,12 +61,14 @@ def place(run, plan, plans) -> tuple[int | None, float]:
 def rows() -> list[dict]:
     out = []
     for run, e in zip(PLAYBOOK, audit.errors(PLAYBOOK)):
-        plan = theory.evaluate(run.config, run.model_config, "h100")
+        plan = theory.evaluate(run.config, run.model_config, "h100", stack=run.stack)
         mfu = plan.tokens_per_second_per_gpu * nanotron_flops_per_token(run.model) / 989e12
         r = {"run": run, "error": e, "mfu": mfu, "plan": plan}
         r["allocated"], r["reserved"] = (plan.memory[k] / 2**30 for k in ("allocated", "reserved"))
         r["sweep"] = place(run, plan, sweep_plans(run))
-        free = theory.plan(run.model_config, run.config.world, "h100", run.config.global_batch, TOP, "bf16")
+        free = theory.plan(
+            run.model_config, run.config.world, "h100", run.config.global_batch, TOP, "bf16", stack=run.stack
+        )
         r["free"] = place(run, plan, list(free))
         r["best"] = free[0].layout() if free else "nothing fits"
         out.append(r)

@@ -65,6 +65,7 @@ def rank(run: Run, plan, held: tuple[str, ...] = ()) -> tuple[int | None, float]
         top=5,
         precision=run.config.precision,
         fixed={k: getattr(run.config, k) for k in held},
+        stack=run.stack,
     )
     best = found[0].tokens_per_second_per_gpu if found else float("nan")
     place = next(
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
     ns = ap.parse_args(argv)
     rows, t0 = [], time.perf_counter()
     for run, e in zip(RUNS, audit.errors(RUNS)):
-        plan = theory.evaluate(run.config, run.model_config, hardware=run.hardware)
+        plan = theory.evaluate(run.config, run.model_config, hardware=run.hardware, stack=run.stack)
         r = {"run": run, "error": e, "tps": plan.tokens_per_second_per_gpu, "bound": plan.bound}
         r["memory"] = audit.predicted_memory(run, plan)
         if not ns.no_rank:

@@ -49,7 +49,7 @@ def test_nanotron_counts_the_flops_as_palm_does_for_these_models():
 
 def test_every_playbook_layout_passes_the_validation_and_fits():
     for run in PLAYBOOK:
-        p = theory.evaluate(run.config, run.model_config, "h100")
+        p = theory.evaluate(run.config, run.model_config, "h100", stack=run.stack)
         assert p.fits and 0 < p.mfu <= 1, run.name
 
 

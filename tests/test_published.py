@@ -74,7 +74,7 @@ def test_every_published_run_fits_as_it_ran():
     not fit even on their allocated bytes: this test is in-sample for those two choices.)"""
     too_big = []
     for run in audit.ALL:
-        p = theory.evaluate(run.config, run.model_config, hardware=run.hardware)
+        p = theory.evaluate(run.config, run.model_config, hardware=run.hardware, stack=run.stack)
         if not p.fits:
             too_big.append((run.name, p.why))
         if run.params is not None:
@@ -87,13 +87,13 @@ def test_a_named_term_never_makes_a_miss_a_hit(rows):
     inside the tolerances, nothing else (the old test passed `within or run.missing`)."""
     import dataclasses
 
-    from labkit.theory.planner.published import COMPILE
+    from labkit.theory.planner.published import ASYNC_TP
 
     named_misses = [e for run, e in zip(audit.ALL, rows) if run.unpriced and not e.speed_within]
     assert named_misses, "the eager per-op rows name a term and miss today"
     assert audit.counts(rows)["speed all"] == (sum(abs(e.speed_ratio - 1) <= 0.25 for e in rows), len(rows))
     # a row that was a hit, published at half its speed and given a term: a miss all the same
     run = next(r for r, e in zip(audit.ALL, rows) if e.speed_within)
-    slow = dataclasses.replace(run, tokens_per_second_per_gpu=run.tokens_per_second_per_gpu / 2, unpriced=(COMPILE,))
+    slow = dataclasses.replace(run, tokens_per_second_per_gpu=run.tokens_per_second_per_gpu / 2, unpriced=(ASYNC_TP,))
     assert audit.counts(audit.errors([slow]))["speed all"] == (0, 1)
     assert audit.counts(audit.errors([run]))["speed all"] == (1, 1)

@@ -98,7 +98,7 @@ def errors(runs, scale: float = 1.0) -> list[RowError]:
     out = []
     for run in runs:
         hw = hardware_of(run.hardware)
-        plan = evaluate(run.config, run.model_config, scaled(hw, scale) if scale != 1.0 else hw)
+        plan = evaluate(run.config, run.model_config, scaled(hw, scale) if scale != 1.0 else hw, stack=run.stack)
         memory = None if run.memory_gib is None else predicted_memory(run, plan) / run.memory_gib
         speed = plan.tokens_per_second_per_gpu / run.tokens_per_second_per_gpu
         out.append(RowError(run.name, run.family, run.today, speed, memory))

@@ -157,3 +157,28 @@ def efficiencies(m: Measurement, flops: float, fp8_flops: float, hbm: float, all
         hbm_eff=m.hbm_rate() / hbm,
         allocator=allocator.allocator(),
     )
+
+
+KERNELS = os.path.join(BENCHMARKS, "data", "gpu-h200-2026-11-26", "mfu.json")
+"""benchmarks/gpu_mfu.py's measurement on the H200: one-process training steps, eager and
+compiled, with each step's kernel seconds by kind from the profiler (matmul, attention, optimizer,
+other): what theory/planner/stacks.py prices each software stack from."""
+KERNEL_KINDS = ("matmul", "attention", "optimizer", "other")
+
+
+def load_kernels(path: str = KERNELS) -> list[dict]:
+    """The rows of a kernel measurement that carry kernel seconds, each checked (device, torch and
+    CUDA named at the top); ConfigError naming the file and what is wrong."""
+    name = os.path.relpath(os.path.normpath(path), os.path.normpath(os.path.join(BENCHMARKS, "..")))
+    with open(path) as f:
+        data = json.load(f)
+    found = [f"{name}: '{k}' is missing" for k in ("device", "torch", "cuda", "rows") if k not in data]
+    rows = [r for r in data.get("rows", []) if "kernels" in r]
+    for i, r in enumerate(rows):
+        lacking = [k for k in ("what", "model", "batch", "seq") if k not in r]
+        lacking += [k for k in KERNEL_KINDS if k not in r["kernels"].get("kernel_s", {})]
+        if lacking:
+            found.append(f"{name}: row {i} ({r.get('what')}) lacks {', '.join(lacking)}")
+    if found or not rows:
+        raise ConfigError(found or [f"{name}: no row with kernel seconds"])
+    return [dict(r, source=f"{name} ({data['device']}, torch {data['torch']}, CUDA {data['cuda']})") for r in rows]

@@ -67,6 +67,13 @@ class Hardware:
     source: str = ""
     assumptions: tuple[str, ...] = ()
     """The constants with neither a measurement nor a datasheet behind them, each with its value."""
+    stack: str = "roofline"
+    """The software stack the step runs on (theory/planner/stacks.py): how close its kernels come to
+    the isolated rates above is the stack's property, not the device's. 'roofline': at those rates."""
+    memory_slowdown: float = 1.0
+    """An elementwise kernel's seconds in the stack's step over its bytes at hbm · hbm_eff."""
+    optimizer_slowdown: float = 1.0
+    """The optimizer step's seconds over its states' bytes at hbm · hbm_eff."""
 
     def peak(self, precision: str) -> float:
         """The dense peak FLOP/s a layout in `precision` computes at: MFU's denominator, so that no
@@ -188,7 +195,27 @@ A100 = Hardware(
     ),
 )
 
-HARDWARE = {"h100": H100, "h100-96gb": H100_GRAND_TETON, "a100": A100}
+MEASURED_H200 = load("h200")
+
+H200 = Hardware(
+    "H200 SXM 141GB (8/node, NVLink 4 + 400G IB)",
+    flops=989e12,
+    gpus_per_node=8,
+    intra=Link(alpha=3e-6, beta=450e9),
+    inter=Link(alpha=8e-6, beta=50e9),
+    hbm=4.8e12,
+    fp8_flops=1979e12,
+    # read from its measurement; the allocator's reserve is PyTorch's, from this same file's steps
+    **efficiencies(MEASURED_H200, flops=989e12, fp8_flops=1979e12, hbm=4.8e12, allocator=ALLOCATOR),
+    source=(
+        "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8, 4.8 TB/s HBM3e, NVLink 4 900 GB/s "
+        "(450 each way). Measured (" + MEASURED_H200.path + ", " + MEASURED_H200.provenance + "), by "
+        "calibration.py's rules: the device's total bytes, the products, attention, copies, the context"
+    ),
+    assumptions=UNSOURCED + ("inter 400 Gb/s per GPU: the usual HGX H200 NIC, not this machine's (one GPU)",),
+)
+
+HARDWARE = {"h100": H100, "h100-96gb": H100_GRAND_TETON, "a100": A100, "h200": H200}
 """Hardware by the names `evaluate`, `plan` and the CLI take."""
 
 

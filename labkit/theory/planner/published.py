@@ -88,6 +88,8 @@ class Run:
     """Which table the row comes from: 'torchtitan', 'llm-foundry', 'here', 'playbook'."""
     memory_stat: str = "reserved"
     """The source's memory statistic: 'reserved' (torch.cuda.max_memory_reserved) or 'allocated'."""
+    stack: str = "eager"
+    """The software stack it ran (theory/planner/stacks.py): 'compile' where the source used torch.compile."""
 
     @property
     def today(self) -> bool:
@@ -115,11 +117,6 @@ OP_POLICY_LIST = Unpriced(
     "benchmarks/gpu_constants_h100.json against benchmarks/gpu_constants_h200.json: the same per-op step "
     "took 0.295 s (+38% over none) with the old list, 0.226 s (+18%) on the H200 with the list fixed",
 )
-COMPILE = Unpriced(
-    "torch.compile's fused kernels (fewer memory-bound passes than the eager ops priced here)",
-    "benchmarks/data/gpu-h200-2026-11-26/mfu.json: GPT-2 124M's kernels other than matmuls, attention and "
-    "the optimizer took 27.2 ms eager and 11.7 ms compiled",
-)
 ASYNC_TP = Unpriced(
     "AsyncTP's overlap of tensor parallelism's collectives with the matmuls",
     "published: torchtitan table 4, the same 70B layout 829 tokens/s/GPU without AsyncTP, 876 with it",
@@ -127,7 +124,11 @@ ASYNC_TP = Unpriced(
 
 
 def _titan(name, model, tps, gib, notes="", unpriced=(), **layout) -> Run:
-    return Run(name, TORCHTITAN, model, layout, "h100-96gb", tps, gib, notes=notes, unpriced=tuple(unpriced))
+    # torch.compile is a stack the model prices by name (stacks.py), not a term it lacks
+    stack = "compile" if "torch.compile" in notes else "eager"
+    return Run(
+        name, TORCHTITAN, model, layout, "h100-96gb", tps, gib, notes=notes, unpriced=tuple(unpriced), stack=stack
+    )
 
 
 def _torchtitan() -> list[Run]:
@@ -141,8 +142,8 @@ def _torchtitan() -> list[Run]:
         }[gpus]:
             lay = dict(b16, dp=gpus, global_batch=2 * gpus, precision="fp8" if "Float8" in tech else "bf16")
             notes = "torch.compile" if "compile" in tech else ""
-            # by hand: the eager rows run the per-op policy eagerly, the compiled ones fuse their kernels
-            terms = (COMPILE,) if "compile" in tech else (OP_POLICY,)
+            # by hand: the eager rows run the per-op policy eagerly (the compiled ones: the compile stack)
+            terms = () if "compile" in tech else (OP_POLICY,)
             out.append(_titan(f"T{table} 8B {tech}, {gpus} GPUs", LLAMA31_8B, tps, gib, notes, terms, **lay))
     for dp, cp, seq, tps, gib in (
         (8, 1, 32768, 3890, 83.9),
@@ -158,7 +159,7 @@ def _torchtitan() -> list[Run]:
                 tps,
                 gib,
                 "torch.compile",
-                (COMPILE,),
+                (),
                 dp=dp,
                 cp=cp,
                 global_batch=dp,
@@ -170,7 +171,7 @@ def _torchtitan() -> list[Run]:
         ("2D + AsyncTP", 876, 67.6, "torch.compile; AsyncTP overlaps TP's collectives"),
     ):
         lay = dict(fp8, dp=32, tp=8, sequence_parallel=True, global_batch=512)
-        terms = (COMPILE, ASYNC_TP) if "AsyncTP" in name else (COMPILE,)
+        terms = (ASYNC_TP,) if "AsyncTP" in name else ()
         out.append(_titan(f"T4 70B FSDP 32 TP 8 {name}", LLAMA31_70B, tps, gib, notes, terms, **lay))
     pipe = dict(fp8, dp=8, tp=8, pp=8, sequence_parallel=True, global_batch=256)
     asy = "torch.compile; AsyncTP"
@@ -181,7 +182,7 @@ def _torchtitan() -> list[Run]:
             100,
             82.5,
             asy,
-            (COMPILE, ASYNC_TP),
+            (ASYNC_TP,),
             microbatches=8,
             stage_layers=(15, 16, 16, 16, 16, 16, 16, 15),
             **pipe,
@@ -194,7 +195,7 @@ def _torchtitan() -> list[Run]:
             128,
             72.7,
             asy,
-            (COMPILE, ASYNC_TP),
+            (ASYNC_TP,),
             microbatches=16,
             schedule="interleaved",
             virtual_stages=2,
@@ -220,7 +221,7 @@ def _torchtitan() -> list[Run]:
             stage_layers=(15, 16, 16, 16, 16, 16, 16, 15),
         )
         name = f"T6 405B FSDP {dp} CP {cp}, seq {seq}"
-        out.append(_titan(name, dict(LLAMA31_405B, seq=seq), tps, gib, asy, (COMPILE, ASYNC_TP), **lay))
+        out.append(_titan(name, dict(LLAMA31_405B, seq=seq), tps, gib, asy, (ASYNC_TP,), **lay))
     return out
 
 

@@ -36,6 +36,7 @@ from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.config.choices import Precision, pipeline_shape, recomputation
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
+from labkit.theory.planner.stacks import with_stack
 from labkit.theory.planner.timing import compute_floor
 
 TRIED_CHECKPOINTING = (False, "selective", "op", True)
@@ -247,14 +248,16 @@ def plan(
     top: int = 10,
     precision: Precision | None = None,
     fixed: dict | None = None,
+    stack: str = "eager",
 ) -> Plans:
     """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
     tokens/s/GPU; tight ones after the rest). global_batch: sequences per step (default: 4M
     tokens, Llama 3's batch at 8k, rounded to sequences); precision: 'bf16' or 'fp8' (default:
     both where the hardware has fp8); fixed: layout fields held as given (FIXABLE), e.g.
     {"tp": 8} for tensor parallelism inside a node or {"sharding": "fsdp"} for a framework that
-    has only FSDP. The list's `.rejected` and `.counts` say what was left out and why."""
-    hw = hardware_of(hardware)
+    has only FSDP; stack: the software stack the steps run on (stacks.STACKS, default 'eager').
+    The list's `.rejected` and `.counts` say what was left out and why."""
+    hw = with_stack(hardware_of(hardware), stack)  # how the step's kernels run (stacks.py), eager unless told
     gb, precisions = _arguments(model, gpus, hw, global_batch, top, precision)
     fixed = _checked(fixed)
     ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else TRIED_CHECKPOINTING

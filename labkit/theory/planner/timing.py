@@ -71,9 +71,9 @@ def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
         # flash attention's rate falls for short blocks and head dim 64, as measured (hardware.py)
         "attention": attention_rate(hw, op.head_dim, op.length),
     }.get(op.kind)
-    # an elementwise kernel has no FLOP rate: its bytes alone price it
+    # an elementwise kernel has no FLOP rate: its bytes alone price it, at the stack's pace (stacks.py)
     compute = scale * op.flops / rate if rate else 0.0
-    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff)
+    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff) * (hw.memory_slowdown if op.kind == "memory" else 1.0)
     # the roofline: a kernel overlaps its arithmetic and its memory traffic, so the slower side is its time
     return max(compute, memory), memory > compute
 
@@ -226,7 +226,9 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
         comm[dim] = comm.get(dim, 0.0) + total
         exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
     # AdamW and clipping stream their fp32 states: memory-bound, 40 bytes a local parameter
-    optimizer = (dp.optimizer_elements(st) * OPTIMIZER_BYTES + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
+    # the optimizer's kernels at their measured pace (hw.optimizer_slowdown, stacks.py); FSDP's copies at the roofline
+    adam = dp.optimizer_elements(st) * OPTIMIZER_BYTES * hw.optimizer_slowdown
+    optimizer = (adam + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
     total = m * mb.compute + bubble + optimizer + sum(exposed.values())
     # model FLOPs (PaLM's, recomputation not counted) per GPU
     flops = model_flops_per_token(model) * cfg.global_batch * model.seq / (world or cfg.world)
