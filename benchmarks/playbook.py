@@ -22,40 +22,12 @@ import time
 
 from labkit import theory
 from labkit.theory.planner import audit
-from labkit.theory.planner.playbook import PLAYBOOK, nanotron_flops_per_token
+from labkit.theory.planner.playbook import PLAYBOOK, TOP, nanotron_flops_per_token, place, sweep_plans
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from published import stamp  # noqa: E402  (the same commit stamp as the published table)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-SWEEP = {"cp": 1, "ep": 1, "checkpoint_activations": False, "schedule": "1f1b"}
-"""What the Playbook's sweep held (scripts/scaling_benchmarks.py): no cp, no experts, no recomputation, 1F1B."""
-TOP = 5
-
-
-def _same(a, b) -> bool:
-    """The same layout as the sweep names one: mesh, ZeRO stage, accumulation (the micro-batch follows)."""
-    return all(getattr(a, k) == getattr(b, k) for k in ("dp", "tp", "pp", "microbatches", "sharding"))
-
-
-def sweep_plans(run) -> list:
-    """The planner's best over the sweep's space: tp over 1..32 (the sweep's, beyond a node), ZeRO 0 and 1."""
-    model, gpus = run.model_config, run.config.world
-    found = []
-    for tp in (1, 2, 4, 8, 16, 32):
-        if gpus % tp or model.heads % tp:
-            continue
-        for sharding in ("none", "zero1"):
-            fixed = dict(SWEEP, tp=tp, sharding=sharding)
-            found += theory.plan(model, gpus, "h100", run.config.global_batch, TOP, "bf16", fixed, run.stack)
-    return sorted(found, key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))[:TOP]
-
-
-def place(run, plan, plans) -> tuple[int | None, float]:
-    """(1-based place of the run's layout among `plans`, or None; its predicted speed over the best's)."""
-    where = next((i + 1 for i, p in enumerate(plans) if _same(p.config, run.config)), None)
-    best = max([plan.tokens_per_second_per_gpu] + [p.tokens_per_second_per_gpu for p in plans])
-    return where, plan.tokens_per_second_per_gpu / best
 
 
 def rows() -> list[dict]:

@@ -60,3 +60,31 @@ def test_the_blind_prediction_is_kept_in_results():
     assert begin in text and end in text
     block = text[text.index(begin) : text.index(end)]
     assert "commit " in block and block.count("| Playbook") + block.count("nodes,") >= 26
+
+
+RANKED = 6
+"""The Playbook's layouts the planner finds (its top 5 over the sweep's space, or within 10% of its
+best) as of 146af6a; the issue asks for 20 of 26. A change that finds fewer fails here."""
+
+
+def test_the_planner_finds_the_playbooks_layouts_no_less_often():
+    from labkit.theory.planner.playbook import found, sweep_plans
+
+    hits = []
+    for run in PLAYBOOK:
+        priced = theory.evaluate(run.config, run.model_config, "h100", stack=run.stack)
+        hits.append(found(run, priced, sweep_plans(run)))
+    assert sum(hits) >= RANKED, sum(hits)
+
+
+def test_the_ranking_check_can_fail():
+    """A layout absent from the list and predicted at half the best's speed is not found; present, it is."""
+    from labkit.theory.planner.playbook import found, sweep_plans
+
+    run = PLAYBOOK[-1]
+    plans = sweep_plans(run)
+    slow = type("P", (), {"tokens_per_second_per_gpu": plans[0].tokens_per_second_per_gpu / 2})()
+    others = [p for p in plans if p.config.pp != run.config.pp or p.config.dp != run.config.dp]
+    assert not found(run, slow, others)
+    same = theory.evaluate(run.config, run.model_config, "h100", stack=run.stack)
+    assert found(run, same, [same] + others)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 
 from labkit.theory.planner.published import Run
-from labkit.theory.planner.search import stage_split
+from labkit.theory.planner.search import plan, stage_split
 
 SOURCE = "huggingface/nanotron docs/benchmark_summary.svg (c2528430), nanotron v0.5 on 8xH100 nodes"
 PEAK = 989e12
@@ -132,3 +132,40 @@ def _cells() -> list[Run]:
 
 PLAYBOOK: list[Run] = _cells()
 """The 26 cells, 64 nodes first, each model left to right."""
+
+
+SWEEP = {"cp": 1, "ep": 1, "checkpoint_activations": False, "schedule": "1f1b"}
+"""What the Playbook's sweep held (scripts/scaling_benchmarks.py): no cp, no experts, no recomputation, 1F1B."""
+TOP = 5
+
+
+def _same(a, b) -> bool:
+    """The same layout as the sweep names one: mesh, ZeRO stage, accumulation (the micro-batch follows)."""
+    return all(getattr(a, k) == getattr(b, k) for k in ("dp", "tp", "pp", "microbatches", "sharding"))
+
+
+def sweep_plans(run: Run) -> list:
+    """The planner's best over the sweep's space: tp over 1..32 (the sweep's, beyond a node), ZeRO 0 and 1."""
+    model, gpus = run.model_config, run.config.world
+    found = []
+    for tp in (1, 2, 4, 8, 16, 32):
+        if gpus % tp or model.heads % tp:
+            continue
+        for sharding in ("none", "zero1"):
+            fixed = dict(SWEEP, tp=tp, sharding=sharding)
+            found += plan(model, gpus, "h100", run.config.global_batch, TOP, "bf16", fixed, run.stack)
+    return sorted(found, key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))[:TOP]
+
+
+def place(run: Run, priced, plans) -> tuple[int | None, float]:
+    """(1-based place of the run's layout among `plans`, or None; its predicted speed over the best's).
+    `priced`: the run's own layout as theory.evaluate prices it."""
+    where = next((i + 1 for i, p in enumerate(plans) if _same(p.config, run.config)), None)
+    best = max([priced.tokens_per_second_per_gpu] + [p.tokens_per_second_per_gpu for p in plans])
+    return where, priced.tokens_per_second_per_gpu / best
+
+
+def found(run: Run, priced, plans) -> bool:
+    """The issue's test: the Playbook's layout among the planner's best TOP, or within 10% of its best."""
+    where, ratio = place(run, priced, plans)
+    return where is not None or ratio >= 0.9
