@@ -207,7 +207,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
     )
     # the constants with neither a measurement nor a datasheet behind them, named (hardware.py)
-    print("assumed (no measurement or datasheet): " + "; ".join(hw.assumptions))
+    print("assumed (no measurement or datasheet): " + "; ".join(plans.assumptions))
     if not plans:
         print(f"nothing to rank: {plans.why}")
     else:

@@ -69,6 +69,8 @@ class Plans(list):
         self.counts: dict[str, int] = counts
         self.considered, self.timed = considered, timed
         self.gpus = gpus
+        self.assumptions: tuple[str, ...] = ()
+        """The constants behind the prices with neither a measurement nor a datasheet (plan sets them)."""
 
     @property
     def why(self) -> str:
@@ -341,7 +343,9 @@ def plan(
     timed.sort(key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))
     # the nearest misses: the smallest overshoot first, what a little more memory would let in
     misses = [r for _, r in sorted(tally.misses, key=lambda x: x[0])[:NEAREST]]
-    return Plans(timed[:top], misses, tally.counts, considered, len(timed), gpus)
+    out = Plans(timed[:top], misses, tally.counts, considered, len(timed), gpus)
+    out.assumptions = hw.assumptions  # the hardware's and the stack's, for `labkit plan` to name
+    return out
 
 
 __all__ = ["plan", "Plans", "Rejected", "Plan", "stage_split"]

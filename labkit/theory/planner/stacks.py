@@ -76,5 +76,15 @@ def with_stack(hw: Hardware, stack: str) -> Hardware:
         raise ConfigError([f"stack={stack!r} is not one of {list(STACKS)}; pick one of those (eager: PyTorch eager)"])
     if stack == "roofline":
         return dataclasses.replace(hw, stack=stack, memory_slowdown=1.0, optimizer_slowdown=1.0)
-    memory, optimizer, _ = slowdowns(stack)
-    return dataclasses.replace(hw, stack=stack, memory_slowdown=memory, optimizer_slowdown=optimizer)
+    memory, optimizer, source = slowdowns(stack)
+    measured_on = (
+        f"the {stack} stack's pace (elementwise kernels x{memory:.2f}, optimizer x{optimizer:.2f}) measured on "
+        f"{source.split(' (')[0]}'s device, applied to this hardware"
+    )
+    return dataclasses.replace(
+        hw,
+        stack=stack,
+        memory_slowdown=memory,
+        optimizer_slowdown=optimizer,
+        assumptions=hw.assumptions + (measured_on,),
+    )
