@@ -6,9 +6,15 @@ global batch and precision.
     python benchmarks/published.py              # the table, into benchmarks/RESULTS.md too (about a minute)
     python benchmarks/published.py --no-rank    # without the planner's search
     python benchmarks/published.py --out ''     # print only
+    python benchmarks/published.py --pin        # re-write the pinned errors (benchmarks/data/published_errors.csv)
 
-Memory is compared as the source measures it: torchtitan's max_memory_reserved is the allocated
-peak plus the allocator's slack (theory/planner/gpu_memory.py reserved_bytes), without the CUDA context.
+Memory is compared in the source's own statistic (Run.memory_stat): torchtitan's and this
+workplace's max_memory_reserved is the allocated peak plus the allocator's slack
+(theory/planner/gpu_memory.py reserved_bytes), without the CUDA context.
+
+Every count below counts a row outside the tolerances as a miss, whatever term it names
+(theory/planner/audit.py); `--pin` is run only in a commit that says which modelling change moved
+which rows, and why.
 """
 
 from __future__ import annotations
@@ -16,36 +22,30 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
 import time
 
 from labkit import theory
-from labkit.theory.planner.gpu_memory import reserved_bytes
+from labkit.theory.planner import audit
 from labkit.theory.planner.published import RUNS, Run
 
-GiB = 2**30
-MEMORY_OK, SPEED_OK = 0.15, 0.25
 HERE = os.path.dirname(os.path.abspath(__file__))
 BEGIN, END = "<!-- published.py table begin -->", "<!-- published.py table end -->"
 
 
-def compare(run: Run) -> dict:
-    plan = theory.evaluate(run.config, run.model_config, hardware=run.hardware)
-    out = {
-        "run": run.name,
-        "tps": plan.tokens_per_second_per_gpu,
-        "tps_published": run.tokens_per_second_per_gpu,
-        "tps_error": plan.tokens_per_second_per_gpu / run.tokens_per_second_per_gpu - 1,
-        "memory": reserved_bytes(plan.memory) / GiB,
-        "memory_published": run.memory_gib,
-        "memory_error": None,
-        "bound": plan.bound,
-        "mfu": plan.mfu,
-        "plan": plan,
-    }
-    if run.memory_gib is not None:
-        out["memory_error"] = out["memory"] / run.memory_gib - 1
-    return out
+def commit() -> str:
+    """The code's commit (with '+' when the tree has uncommitted changes), for the tables' dates."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=HERE, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "../labkit"], cwd=HERE, capture_output=True)
+    except OSError:
+        return "unknown"
+    return head.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+def stamp() -> str:
+    return f"{time.strftime('%Y-%m-%d')}, commit {commit()}"
 
 
 HELD = ("dp", "tp", "pp", "cp", "ep", "schedule")
@@ -65,6 +65,7 @@ def rank(run: Run, plan, held: tuple[str, ...] = ()) -> tuple[int | None, float]
         top=5,
         precision=run.config.precision,
         fixed={k: getattr(run.config, k) for k in held},
+        stack=run.stack,
     )
     best = found[0].tokens_per_second_per_gpu if found else float("nan")
     place = next(
@@ -73,40 +74,61 @@ def rank(run: Run, plan, held: tuple[str, ...] = ()) -> tuple[int | None, float]
     return place, plan.tokens_per_second_per_gpu / best
 
 
-def table(rows: list[dict], runs: list[Run], ranked: bool) -> list[str]:
+def table(rows: list[dict], ranked: bool) -> list[str]:
     out = [
         "| run | tokens/s/GPU predicted | published | error | memory GiB predicted | published | error | bound"
-        + (" | rank | vs best |" if ranked else " |"),
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---" + (" | ---: | ---: |" if ranked else " |"),
+        + (" | rank | vs best | rank, mesh held | vs best |" if ranked else " |"),
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---"
+        + (" | ---: | ---: | ---: | ---: |" if ranked else " |"),
     ]
-    for run, r in zip(runs, rows):
-        mem = (
-            f"{r['memory']:.1f} | {r['memory_published']:.1f} | {r['memory_error']:+.0%}"
-            if r["memory_published"] is not None
-            else f"{r['memory']:.1f} | — | —"
-        )
-        speed = f"{r['tps']:,.0f} | {run.tokens_per_second_per_gpu:,.0f} | {r['tps_error']:+.0%}"
+    for r in rows:
+        run, e = r["run"], r["error"]
+        miss = "" if e.speed_within else " ✗"
+        speed = f"{r['tps']:,.0f} | {run.tokens_per_second_per_gpu:,.0f} | {e.speed_error:+.0%}{miss}"
+        if e.memory_ratio is None:
+            mem = f"{r['memory']:.1f} | — | —"
+        else:
+            mem = f"{r['memory']:.1f} | {run.memory_gib:.1f} | {e.memory_error:+.0%}{'' if e.memory_within else ' ✗'}"
         line = f"| {run.name} | {speed} | {mem} | {r['bound']}"
-        held = f" | {r['held_place'] or '>5'} | {r['held_ratio']:.2f}" if ranked else ""
-        out.append(line + (f" | {r['place'] or '>5'} | {r['ratio']:.2f}{held} |" if ranked else " |"))
+        if ranked:
+            line += f" | {r['place'] or '>5'} | {r['ratio']:.2f} | {r['held_place'] or '>5'} | {r['held_ratio']:.2f}"
+        out.append(line + " |")
     return out
 
 
-def summary(rows: list[dict], runs: list[Run], seconds: float) -> list[str]:
-    speed_ok = sum(abs(r["tps_error"]) <= SPEED_OK for r in rows)
-    with_memory = [r for r in rows if r["memory_error"] is not None]
-    memory_ok = sum(abs(r["memory_error"]) <= MEMORY_OK for r in with_memory)
+def summary(rows: list[dict], seconds: float) -> list[str]:
+    errors = [r["error"] for r in rows]
+    c = audit.counts(errors)
     lines = [
-        f"{speed_ok}/{len(rows)} rows within {SPEED_OK:.0%} on tokens/s/GPU; {memory_ok}/{len(with_memory)} within "
-        f"{MEMORY_OK:.0%} on memory ({seconds:.0f} s)"
+        f"Within {audit.SPEED_OK:.0%} on tokens/s/GPU: {c['speed today'][0]}/{c['speed today'][1]} rows run on today's "
+        f"software (torchtitan, the steps measured here), {c['speed all'][0]}/{c['speed all'][1]} with llm-foundry's; "
+        f"within {audit.MEMORY_OK:.0%} on memory: {c['memory all'][0]}/{c['memory all'][1]} of the rows that publish "
+        f"it ({seconds:.0f} s). A named term never makes a miss a hit.",
     ]
+    for family in dict.fromkeys(r["run"].family for r in rows):
+        mine = [r["error"] for r in rows if r["run"].family == family]
+        fam = audit.counts(mine)
+        speed, memory = fam["speed all"], fam["memory all"]
+        lines.append(f"- {family}: speed {speed[0]}/{speed[1]}, memory {memory[0]}/{memory[1]}")
     if rows and "place" in rows[0]:
         ok = sum(1 for r in rows if r["place"] is not None or r["ratio"] >= 0.9)
-        lines.append(f"{ok}/{len(rows)} runs' own layouts among the planner's top 5 or within 10% of its best")
         held = sum(1 for r in rows if r["held_place"] is not None or r["held_ratio"] >= 0.9)
+        lines.append(f"{ok}/{len(rows)} runs' own layouts among the planner's top 5 or within 10% of its best")
         lines.append(f"{held}/{len(rows)} the same with the planner holding each run's mesh and schedule")
-    misses = {term for run in runs for term in run.missing}
-    lines += ["", "Terms the model lacks, named by the rows that use them:"] + [f"- {m}" for m in sorted(misses)]
+    terms: dict[str, tuple[str, list[str]]] = {}
+    unexplained = []
+    for r in rows:
+        e = r["error"]
+        if e.speed_within and e.memory_within is not False:
+            continue
+        for t in r["run"].unpriced:
+            terms.setdefault(t.term, (t.evidence, []))[1].append(r["run"].name)
+        if not r["run"].unpriced:
+            unexplained.append(r["run"].name)
+    lines += ["", "Misses that name a term the model lacks (each term's evidence; the rows stay misses):"]
+    lines += [f"- {term} ({len(names)} rows). Evidence: {ev}" for term, (ev, names) in terms.items()]
+    some = f" ({', '.join(unexplained[:6])}, ...)" if unexplained else ""
+    lines.append(f"- no term named: {len(unexplained)} rows{some}")
     return lines
 
 
@@ -126,17 +148,33 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--no-rank", action="store_true", help="skip the planner's search per run")
     ap.add_argument("--out", default=os.path.join(HERE, "RESULTS.md"), help="where the table goes ('' for none)")
+    ap.add_argument("--pin", action="store_true", help="re-write benchmarks/data/published_errors.csv")
     ns = ap.parse_args(argv)
     rows, t0 = [], time.perf_counter()
-    for run in RUNS:
-        r = compare(run)
+    for run, e in zip(RUNS, audit.errors(RUNS)):
+        plan = theory.evaluate(run.config, run.model_config, hardware=run.hardware, stack=run.stack)
+        r = {"run": run, "error": e, "tps": plan.tokens_per_second_per_gpu, "bound": plan.bound}
+        r["memory"] = audit.predicted_memory(run, plan)
         if not ns.no_rank:
-            r["place"], r["ratio"] = rank(run, r["plan"])
-            r["held_place"], r["held_ratio"] = rank(run, r["plan"], HELD)
+            r["place"], r["ratio"] = rank(run, plan)
+            r["held_place"], r["held_ratio"] = rank(run, plan, HELD)
         rows.append(r)
-        print(table([r], [run], not ns.no_rank)[-1], flush=True)
-    lines = table(rows, RUNS, not ns.no_rank) + [""] + summary(rows, RUNS, time.perf_counter() - t0)
-    print("\n".join(lines[len(rows) + 2 :]))
+        print(table([r], not ns.no_rank)[-1], flush=True)
+    lines = [f"Measured {stamp()}.", ""] + table(rows, not ns.no_rank) + [""]
+    lines += summary(rows, time.perf_counter() - t0)
+    print("\n".join(lines[len(rows) + 4 :]))
+    # the counts over every row the planner is held to, the Playbook's cells (benchmarks/playbook.py) included
+    everything = audit.errors(audit.ALL)
+    c = audit.counts(everything)
+    lines.append(
+        f"With the Playbook's {len(audit.ALL) - len(RUNS)} cells: tokens/s/GPU within {audit.SPEED_OK:.0%} on "
+        f"{c['speed today'][0]}/{c['speed today'][1]} rows run on today's software, memory within "
+        f"{audit.MEMORY_OK:.0%} on {c['memory all'][0]}/{c['memory all'][1]} rows that publish it."
+    )
+    print(lines[-1])
+    if ns.pin:
+        audit.write_pin(everything, f"written by benchmarks/published.py --pin on {stamp()}")
+        print(f"pinned {len(everything)} rows in {os.path.relpath(audit.PIN)}")
     if ns.out:
         write_results(ns.out, lines)
     return 0

@@ -209,7 +209,7 @@ def _held(text: str) -> tuple[str, object]:
     key, sep, value = text.partition("=")
     if not sep or not key or not value:
         raise ConfigError([f"--fix {text!r}: write FIELD=VALUE, e.g. --fix tp=8 --fix sharding=fsdp"])
-    if value.isdigit():
+    if value.removeprefix("-").isdigit():  # a negative degree reaches the field check as the number it is
         return key, int(value)
     return key, {"true": True, "false": False}.get(value.lower(), value)
 
@@ -236,8 +236,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters on {ns.gpus:,} x {hw.name}; "
         f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
     )
+    # the constants with neither a measurement nor a datasheet behind them, named (hardware.py)
+    print("assumed (no measurement or datasheet): " + "; ".join(plans.assumptions))
     if not plans:
-        print("nothing fits")
+        print(f"nothing to rank: {plans.why}")
     else:
         print(f"{'#':>2} {'tokens/s/GPU':>13} {'MFU':>6} {'GiB':>6} {'bound':>8}  layout")
     for i, p in enumerate(plans, 1):

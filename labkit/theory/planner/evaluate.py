@@ -27,6 +27,7 @@ from labkit.theory.planner.gpu_memory import (
     reserved_bytes,
 )
 from labkit.theory.planner.hardware import Hardware, hardware_of
+from labkit.theory.planner.stacks import with_stack
 from labkit.theory.planner.stages import fullest_candidates
 from labkit.theory.planner.timing import StepTime, step_time
 
@@ -43,7 +44,8 @@ class Plan:
     step_seconds: float
     tokens_per_second_per_gpu: float
     mfu: float
-    """Model FLOPs utilisation against the dense bf16 peak (PaLM's 6N + 12·L·h·s per token)."""
+    """Model FLOPs utilisation (PaLM's 6N + 12·L·h·s per token) against the dense peak of the
+    layout's precision: bf16's, fp8's for an fp8 layout (Hardware.peak), so never above 100%."""
     bound: str
     """'compute', 'memory' or the mesh dim whose exposed communication dominates the step."""
     breakdown: dict = field(repr=False)
@@ -60,6 +62,8 @@ class Plan:
     with the allocator freeing its cache and retrying (torch.cuda.memory_stats'
     num_alloc_retries), which the predicted time leaves out; the planner ranks it after every
     plan that is not tight."""
+    stack: str = "roofline"
+    """The software stack the time is priced for (theory/planner/stacks.py)."""
 
     @property
     def memory(self) -> dict:
@@ -119,16 +123,18 @@ def layout_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     return problems(arithmetic, model)
 
 
-def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware = "h100") -> Plan:
+def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware = "h100", stack: str = "eager") -> Plan:
     """The predicted memory and time of `cfg` on `model` on one hardware (a name of
-    theory.hardware.HARDWARE, or a Hardware). Raises ConfigError for a layout that cannot be
-    laid out; one that does not fit comes back with fits=False and the reason."""
-    hw = hardware_of(hardware)
+    theory.hardware.HARDWARE, or a Hardware) under a software stack (stacks.STACKS: 'eager'
+    PyTorch, 'compile', or 'roofline', the kernels' isolated rates). Raises ConfigError for a
+    layout that cannot be laid out; one that does not fit comes back with fits=False and the reason."""
+    hw = with_stack(hardware_of(hardware), stack)
     if not (isinstance(cfg, ParallelConfig) and isinstance(model, ModelConfig)):
         raise ConfigError(argument_problems("evaluate", cfg, model))
     found = layout_problems(cfg, model)
     if found:
         raise ConfigError(found)
+    hw.peak(cfg.precision)  # refuses a precision the hardware has no rate for, naming the hardware
     return _evaluate(cfg, model, hw)
 
 
@@ -171,7 +177,9 @@ def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dic
     why = "" if fits else _over(memory["required"], hw)
     # fits, but only once the allocator has given back its cache (a retry the time leaves out)
     tight = fits and memory["peak"] > hw.memory
-    return Plan(cfg, model, hw.name, memory["peak"], t.total, tokens, t.mfu, t.dominant, breakdown, fits, why, tight)
+    return Plan(
+        cfg, model, hw.name, memory["peak"], t.total, tokens, t.mfu, t.dominant, breakdown, fits, why, tight, hw.stack
+    )
 
 
 def _over(peak: float, hw: Hardware) -> str:

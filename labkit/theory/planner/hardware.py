@@ -1,7 +1,8 @@
 """The hardware the time and memory models price a step on: one set of constants per machine, each
-with its source (a datasheet, a paper, or a measurement on this workplace's H100 by
-benchmarks/gpu_constants.py, kept in benchmarks/gpu_constants_h100.json). No constant is fitted to
-a published training run; benchmarks/published.py holds the model against those.
+with its source (a datasheet, a paper, or a measurement read from benchmarks/gpu_constants_<device>.json
+by theory/planner/calibration.py, its rules stated there). No constant is fitted to a published
+training run; benchmarks/published.py holds the model against those. A constant with neither a
+measurement nor a datasheet is listed in the Hardware's `assumptions` (`labkit plan` prints them).
 
     rate of a matmul      min(peak · matmul_eff, intensity · hbm · hbm_eff)      (a roofline)
     rate of attention     peak · attention_eff   (flash kernels are compute-bound at these shapes)
@@ -14,6 +15,8 @@ import math
 from dataclasses import dataclass
 
 from labkit.config import ConfigError
+from labkit.config.choices import numerics
+from labkit.theory.planner.calibration import efficiencies, load
 
 GiB = 2**30
 
@@ -62,37 +65,72 @@ class Hardware:
     nccl_channels: int = 16
     """Channels NCCL opens per communicator (its ring/tree count on NVLink + IB nodes)."""
     source: str = ""
+    assumptions: tuple[str, ...] = ()
+    """The constants with neither a measurement nor a datasheet behind them, each with its value."""
+    stack: str = "roofline"
+    """The software stack the step runs on (theory/planner/stacks.py): how close its kernels come to
+    the isolated rates above is the stack's property, not the device's. 'roofline': at those rates."""
+    memory_slowdown: float = 1.0
+    """An elementwise kernel's seconds in the stack's step over its bytes at hbm · hbm_eff."""
+    optimizer_slowdown: float = 1.0
+    """The optimizer step's seconds over its states' bytes at hbm · hbm_eff."""
+
+    def peak(self, precision: str) -> float:
+        """The dense peak FLOP/s a layout in `precision` computes at: MFU's denominator, so that no
+        MFU can pass 100% (fp8 layouts against the fp8 peak; torchtitan quotes its Float8 runs
+        against the bf16 peak, which an fp8 step can pass). fp32 layouts are timed as bf16 autocast
+        runs them: an assumption (no fp32 rate is kept here). ConfigError, naming this hardware,
+        where it has no rate for the precision."""
+        if not numerics(precision).fp8:
+            return self.flops
+        if not self.fp8_flops:
+            with_fp8 = ", ".join(k for k, hw in HARDWARE.items() if hw.fp8_flops)
+            raise ConfigError(
+                [
+                    f"precision='fp8' cannot be priced on {self.name}: it has no fp8 rate (no fp8 tensor "
+                    f"cores, fp8_flops=0 in labkit/theory/planner/hardware.py); use precision='bf16', "
+                    f"or hardware with fp8: {with_fp8}"
+                ]
+            )
+        return self.fp8_flops
 
 
-MEASURED_H100 = "benchmarks/gpu_constants_h100.json (H100 80GB HBM3 SXM, 700 W, torch 2.11, CUDA 13)"
+UNSOURCED = (
+    "intra.alpha 3 us and inter.alpha 8 us: collective latency per step (no measurement or datasheet here)",
+    "nccl_channels 16: channels NCCL opens per communicator (not measured here)",
+    "attention below 2048 keys: the measured fall per halving extrapolated (measured at 2048 and 8192 keys)",
+)
+"""The assumptions every profile shares."""
+
+MEASURED = load("h100")
+"""benchmarks/gpu_constants_h100.json, the H100's efficiencies (calibration.py's rules)."""
+ALLOCATOR = load("h200")
+"""benchmarks/gpu_constants_h200.json: the allocator's reserve from its Llama steps (calibration.py)."""
+MEASURED_H100 = f"{MEASURED.path} ({MEASURED.provenance})"
 
 H100 = Hardware(
     "H100 SXM 80GB (8/node, NVLink 4 + 400G IB)",
     flops=989e12,
-    # what the device reports (mem_get_info's total), not the "80 GB" it is sold as
-    memory=85.0e9,
     gpus_per_node=8,
     # NVLink 4's 900 GB/s counts both directions: 450 each way; one 400 Gb/s NIC per GPU is 50 GB/s
     intra=Link(alpha=3e-6, beta=450e9),
     inter=Link(alpha=8e-6, beta=50e9),
     hbm=3.35e12,
     fp8_flops=1979e12,
-    matmul_eff=0.78,
-    fp8_matmul_eff=0.66,
-    attention_eff=0.51,
-    hbm_eff=0.89,
-    context=0.72e9,
-    allocator=0.25,
+    # memory, context and the efficiencies read from the measurement, as calibration.py's rules say
+    **efficiencies(MEASURED, flops=989e12, fp8_flops=1979e12, hbm=3.35e12, allocator=ALLOCATOR),
     source=(
         "NVIDIA H100 datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8, 3.35 TB/s HBM3, NVLink 4 "
-        "900 GB/s (450 each way), one 400 Gb/s NDR NIC per GPU. Measured here (" + MEASURED_H100 + "): "
-        "the device's total 85.0e9 bytes; bf16 products of Llama 3.1 8B's shapes 761-769 TFLOP/s "
-        "(0.77-0.78; the 8192^3 product 769-798 on other days); fp8 _scaled_mm 1,263-1,340 "
-        "(0.64-0.68); SDPA causal attention (cuDNN's kernel), head dim 128, forward + backward 508-518 "
-        "TFLOP/s over 8192 keys (0.51-0.52), 355 over 2048, head dim 64 320 over 4096; copy and add "
-        "2.95-3.02 TB/s (0.88-0.90); CUDA context with cuBLAS 718 MB; reserved / allocated 1.19-1.29 "
-        "over a Llama step with no, full and per-op checkpointing (mean 1.25)"
+        "900 GB/s (450 each way), one 400 Gb/s NDR NIC per GPU. Measured (" + MEASURED_H100 + "), by "
+        "calibration.py's rules: the device's total bytes; the median of the large bf16 and fp8 "
+        "products; SDPA causal attention (cuDNN's kernel) at head dim 128 over 8192 keys; copy and "
+        "add; the CUDA context with cuBLAS. The allocator's reserve from "
+        + ALLOCATOR.path
+        + " ("
+        + ALLOCATOR.provenance
+        + "), so the H100's own Llama steps stay validation rows"
     ),
+    assumptions=UNSOURCED,
 )
 
 H100_GRAND_TETON = Hardware(
@@ -120,6 +158,13 @@ H100_GRAND_TETON = Hardware(
         "H100 peak (Shah et al., FlashAttention-3, 2024, abstract). Matmul, copy, context and allocator: "
         "the H100 SXM's, as measured here"
     ),
+    assumptions=UNSOURCED
+    + (
+        "flops 912 TFLOP/s: the midpoint of two datasheets (this card was never measured)",
+        "memory 102.0e9 bytes: the 80 GB card's reported total scaled by 96/80",
+        "attention_eff 0.35: FlashAttention-2's fraction on an H100 from a paper, not this stack's kernel",
+        "matmul, fp8, copy efficiencies, context and allocator: the 700 W H100 SXM's, on a 500 W card",
+    ),
 )
 
 A100 = Hardware(
@@ -131,9 +176,9 @@ A100 = Hardware(
     # 200 Gb/s HDR per GPU: 25 GB/s
     inter=Link(alpha=8e-6, beta=25e9),
     hbm=2.039e12,
-    matmul_eff=0.78,
+    matmul_eff=H100.matmul_eff,
     attention_eff=0.55,
-    hbm_eff=0.89,
+    hbm_eff=H100.hbm_eff,
     context=0.6e9,
     allocator=H100.allocator,
     source=(
@@ -142,22 +187,52 @@ A100 = Hardware(
         "reaches 50-73% of A100 peak forward and backward, its lower half taken (0.55); the matmul, "
         "copy and allocator fractions: the H100's measured ones (not measured on an A100)"
     ),
+    assumptions=UNSOURCED
+    + (
+        "memory 85.0e9 and context 0.6e9 bytes: not measured on an A100",
+        "matmul and copy efficiencies, allocator: the H100's measurements",
+        "attention_eff 0.55: the lower half of a paper's 50-73% range",
+    ),
 )
 
-HARDWARE = {"h100": H100, "h100-96gb": H100_GRAND_TETON, "a100": A100}
+MEASURED_H200 = load("h200")
+
+H200 = Hardware(
+    "H200 SXM 141GB (8/node, NVLink 4 + 400G IB)",
+    flops=989e12,
+    gpus_per_node=8,
+    intra=Link(alpha=3e-6, beta=450e9),
+    inter=Link(alpha=8e-6, beta=50e9),
+    hbm=4.8e12,
+    fp8_flops=1979e12,
+    # read from its measurement; the allocator's reserve is PyTorch's, from this same file's steps
+    **efficiencies(MEASURED_H200, flops=989e12, fp8_flops=1979e12, hbm=4.8e12, allocator=ALLOCATOR),
+    source=(
+        "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8, 4.8 TB/s HBM3e, NVLink 4 900 GB/s "
+        "(450 each way). Measured (" + MEASURED_H200.path + ", " + MEASURED_H200.provenance + "), by "
+        "calibration.py's rules: the device's total bytes, the products, attention, copies, the context"
+    ),
+    assumptions=UNSOURCED + ("inter 400 Gb/s per GPU: the usual HGX H200 NIC, not this machine's (one GPU)",),
+)
+
+HARDWARE = {"h100": H100, "h100-96gb": H100_GRAND_TETON, "a100": A100, "h200": H200}
 """Hardware by the names `evaluate`, `plan` and the CLI take."""
+
+
+HALVING, HEAD_DIM_64 = MEASURED.attention_shape()
+"""Read from the H100's measurement (calibration.Measurement.attention_shape): the flash kernel's
+rate lost per halving of the keys below 8192, and head dim 64's rate over head dim 128's."""
 
 
 def attention_shape(head_dim: int, length: int) -> float:
     """The flash kernel's rate relative to head dim 128 over 8192 keys, as measured on the H100
-    (benchmarks/gpu_constants_h100.json, forward + backward): 1 from 8192 keys on, 0.69 at 2048,
-    log-linear in between and below (an extrapolation: 0.15 a halving, down to 0.2); head dim 64
-    at 0.73 of head dim 128 (0.62 at 4096 keys, where head dim 128 runs at 0.85)."""
-    # halvings of the block below 8192 keys: 0.155 of the rate each (two halvings, 2048 keys: 0.69)
+    (HALVING and HEAD_DIM_64, forward + backward): 1 from 8192 keys on, log-linear below, as
+    measured down to 2048 keys (an extrapolation beyond, down to 0.2); head dim 64 at HEAD_DIM_64
+    of head dim 128's rate."""
     halvings = max(0.0, math.log2(8192 / max(length, 1)))
-    shape = max(0.2, 1.0 - 0.155 * halvings)
-    # head dim 64 at 0.734 of head dim 128's rate, as measured
-    return shape * (0.734 if head_dim <= 64 else 1.0)
+    # the rate falls by HALVING for each halving of the block below 8192 keys, floored where unmeasured
+    shape = max(0.2, 1.0 - HALVING * halvings)
+    return shape * (HEAD_DIM_64 if head_dim <= 64 else 1.0)
 
 
 def attention_rate(hw: Hardware, head_dim: int, length: int) -> float:

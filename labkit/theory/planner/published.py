@@ -25,6 +25,7 @@ layout fits (a test holds the planner to that).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from labkit.config import ModelConfig, ParallelConfig
@@ -52,6 +53,17 @@ MPT = {  # (hidden, heads, layers): mpt-*.yaml, expansion_ratio 4
 
 
 @dataclass(frozen=True)
+class Unpriced:
+    """A term the model lacks, attached by hand to a row that uses it, with the measurement that
+    shows the term is real (a file in this repository, or a source's own published numbers). It
+    explains a miss; it never makes one a hit (theory/planner/audit.py counts every miss)."""
+
+    term: str
+    evidence: str
+    """A path in this repository and what it measured, or 'published: ' and the source's numbers."""
+
+
+@dataclass(frozen=True)
 class Run:
     """One published training run."""
 
@@ -70,9 +82,19 @@ class Run:
     """The parameter count the source gives, where it gives one."""
     notes: str = ""
     """What the run used beyond the layout (torch.compile, AsyncTP, ...)."""
-    missing: tuple[str, ...] = ()
-    """The terms the model lacks for this run, named where the run uses them (the issue's rule: a
-    row outside the tolerances must name one; benchmarks/RESULTS.md shows the errors)."""
+    unpriced: tuple[Unpriced, ...] = ()
+    """Terms the model lacks that this run uses, each with its evidence (attached by hand)."""
+    family: str = "torchtitan"
+    """Which table the row comes from: 'torchtitan', 'llm-foundry', 'here', 'playbook'."""
+    memory_stat: str = "reserved"
+    """The source's memory statistic: 'reserved' (torch.cuda.max_memory_reserved) or 'allocated'."""
+    stack: str = "eager"
+    """The software stack it ran (theory/planner/stacks.py): 'compile' where the source used torch.compile."""
+
+    @property
+    def today(self) -> bool:
+        """Run on today's software: every table but llm-foundry's, which ran torch 2.0.1 with CUDA 11.8 (2023)."""
+        return self.family != "llm-foundry"
 
     @property
     def model_config(self) -> ModelConfig:
@@ -83,38 +105,30 @@ class Run:
         return ParallelConfig(**self.layout)
 
 
-COMPILE = "torch.compile's fused kernels (fewer memory-bound passes, fewer saved casts than the eager ops priced here)"
-OP_POLICY = (
-    "what the per-op checkpointing policy costs beyond its recomputation, not yet measured apart: "
-    "on the H100 here the step took +38% over no checkpointing where the recomputation the model "
-    "prices is +11%. Not the policy's host cost: Python decides every op, forward and "
-    "recomputation, but issuing a whole step takes at most 0.16 of its GPU time "
-    "(benchmarks/op_policy_host.py), so the host runs ahead and it hides"
+OP_POLICY = Unpriced(
+    "what torchtitan's per-op checkpointing policy costs beyond the recomputation priced here",
+    "benchmarks/gpu_constants_h200.json: the Llama step with the per-op policy (its save list naming cuDNN's "
+    "attention) took 0.226 s against 0.192 s without checkpointing (+18%), where the model prices +11% of "
+    "recomputation",
 )
-OP_POLICY_LIST = (
-    "the H100 measurement's policy recomputed the attention: its save list named flash and "
-    "efficient attention but not cuDNN's kernel, which SDPA ran there (fixed in "
-    "benchmarks/gpu_constants.py; about 6 ms of the 80 ms gap at the step's measured attention rate)"
+OP_POLICY_LIST = Unpriced(
+    "the H100 measurement's policy recomputed the attention: its save list named flash and efficient "
+    "attention but not cuDNN's kernel, which SDPA ran there",
+    "benchmarks/gpu_constants_h100.json against benchmarks/gpu_constants_h200.json: the same per-op step "
+    "took 0.295 s (+38% over none) with the old list, 0.226 s (+18%) on the H200 with the list fixed",
 )
-ASYNC_TP = "AsyncTP's overlap of tensor parallelism's collectives with the matmuls"
-RING = (
-    "ring attention as torchtitan ran it (an SDPA call per hop, and the merges): below the dense "
-    "kernel's rate priced here, the more so the larger cp"
-)
-FOUNDRY = (
-    "the 2023 software on the H100: torch 2.0.1 built with CUDA 11.8 (whose cuBLAS has no Hopper "
-    "wgmma kernels) and MPT's Triton flash attention of 2022, both slower than the kernels measured "
-    "here with torch 2.11 and CUDA 13; the error grows with the sequence as attention's share does"
+ASYNC_TP = Unpriced(
+    "AsyncTP's overlap of tensor parallelism's collectives with the matmuls",
+    "published: torchtitan table 4, the same 70B layout 829 tokens/s/GPU without AsyncTP, 876 with it",
 )
 
 
-def _titan(name, model, tps, gib, notes="", **layout) -> Run:
-    per_op = recomputation(layout.get("checkpoint_activations", False)).per_op
-    terms = [OP_POLICY] if "compile" not in notes and per_op else []
-    terms += [COMPILE] if "compile" in notes else []
-    terms += [ASYNC_TP] if "AsyncTP" in notes else []
-    terms += [RING] if layout.get("cp", 1) > 1 else []
-    return Run(name, TORCHTITAN, model, layout, "h100-96gb", tps, gib, notes=notes, missing=tuple(terms))
+def _titan(name, model, tps, gib, notes="", unpriced=(), **layout) -> Run:
+    # torch.compile is a stack the model prices by name (stacks.py), not a term it lacks
+    stack = "compile" if "torch.compile" in notes else "eager"
+    return Run(
+        name, TORCHTITAN, model, layout, "h100-96gb", tps, gib, notes=notes, unpriced=tuple(unpriced), stack=stack
+    )
 
 
 def _torchtitan() -> list[Run]:
@@ -128,7 +142,9 @@ def _torchtitan() -> list[Run]:
         }[gpus]:
             lay = dict(b16, dp=gpus, global_batch=2 * gpus, precision="fp8" if "Float8" in tech else "bf16")
             notes = "torch.compile" if "compile" in tech else ""
-            out.append(_titan(f"T{table} 8B {tech}, {gpus} GPUs", LLAMA31_8B, tps, gib, notes, **lay))
+            # by hand: the eager rows run the per-op policy eagerly (the compiled ones: the compile stack)
+            terms = () if "compile" in tech else (OP_POLICY,)
+            out.append(_titan(f"T{table} 8B {tech}, {gpus} GPUs", LLAMA31_8B, tps, gib, notes, terms, **lay))
     for dp, cp, seq, tps, gib in (
         (8, 1, 32768, 3890, 83.9),
         (4, 2, 65536, 2540, 84.2),
@@ -143,6 +159,7 @@ def _torchtitan() -> list[Run]:
                 tps,
                 gib,
                 "torch.compile",
+                (),
                 dp=dp,
                 cp=cp,
                 global_batch=dp,
@@ -154,7 +171,8 @@ def _torchtitan() -> list[Run]:
         ("2D + AsyncTP", 876, 67.6, "torch.compile; AsyncTP overlaps TP's collectives"),
     ):
         lay = dict(fp8, dp=32, tp=8, sequence_parallel=True, global_batch=512)
-        out.append(_titan(f"T4 70B FSDP 32 TP 8 {name}", LLAMA31_70B, tps, gib, notes, **lay))
+        terms = (ASYNC_TP,) if "AsyncTP" in name else ()
+        out.append(_titan(f"T4 70B FSDP 32 TP 8 {name}", LLAMA31_70B, tps, gib, notes, terms, **lay))
     pipe = dict(fp8, dp=8, tp=8, pp=8, sequence_parallel=True, global_batch=256)
     asy = "torch.compile; AsyncTP"
     out.append(
@@ -164,6 +182,7 @@ def _torchtitan() -> list[Run]:
             100,
             82.5,
             asy,
+            (ASYNC_TP,),
             microbatches=8,
             stage_layers=(15, 16, 16, 16, 16, 16, 16, 15),
             **pipe,
@@ -176,6 +195,7 @@ def _torchtitan() -> list[Run]:
             128,
             72.7,
             asy,
+            (ASYNC_TP,),
             microbatches=16,
             schedule="interleaved",
             virtual_stages=2,
@@ -200,7 +220,8 @@ def _torchtitan() -> list[Run]:
             microbatches=8,
             stage_layers=(15, 16, 16, 16, 16, 16, 16, 15),
         )
-        out.append(_titan(f"T6 405B FSDP {dp} CP {cp}, seq {seq}", dict(LLAMA31_405B, seq=seq), tps, gib, asy, **lay))
+        name = f"T6 405B FSDP {dp} CP {cp}, seq {seq}"
+        out.append(_titan(name, dict(LLAMA31_405B, seq=seq), tps, gib, asy, (ASYNC_TP,), **lay))
     return out
 
 
@@ -261,9 +282,9 @@ def _foundry(text: str, precision: str) -> list[Run]:
         m = mpt(size, seq)
         name = f"MPT-{size} seq {seq}, {gpus} GPUs, {mb}x{accum}{', AC' if ac == '1' else ''}, {precision}"
         notes = "torch 2.0.1 + CUDA 11.8, Triton flash attention (2022)"
-        run = Run(
-            name, LLM_FOUNDRY, m, layout, "h100", float(tps), None, float(mfu) / 100, int(params), notes, (FOUNDRY,)
-        )
+        # no term attached: the 2023 stack's kernels were never measured here, so its rows stand as plain errors
+        run = Run(name, LLM_FOUNDRY, m, layout, "h100", float(tps), None, float(mfu) / 100, int(params), notes)
+        run = dataclasses.replace(run, family="llm-foundry")
         out.append(run)
     return out
 
@@ -277,9 +298,11 @@ def _measured_here() -> list[Run]:
     out = []
     for ac, step, reserved in ((False, 0.2141, 52.10), (True, 0.2581, 39.14), ("op", 0.2953, 42.14)):
         layout = dict(dp=1, global_batch=2, sharding="fsdp", precision="bf16", checkpoint_activations=ac)
-        missing = (OP_POLICY, OP_POLICY_LIST) if recomputation(ac).per_op else ()
+        unpriced = (OP_POLICY, OP_POLICY_LIST) if recomputation(ac).per_op else ()
         name = f"here: Llama 1.5B, 1 H100, 2 x 4096, AC {ac}"
-        out.append(Run(name, source, model, layout, "h100", 2 * 4096 / step, reserved, missing=missing))
+        out.append(
+            Run(name, source, model, layout, "h100", 2 * 4096 / step, reserved, unpriced=unpriced, family="here")
+        )
     return out
 
 

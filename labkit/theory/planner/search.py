@@ -38,11 +38,14 @@ from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.config.choices import CONTEXT_KINDS, Precision, context_comm, pipeline_shape, recomputation
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
+from labkit.theory.planner.stacks import with_stack
 from labkit.theory.planner.timing import compute_floor
 
 TRIED_CHECKPOINTING = (False, "selective", "op", True)
 """The checkpoint_activations values the search tries (labkit.config.CHECKPOINTING less 'full', which
 is True), in order of recomputation (time added) and of memory kept (falling)."""
+SEARCHED_PRECISIONS = ("bf16", "fp8")
+"""The precisions the planner prices (the ones hardware.py keeps rates for; fp32 is evaluate's only)."""
 NEAREST = 20
 """Layouts that do not fit kept in `.rejected`, the nearest misses first."""
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "sharding", "schedule", "virtual_stages", "microbatches")
@@ -62,11 +65,28 @@ class Plans(list):
     `.considered` (layouts priced for memory) and `.timed` (layouts that fit and were timed; the
     others that fit were slower than the best on their compute alone)."""
 
-    def __init__(self, plans, rejected, counts, considered: int, timed: int):
+    def __init__(self, plans, rejected, counts, considered: int, timed: int, gpus: int = 0):
         super().__init__(plans)
         self.rejected: list[Rejected] = rejected
         self.counts: dict[str, int] = counts
         self.considered, self.timed = considered, timed
+        self.gpus = gpus
+        self.assumptions: tuple[str, ...] = ()
+        """The constants behind the prices with neither a measurement nor a datasheet (plan sets them)."""
+
+    @property
+    def why(self) -> str:
+        """Why the list is empty, from the reasons counted ('' when it is not): never an empty
+        answer without one."""
+        if self:
+            return ""
+        if not self.counts:
+            return (
+                f"no mesh of {self.gpus:,} GPUs is one the model allows (tp must divide the heads, 2·cp the sequence)"
+            )
+        top3 = sorted(self.counts.items(), key=lambda x: -x[1])[:3]
+        reasons = [reason + (f" ({n:,} layouts)" if n > 1 else "") for reason, n in top3]
+        return "no layout fits or is valid: " + "; ".join(reasons)
 
 
 def _pow2(limit: int) -> list[int]:
@@ -152,11 +172,14 @@ def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally, s
 
 def _checked(fixed: dict | None) -> dict:
     """`fixed` with its checkpointing spelled as TRIED_CHECKPOINTING does, or ConfigError naming the
-    fields the search cannot hold."""
+    fields the search cannot hold, or a held value ParallelConfig refuses (its field checks name the
+    allowed values: a sharding or schedule not in the list, tp='abc', dp=0)."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(FIXABLE))
     if unknown:
         raise ConfigError([f"fixed={unknown} cannot be held by the planner; it holds {', '.join(FIXABLE)}"])
+    # each held value judged alone, as ParallelConfig judges its fields (the combinations are the search's)
+    ParallelConfig(**fixed)
     if "checkpoint_activations" in fixed:
         ac = fixed["checkpoint_activations"]
         r = recomputation(ac if isinstance(ac, str) else bool(ac))  # a name ('none', 'full', ...) or a value
@@ -182,6 +205,50 @@ def _with_kinds(meshes, fixed: dict):
                 yield (*mesh, kind, a)
 
 
+def _arguments(model, gpus, hw: Hardware, global_batch, top, precision) -> tuple[int, tuple[str, ...]]:
+    """The global batch (its default where None) and the precisions to search, or ConfigError naming
+    the argument, its value and a fix."""
+    if not isinstance(model, ModelConfig):
+        raise ConfigError([f"plan(model, gpus, ...) takes a ModelConfig first, not a {type(model).__name__}"])
+    if not isinstance(gpus, int) or isinstance(gpus, bool) or gpus < 1:
+        raise ConfigError([f"gpus={gpus!r} must be a positive integer"])
+    if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+        raise ConfigError([f"top={top!r} must be a positive integer: how many layouts to return, e.g. top=10"])
+    default = max(1, round(4 * 2**20 / model.seq))
+    if global_batch is not None and (
+        not isinstance(global_batch, int) or isinstance(global_batch, bool) or global_batch < 1
+    ):
+        raise ConfigError(
+            [
+                f"global_batch={global_batch!r} must be a positive integer (sequences per step); leave it out for "
+                f"the default, {default:,} sequences (4M tokens)"
+            ]
+        )
+    if precision is not None:
+        if precision not in SEARCHED_PRECISIONS:
+            raise ConfigError(
+                [f"precision={precision!r}: the planner prices {' and '.join(SEARCHED_PRECISIONS)}; pick one of those"]
+            )
+        hw.peak(precision)  # fp8 on hardware without an fp8 rate: refused, naming the hardware
+    precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
+    return global_batch or default, precisions
+
+
+def _held_degrees(fixed: dict, gpus: int) -> str:
+    """Why no mesh of `gpus` can hold the fixed degrees ('' when one can): their product must divide
+    the GPUs, and all five held must use them all."""
+    held = {d: fixed[d] for d in ("dp", "tp", "pp", "cp", "ep") if d in fixed}
+    product = 1
+    for v in held.values():
+        product *= v
+    named = "·".join(f"{d}={v}" for d, v in held.items())
+    if gpus % product:
+        return f"{named} does not divide {gpus:,} GPUs"
+    if len(held) == 5 and product != gpus:
+        return f"{named} uses {product:,} of the {gpus:,} GPUs: the degrees' product must be the GPUs"
+    return ""
+
+
 def _chunks_per_rank(pp: int, fixed: dict) -> tuple[int, ...]:
     """The v to try: 1F1B and interleaved (2, 4) unless the schedule or v is fixed."""
     if pp == 1:
@@ -203,23 +270,25 @@ def plan(
     top: int = 10,
     precision: Precision | None = None,
     fixed: dict | None = None,
+    stack: str = "eager",
 ) -> Plans:
     """The `top` layouts of `model` on `gpus` GPUs that fit, fastest first (predicted
     tokens/s/GPU; tight ones after the rest). global_batch: sequences per step (default: 4M
     tokens, Llama 3's batch at 8k, rounded to sequences); precision: 'bf16' or 'fp8' (default:
     both where the hardware has fp8); fixed: layout fields held as given (FIXABLE), e.g.
     {"tp": 8} for tensor parallelism inside a node or {"sharding": "fsdp"} for a framework that
-    has only FSDP. The list's `.rejected` and `.counts` say what was left out and why."""
-    hw = hardware_of(hardware)
-    if not isinstance(gpus, int) or gpus < 1:
-        raise ConfigError([f"gpus={gpus!r} must be a positive integer"])
+    has only FSDP; stack: the software stack the steps run on (stacks.STACKS, default 'eager').
+    The list's `.rejected` and `.counts` say what was left out and why."""
+    hw = with_stack(hardware_of(hardware), stack)  # how the step's kernels run (stacks.py), eager unless told
+    gb, precisions = _arguments(model, gpus, hw, global_batch, top, precision)
     fixed = _checked(fixed)
-    gb = global_batch or max(1, round(4 * 2**20 / model.seq))
-    precisions = (precision,) if precision else (("bf16", "fp8") if hw.fp8_flops else ("bf16",))
     ckpts = (fixed["checkpoint_activations"],) if "checkpoint_activations" in fixed else TRIED_CHECKPOINTING
     tally, timed, floors = _Tally(), [], []  # floors: the best `top` step times so far (max-heap)
     considered = 0
-    for tp, cp, ep, pp, dp, kind, a2a in _with_kinds(meshes(model, gpus, hw, fixed), fixed):
+    held = _held_degrees(fixed, gpus)
+    if held:  # no mesh to try: the result says why
+        tally.invalid(held)
+    for tp, cp, ep, pp, dp, kind, a2a in _with_kinds(() if held else meshes(model, gpus, hw, fixed), fixed):
         # SP is on with tp unless held off: the same wire bytes as TP's all-reduces and less memory, so SP
         # off is dominated (Korthikanti et al. 2022, section 4.2.2)
         sp = fixed.get("sequence_parallel", tp > 1)
@@ -249,10 +318,19 @@ def plan(
                     if "microbatches" in fixed:
                         # a fixed m leaves one b, or none when it does not divide the sequences per data rank
                         sizes = [b for b in sizes if per // b == fixed["microbatches"]]
+                        if not sizes:
+                            tally.invalid(
+                                f"microbatches={fixed['microbatches']} does not divide the sequences per data rank"
+                            )
                     for b in sizes:
                         m = per // b
                         cfg = _layout(mesh, m, v, sharding, prec, model, tally, fixed.get("schedule"))
                         if cfg is None:
+                            continue
+                        # nothing is priced that the validation refuses (the engines' own refusals aside)
+                        found = layout_problems(cfg, model)
+                        if found:
+                            tally.invalid(found[0].split(";")[0])
                             continue
                         considered += 1
                         # the first prune, before any memory is priced: -floors[0] is the slowest of the best `top`
@@ -287,7 +365,9 @@ def plan(
     timed.sort(key=lambda p: (p.tight, -p.tokens_per_second_per_gpu))
     # the nearest misses: the smallest overshoot first, what a little more memory would let in
     misses = [r for _, r in sorted(tally.misses, key=lambda x: x[0])[:NEAREST]]
-    return Plans(timed[:top], misses, tally.counts, considered, len(timed))
+    out = Plans(timed[:top], misses, tally.counts, considered, len(timed), gpus)
+    out.assumptions = hw.assumptions  # the hardware's and the stack's, for `labkit plan` to name
+    return out
 
 
 __all__ = ["plan", "Plans", "Rejected", "Plan", "stage_split"]

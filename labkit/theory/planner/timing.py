@@ -71,9 +71,9 @@ def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
         # flash attention's rate falls for short blocks and head dim 64, as measured (hardware.py)
         "attention": attention_rate(hw, op.head_dim, op.length),
     }.get(op.kind)
-    # an elementwise kernel has no FLOP rate: its bytes alone price it
+    # an elementwise kernel has no FLOP rate: its bytes alone price it, at the stack's pace (stacks.py)
     compute = scale * op.flops / rate if rate else 0.0
-    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff)
+    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff) * (hw.memory_slowdown if op.kind == "memory" else 1.0)
     # the roofline: a kernel overlaps its arithmetic and its memory traffic, so the slower side is its time
     return max(compute, memory), memory > compute
 
@@ -115,7 +115,7 @@ class StepTime:
     flops: float = 0.0
     """Model FLOPs per GPU per step (PaLM's 6N + 12·L·h·s per token)."""
     mfu: float = 0.0
-    """flops / (total · the hardware's dense bf16 peak)."""
+    """flops / (total · the hardware's dense peak in the layout's precision: bf16's, fp8's for fp8)."""
     dominant: str = "compute"
     """'compute' or 'memory' (whichever side of the roofline the step's ops spend more time on),
     or the dim whose exposed communication outweighs both."""
@@ -229,6 +229,8 @@ def _context_collectives(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, 
 def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, world: int | None = None) -> StepTime:
     """One optimizer step of `cfg` on `model` (global_batch sequences of model.seq tokens); the
     pipeline's pace is its slowest rank's."""
+    # refused before anything is priced where the hardware has no rate for the precision (fp8 on an A100)
+    peak = hw.peak(cfg.precision)
     m, p = cfg.microbatches, cfg.pp
     b = cfg.global_batch // (cfg.dp * cfg.ep * m)
     dp = DataParallel(cfg, model, hw)
@@ -248,7 +250,9 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
         comm[dim] = comm.get(dim, 0.0) + total
         exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
     # AdamW and clipping stream their fp32 states: memory-bound, 40 bytes a local parameter
-    optimizer = (dp.optimizer_elements(st) * OPTIMIZER_BYTES + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
+    # the optimizer's kernels at their measured pace (hw.optimizer_slowdown, stacks.py); FSDP's copies at the roofline
+    adam = dp.optimizer_elements(st) * OPTIMIZER_BYTES * hw.optimizer_slowdown
+    optimizer = (adam + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
     total = m * mb.compute + bubble + optimizer + sum(exposed.values())
     # model FLOPs (PaLM's, recomputation not counted) per GPU
     flops = model_flops_per_token(model) * cfg.global_batch * model.seq / (world or cfg.world)
@@ -258,9 +262,9 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
     # a dim is named the bound only when its exposed time outweighs either side of the roofline
     if worst is not None and exposed[worst] > max(parts["memory-bound"], parts["compute-bound"]):
         dominant = worst
-    return StepTime(
-        total, m * mb.compute, bubble, optimizer, comm, exposed, parts, flops, flops / (total * hw.flops), dominant
-    )
+    # against the peak of the precision the matmuls run in (hardware.py: Hardware.peak): never above 100%
+    mfu = flops / (total * peak)
+    return StepTime(total, m * mb.compute, bubble, optimizer, comm, exposed, parts, flops, mfu, dominant)
 
 
 def compute_floor(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac=None) -> float:

@@ -1,0 +1,90 @@
+"""The software stack a step runs on, priced by name (issue 29): how close a training step comes to
+its kernels' isolated rates is a property of the stack (eager PyTorch, torch.compile), not of the
+device, so it is an input a run states (`theory.evaluate(..., stack=...)`, `theory.plan(...,
+stack=...)`, published.Run.stack) and each stack's numbers are measured.
+
+    roofline   every kernel at the hardware's isolated rates (hardware.py)
+    eager      PyTorch eager: the elementwise kernels and the optimizer as measured in eager steps
+    compile    torch.compile: the same, measured in compiled steps
+
+Measured from benchmarks/data/gpu-h200-2026-11-26/mfu.json (calibration.load_kernels): one-process
+steps of GPT-2 124M (eager and compiled) and Llama 3.2 1B (eager) on an H200, their kernel seconds
+by kind from the profiler. Each step is priced here on the H200's profile at the roofline, op by op
+as timing.py prices it; a stack's slowdowns are the median over its steps of
+  memory_slowdown     the profiler's 'other' kernels (everything but matmuls, attention and the
+                      optimizer) over the seconds the model gives its elementwise ops
+  optimizer_slowdown  the profiler's optimizer kernels over the model's optimizer seconds (the
+                      median over every step: fused AdamW is the same kernel in both stacks)
+Applied to every hardware (an assumption: measured on one device, as ratios to its own rates).
+The matmuls and attention are left at their isolated rates: in the Llama step the profiler's
+matmul and attention seconds are within 2% and 10% of the model's. FSDP's copies around its
+collectives stay at the roofline (not measured in a step).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from functools import cache
+
+from labkit.config import ConfigError, ParallelConfig
+from labkit.theory.planner.calibration import load_kernels
+from labkit.theory.planner.hardware import H200, Hardware
+from labkit.theory.planner.ops import block_ops, embed_ops, head_ops
+from labkit.theory.planner.timing import op_seconds, step_time
+from labkit.theory.presets import PRESETS
+
+STACKS = ("eager", "compile", "roofline")
+"""The stacks a run can state; 'eager' is what evaluate and plan assume unless told."""
+MEASURED_AS = {"one eager": "eager", "one compiled": "compile"}
+"""benchmarks/gpu_mfu.py's row names, by the stack they ran."""
+
+
+def priced(row: dict) -> tuple[float, float]:
+    """(the elementwise ops' seconds, the optimizer's) the model gives a measured step on the H200's
+    profile at the roofline."""
+    model = PRESETS[row["model"]].replace(seq=row["seq"])
+    b = row["batch"]
+    memory = 0.0
+    for ops, n in (
+        (block_ops(model, 1, 1, False, b, "bf16"), model.layers),
+        (head_ops(model, 1, 1, False, b, "bf16"), 1),
+        (embed_ops(model, 1, 1, False, b, "bf16"), 1),
+    ):
+        # forward and backward of the elementwise kernels only: matmuls and attention are the profiler's own kinds
+        memory += n * sum(
+            op_seconds(op, H200)[0] + op_seconds(op, H200, op.backward)[0] for op in ops if op.kind == "memory"
+        )
+    optimizer = step_time(ParallelConfig(dp=1, global_batch=b, precision="bf16"), model, H200).optimizer
+    return memory, optimizer
+
+
+@cache
+def slowdowns(stack: str) -> tuple[float, float, str]:
+    """(memory_slowdown, optimizer_slowdown, their source) of a measured stack."""
+    rows = load_kernels()
+    mine = [r for r in rows if MEASURED_AS.get(r["what"]) == stack]
+    memory = statistics.median(r["kernels"]["kernel_s"]["other"] / priced(r)[0] for r in mine)
+    optimizer = statistics.median(r["kernels"]["kernel_s"]["optimizer"] / priced(r)[1] for r in rows)
+    steps = ", ".join(f"{r['model']} {r['what']}" for r in mine)
+    return memory, optimizer, f"{rows[0]['source']}: {steps}"
+
+
+def with_stack(hw: Hardware, stack: str) -> Hardware:
+    """`hw` as a step on `stack` runs it; ConfigError naming the stacks for any other name."""
+    if stack not in STACKS:
+        raise ConfigError([f"stack={stack!r} is not one of {list(STACKS)}; pick one of those (eager: PyTorch eager)"])
+    if stack == "roofline":
+        return dataclasses.replace(hw, stack=stack, memory_slowdown=1.0, optimizer_slowdown=1.0)
+    memory, optimizer, source = slowdowns(stack)
+    measured_on = (
+        f"the {stack} stack's pace (elementwise kernels x{memory:.2f}, optimizer x{optimizer:.2f}) measured on "
+        f"{source.split(' (')[0]}'s device, applied to this hardware"
+    )
+    return dataclasses.replace(
+        hw,
+        stack=stack,
+        memory_slowdown=memory,
+        optimizer_slowdown=optimizer,
+        assumptions=hw.assumptions + (measured_on,),
+    )
