@@ -45,7 +45,9 @@ def hybrid_problems(cfg: ParallelConfig) -> list[str]:
         fits = [k for k in range(2, dp) if dp % k == 0 and dp // k > 1]
         return [
             f"dp_replicate={r} does not divide dp={dp} (HSDP cuts dp into dp_replicate equal shard groups); "
-            f"try dp_replicate in {fits} or 1" if fits else f"dp_replicate={r} does not divide dp={dp}; try 1"
+            f"try dp_replicate in {fits} or 1"
+            if fits
+            else f"dp_replicate={r} does not divide dp={dp}; try 1"
         ]
     out = []
     if not cfg.sharded.optimizer:
