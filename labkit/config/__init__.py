@@ -284,13 +284,9 @@ class ParallelConfig(_Dict):
     sequence to head shards and back, a2a; heads and KV heads per tp rank must divide by cp)."""
 
     dp_replicate: int = 1
-    """Hybrid sharded data parallelism (HSDP; torchtitan's dp_replicate x dp_shard, FSDP2 on a 2-D
-    mesh): the dp ranks split into dp_replicate groups of dp_shard = dp / dp_replicate ranks; the
-    sharding applies inside a group (parameters, gradients and optimizer state cut dp_shard ways,
-    reduce-scattered and gathered there) and the groups are replicas whose reduced gradient shards
-    are all-reduced across them. 1: one flat dp dim, as before. Both sub-dims sit at dp's place in
-    `order`, shard inside, replicate outside: with 'tp-cp-ep-dp-pp', tp=2 and dp=4 as 2 x 2, ranks
-    0, 2 are one shard group and 0, 4 one replicate group (comm rows 'dp_shard', 'dp_replicate')."""
+    """HSDP (torchtitan's dp_replicate x dp_shard): dp as replicas of shard groups of dp / dp_replicate ranks,
+    the sharding inside a group, its reduced shard all-reduced across; both at dp's place in `order`, shard
+    inside (layout/mesh.py SUB_DIMS). 1: one flat dp dim."""
 
     def __post_init__(self):
         if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable
@@ -328,16 +324,6 @@ class ParallelConfig(_Dict):
     def recomputation(self) -> Recomputation:
         """What checkpoint_activations rebuilds: .recomputes, .reruns_forward, .attention_only, .per_op."""
         return choices.recomputation(self.checkpoint_activations)
-
-    @property
-    def dp_shard(self) -> int:
-        """The ranks of one HSDP shard group: dp / dp_replicate (dp itself without HSDP)."""
-        return self.dp // self.dp_replicate
-
-    @property
-    def hybrid(self) -> bool:
-        """HSDP: dp split into replicas of shard groups (dp_replicate > 1)."""
-        return self.dp_replicate > 1
 
     @property
     def context(self) -> ContextComm:
