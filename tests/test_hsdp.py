@@ -134,3 +134,49 @@ def test_composed_hsdp_dry_runs_as_predicted(cfg):
     assert d.differences(activation_tolerance=0.10) == []
     dims = {r["dim"] for r in d.comm_table()}
     assert "dp_replicate" in dims and "dp" not in dims and any("dp_shard" in x for x in dims)
+
+
+def _across_nodes(cfg: ParallelConfig, model, gpus_per_node: int = 8) -> float:
+    """Bytes rank 0 sends across nodes per step, by the exact theory's rows on the ring model: a
+    group of n ranks laid over k nodes (consecutive ranks per node) crosses a node boundary at k
+    of its n ring hops, so k/n of each rank's wire bytes leave its node; a group in one node, none."""
+    lay, out = MeshLayout.of(cfg), 0.0
+    for r in theory.estimate(cfg, model).comm_table():
+        if r["rank"] == 0:
+            group = lay.group_of(0, *r["dim"].split("-"))
+            nodes = {g // gpus_per_node for g in group}
+            out += r["wire_bytes"] * (len(nodes) / len(group) if len(nodes) > 1 else 0.0)
+    return out
+
+
+def test_the_planner_prices_the_shard_on_nvlink_and_the_replicas_across_nodes():
+    """Llama 3.1 70B on 64 nodes of 8 H100s, FSDP in bf16: HSDP with a shard group per node
+    (dp_shard=8, dp_replicate=64) against flat FSDP over the 512 GPUs. The planner puts the shard
+    traffic on NVLink and the replicas' all-reduce on one NIC per rank (each replicate group has
+    one rank per node), its seconds bounded below by the exact theory's bytes over that link; and
+    HSDP sends fewer bytes across nodes per step than flat FSDP (on the ring model only slightly:
+    its fp32 all-reduce of a 1/8 shard against 1/8 of the flat ring's bf16 gathers and fp32 scatter)."""
+    from labkit.theory.planner.hardware import H100
+    from labkit.theory.planner.overlap import DataParallel
+    from labkit.theory.planner.timing import step_time
+    from labkit.theory.presets import LLAMA31_70B as M
+
+    cfg = ParallelConfig(
+        dp=512, dp_replicate=64, sharding="fsdp", precision="bf16", global_batch=512, checkpoint_activations=True
+    )
+    flat = cfg.replace(dp_replicate=1)
+    dp = DataParallel(cfg, M, H100)
+    assert (dp.dim, dp.n, dp.link) == ("dp_shard", 8, H100.intra)
+    assert (dp.replica_link.alpha, dp.replica_link.beta) == (H100.inter.alpha, H100.inter.beta)
+    assert DataParallel(flat, M, H100).link.alpha == H100.inter.alpha  # the flat ring crosses nodes
+    t = step_time(cfg, M, H100)
+    assert set(t.comm) == {"dp_shard", "dp_replicate"}
+    wire = {}
+    for r in theory.estimate(cfg, M).comm_table():
+        if r["rank"] == 0:
+            wire[r["dim"]] = wire.get(r["dim"], 0.0) + r["wire_bytes"]
+    # priced on its link: no faster than the bytes at its bandwidth, within the ring's latencies of it
+    for dim, link in (("dp_replicate", H100.inter), ("dp_shard", H100.intra)):
+        assert wire[dim] / link.beta <= t.comm[dim] <= 1.25 * wire[dim] / link.beta, (dim, t.comm[dim])
+    hsdp_across, flat_across = _across_nodes(cfg, M), _across_nodes(flat, M)
+    assert 0 < hsdp_across < flat_across, (hsdp_across, flat_across)
