@@ -22,23 +22,27 @@ GQA = TINY.replace(arch="llama", kv_heads=2)
 """Grouped-query attention: 4 query heads read 2 KV heads (SwiGLU, RMSNorm, RoPE, untied)."""
 
 CASES = [
-    ("zero3", "lab", "fp32", TINY),
-    ("fsdp", "lab", "fp32", GQA),
-    ("fsdp", "lab", "bf16", TINY),
-    ("zero1", "lab", "fp32", GQA),
-    ("zero2", "lab", "bf16", TINY),
-    ("fsdp", "torch", "fp32", TINY),
-    ("fsdp", "torch", "bf16", GQA),
+    ("zero3", "lab", "fp32", TINY, 1),
+    ("fsdp", "lab", "fp32", GQA, 1),
+    ("fsdp", "lab", "bf16", TINY, 1),
+    ("zero1", "lab", "fp32", GQA, 1),
+    ("zero2", "lab", "bf16", TINY, 1),
+    ("fsdp", "torch", "fp32", TINY, 1),
+    ("fsdp", "torch", "bf16", GQA, 1),
+    # two microbatches: ZeRO-1 reduces (and all-reduces its shards) once, ZeRO-2 and FSDP per microbatch
+    ("zero1", "lab", "fp32", TINY, 2),
+    ("fsdp", "lab", "fp32", GQA, 2),
 ]
+"""(sharding, impl, precision, model, microbatches) of dp=4 as 2 x 2."""
 
 
 def hsdp(sharding: str, impl: str = "lab", precision: str = "fp32", **kw) -> ParallelConfig:
     return ParallelConfig(dp=4, dp_replicate=2, sharding=sharding, impl=impl, precision=precision, **kw)
 
 
-@pytest.mark.parametrize("sharding, impl, precision, model", CASES)
-def test_hsdp_trains_like_one_process(lab, ref_cache, sharding, impl, precision, model):
-    cfg = hsdp(sharding, impl, precision)
+@pytest.mark.parametrize("sharding, impl, precision, model, microbatches", CASES)
+def test_hsdp_trains_like_one_process(lab, ref_cache, sharding, impl, precision, model, microbatches):
+    cfg = hsdp(sharding, impl, precision, microbatches=microbatches)
     res = lab.run(cfg, model=model, steps=3, return_params=True)
     assert_matches(res, ref_cache(model, steps=3, global_batch=cfg.global_batch))
     check_against_theory(res, cfg, model)
@@ -180,3 +184,25 @@ def test_the_planner_prices_the_shard_on_nvlink_and_the_replicas_across_nodes():
         assert wire[dim] / link.beta <= t.comm[dim] <= 1.25 * wire[dim] / link.beta, (dim, t.comm[dim])
     hsdp_across, flat_across = _across_nodes(cfg, M), _across_nodes(flat, M)
     assert 0 < hsdp_across < flat_across, (hsdp_across, flat_across)
+
+
+def test_the_controls_offer_hsdp_where_it_fits():
+    """The dashboard's dp_replicate slider offers only what validation lets through: nothing but 1
+    without a sharding, the divisors of dp that leave shard groups of 2 or more with one."""
+    from labkit.widgets.controls import offered
+
+    assert offered("dp_replicate", ParallelConfig(dp=4), TINY, 4) == [1]
+    assert offered("dp_replicate", ParallelConfig(dp=4, sharding="fsdp"), TINY, 4) == [1, 2]
+    assert offered("dp_replicate", ParallelConfig(dp=8, sharding="zero3"), TINY, 8) == [1, 2, 4]
+
+
+def test_the_mesh_view_draws_the_shard_and_replicate_dims():
+    from labkit.widgets.meshview import MeshView
+
+    view = MeshView(ParallelConfig(dp=4, tp=2, dp_replicate=2, sharding="fsdp"), dim="dp_replicate", ranks_per_host=4)
+    assert view.groups == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert "4 dp_replicate group(s) of 2; 4 span hosts" in view.text.value
+    view.controls["dim"].value = "dp_shard"
+    assert view.groups == [[0, 2], [1, 3], [4, 6], [5, 7]] and "0 span hosts" in view.text.value
+    view.controls["dp_replicate"].value = 3  # not a divisor of dp: said, and the last figure kept
+    assert "dp_replicate=3 must divide dp=4" in view.text.value
