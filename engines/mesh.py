@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.config import DIMS
-from labkit.layout.mesh import COMBINED, MeshLayout, dim_name
+from labkit.layout.mesh import COMBINED, DATA_DIMS, MeshLayout, dim_name, hybrid_combined, shard_dims
 
 
 class Mesh:
@@ -52,7 +52,8 @@ class Mesh:
 
     def _create_groups(self) -> None:
         world = dist.get_world_size()
-        for dims in [(d,) for d in DIMS] + [self.layout.canonical(c) for c in COMBINED]:
+        every = [(d,) for d in DIMS] + [self.layout.canonical(c) for c in COMBINED]
+        for dims in every + hybrid_combined(self.layout):  # HSDP's shard and replicate groups last
             if dims in self._groups:
                 continue
             mine = None
@@ -91,6 +92,21 @@ class Mesh:
                 [self.group("dp"), self.group("tp")], device_type, torch.tensor(ranks), mesh_dim_names=("dp", "tp")
             )
         return self._device_mesh
+
+    def device_mesh_hsdp(self, device_type: str) -> DeviceMesh:
+        """One (dp_replicate, dp_shard) DeviceMesh over this layout for FSDP2's HSDP, from this mesh's
+        own groups (no new process group): the shard dim is the data dims' shard group (dp_shard x
+        ep x cp, as FSDP2 alone takes the data dims' group), the replicate dim dp_replicate. Row i
+        holds the shard group of the i-th replica of this rank (a shard group shifted by a constant
+        rank offset, so sorted rows line up column by column)."""
+        lay, dims = self.layout, shard_dims(DATA_DIMS, True)
+        ranks = [lay.group_of(r, *dims) for r in self.ranks("dp_replicate")]  # (dp_replicate, dp_shard)
+        return DeviceMesh.from_group(
+            [self.group("dp_replicate"), self.group(*dims)],
+            device_type,
+            torch.tensor(ranks),
+            mesh_dim_names=("dp_replicate", "dp_shard"),
+        )
 
     def run_group(self, dim: str, k: int):
         """This rank's run of k consecutive coordinates along `dim` (the tp ranks sharing a KV head)."""

@@ -267,6 +267,28 @@ def padding_in_the_loss(original):
     return forward
 
 
+def replicas_not_reduced(original):
+    """engines/parallel/shards.py all_reduce_replicas doing nothing: HSDP's halves of dp never sum
+    their reduced shards, each trains on its own samples."""
+
+    def all_reduce_replicas(shard, group):
+        return None
+
+    return all_reduce_replicas
+
+
+def norm_over_every_replica(original):
+    """engines/parallel/common.py norm_terms summing the squares over the whole dp under HSDP: each
+    shard counted once per replica (dp_replicate times), the norm sqrt(2) too large."""
+
+    def norm_terms(records, mesh, sharded=False):
+        group, counted = original(records, mesh, sharded)
+        split = tuple(d for d in ("tp", "pp", "ep", "dp", "cp") if mesh.size(d) > 1)
+        return mesh.group(*split), counted
+
+    return norm_terms
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -310,6 +332,10 @@ MUTATIONS = [
     Mutation("hierarchical CP's ring reading a run's chunks in the wrong order",
              ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2), (E + "context_kinds", None, "zigzag_chunks"),
              run_chunks_swapped, "losses", ("step 0",)),
+    Mutation("HSDP's replicate all-reduce skipped", ParallelConfig(dp=4, dp_replicate=2, sharding="fsdp"),
+             (E + "zero3", None, "all_reduce_replicas"), replicas_not_reduced, "gradients", ("embed.tok.weight",)),
+    Mutation("HSDP's norm counted once per replica", ParallelConfig(dp=4, dp_replicate=2, sharding="zero2"),
+             (E + "shards", None, "norm_terms"), norm_over_every_replica, "grad norms", ("step 0",)),
     Mutation("an expert's tokens returned to the wrong rank", ParallelConfig(ep=2, dp=2),
              (E + "experts", "ExpertParallel", "__call__"), tokens_to_the_wrong_rank, "losses", ("step 0",), MOE),
     Mutation("gradient clipping skipped on one rank", DDP4, (E + "ddp", "DDP", "step"), clipping_skipped_on_rank_1,

@@ -16,7 +16,7 @@ from labkit.config import CONTEXT_KINDS, IMPLS, PRECISIONS, SCHEDULES, SHARDINGS
 from labkit.config.validation import problems
 
 DEGREES = ("dp", "tp", "pp", "cp", "ep")
-SLIDERS = DEGREES + ("microbatches", "virtual_stages", "global_batch", "cp_a2a")
+SLIDERS = DEGREES + ("dp_replicate", "microbatches", "virtual_stages", "global_batch", "cp_a2a")
 """Numeric fields whose offered values are narrowed to those that fit."""
 CHOICES = {
     "sharding": SHARDINGS,
@@ -29,11 +29,12 @@ FLAGS = ("sequence_parallel", "checkpoint_activations", "reshard_after_forward")
 BUCKETS_MB = (0.01, 0.05, 0.25, 1.0, 5.0, 25.0, 100.0)
 ORDERS = ("tp-cp-ep-dp-pp", "tp-cp-dp-ep-pp", "tp-ep-cp-dp-pp", "dp-tp-cp-ep-pp", "pp-tp-cp-ep-dp")
 """Orders offered in the list (any other can be typed): Megatron's default first."""
-LIMITS = {"microbatches": 64, "virtual_stages": 8, "global_batch": 64, "cp_a2a": 8}
+LIMITS = {"dp_replicate": 8, "microbatches": 64, "virtual_stages": 8, "global_batch": 64, "cp_a2a": 8}
 FIELDS = SLIDERS + tuple(CHOICES) + FLAGS + ("bucket_mb", "order")
 """Every ParallelConfig field the dashboard controls."""
 HELP = {
     "dp": "data-parallel replicas",
+    "dp_replicate": "HSDP: replicas of dp / dp_replicate shard groups (needs a sharding)",
     "tp": "tensor-parallel ranks (heads, MLP width, vocab split)",
     "pp": "pipeline stages",
     "cp": "context-parallel ranks (sequence split, ring attention)",

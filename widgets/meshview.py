@@ -6,6 +6,7 @@ groups cross hosts.
 Pick a dim (or a combination such as dp-cp) to colour the ranks by its groups; type any
 order string (innermost first) to see how it regroups the ranks. Everything is the pure
 arithmetic of labkit/layout/mesh.py (MeshLayout), so it draws a 16k-rank mesh as readily as 4.
+With dp_replicate > 1 (HSDP) dp's two halves, dp_shard and dp_replicate, are dims to colour by.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import html
 import ipywidgets as W
 
 from labkit.config import DIMS, ParallelConfig
-from labkit.layout.mesh import COMBINED, MeshLayout
+from labkit.layout.mesh import COMBINED, SUB_DIMS, MeshLayout
 from labkit.widgets import figures
 from labkit.widgets.live import figure_widget, refresh
 
@@ -23,10 +24,12 @@ from labkit.widgets.live import figure_widget, refresh
 GROUPS_LISTED = 32
 
 
-def order_problem(order: str) -> str:
-    """Why an order string is not a mesh order ('' when it is)."""
+def order_problem(order: str, dp: int = 1, dp_replicate: int = 1) -> str:
+    """Why an order string (or HSDP's split of dp) is not a mesh ('' when it is)."""
     if sorted(order.split("-")) != sorted(DIMS):
         return f"order={order!r} must name each of {'-'.join(DIMS)} exactly once, innermost first"
+    if dp % dp_replicate:
+        return f"dp_replicate={dp_replicate} must divide dp={dp} (HSDP's replicas of equal shard groups)"
     return ""
 
 
@@ -41,6 +44,10 @@ class MeshView:
         self.controls = {
             d: W.BoundedIntText(value=getattr(cfg, d), min=1, max=16384, description=d, **box) for d in DIMS
         }
+        # HSDP: dp read as dp_replicate x dp_shard, the two drawn as dims of their own ('colour by')
+        self.controls["dp_replicate"] = W.BoundedIntText(
+            value=cfg.dp_replicate, min=1, max=16384, description="dp_replicate", **box
+        )
         self.controls["order"] = W.Text(
             value=cfg.order,
             description="order",
@@ -49,7 +56,10 @@ class MeshView:
             layout=W.Layout(width="320px"),
         )
         self.controls["dim"] = W.Dropdown(
-            options=list(DIMS) + ["-".join(c) for c in COMBINED], value=dim, description="colour by", **box
+            options=list(DIMS) + list(SUB_DIMS) + ["-".join(c) for c in COMBINED],
+            value=dim,
+            description="colour by",
+            **box,
         )
         # ranks_per_host 0: no hosts given, every rank on one machine, nothing outlined
         self.controls["ranks_per_host"] = W.BoundedIntText(
@@ -63,7 +73,12 @@ class MeshView:
         c = self.controls
         self.widget = W.VBox(
             [
-                W.HBox([W.VBox([c[d] for d in DIMS]), W.VBox([c["order"], c["dim"], c["ranks_per_host"]])]),
+                W.HBox(
+                    [
+                        W.VBox([c[d] for d in DIMS]),
+                        W.VBox([c[k] for k in ("dp_replicate", "order", "dim", "ranks_per_host")]),
+                    ]
+                ),
                 self.figure,
                 self.text,
             ]
@@ -73,14 +88,15 @@ class MeshView:
     @property
     def layout(self) -> MeshLayout:
         c = self.controls
-        return MeshLayout.from_sizes(c["order"].value, **{d: c[d].value for d in DIMS})
+        return MeshLayout.from_sizes(c["order"].value, c["dp_replicate"].value, **{d: c[d].value for d in DIMS})
 
     def hosts(self, world: int) -> list[str] | None:
         per = self.controls["ranks_per_host"].value
         return [f"host{r // per}" for r in range(world)] if per else None
 
     def update(self) -> None:
-        problem = order_problem(self.controls["order"].value)
+        c = self.controls
+        problem = order_problem(c["order"].value, c["dp"].value, c["dp_replicate"].value)
         # a half-typed order: say why and leave the last figure as it was
         if problem:
             self.text.value = f"<pre style='color:#B00020'>{html.escape(problem)}</pre>"

@@ -13,7 +13,7 @@ from labkit.engines.mesh import Mesh
 from labkit.engines.meters.comm import CommMeter
 from labkit.engines.meters.memory import MemoryMeter
 from labkit.engines.meters.timeline import Timeline
-from labkit.layout.mesh import COMBINED
+from labkit.layout.mesh import COMBINED, hybrid_combined
 
 
 def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
@@ -21,10 +21,13 @@ def dims_by_ranks(mesh: Mesh) -> dict[tuple[int, ...], str]:
 
     A single dim wins over a combination with the same ranks (with cp == 1 the dp-cp groups are
     the dp groups, and are called 'dp'); groups below a dim (MeshLayout.subgroups) go by its
-    name. Groups created by PyTorch itself (DTensor's or FSDP2's DeviceMesh) map by their ranks too.
+    name. HSDP's shard and replicate groups are never another dim's ranks (each half of dp has
+    2 ranks or more), so they keep their own names. Groups created by PyTorch itself (DTensor's
+    or FSDP2's DeviceMesh) map by their ranks too.
     """
     out: dict[tuple[int, ...], str] = {}
-    for dims in [(d,) for d in DIMS] + [mesh.layout.canonical(c) for c in COMBINED]:
+    every = [(d,) for d in DIMS] + [mesh.layout.canonical(c) for c in COMBINED]
+    for dims in every + hybrid_combined(mesh.layout):  # HSDP's 'dp_shard' and 'dp_replicate' after
         for g in mesh.layout.groups(*dims):
             if len(g) > 1:
                 out.setdefault(tuple(g), mesh.layout.label(*dims))

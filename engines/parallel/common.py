@@ -160,7 +160,9 @@ def norm_terms(records: list[ParamMeta], mesh, sharded: bool = False):
     counts only at coordinate 0, unless the parameter is sharded over it (then every rank
     holds a different slice: a dense weight under ZeRO x EP, a sequence-parallel LayerNorm).
     """
-    split = tuple(d for d in ("tp", "pp", "ep", *(("dp", "cp") if sharded else ())) if mesh.size(d) > 1)
+    # under HSDP a shard is held by every replica: the norm sums the shard group's squares only
+    dp = "dp_shard" if mesh.size("dp_replicate") > 1 else "dp"
+    split = tuple(d for d in ("tp", "pp", "ep", *((dp, "cp") if sharded else ())) if mesh.size(d) > 1)
     coords = mesh.coords
 
     def counts(meta: ParamMeta) -> bool:

@@ -12,6 +12,9 @@ impl='lab' runs our units (zero.py, `ZeRO3` with the fsdp grouping). impl='torch
 PyTorch's FSDP2: `fully_shard` on each block, then on the model, on a DeviceMesh wrapped around
 the mesh's own dp process group (no new groups), with `MixedPrecisionPolicy` for bf16
 (bf16 parameters for compute, bf16 reduce-scatter, fp32 sharded masters; see precision.py).
+HSDP (dp_replicate > 1): ours shard each unit over the shard group and all-reduce the reduced
+shard over the replicas (zero3.py); FSDP2 gets a 2-D (dp_replicate, dp_shard) DeviceMesh and does
+the same (its reduce-scatter over dim 1, then an all-reduce over dim 0).
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ class TorchFSDP:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         device_type = next(model.parameters()).device.type
-        if mesh.size("tp") > 1:  # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
+        if mesh.size("dp_replicate") > 1:  # HSDP: FSDP2 on (dp_replicate, dp_shard), as torchtitan
+            dm = mesh.device_mesh_hsdp(device_type)
+        elif mesh.size("tp") > 1:  # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
             dm = mesh.device_mesh_2d(device_type)["dp"]
         else:
             dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)
@@ -82,7 +87,8 @@ class TorchFSDP:
             else MixedPrecisionPolicy()
         )
         self.meters = meters
-        self.dp, self.dp_rank = dm.size(), dm.get_local_rank()
+        shard = dm.ndim - 1  # the dim FSDP2 shards over (the last, under HSDP); the first replicates
+        self.dp, self.dp_rank = dm.size(shard), dm.get_local_rank(shard)
         self.tp_box = {n: _tp_box(p, mesh) for n, p in model.named_parameters()}  # before FSDP2 wraps them
         for unit in [*model.blocks, model]:
             fully_shard(unit, mesh=dm, reshard_after_forward=reshard, mp_policy=mp)

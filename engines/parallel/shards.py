@@ -4,12 +4,14 @@ master slice, AdamW, global norm and pieces of the slice a rank owns (layout: la
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.config import OptimConfig
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
 from labkit.engines.parallel.common import ParamMetas, norm_terms, piece
 from labkit.layout.flat import FlatLayout
+from labkit.layout.mesh import shard_dims
 
 
 def flatten(layout: FlatLayout, params: dict[str, nn.Parameter], dtype=torch.float32) -> torch.Tensor:
@@ -30,19 +32,40 @@ def bind(layout: FlatLayout, params: dict[str, nn.Parameter], flat: torch.Tensor
             params[name].data = flat[lo:hi].view(shape)
 
 
-def entries(named: list[tuple[str, nn.Parameter]], metas: ParamMetas) -> list[tuple[str, tuple, tuple, int]]:
-    """(full name, local shape, reduce dims, pipeline chunk) of each parameter, as layout/flat.py takes them."""
-    return [(metas[p].full_name(n), tuple(p.shape), metas[p].reduce, metas[p].chunk) for n, p in named]
+def hybrid(mesh) -> bool:
+    """HSDP: the dp ranks are replicas of shard groups (ParallelConfig.dp_replicate > 1)."""
+    return mesh.size("dp_replicate") > 1
+
+
+def entries(named: list[tuple[str, nn.Parameter]], metas: ParamMetas, mesh) -> list[tuple[str, tuple, tuple, int]]:
+    """(full name, local shape, shard dims, pipeline chunk) of each parameter, as layout/flat.py takes
+    them: its reduce dims, with dp's shard sub-dim in dp's place under HSDP (layout/mesh.py shard_dims)."""
+    h = hybrid(mesh)
+    return [(metas[p].full_name(n), tuple(p.shape), shard_dims(metas[p].reduce, h), metas[p].chunk) for n, p in named]
 
 
 def group_sizes(mesh, named, metas: ParamMetas) -> dict[tuple, int]:
-    """{reduce dims: size of that group} for every reduce group among `named`'s parameters."""
-    return {metas[p].reduce: mesh.size(*metas[p].reduce) for _, p in named}
+    """{shard dims: size of that group} for every shard group among `named`'s parameters (`entries`)."""
+    dims = {shard_dims(metas[p].reduce, hybrid(mesh)) for _, p in named}
+    return {d: mesh.size(*d) for d in dims}
 
 
 def layout_group(mesh, layout: FlatLayout):
-    """(group, N, this rank's shard index) of a flat buffer: the ranks of its reduction dims."""
+    """(group, N, this rank's shard index) of a flat buffer: the ranks of its shard dims."""
     return mesh.group(*layout.dims), mesh.size(*layout.dims), mesh.ranks(*layout.dims).index(mesh.rank)
+
+
+def replica_group(mesh, layout: FlatLayout):
+    """HSDP: the group across which a buffer's reduce-scattered shard is all-reduced (the replicas
+    of its shard group, dp_replicate), or None without HSDP."""
+    return mesh.group("dp_replicate") if "dp_shard" in layout.dims else None
+
+
+def all_reduce_replicas(shard: torch.Tensor, group) -> None:
+    """HSDP's second half: the shard, already summed over its shard group, summed over the replicas
+    too, in place, in the reduce dtype (torchtitan's HSDP, FSDP2's all_reduce_group)."""
+    if group is not None:
+        dist.all_reduce(shard, group=group)  # (shard,) summed over dp_replicate
 
 
 class ShardedOptimizer:

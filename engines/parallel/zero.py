@@ -47,11 +47,13 @@ from labkit.engines.parallel.common import (
 )
 from labkit.engines.parallel.shards import (
     ShardedOptimizer,
+    all_reduce_replicas,
     bind,
     entries,
     flatten,
     group_sizes,
     layout_group,
+    replica_group,
 )
 from labkit.engines.parallel.zero3 import ZeRO3
 from labkit.engines.precision import Policy
@@ -93,8 +95,9 @@ class ZeRO12:
         self.stage, self.pol, self.meters, self.loss_shards = stage, pol, meters, loss_shards
         self.once = stage == 1 or once  # reduce once per step, after the last microbatch
         elem = torch.tensor([], dtype=pol.compute).element_size()
-        self.layouts = bucket_layouts(entries(named, metas), group_sizes(mesh, named, metas), bucket_bytes, elem)
+        self.layouts = bucket_layouts(entries(named, metas, mesh), group_sizes(mesh, named, metas), bucket_bytes, elem)
         self.groups = [layout_group(mesh, layout) for layout in self.layouts]  # (group, N, shard index) per bucket
+        self.replicas = [replica_group(mesh, layout) for layout in self.layouts]  # HSDP: across the replicas
         self.flats, masters, self.grads, self.grad_full = [], [], [], []
         for k, layout in enumerate(self.layouts):
             full32 = flatten(layout, params)
@@ -198,9 +201,10 @@ class ZeRO12:
         self.in_flight = None
         if work is not None:
             work.wait()
+        a, b = self.layouts[k].owned(self.groups[k][2])
+        all_reduce_replicas(buf[a:b], self.replicas[k])  # HSDP: the shard group's sum, over the replicas
         if self.stage == 1 and buf is self.grad_full[k]:
             return  # reduced in place
-        a, b = self.layouts[k].owned(self.groups[k][2])
         if self.stage == 1:
             self.grads[k].copy_(buf[a:b])  # fp32 sum rounded once into the bf16 slice
         else:

@@ -31,11 +31,13 @@ from labkit.engines.parallel.common import (
 )
 from labkit.engines.parallel.shards import (
     ShardedOptimizer,
+    all_reduce_replicas,
     bind,
     entries,
     flatten,
     group_sizes,
     layout_group,
+    replica_group,
 )
 from labkit.engines.precision import Policy
 from labkit.layout.flat import FlatLayout, unit_layouts
@@ -53,6 +55,7 @@ class _Unit:
     ):
         self.layout, self.modules = layout, modules  # what runs it: one module, or its parts in several chunks
         self.group, self.n, self.index = layout_group(mesh, layout)  # the ranks that shard this buffer
+        self.replicas = replica_group(mesh, layout)  # HSDP: the ranks holding the same shard, or None
         self.params = [params[n] for n in layout.names]
         self.slot = {id(params[n]): (lo, hi) for n, _, lo, hi in layout.offsets()}
         full32 = flatten(layout, params)
@@ -101,7 +104,7 @@ class ZeRO3:
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {metas[p].full_name(n): p for n, p in named}
         self.pol, self.reshard, self.meters, self.loss_shards, self.keep = pol, reshard, meters, loss_shards, keep
-        self.layouts = unit_layouts(entries(named, metas), group_sizes(mesh, named, metas), kind)
+        self.layouts = unit_layouts(entries(named, metas, mesh), group_sizes(mesh, named, metas), kind)
         self.units = [_Unit(p, _unit_modules(chunks, p.unit), params, mesh, pol) for p in self.layouts]
         self.tied_group, self.tied = tied_params(list(params.values()), metas, mesh)
         self.count = 1  # microbatches per step (microbatch())
@@ -200,6 +203,7 @@ class ZeRO3:
         if work is not None:
             work.wait()
         a, b = u.layout.owned(u.index)
+        all_reduce_replicas(buf[a:b], u.replicas)  # HSDP: the shard group's sum, summed over the replicas
         u.grad.add_(buf[a:b])  # fp32 sum rounded into the bf16 slice under bf16
         self.meters.memory.track("reduce_buffers", -buf.nbytes)
         self.in_flight = None

@@ -82,6 +82,10 @@ class ParallelConfig(_Dict):
     cp_a2a: int = 1
     """cp_kind='hierarchical': the ranks of each all-to-all (consecutive cp coordinates), the ring across
     cp / cp_a2a of them (Megatron's --hierarchical-context-parallel-sizes). 1 for every other kind."""
+    dp_replicate: int = 1
+    """HSDP (torchtitan's dp_replicate x dp_shard): dp as replicas of shard groups of dp / dp_replicate ranks,
+    the sharding inside a group, its reduced shard all-reduced across; both at dp's place in `order`, shard
+    inside (layout/mesh.py SUB_DIMS). 1: one flat dp dim."""
 
     def __post_init__(self):
         if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable

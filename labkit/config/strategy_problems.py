@@ -1,4 +1,4 @@
-"""What the pipeline schedule and the context-parallel kind need of the layout and the model,
+"""What the pipeline schedule, the context-parallel kind and HSDP need of the layout and the model,
 each problem with a fix; validation.problems asks these. Plain Python, the ladder's bottom rung.
 """
 
@@ -42,6 +42,39 @@ def context_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
         out.append(
             f"cp_kind={cfg.cp_kind!r} splits the KV heads over {over}: kv_heads/tp = {model.n_kv_heads}/{cfg.tp} -> "
             f"{kv} is not divisible by {over}={n}; use cp_kind='allgather' (K/V are small under GQA) or 'ring'"
+        )
+    return out
+
+
+def hybrid_problems(cfg: ParallelConfig) -> list[str]:
+    """What HSDP (dp_replicate > 1) needs: dp cut into whole shard groups of 2 or more ranks, a
+    sharding to apply inside them, and an implementation that runs it."""
+    r, dp = cfg.dp_replicate, cfg.dp
+    if r == 1:
+        return []
+    if dp % r:
+        fits = [k for k in range(2, dp) if dp % k == 0 and dp // k > 1]
+        return [
+            f"dp_replicate={r} does not divide dp={dp} (HSDP cuts dp into dp_replicate equal shard groups); "
+            f"try dp_replicate in {fits} or 1"
+            if fits
+            else f"dp_replicate={r} does not divide dp={dp}; try 1"
+        ]
+    out = []
+    if not cfg.sharded.optimizer:
+        out.append(
+            f"dp_replicate={r} with sharding='none': HSDP shards inside each group and DDP shards nothing; "
+            "set sharding='fsdp' (or 'zero1'/'zero2'/'zero3'), or dp_replicate=1"
+        )
+    elif dp == r:
+        out.append(
+            f"dp_replicate={r} = dp leaves shard groups of one rank, which is DDP with ZeRO's bookkeeping; "
+            f"use a dp_replicate below dp (dp_shard = dp / dp_replicate >= 2), or sharding='none' with dp_replicate=1"
+        )
+    if cfg.torch_impl and (cfg.tp > 1 or cfg.pp > 1):
+        out.append(
+            f"impl='torch' with dp_replicate={r} and tp={cfg.tp}, pp={cfg.pp}: FSDP2's HSDP runs on a 2-D "
+            "(dp_replicate, dp_shard) mesh here; with tp or pp (a 3-D mesh) it is not built yet; use impl='lab'"
         )
     return out
 

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
 from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
-from labkit.config.strategy_problems import context_problems, schedule_problems
+from labkit.config.strategy_problems import context_problems, hybrid_problems, schedule_problems
 
 if TYPE_CHECKING:
     from labkit.config import ModelConfig, OptimConfig, ParallelConfig
@@ -78,6 +78,7 @@ _RANGES = {
         ),
         "bucket_mb": _above_zero("bucket_mb", "try 25"),
         "cp_a2a": _at_least(1, "cp_a2a", "1, or with cp_kind='hierarchical' a divisor of cp"),
+        "dp_replicate": _at_least(1, "dp_replicate", "1 keeps one flat dp dim"),
     },
     "RopeScaling": {  # Llama 3.1's values as the fixes
         "factor": _above_zero("factor", "try 8.0", _ROPE),
@@ -278,6 +279,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     if cfg.sequence_parallel and model.seq % (cfg.tp * cfg.cp):
         out.append(f"sequence_parallel needs seq={model.seq} divisible by tp*cp={cfg.tp * cfg.cp}")
     out += _sharding_problems(cfg)
+    out += hybrid_problems(cfg)
     return out
 
 

@@ -22,6 +22,15 @@ from labkit.config import DIMS, ParallelConfig
 
 DATA_DIMS = ("dp", "ep", "cp")
 """Dims whose ranks see different tokens: a dense parameter's gradient is summed over them."""
+SUB_DIMS = ("dp_shard", "dp_replicate")
+"""HSDP's halves of dp (ParallelConfig.dp_replicate), innermost first: both sit at dp's place in
+the order, the shard group on consecutive dp coordinates, the replicas across them."""
+
+
+def shard_dims(dims: tuple[str, ...], hybrid: bool) -> tuple[str, ...]:
+    """The dims a flat buffer of parameters reduced over `dims` is sharded over: the same dims, or
+    under HSDP (`hybrid`) with dp's shard sub-dim in dp's place (the replicas all-reduce the shard)."""
+    return tuple("dp_shard" if d == "dp" else d for d in dims) if hybrid else tuple(dims)
 
 
 def dim_name(dims) -> str:
@@ -35,21 +44,34 @@ class MeshLayout:
 
     sizes: tuple[tuple[str, int], ...]
     order: str = "tp-cp-ep-dp-pp"
+    dp_replicate: int = 1
+    """HSDP: dp read as dp_replicate x dp_shard (SUB_DIMS), replicate outside; 1: dp is one dim."""
 
     @classmethod
     def of(cls, cfg: ParallelConfig) -> MeshLayout:
-        return cls(tuple((d, getattr(cfg, d)) for d in DIMS), cfg.order)
+        return cls(tuple((d, getattr(cfg, d)) for d in DIMS), cfg.order, cfg.dp_replicate)
 
     @classmethod
-    def from_sizes(cls, order: str = "tp-cp-ep-dp-pp", **sizes: int) -> MeshLayout:
-        return cls(tuple((d, int(sizes.get(d, 1))) for d in DIMS), order)
+    def from_sizes(cls, order: str = "tp-cp-ep-dp-pp", dp_replicate: int = 1, **sizes: int) -> MeshLayout:
+        return cls(tuple((d, int(sizes.get(d, 1))) for d in DIMS), order, dp_replicate)
 
     @property
     def inner_first(self) -> list[str]:
         return self.order.split("-")
 
+    @property
+    def fine_inner_first(self) -> list[str]:
+        """inner_first with dp's two HSDP sub-dims beside it: (.., 'dp_shard', 'dp', 'dp_replicate', ..)
+        sorts a combined name's dims; the fine grid has the two sub-dims only."""
+        out = []
+        for d in self.inner_first:
+            out += ["dp_shard", "dp", "dp_replicate"] if d == "dp" else [d]
+        return out
+
     def size(self, *dims: str) -> int:
         s = dict(self.sizes)
+        s["dp_replicate"] = self.dp_replicate
+        s["dp_shard"] = s["dp"] // self.dp_replicate
         return math.prod(s[d] for d in dims)
 
     @property
@@ -84,9 +106,12 @@ class MeshLayout:
         walks this list creates the same process groups in the same order.
         """
         dims = self.canonical(dims)
-        axes = [self._axis(d) for d in dims]
-        rest = [a for a in range(self.grid.ndim) if a not in axes]
-        moved = np.transpose(self.grid, rest + axes)  # (other dims..., dims...)
+        fine = [d for d in self.fine_inner_first[::-1] if d != "dp"]  # the fine grid's axes, outermost first
+        grid = self.grid.reshape([self.size(d) for d in fine])  # dp's axis cut into (dp_replicate, dp_shard)
+        wanted = {s for d in dims for s in (SUB_DIMS if d == "dp" else (d,))}
+        axes = [fine.index(d) for d in fine if d in wanted]
+        rest = [a for a in range(grid.ndim) if a not in axes]
+        moved = np.transpose(grid, rest + axes)  # (other dims..., dims...)
         flat = moved.reshape(-1, self.size(*dims))  # one row per group
         return sorted(sorted(int(r) for r in row) for row in flat)
 
@@ -129,10 +154,10 @@ class MeshLayout:
 
     def canonical(self, dims) -> tuple[str, ...]:
         """Dims in mesh order (innermost first), so 'cp-dp' and 'dp-cp' name one group set."""
-        unknown = [d for d in dims if d not in DIMS]
+        unknown = [d for d in dims if d not in DIMS + SUB_DIMS]
         if unknown:
-            raise ValueError(f"unknown mesh dim(s) {unknown}; dims are {list(DIMS)}")
-        return tuple(d for d in self.inner_first if d in dims)
+            raise ValueError(f"unknown mesh dim(s) {unknown}; dims are {list(DIMS)} and HSDP's {list(SUB_DIMS)}")
+        return tuple(d for d in self.fine_inner_first if d in dims)
 
     def spans_hosts(self, dims, hosts: list[str]) -> list[list[int]]:
         """Groups along `dims` whose ranks sit on more than one host (hosts[rank])."""
@@ -184,3 +209,13 @@ reduction overlaps backward, pp sends one activation per microbatch)."""
 # group creation identical on every rank (a rank that builds a group the others do not is a
 # classic hang); groups with the same ranks are created once, so this stays cheap.
 COMBINED = tuple(c for k in range(2, len(DIMS) + 1) for c in itertools.combinations(DIMS, k))
+
+
+def hybrid_combined(layout: MeshLayout) -> list[tuple[str, ...]]:
+    """Under HSDP, the groups its strategies ask for beyond COMBINED's, listed in one fixed order:
+    dp_replicate alone, and every single or combined dim with dp, dp's shard sub-dim in its place
+    (a flat buffer's shard group: dp_shard x ep x cp, ...). Without HSDP, none."""
+    if layout.dp_replicate == 1:
+        return []
+    with_dp = [c for c in [(d,) for d in DIMS] + list(COMBINED) if "dp" in c]
+    return [("dp_replicate",)] + [layout.canonical(shard_dims(c, True)) for c in with_dp]

@@ -25,7 +25,8 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     backward (theory/exact/activations.py: TP/SP, CP, MoE, checkpointing, the schedule's microbatches
     in flight)."""
     coords = layout.coords(rank)
-    index = coords["dp"] if cfg.torch_impl else 0  # FSDP2's uneven rows depend on the dp index
+    # FSDP2's uneven rows depend on the dp index (within the shard group under HSDP: shard inside)
+    index = coords["dp"] % sharding.dp_shard(cfg) if cfg.torch_impl else 0
     return dict(_rank_memory(cfg, model, coords["pp"], index))
 
 

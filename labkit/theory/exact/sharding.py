@@ -18,14 +18,20 @@ from math import prod
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.buckets import grouped_buckets, torch_ddp_buckets
 from labkit.layout.flat import FlatLayout, bucket_layouts, unit_kind, unit_layouts, unit_of
-from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.mesh import DATA_DIMS, shard_dims
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.layout.schedules import schedule_table, stage_of, style
 from labkit.theory.exact.params import chunk_local_params, rank_entries
 
 
+def dp_shard(cfg: ParallelConfig) -> int:
+    """The ranks of one HSDP shard group, dp / dp_replicate (dp itself without HSDP)."""
+    return cfg.dp // cfg.dp_replicate
+
+
 def group_size(cfg: ParallelConfig, dims) -> int:
-    return prod(getattr(cfg, d) for d in dims)
+    subs = {"dp_shard": dp_shard(cfg), "dp_replicate": cfg.dp_replicate}  # HSDP's halves of dp
+    return prod(subs[d] if d in subs else getattr(cfg, d) for d in dims)
 
 
 def flat_buffers(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> list[FlatLayout]:
@@ -37,7 +43,8 @@ def flat_buffers(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, 
 
 @lru_cache(maxsize=4096)
 def _flat_buffers(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> tuple[FlatLayout, ...]:
-    entries = rank_entries(cfg, model, pp_rank)
+    # each buffer sharded over its reduce dims, dp's shard sub-dim in dp's place under HSDP (shards.entries)
+    entries = [(a, s, shard_dims(d, cfg.dp_replicate > 1), c) for a, s, d, c in rank_entries(cfg, model, pp_rank)]
     sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
     if cfg.sharded.optimizer and not cfg.sharded.params:  # ZeRO-1 / 2: DDP's buckets, flat
         return tuple(bucket_layouts(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
@@ -61,7 +68,7 @@ def state_bytes(
         psi = sum(prod(s) for _, s, _, _ in entries)
         return {"params": e * psi, "grads": e * psi, "optimizer": k * psi}
     if cfg.sharded.fsdp and cfg.torch_impl:
-        n_dp = n if n is not None else cfg.dp
+        n_dp = n if n is not None else dp_shard(cfg)  # FSDP2 shards over dp (the shard group under HSDP)
         padded_local = held = 0
         for _, shape, _, _ in entries:  # TP-local tensors, dim 0 over dp
             chunk, rows = fsdp2_rows(shape[0], n_dp, index)
@@ -87,7 +94,7 @@ def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp
         for p in flat_buffers(cfg, model, n, pp_rank):
             out[p.unit] = out.get(p.unit, 0) + p.padded
         return out
-    n_dp = n if n is not None else cfg.dp
+    n_dp = n if n is not None else dp_shard(cfg)
     sizes: dict[str, int] = {}
     for name, shape, _, _ in rank_entries(cfg, model, pp_rank):  # FSDP2: each parameter padded on dim 0
         unit = unit_of(name, "fsdp")
@@ -225,8 +232,10 @@ def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: 
 
 def norm_dims(layout) -> tuple[str, ...]:
     """The dims of the global norm's all-reduce under sharding: every dim that splits parameters
-    or shards their buffers (engines/parallel/common.py norm_terms, sharded)."""
-    return tuple(d for d in ("tp", "pp", "ep", "dp", "cp") if layout.size(d) > 1)
+    or shards their buffers (engines/parallel/common.py norm_terms, sharded); under HSDP the shard
+    group's dp only (every replica holds the same shards and sums the same squares)."""
+    dp = "dp_shard" if layout.size("dp_replicate") > 1 else "dp"
+    return tuple(d for d in ("tp", "pp", "ep", dp, "cp") if layout.size(d) > 1)
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
@@ -282,15 +291,18 @@ def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[t
     the_norm = (layout.label(*norm), "all_reduce", 4, layout.size(*norm), 1)  # the global norm
     once = cfg.pp > 1  # under a pipeline: gathered once, reduced once per step (zero.py, zero3.py)
     out = []
+    replicas = layout.label("dp_replicate"), cfg.dp_replicate  # HSDP's all-reduce across the shard groups
     for p in flat_buffers(cfg, model, None, pp_rank):
         dim = layout.label(*p.dims)
         if not cfg.sharded.params:  # ZeRO-1 / 2
             scatters = m if cfg.sharded.grads and not once else 1
-            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, scatters))
             out.append((dim, "all_gather", p.padded * e, p.n, 1))
         else:  # gathered before its forward, and again before its backward unless kept
+            scatters = 1 if once else m
             out.append((dim, "all_gather", p.padded * e, p.n, 1 if once else (2 if cfg.reshards else 1) * m))
-            out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, 1 if once else m))
+        out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, scatters))
+        if cfg.dp_replicate > 1:  # HSDP: each reduced shard (fp32) summed over the replicas (all_reduce_replicas)
+            out.append((replicas[0], "all_reduce", p.shard * REDUCE, replicas[1], scatters))
     return out + [the_norm]
 
 
@@ -299,10 +311,13 @@ def torch_fsdp_ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int
     backward (reshard_after_forward), a reduce-scatter of fp32 gradients; clip_grad_norm_ over
     its DTensor gradients all-reduces one fp32 per parameter tensor (each parameter's norm is a
     Partial DTensor; stacking them and taking the norm reduces them together)."""
-    n, dim = cfg.dp, layout.label("dp")
+    n, dim = dp_shard(cfg), layout.label("dp_shard" if cfg.dp_replicate > 1 else "dp")
     calls = (2 if cfg.reshard_after_forward else 1) * cfg.microbatches
     out = []
     for size in unit_sizes(cfg, model, n, pp_rank).values():
         out.append((dim, "all_gather", size * ELEM[cfg.precision], n, calls))
         out.append((dim, "reduce_scatter", size * REDUCE, n, cfg.microbatches))
+        if cfg.dp_replicate > 1:  # HSDP: FSDP2 all-reduces the reduce-scattered shard over its replicate mesh dim
+            shard = size // n * REDUCE
+            out.append((layout.label("dp_replicate"), "all_reduce", shard, cfg.dp_replicate, cfg.microbatches))
     return out + [(dim, "all_reduce", 4 * len(rank_entries(cfg, model, pp_rank)), n, 1)]

@@ -64,8 +64,9 @@ def states(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, floa
     dense, expert = stage_params(model, cfg, st)
     # dense weights are reduced over dp·ep·cp, experts over dp·cp where ep splits them
     # (DERIVATIONS.md, "Mixture of experts and expert parallelism")
-    n = cfg.dp * cfg.ep * cfg.cp
-    n_exp = cfg.dp * cfg.cp if cfg.ep > 1 else n
+    dp = cfg.dp // cfg.dp_replicate  # HSDP shards inside a shard group only
+    n = dp * cfg.ep * cfg.cp
+    n_exp = dp * cfg.cp if cfg.ep > 1 else n
     # fp32: Adam's two moments; mixed: fp32 masters beside them; FSDP2 keeps fp32 shards whatever the
     # compute dtype (DERIVATIONS.md, "Data parallelism: DDP, ZeRO, FSDP")
     p, g, k = (4, 4, 8) if not cfg.numerics.mixed or cfg.sharded.fsdp else (2, 2, 12)
@@ -162,7 +163,9 @@ def communicators(cfg: ParallelConfig) -> int:
     data-parallel group when it is more than dp)."""
     dims = [d for d in ("tp", "cp", "ep", "dp", "pp") if getattr(cfg, d) > 1]
     # the combined dp-cp-ep group of the gradient reduction is a communicator of its own
-    return len(dims) + (1 if cfg.dp > 1 and (cfg.cp > 1 or cfg.ep > 1) else 0)
+    combined = 1 if cfg.dp > 1 and (cfg.cp > 1 or cfg.ep > 1) else 0
+    # HSDP talks in dp's two halves (dp_shard, dp_replicate) instead of dp: one more
+    return len(dims) + combined + (1 if cfg.dp_replicate > 1 else 0)
 
 
 def nccl_bytes(cfg: ParallelConfig, hw: Hardware) -> float:
@@ -197,13 +200,14 @@ def required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, a
 def _held(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:
     """States and buffers, which the microbatch, the schedule and the checkpointing leave alone."""
     fields = (cfg.dp, cfg.tp, cfg.pp, cfg.cp, cfg.ep, cfg.virtual_stages, cfg.sharding, cfg.precision, cfg.bucket_mb)
-    fields += (min(cfg.microbatches, 2),)  # whether gradients accumulate (states)
+    fields += (min(cfg.microbatches, 2), cfg.dp_replicate)  # whether gradients accumulate (states); HSDP
     return _held_cached(model, fields, cfg.stage_layers, st)
 
 
 @lru_cache(maxsize=65536)
 def _held_cached(model: ModelConfig, fields: tuple, uneven: tuple, st: Stage) -> dict[str, float]:
     names = ("dp", "tp", "pp", "cp", "ep", "virtual_stages", "sharding", "precision", "bucket_mb", "microbatches")
+    names += ("dp_replicate",)
     # rebuilt from the key alone, so a field the key leaves out cannot leak into the cached value
     cfg = ParallelConfig(**dict(zip(names, fields)), stage_layers=uneven)
     out = {**states(cfg, model, st), **buffer_terms(cfg, model, st)}

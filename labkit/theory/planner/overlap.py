@@ -11,6 +11,9 @@ prefetching). Each is returned as (dim, total seconds, seconds hidden) for theor
                (gather again and) reduce-scatter behind its backward; the root unit (embedding,
                head) exposed. With pp > 1 (torchtitan): parameters gathered once per step and
                gradients reduce-scattered once, after the last microbatch
+  HSDP         each of the above inside the shard group (dp_replicate > 1), and every reduce-scattered
+               shard all-reduced across the replicas on the dp_replicate dim's link, behind what the
+               scatter leaves of its compute (torchtitan's dp_replicate x dp_shard)
 Gradients are reduced in fp32, parameters gathered in the compute dtype (fp8 under fp8 training).
 """
 
@@ -19,7 +22,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.layout.mesh import DATA_DIMS
+from labkit.layout.mesh import DATA_DIMS, shard_dims
 from labkit.layout.precision import GATHER, REDUCE
 from labkit.layout.wire import WIRE
 from labkit.theory.planner.hardware import Hardware, Link
@@ -53,7 +56,8 @@ def link_of(cfg: ParallelConfig, dims: tuple[str, ...], hw: Hardware) -> Link:
     across nodes, the NICs of the group's ranks on each node, k of them, since NCCL lays one ring
     (channel) over each NIC (so k · the NIC's β, up to NVLink's; Jeaugey, "Massively Scale Your
     Deep Learning Training with NCCL 2.4", NVIDIA 2019: rings per NIC on DGX nodes)."""
-    return _link(cfg.order, tuple(getattr(cfg, d) for d in ("tp", "cp", "ep", "dp", "pp")), dims, hw)
+    sizes = tuple(getattr(cfg, d) for d in ("tp", "cp", "ep", "dp", "pp"))
+    return _link(cfg.order, sizes, dims, hw, cfg.dp_replicate)
 
 
 def run_link(cfg: ParallelConfig, dim: str, k: int, hw: Hardware) -> Link:
@@ -65,10 +69,17 @@ def run_link(cfg: ParallelConfig, dim: str, k: int, hw: Hardware) -> Link:
 
 
 @lru_cache(maxsize=4096)
-def _link(order_text: str, sizes: tuple[int, ...], dims: tuple[str, ...], hw: Hardware) -> Link:
-    """link_of, memoised on the degrees (the search asks it for thousands of layouts)."""
+def _link(order_text: str, sizes: tuple[int, ...], dims: tuple[str, ...], hw: Hardware, replicas: int = 1) -> Link:
+    """link_of, memoised on the degrees (the search asks it for thousands of layouts). HSDP
+    (`replicas` > 1): dp's place holds dp_shard then dp_replicate (layout/mesh.py SUB_DIMS), and a
+    group of dp spans both."""
     size = dict(zip(("tp", "cp", "ep", "dp", "pp"), sizes))
     order = order_text.split("-")
+    if replicas > 1:
+        size |= {"dp_shard": size["dp"] // replicas, "dp_replicate": replicas}
+        at = order.index("dp")
+        order[at : at + 1] = ["dp_shard", "dp_replicate"]
+        dims = tuple(x for d in dims for x in (("dp_shard", "dp_replicate") if d == "dp" else (d,)))
     # extent: the consecutive ranks the group spans; inner: the smallest stride of a dim it splits,
     # which sets how many of its ranks share a node
     extent, inner = 1, hw.gpus_per_node
@@ -95,11 +106,18 @@ class DataParallel:
         order = cfg.order.split("-")
         # the data dims of size > 1 in mesh order: the group the gradients are reduced over, and its label
         data = tuple(d for d in order if d in DATA_DIMS and getattr(cfg, d) > 1)
-        self.dim = "-".join(data) or "dp"
-        self.n = cfg.dp * cfg.ep * cfg.cp  # dense weights: reduced (and sharded) over dp x ep x cp
-        self.n_expert = cfg.dp * cfg.cp if cfg.ep > 1 else self.n
-        self.link = link_of(cfg, data or ("dp",), hw)
-        self.expert_link = link_of(cfg, ("dp", "cp"), hw)
+        # HSDP: buffers sharded over the shard group (dp_shard for dp), the reduced shards all-reduced
+        # over dp_replicate on its own link (usually across nodes); R = 1: the flat dp dim as before
+        self.replicas = cfg.dp_replicate
+        hybrid = self.replicas > 1
+        dp = cfg.dp // self.replicas
+        shard = shard_dims(data, hybrid)
+        self.dim = "-".join(shard) or "dp"
+        self.n = dp * cfg.ep * cfg.cp  # dense weights: reduced (and sharded) over dp x ep x cp
+        self.n_expert = dp * cfg.cp if cfg.ep > 1 else self.n
+        self.link = link_of(cfg, shard or ("dp",), hw)
+        self.expert_link = link_of(cfg, shard_dims(("dp", "cp"), hybrid), hw)
+        self.replica_link = link_of(cfg, ("dp_replicate",), hw) if hybrid else None
         self.gather = GATHER[cfg.precision]
         self.sharded = cfg.sharded.params
         # ZeRO-3 reshards always; FSDP only without a pipeline (torchtitan keeps a stage gathered)
@@ -110,6 +128,21 @@ class DataParallel:
             op, per_elem * expert, self.n_expert, self.expert_link
         )
 
+    def _across(self, dense: float, expert: float) -> float:
+        """HSDP: seconds of the replicas' all-reduce of the reduce-scattered fp32 shards of `dense`
+        and `expert` parameters (engines/parallel/shards.py all_reduce_replicas); 0 without HSDP."""
+        if self.replicas == 1:
+            return 0.0
+        return ring("all_reduce", REDUCE * dense / self.n, self.replicas, self.replica_link) + ring(
+            "all_reduce", REDUCE * expert / self.n_expert, self.replicas, self.replica_link
+        )
+
+    def _scatter(self, rs: float, across: float, window: float) -> list[tuple[str, float, float]]:
+        """A reduce-scatter and, under HSDP, the all-reduce of its shard across the replicas, which
+        follows it behind the same compute: the all-reduce hides in what the scatter leaves of
+        `window`, so the two expose max(0, rs + across - window) together."""
+        return [(self.dim, rs, window)] + [("dp_replicate", across, max(0.0, window - rs))] * (across > 0)
+
     def per_microbatch(self, st: Stage, block) -> list[tuple[str, float, float]]:
         """(dim, seconds, hidden) of the traffic each microbatch repeats."""
         cfg = self.cfg
@@ -117,7 +150,7 @@ class DataParallel:
         if cfg.sharded.stage == 2:
             dense, expert = stage_params(self.model, cfg, st)
             total = self._both("reduce_scatter", REDUCE, dense, expert)
-            return [(self.dim, total, st.layers * block.backward)]
+            return self._scatter(total, self._across(dense, expert), st.layers * block.backward)
         # DDP and ZeRO-1 reduce once a step, and so does FSDP under a pipeline (per_step)
         if not self.sharded or cfg.pp > 1:
             return []
@@ -129,13 +162,22 @@ class DataParallel:
         # behind a block's backward: its gather again (when it was resharded) and its reduce-scatter
         back = (ag if self.reshard else 0.0) + rs
         again = block.recompute(cfg.recomputation)
-        return [
+        hidden = max(0, L - 1) * min(back, block.backward + again)
+        # HSDP: each block's shard all-reduced across the replicas in what its backward leaves
+        left = max(0, L - 1) * max(0.0, block.backward + again - back)
+        out = [
             (self.dim, L * ag, max(0, L - 1) * min(ag, block.forward)),  # the first block's gather is exposed
-            (self.dim, L * back, max(0, L - 1) * min(back, block.backward + again)),
+            (self.dim, L * back, hidden),
             # the root unit is gathered around the whole forward (and backward, resharded): nothing to hide behind
             (self.dim, self._both("all_gather", self.gather, root, 0) * (1 + self.reshard), 0.0),
             (self.dim, self._both("reduce_scatter", REDUCE, root, 0), 0.0),
         ]
+        if self.replicas > 1:  # HSDP: the blocks' shards in what their backward leaves, the root's exposed
+            out += [
+                ("dp_replicate", L * self._across(rp.dense, rp.expert), left),
+                ("dp_replicate", self._across(root, 0), 0.0),
+            ]
+        return out
 
     def per_step(self, st: Stage, block, m: int) -> list[tuple[str, float, float]]:
         """(dim, seconds, hidden) of the traffic once per step."""
@@ -152,13 +194,15 @@ class DataParallel:
         if not cfg.sharded.params:  # ZeRO-1 / 2
             # ZeRO-2 reduced per microbatch already (per_microbatch): its gather is what is left
             scatter = self._both("reduce_scatter", REDUCE, dense, expert) if not cfg.sharded.grads else 0.0
-            return [(self.dim, scatter, backward), (self.dim, gather, forward)]
+            across = self._across(dense, expert) if not cfg.sharded.grads else 0.0
+            return [*self._scatter(scatter, across, backward), (self.dim, gather, forward)]
         # FSDP without a pipeline moves everything per microbatch (per_microbatch)
         if cfg.pp == 1:
             return []
         rs = self._both("reduce_scatter", REDUCE, dense, expert)
         L = max(st.layers, 1)  # once per step, block by block behind the first forward and last backward
-        return [(self.dim, gather, forward * (L - 1) / L), (self.dim, rs, backward * (L - 1) / L)]
+        across = self._across(dense, expert)
+        return [(self.dim, gather, forward * (L - 1) / L), *self._scatter(rs, across, backward * (L - 1) / L)]
 
     def copy_bytes(self, st: Stage, per_step: bool) -> float:
         """Bytes FSDP2 copies around its collectives on the compute device: per all-gather the
