@@ -248,6 +248,14 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         print(f"{i:>2} {p.tokens_per_second_per_gpu:>13,.0f} {p.mfu:>6.1%} {gib:>6.1f}{mark}{p.bound:>8}  {p.layout()}")
     if any(p.tight for p in plans):
         print("   * over the device with the allocator's usual reserve: fits once it gives back its cache")
+    if plans:  # what crosses the slow link: each candidate's busiest rank, per dim (theory/planner/links.py)
+        print("\nGB per step of each one's busiest rank, per dim: over NVLink / across nodes")
+    for i, p in enumerate(plans, 1):
+        dims = [r for r in p.links() if r["dim"] != "total"]
+        print(
+            f"{i:>2} "
+            + " · ".join(f"{r['dim']} {r['GB over NVLink']:,.1f} / {r['GB across nodes']:,.1f}" for r in dims)
+        )
     if plans:
         best = plans[0]
         mem = best.memory

@@ -27,6 +27,7 @@ from labkit.theory.planner.gpu_memory import (
     reserved_bytes,
 )
 from labkit.theory.planner.hardware import Hardware, hardware_of
+from labkit.theory.planner.links import link_traffic
 from labkit.theory.planner.stacks import with_stack
 from labkit.theory.planner.stages import fullest_candidates
 from labkit.theory.planner.timing import StepTime, step_time
@@ -64,6 +65,8 @@ class Plan:
     plan that is not tight."""
     stack: str = "roofline"
     """The software stack the time is priced for (theory/planner/stacks.py)."""
+    hw: Hardware | None = field(default=None, repr=False, compare=False)
+    """The hardware itself (its links: `links`); `hardware` is its name."""
 
     @property
     def memory(self) -> dict:
@@ -71,6 +74,11 @@ class Plan:
 
     def layout(self) -> str:
         return describe(self.config)
+
+    def links(self):
+        """Rows: what each mesh dim of the busiest rank sends per step, over NVLink and across nodes
+        (theory/planner/links.py)."""
+        return link_traffic(self.config, self.model, self.hw or self.hardware)
 
     def __str__(self) -> str:
         fit = "" if self.fits else f"  (does not fit: {self.why})"
@@ -178,7 +186,20 @@ def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dic
     # fits, but only once the allocator has given back its cache (a retry the time leaves out)
     tight = fits and memory["peak"] > hw.memory
     return Plan(
-        cfg, model, hw.name, memory["peak"], t.total, tokens, t.mfu, t.dominant, breakdown, fits, why, tight, hw.stack
+        cfg,
+        model,
+        hw.name,
+        memory["peak"],
+        t.total,
+        tokens,
+        t.mfu,
+        t.dominant,
+        breakdown,
+        fits,
+        why,
+        tight,
+        hw.stack,
+        hw,
     )
 
 
