@@ -65,4 +65,21 @@ def test_labkit_plan_prints_each_candidates_bytes_by_link():
     text = out.stdout
     assert "over NVLink / across nodes" in text
     lines = text.split("over NVLink / across nodes")[1].strip().splitlines()[:3]
-    assert [line.split()[0] for line in lines] == ["1", "2", "3"] and all("/" in line for line in lines)
+    assert [line.split()[0] for line in lines] == ["#1", "#2", "#3"] and all("/" in line for line in lines)
+
+
+def test_the_planner_searches_hsdp_and_names_it():
+    """theory.plan tries each sharded layout as HSDP too (a shard group of 1, 2, 4 or 8 nodes) and
+    holds a given dp_replicate; a plan's line names the replicas."""
+    from labkit import theory
+
+    plans = theory.plan(LLAMA_70B, 512, "h100", top=20, fixed={"sharding": "fsdp", "tp": 1, "pp": 1, "cp": 1})
+    replicas = {p.config.dp_replicate for p in plans}
+    assert 1 in replicas and replicas - {1}, replicas  # flat FSDP and HSDP side by side
+    hsdp = next(p for p in plans if p.config.dp_replicate > 1)
+    assert f"× {hsdp.config.dp_replicate} replicas" in hsdp.layout()
+    held = theory.plan(LLAMA_70B, 512, "h100", top=3, fixed={"dp_replicate": 8, "sharding": "fsdp"})
+    assert held and {p.config.dp_replicate for p in held} == {8}
+    # a shard group of one node cannot hold 70B's states (16 bytes a parameter over 8 GPUs): said so
+    one_node = theory.plan(LLAMA_70B, 512, "h100", fixed={"dp_replicate": 64, "sharding": "fsdp", "tp": 1, "cp": 1})
+    assert not one_node and any("does not fit" in why for why in one_node.counts)

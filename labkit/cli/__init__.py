@@ -253,7 +253,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     for i, p in enumerate(plans, 1):
         dims = [r for r in p.links() if r["dim"] != "total"]
         print(
-            f"{i:>2} "
+            f"  #{i} "
             + " · ".join(f"{r['dim']} {r['GB over NVLink']:,.1f} / {r['GB across nodes']:,.1f}" for r in dims)
         )
     if plans:

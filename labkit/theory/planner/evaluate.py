@@ -96,6 +96,11 @@ def describe(c: ParallelConfig) -> str:
     # the dp degree named by its sharding ('fsdp 8'), as the frameworks' tables name it
     if c.sharded.optimizer and dims[0].startswith("dp"):
         dims[0] = f"{c.sharding} {c.dp}"
+        if c.dp_replicate > 1:  # HSDP: shard groups of dp / dp_replicate, replicated across
+            dims[0] = f"{c.sharding} {c.dp // c.dp_replicate} × {c.dp_replicate} replicas"
+    if c.cp > 1 and not (c.context.ring and not c.context.splits_heads):  # a cp kind other than the ring
+        at = next(i for i, d in enumerate(dims) if d.startswith("cp "))
+        dims[at] += f" {c.cp_kind}" + (f" a2a {c.cp_a2a}" if c.context.hierarchical else "")
     if c.pp > 1:
         dims.append(c.schedule + (f" v{c.virtual_stages}" if c.virtual_stages > 1 else ""))
     # m microbatches of global_batch / (dp·ep·m) sequences each

@@ -10,7 +10,8 @@ memory, or the same memory in less time, in this model):
   batch         the microbatch size b (a divisor of the sequences per data rank), m = the rest
   pipeline      1F1B, interleaved with v = 2, 4 (m a multiple of pp, as Megatron needs); GPipe is
                 left out (1F1B's bubble with more activations in flight)
-  sharding      none, ZeRO-1, ZeRO-2, FSDP (ZeRO-3 is FSDP's traffic); under pp none, ZeRO-1, FSDP
+  sharding      none, ZeRO-1, ZeRO-2, FSDP (ZeRO-3 is FSDP's traffic); under pp none, ZeRO-1, FSDP;
+                each sharded one also as HSDP, a shard group filling a node, replicated across nodes
   SP            always on with tp: the same bytes on the wire as TP's all-reduces, less memory
                 (Korthikanti et al. 2022, section 4.2.2)
   checkpointing none, selective, op, full in that order of recomputation: the first that fits is
@@ -35,7 +36,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.config.choices import CONTEXT_KINDS, Precision, context_comm, pipeline_shape, recomputation
+from labkit.config.choices import Precision, pipeline_shape, recomputation
+from labkit.theory.planner.candidates import hybrids, with_kinds
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
 from labkit.theory.planner.stacks import with_stack
@@ -49,7 +51,7 @@ SEARCHED_PRECISIONS = ("bf16", "fp8")
 NEAREST = 20
 """Layouts that do not fit kept in `.rejected`, the nearest misses first."""
 FIXABLE = ("dp", "tp", "pp", "cp", "ep", "sharding", "schedule", "virtual_stages", "microbatches")
-FIXABLE += ("checkpoint_activations", "sequence_parallel", "cp_kind", "cp_a2a")
+FIXABLE += ("checkpoint_activations", "sequence_parallel", "cp_kind", "cp_a2a", "dp_replicate")
 """The layout fields `plan(fixed=...)` can hold."""
 
 
@@ -187,24 +189,6 @@ def _checked(fixed: dict | None) -> dict:
     return fixed
 
 
-def _with_kinds(meshes, fixed: dict):
-    """Each mesh with each cp kind it can take, as (..., kind, cp_a2a): every kind where cp > 1 (none
-    dominates another: the ring hides its hops behind attention, the all-gather sends K/V once,
-    Ulysses moves q, K/V and the output but needs heads that divide; hierarchical once per proper
-    divisor of cp as its all-to-all's size), the ring alone where cp = 1 (the kinds differ only
-    with cp)."""
-    for mesh in meshes:
-        cp = mesh[1]
-        kinds = (fixed["cp_kind"],) if "cp_kind" in fixed else CONTEXT_KINDS if cp > 1 else ("ring",)
-        for kind in kinds:
-            if not context_comm(kind).hierarchical:
-                yield (*mesh, kind, 1)
-                continue
-            runs = (fixed["cp_a2a"],) if "cp_a2a" in fixed else [a for a in range(2, cp) if cp % a == 0]
-            for a in runs:
-                yield (*mesh, kind, a)
-
-
 def _arguments(model, gpus, hw: Hardware, global_batch, top, precision) -> tuple[int, tuple[str, ...]]:
     """The global batch (its default where None) and the precisions to search, or ConfigError naming
     the argument, its value and a fix."""
@@ -288,7 +272,7 @@ def plan(
     held = _held_degrees(fixed, gpus)
     if held:  # no mesh to try: the result says why
         tally.invalid(held)
-    for tp, cp, ep, pp, dp, kind, a2a in _with_kinds(() if held else meshes(model, gpus, hw, fixed), fixed):
+    for tp, cp, ep, pp, dp, kind, a2a in with_kinds(() if held else meshes(model, gpus, hw, fixed), fixed):
         # SP is on with tp unless held off: the same wire bytes as TP's all-reduces and less memory, so SP
         # off is dominated (Korthikanti et al. 2022, section 4.2.2)
         sp = fixed.get("sequence_parallel", tp > 1)
@@ -310,7 +294,7 @@ def plan(
         # under a pipeline ZeRO-2 keeps every bucket's gradients from the first microbatch to the last
         # (DERIVATIONS.md, "FSDP and ZeRO-2/3 under pipeline parallelism"): ZeRO-1's memory and traffic
         shardings = ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp")
-        for sharding in (fixed["sharding"],) if "sharding" in fixed else shardings:
+        for sharding, replicas in hybrids((fixed["sharding"],) if "sharding" in fixed else shardings, mesh, hw, fixed):
             for prec in precisions:
                 for v in _chunks_per_rank(pp, fixed):
                     first = 0  # the lightest checkpointing that fit a smaller microbatch: a larger one needs as much
@@ -324,7 +308,16 @@ def plan(
                             )
                     for b in sizes:
                         m = per // b
-                        cfg = _layout(mesh, m, v, sharding, prec, model, tally, fixed.get("schedule"))
+                        cfg = _layout(
+                            mesh.replace(dp_replicate=replicas),
+                            m,
+                            v,
+                            sharding,
+                            prec,
+                            model,
+                            tally,
+                            fixed.get("schedule"),
+                        )
                         if cfg is None:
                             continue
                         # nothing is priced that the validation refuses (the engines' own refusals aside)
