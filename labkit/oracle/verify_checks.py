@@ -96,15 +96,22 @@ def coverage(ref: dict, reports: list[dict]) -> list[Finding]:
 def plan(reports: list[dict]) -> list[Finding]:
     """parallelize_module's warning for a plan key that resolves to no submodule (torch's
     distributed/tensor/parallel/api.py), once per key."""
-    keys: dict[str, list[int]] = {}
+    keys: dict[str, list] = {}
     for r in reports:
         for w in r["warnings"]:
-            m = re.search(r"plan key '([^']*)' could not be resolved", w)
+            # torch names what is left of the key where matching stopped, and the module it looked in
+            m = re.search(r"plan key '([^']*)' could not be resolved.*? in module (\w+)", w, re.S)
             if m:
-                keys.setdefault(m.group(1), []).append(r["rank"])
+                keys.setdefault(m.group(1), [m.group(2), []])[1].append(r["rank"])
     return [
-        Finding("plan", k, "this parallelize_module plan entry selects no module: it was skipped", ranks=tuple(rs))
-        for k, rs in keys.items()
+        Finding(
+            "plan",
+            k,
+            f"this parallelize_module plan entry selects no module (no submodule matches it in a {where}): "
+            "torch skipped it",
+            ranks=tuple(rs),
+        )
+        for k, (where, rs) in keys.items()
     ]
 
 
