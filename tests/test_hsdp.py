@@ -32,6 +32,9 @@ CASES = [
     # two microbatches: ZeRO-1 reduces (and all-reduces its shards) once, ZeRO-2 and FSDP per microbatch
     ("zero1", "lab", "fp32", TINY, 2),
     ("fsdp", "lab", "fp32", GQA, 2),
+    # GPT-2's family: biases and the tied embedding, one parameter in two places, sharded once
+    ("fsdp", "lab", "fp32", TINY.replace(arch="gpt2"), 1),
+    ("fsdp", "torch", "fp32", TINY.replace(arch="gpt2"), 1),
 ]
 """(sharding, impl, precision, model, microbatches) of dp=4 as 2 x 2."""
 
