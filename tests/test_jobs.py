@@ -75,11 +75,11 @@ def test_torchtitan_gpu_count_and_contradictions(tmp_path):
     bad = broken(tmp_path, TT8, 'flavor = "8B"', 'flavor = "8B')
     with pytest.raises(ConfigError, match="llama3_8b.toml is not valid TOML"):
         read_job(bad, gpus=8)
-    hsdp = broken(tmp_path, TT8, "data_parallel_replicate_degree = 1", "data_parallel_replicate_degree = 2")
-    with pytest.raises(
-        ConfigError, match="data_parallel_replicate_degree = 2 with data_parallel_shard_degree = -1 is HSDP"
-    ):
-        read_job(hsdp, gpus=64)
+    # HSDP: 2 replicas of shard groups of the GPUs left (torchtitan's dp_replicate x dp_shard)
+    hsdp = read_job(
+        broken(tmp_path, TT8, "data_parallel_replicate_degree = 1", "data_parallel_replicate_degree = 2"), gpus=64
+    )
+    assert (hsdp.parallel.dp, hsdp.parallel.dp_replicate, hsdp.parallel.sharding) == (64, 2, "fsdp")
 
 
 def test_megatron_405b_reads_to_the_published_model_and_layout():

@@ -12,7 +12,7 @@ are read the same way, parsed and never run (torchtitan_registry.py).
 
 How torchtitan runs the layout, and so what labkit sets:
   data_parallel_shard_degree > 1    FSDP2 over those ranks: sharding='fsdp', impl='torch'
-  data_parallel_replicate_degree    DDP across replicas (with shard > 1: HSDP, which labkit's mesh has no dim for)
+  data_parallel_replicate_degree    DDP across replicas (with shard > 1: HSDP, ParallelConfig.dp_replicate)
   tensor_parallel_degree > 1        DTensor TP with sequence parallelism on the norms (always, in its plan)
   pipeline_parallel_schedule        1F1B, GPipe, Interleaved1F1B, ZBVZeroBubble, DualPipeV; the looped
                                     ones two stages per rank unless layers_per_stage or split points say
@@ -186,15 +186,6 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
                 f"flavor {mdl.data.get('flavor')!r}, which has no experts; set it to 1"
             ]
         )
-    # HSDP shards inside each replica group and replicates across them: two data dims where labkit has one
-    if rep > 1 and shard not in (1,):
-        raise ConfigError(
-            [
-                f"[parallelism] data_parallel_replicate_degree = {rep} with data_parallel_shard_degree = "
-                f"{shard} is HSDP (shard inside replicas), which labkit's mesh has no dim for; set one "
-                "of them to 1"
-            ]
-        )
     others = rep * tp * pp * cp
     if shard == -1:  # the ranks left over: the GPU count must come from outside the file
         world = need_world(gpus, None, "[parallelism] data_parallel_shard_degree = -1")
@@ -212,7 +203,8 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
         found = world_problem(gpus, shard * others, "the product of [parallelism]'s degrees")
         if found:
             raise ConfigError(found)
-    dp = rep * shard  # one of the two is 1 here: labkit's one data-parallel dim
+    # HSDP (replicate > 1 and shard > 1): labkit's dp_replicate x dp_shard; else one of them is 1
+    dp, hybrid = rep * shard, rep if rep > 1 and shard > 1 else 1
 
     schedule_name = par.take("pipeline_parallel_schedule", str, "1F1B")
     if schedule_name not in SCHEDULES:
@@ -257,6 +249,7 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
         )
     cfg = ParallelConfig(
         dp=dp,
+        dp_replicate=hybrid,
         tp=tp,
         pp=pp,
         cp=cp,
