@@ -130,10 +130,12 @@ def layout_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """What makes `cfg` impossible for `model` as arithmetic (the validation's checks), leaving
     out the refusals that concern labkit's own engines only: ZeRO-2/3 and FSDP under a pipeline
     (which production frameworks run: torchtitan's FSDP x PP) and impl='torch'."""
-    arithmetic = cfg.replace(impl="lab")
+    changes: dict = {"impl": "lab"} if cfg.torch_impl else {}
     if cfg.pp > 1 and cfg.sharded.grads:
-        arithmetic = arithmetic.replace(sharding="zero1")
-    return problems(arithmetic, model)
+        # ZeRO-1's arithmetic; reshard_after_forward is FSDP's alone, so it goes back to its default
+        changes |= {"sharding": "zero1", "reshard_after_forward": True}
+    # one replace at most: a config's construction checks every field (the search calls this per layout)
+    return problems(cfg.replace(**changes) if changes else cfg, model)
 
 
 def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware = "h100", stack: str = "eager") -> Plan:

@@ -5,8 +5,9 @@ What is enumerated, and what is left out because another choice dominates it (sa
 memory, or the same memory in less time, in this model):
   mesh          tp (powers of two within a node, dividing heads), cp (2·cp | seq), ep (| experts),
                 pp (| the GPUs left; uneven stages when the layers do not split), dp the rest
-  cp kind       with cp > 1, each of ring, all-gather, Ulysses (where the heads divide by cp) and
-                hierarchical with each proper divisor of cp as its all-to-all's size
+  cp kind       with cp > 1, each of ring, Ulysses (where the heads divide by cp) and hierarchical with
+                each proper divisor of cp whose run fits a node; the all-gather is dominated by the
+                ring (its bytes, none hidden, more memory: candidates.SEARCHED_KINDS)
   batch         the microbatch size b (a divisor of the sequences per data rank), m = the rest
   pipeline      1F1B, interleaved with v = 2, 4 (m a multiple of pp, as Megatron needs); GPipe is
                 left out (1F1B's bubble with more activations in flight)
@@ -168,8 +169,10 @@ def _layout(mesh, m: int, v: int, sharding: str, precision: str, model, tally, s
     # Llama 3's uneven stages only where the layers do not divide by the stages (else stage_split gives ())
     split = stage_split(model.layers, pp * v) if pp > 1 else ()
     schedule = schedule or ("interleaved" if v > 1 else "1f1b")
-    cfg = mesh.replace(microbatches=m, schedule=schedule, virtual_stages=v, sharding=sharding, precision=precision)
-    return cfg.replace(stage_layers=split) if split else cfg
+    # one replace: a config's construction checks every field, and the search builds tens of thousands
+    return mesh.replace(
+        microbatches=m, schedule=schedule, virtual_stages=v, sharding=sharding, precision=precision, stage_layers=split
+    )
 
 
 def _checked(fixed: dict | None) -> dict:
@@ -272,7 +275,7 @@ def plan(
     held = _held_degrees(fixed, gpus)
     if held:  # no mesh to try: the result says why
         tally.invalid(held)
-    for tp, cp, ep, pp, dp, kind, a2a in with_kinds(() if held else meshes(model, gpus, hw, fixed), fixed):
+    for tp, cp, ep, pp, dp, kind, a2a in with_kinds(() if held else meshes(model, gpus, hw, fixed), fixed, hw):
         # SP is on with tp unless held off: the same wire bytes as TP's all-reduces and less memory, so SP
         # off is dominated (Korthikanti et al. 2022, section 4.2.2)
         sp = fixed.get("sequence_parallel", tp > 1)
@@ -295,6 +298,8 @@ def plan(
         # (DERIVATIONS.md, "FSDP and ZeRO-2/3 under pipeline parallelism"): ZeRO-1's memory and traffic
         shardings = ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp")
         for sharding, replicas in hybrids((fixed["sharding"],) if "sharding" in fixed else shardings, mesh, hw, fixed):
+            # built once per pair: a config's construction checks every field, the search's main cost
+            hybrid = mesh.replace(dp_replicate=replicas) if replicas > 1 else mesh
             for prec in precisions:
                 for v in _chunks_per_rank(pp, fixed):
                     first = 0  # the lightest checkpointing that fit a smaller microbatch: a larger one needs as much
@@ -309,7 +314,7 @@ def plan(
                     for b in sizes:
                         m = per // b
                         cfg = _layout(
-                            mesh.replace(dp_replicate=replicas),
+                            hybrid,
                             m,
                             v,
                             sharding,
