@@ -154,33 +154,72 @@ def _wait(works) -> None:
         w.wait()
 
 
+def _queries(q: torch.Tensor, k: torch.Tensor, n: int):
+    """What every kind's forward starts from: (acc dtype, scale, query heads per KV head, q in n
+    chunks in acc, the running outputs and log-sum-exps, one per chunk)."""
+    acc = torch.promote_types(q.dtype, torch.float32)
+    qh = q.to(acc).chunk(n, dim=2)  # n x (b, nh, c, hd)
+    out = [torch.zeros_like(x) for x in qh]
+    lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
+    return acc, 1.0 / math.sqrt(q.shape[-1]), q.shape[1] // k.shape[1], qh, out, lse
+
+
+def _attend(qh, out, lse, kv: torch.Tensor, pairs, g: int, acc, scale: float) -> None:
+    """Merge the block pairs of one held K/V block (2, b, nkv, s/cp, hd) into out and lse, in place."""
+    n = len(qh)
+    kh = [_expand(x, g) for x in kv[0].to(acc).chunk(n, dim=2)]  # n x (b, nh, c, hd)
+    vh = [_expand(x, g) for x in kv[1].to(acc).chunk(n, dim=2)]
+    for qa, kb, mask in pairs:
+        o, l = _block(qh[qa], kh[kb], vh[kb], mask == "causal", scale)
+        out[qa], lse[qa] = _merge(out[qa], lse[qa], o, l)
+
+
+def _output(out, lse, q: torch.Tensor):
+    """(y, lse) from the merged chunks: y laid out (b, s/cp, nh, hd) like PyTorch's CPU flash
+    attention, so the caller's transpose(1, 2).reshape(b, s/cp, h) is a view, not a copy."""
+    y = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
+    return y, torch.cat(lse, dim=2)  # lse (b, nh, s/cp)
+
+
+def _gradients_of(q, k, y, lse, dy, n: int):
+    """What every kind's backward starts from: (acc dtype, query heads per KV head, then q, dO, lse
+    and delta = rowsum(dO * O) in n chunks, and dq's accumulators)."""
+    acc = lse.dtype
+    do = dy.to(acc)
+    delta = (do * y.to(acc)).sum(-1)  # (b, nh, s/cp)
+    qh, doh = q.to(acc).chunk(n, dim=2), do.chunk(n, dim=2)
+    lseh, deltah = lse.chunk(n, dim=2), delta.chunk(n, dim=2)
+    return acc, q.shape[1] // k.shape[1], qh, doh, lseh, deltah, [torch.zeros_like(x) for x in qh]
+
+
+def _attend_grads(grads, kv: torch.Tensor, dk, dv, pairs, acc, scale: float) -> None:
+    """The block pairs' gradients against one held K/V block: dq, and this block's dk, dv chunks
+    (n x (b, nkv, c, hd)), accumulated in place. `grads` is _gradients_of's tuple less acc."""
+    g, qh, doh, lseh, deltah, dq = grads
+    n = len(qh)
+    kh = [_expand(x, g) for x in kv[0].to(acc).chunk(n, dim=2)]  # n x (b, nh, c, hd)
+    vh = [_expand(x, g) for x in kv[1].to(acc).chunk(n, dim=2)]
+    for qa, kb, mask in pairs:
+        gq, gk, gv = _block_grads(qh[qa], kh[kb], vh[kb], doh[qa], lseh[qa], deltah[qa], mask == "causal", scale)
+        dq[qa] += gq
+        dk[kb].add_(_fold(gk, g))  # in place: the caller's chunks may be views of one buffer
+        dv[kb].add_(_fold(gv, g))
+
+
 class _RingAttention(torch.autograd.Function):
     """Forward: K/V round the ring, partial results merged by log-sum-exp.
     Backward: K/V round the ring again, each block's dK/dV accumulator following it home."""
 
     @staticmethod
     def forward(ctx, q, k, v, ring: Ring):
-        b, nh, s_local, hd = q.shape
-        scale = 1.0 / math.sqrt(hd)
-        acc = torch.promote_types(q.dtype, torch.float32)
-        qh = q.to(acc).chunk(ring.n_chunks, dim=2)  # n x (b, nh, c, hd)
-        out = [torch.zeros_like(x) for x in qh]
-        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
-        g = q.shape[1] // k.shape[1]  # query heads per KV head
+        acc, scale, g, qh, out, lse = _queries(q, k, ring.n_chunks)
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd): one message per hop
         for t, pairs in enumerate(ring.schedule):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
-            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(ring.n_chunks, dim=2)]  # n x (b, nh, c, hd)
-            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(ring.n_chunks, dim=2)]
-            for qa, kb, mask in pairs:
-                o, l = _block(qh[qa], kh[kb], vh[kb], mask == "causal", scale)
-                out[qa], lse[qa] = _merge(out[qa], lse[qa], o, l)
+            _attend(qh, out, lse, kv, pairs, g, acc, scale)
             _wait(works)
             kv = nxt
-        # laid out (b, s/cp, nh, hd) like PyTorch's CPU flash attention, so the caller's
-        # transpose(1, 2).reshape(b, s/cp, h) is a view, not a copy
-        y = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        lse = torch.cat(lse, dim=2)  # (b, nh, s/cp)
+        y, lse = _output(out, lse, q)
         ctx.save_for_backward(q, k, v, y, lse)
         ctx.ring, ctx.scale = ring, scale
         return y
@@ -189,29 +228,15 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, y, lse = ctx.saved_tensors
         ring, scale = ctx.ring, ctx.scale
-        acc = lse.dtype
-        do = dy.to(acc)
-        delta = (do * y.to(acc)).sum(-1)  # (b, nh, s/cp)
-        qh, doh = q.to(acc).chunk(ring.n_chunks, dim=2), do.chunk(ring.n_chunks, dim=2)
-        lseh, deltah = lse.chunk(ring.n_chunks, dim=2), delta.chunk(ring.n_chunks, dim=2)
-        dq = [torch.zeros_like(x) for x in qh]
-        g = q.shape[1] // k.shape[1]
+        acc, *grads = _gradients_of(q, k, y, lse, dy, ring.n_chunks)
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd)
         own = None  # this rank's part of its own dK/dV
         incoming, pending, sent = None, [], []
         for t, pairs in enumerate(ring.schedule):
             nxt, works = ring.hop(kv, KV_TAG) if t < ring.cp - 1 else (None, [])
-            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(ring.n_chunks, dim=2)]  # n x (b, nh, c, hd)
-            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(ring.n_chunks, dim=2)]
             dk = [torch.zeros_like(x) for x in kv[0].to(acc).chunk(ring.n_chunks, dim=2)]  # n x (b, nkv, c, hd)
             dv = [torch.zeros_like(x) for x in dk]
-            for qa, kb, mask in pairs:
-                gq, gk, gv = _block_grads(
-                    qh[qa], kh[kb], vh[kb], doh[qa], lseh[qa], deltah[qa], mask == "causal", scale
-                )
-                dq[qa] += gq
-                dk[kb] += _fold(gk, g)
-                dv[kb] += _fold(gv, g)
+            _attend_grads(grads, kv, dk, dv, pairs, acc, scale)
             dkv = torch.stack([torch.cat(dk, dim=2), torch.cat(dv, dim=2)])  # (2, b, nkv, s/cp, hd)
             if t == 0:
                 own = dkv
@@ -226,7 +251,7 @@ class _RingAttention(torch.autograd.Function):
         if incoming is not None:
             _wait(pending)
             own = own + incoming  # everyone else's part, back home
-        dq = torch.cat(dq, dim=2).to(q.dtype)
+        dq = torch.cat(grads[-1], dim=2).to(q.dtype)
         return dq, own[0].to(k.dtype), own[1].to(v.dtype), None
 
 

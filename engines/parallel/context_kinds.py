@@ -21,8 +21,6 @@ own inverse's gradient, so backward sends the same bytes again.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.distributed as dist
 
@@ -30,11 +28,11 @@ from labkit.engines.layers import causal_attention
 from labkit.engines.parallel.common import all_gather_single, reduce_scatter_single
 from labkit.engines.parallel.context import (
     Ring,
-    _block,
-    _block_grads,
-    _expand,
-    _fold,
-    _merge,
+    _attend,
+    _attend_grads,
+    _gradients_of,
+    _output,
+    _queries,
     ring_schedule,
     zigzag_chunks,
     zigzag_index,
@@ -65,23 +63,14 @@ class _GatheredAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, att: Gathered):
-        scale = 1.0 / math.sqrt(q.shape[-1])
-        acc = torch.promote_types(q.dtype, torch.float32)
-        qh = q.to(acc).chunk(2, dim=2)  # 2 x (b, nh, c, hd)
-        out = [torch.zeros_like(x) for x in qh]
-        lse = [torch.full(x.shape[:-1], float("-inf"), dtype=acc, device=q.device) for x in qh]
-        g = q.shape[1] // k.shape[1]
+        acc, scale, g, qh, out, lse = _queries(q, k, 2)
         every = att.gather(torch.stack([k, v]))  # (cp, 2, b, nkv, s/cp, hd)
         for t, pairs in enumerate(att.schedule):
-            kv = every[(att.rank - t) % att.cp]  # the block the ring would hold at step t
-            kh = [_expand(x, g) for x in kv[0].to(acc).chunk(2, dim=2)]
-            vh = [_expand(x, g) for x in kv[1].to(acc).chunk(2, dim=2)]
-            for qa, kb, mask in pairs:
-                o, l = _block(qh[qa], kh[kb], vh[kb], mask == "causal", scale)
-                out[qa], lse[qa] = _merge(out[qa], lse[qa], o, l)
+            # the block the ring would hold at step t
+            _attend(qh, out, lse, every[(att.rank - t) % att.cp], pairs, g, acc, scale)
         del every  # the gathered K/V are not kept: backward gathers them again
-        y = torch.cat(out, dim=2).transpose(1, 2).to(q.dtype).contiguous().transpose(1, 2)
-        ctx.save_for_backward(q, k, v, y, torch.cat(lse, dim=2))
+        y, lse = _output(out, lse, q)
+        ctx.save_for_backward(q, k, v, y, lse)
         ctx.att, ctx.scale = att, scale
         return y
 
@@ -89,31 +78,17 @@ class _GatheredAttention(torch.autograd.Function):
     def backward(ctx, dy):
         q, k, v, y, lse = ctx.saved_tensors
         att, scale = ctx.att, ctx.scale
-        acc = lse.dtype
-        do = dy.to(acc)
-        delta = (do * y.to(acc)).sum(-1)  # (b, nh, s/cp)
-        qh, doh = q.to(acc).chunk(2, dim=2), do.chunk(2, dim=2)
-        lseh, deltah = lse.chunk(2, dim=2), delta.chunk(2, dim=2)
-        dq = [torch.zeros_like(x) for x in qh]
-        g = q.shape[1] // k.shape[1]
+        acc, *grads = _gradients_of(q, k, y, lse, dy, 2)
         every = att.gather(torch.stack([k, v]))  # (cp, 2, b, nkv, s/cp, hd)
         # dK/dV of every rank's block, in fp32 like the ring's travelling accumulators
         dkv = torch.zeros(every.shape, dtype=acc, device=q.device)  # (cp, 2, b, nkv, s/cp, hd)
         for t, pairs in enumerate(att.schedule):
             holder = (att.rank - t) % att.cp
-            kh = [_expand(x, g) for x in every[holder, 0].to(acc).chunk(2, dim=2)]
-            vh = [_expand(x, g) for x in every[holder, 1].to(acc).chunk(2, dim=2)]
             dk, dv = dkv[holder, 0].chunk(2, dim=2), dkv[holder, 1].chunk(2, dim=2)  # views into dkv
-            for qa, kb, mask in pairs:
-                gq, gk, gv = _block_grads(
-                    qh[qa], kh[kb], vh[kb], doh[qa], lseh[qa], deltah[qa], mask == "causal", scale
-                )
-                dq[qa] += gq
-                dk[kb].add_(_fold(gk, g))  # in place: dk, dv are views into dkv
-                dv[kb].add_(_fold(gv, g))
+            _attend_grads(grads, every[holder], dk, dv, pairs, acc, scale)
         own = dkv.new_empty(dkv.shape[1:])  # (2, b, nkv, s/cp, hd): the sum over ranks of this rank's block
         reduce_scatter_single(own.view(-1), dkv.view(-1), group=att.group)
-        return torch.cat(dq, dim=2).to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
+        return torch.cat(grads[-1], dim=2).to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None
 
 
 class _SeqToHeads(torch.autograd.Function):
