@@ -104,8 +104,10 @@ UNSOURCED = (
 
 MEASURED = load("h100")
 """benchmarks/gpu_constants_h100.json, the H100's efficiencies (calibration.py's rules)."""
-ALLOCATOR = load("h200")
-"""benchmarks/gpu_constants_h200.json: the allocator's reserve from its Llama steps (calibration.py)."""
+MEASURED_H200 = load("h200")
+"""benchmarks/gpu_constants_h200.json: the H200 profile's file, read once."""
+ALLOCATOR = MEASURED_H200
+"""The allocator's reserve comes from the H200's Llama steps (calibration.py), for every profile."""
 MEASURED_H100 = f"{MEASURED.path} ({MEASURED.provenance})"
 
 H100 = Hardware(
@@ -194,8 +196,6 @@ A100 = Hardware(
         "attention_eff 0.55: the lower half of a paper's 50-73% range",
     ),
 )
-
-MEASURED_H200 = load("h200")
 
 H200 = Hardware(
     "H200 SXM 141GB (8/node, NVLink 4 + 400G IB)",
