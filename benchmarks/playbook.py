@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import time
 
@@ -25,7 +24,7 @@ from labkit.theory.planner import audit
 from labkit.theory.planner.playbook import PLAYBOOK, TOP, nanotron_flops_per_token, place, sweep_plans
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from published import stamp  # noqa: E402  (the same commit stamp as the published table)
+from published import stamp, write_results  # noqa: E402  (the published table's stamp and writer)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,17 +86,8 @@ def table(rs: list[dict], seconds: float) -> list[str]:
 def write(path: str, lines: list[str], block: str, once: bool) -> None:
     """The block between its markers in RESULTS.md (appended the first time); `once`: never replaced."""
     begin, end = f"<!-- playbook.py {block} begin -->", f"<!-- playbook.py {block} end -->"
-    text = open(path).read() if os.path.exists(path) else ""
-    body = begin + "\n" + "\n".join(lines) + "\n" + end
-    if begin in text:
-        if once:
-            print(f"{block} block already in {path}: kept as it is")
-            return
-        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: body, text, flags=re.S)
-    else:
-        text = text.rstrip() + "\n\n" + body + "\n"
-    with open(path, "w") as f:
-        f.write(text)
+    if not write_results(path, lines, begin, end, once):
+        print(f"{block} block already in {path}: kept as it is")
 
 
 def main(argv=None) -> int:

@@ -132,16 +132,20 @@ def summary(rows: list[dict], seconds: float) -> list[str]:
     return lines
 
 
-def write_results(path: str, lines: list[str]) -> None:
-    """Replace the block between the markers in RESULTS.md (add it at the end the first time)."""
+def write_results(path: str, lines: list[str], begin: str = BEGIN, end: str = END, once: bool = False) -> bool:
+    """Replace the block between the markers in RESULTS.md (add it at the end the first time);
+    `once`: a block already there is kept. Returns whether the file was written."""
     text = open(path).read() if os.path.exists(path) else ""
-    block = BEGIN + "\n" + "\n".join(lines) + "\n" + END
-    if BEGIN in text:
-        text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: block, text, flags=re.S)
+    block = begin + "\n" + "\n".join(lines) + "\n" + end
+    if begin in text:
+        if once:
+            return False
+        text = re.sub(re.escape(begin) + ".*?" + re.escape(end), lambda _: block, text, flags=re.S)
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(text)
+    return True
 
 
 def main(argv=None) -> int:
