@@ -71,6 +71,10 @@ def worker(rank: int, world: int, port: int) -> dict:
     for w in dist.batch_isend_irecv(ops):
         w.wait()
     ok["batched p2p ring"] = bool((recv == prv).all())
+    try:  # a diagnosis: its failure must not hide the ops' result above
+        got["completion"] = completion_probe(rank, world, dev)
+    except Exception as e:
+        got["completion"] = {"error": f"{type(e).__name__}: {e}"[:300]}
     big = torch.ones(16 << 20, device=dev)  # 64 MiB
     for _ in range(3):
         dist.all_reduce(big)
@@ -87,6 +91,85 @@ def worker(rank: int, world: int, port: int) -> dict:
     dist.barrier()
     dist.destroy_process_group()
     return got
+
+
+def _poll(work, t0: float, limit: float = 4.0) -> float | None:
+    """Seconds after t0 at which work.is_completed() first said True (None: not within limit)."""
+    while time.perf_counter() - t0 < limit:
+        if work.is_completed():
+            return round(time.perf_counter() - t0, 3)
+        time.sleep(0.01)
+    return None
+
+
+def completion_probe(rank: int, world: int, dev) -> dict:
+    """When does an NCCL Work say it is completed, against when the GPU finished it? (issue 33:
+    labkit's collective log stamped an all-reduce's end while a ~1 s kernel was still ahead of it
+    at world 2, not at world 1). Three cases, each timed from the enqueue:
+      gpu_busy: a ~0.5 s sleep kernel on the current stream, then all_reduce(async_op=True)
+      peer_late: rank 0 enters at once, the others 1 s later (host sleep), no kernel ahead
+      blocking: the sleep kernel, then a blocking all_reduce through the dispatcher's Work
+    and what Work.is_completed / the future / an event recorded after it say."""
+    import torch
+    import torch.distributed as dist
+
+    out = {}
+    x = torch.ones(1 << 20, device=dev)
+    dist.barrier()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)
+    t0 = time.perf_counter()
+    w = dist.all_reduce(x, async_op=True)
+    enq = time.perf_counter() - t0
+    ev = torch.cuda.Event()
+    ev.record()
+    first = {"is_completed": w.is_completed(), "future_done": w.get_future().done(), "event_done": ev.query()}
+    seen = _poll(w, t0)
+    torch.cuda.synchronize()
+    out["gpu_busy"] = {
+        "enqueue_s": round(enq, 4),
+        "at_enqueue": first,
+        "completed_s": seen,
+        "gpu_done_s": round(time.perf_counter() - t0, 3),
+    }
+    dist.barrier()
+    torch.cuda.synchronize()
+    if rank != 0:
+        time.sleep(1.0)
+    t0 = time.perf_counter()
+    w = dist.all_reduce(x, async_op=True)
+    first = {"is_completed": w.is_completed(), "future_done": w.get_future().done()}
+    seen = _poll(w, t0)
+    torch.cuda.synchronize()
+    out["peer_late"] = {"at_enqueue": first, "completed_s": seen, "gpu_done_s": round(time.perf_counter() - t0, 3)}
+    dist.barrier()
+    torch.cuda.synchronize()
+    works = []
+    real = dist.distributed_c10d.ProcessGroup.allreduce
+
+    def keep(self, *a, **k):  # the Work a blocking call waits on, as labkit's meter sees it
+        w = real(self, *a, **k)
+        works.append(w)
+        return w
+
+    torch.cuda._sleep(1_000_000_000)
+    t0 = time.perf_counter()
+    try:
+        dist.distributed_c10d.ProcessGroup.allreduce = keep
+        dist.all_reduce(x)
+    finally:
+        dist.distributed_c10d.ProcessGroup.allreduce = real
+    ret = time.perf_counter() - t0
+    w = works[-1] if works else None
+    row = {"return_s": round(ret, 4), "work_seen": w is not None}
+    if w is not None:
+        row["at_return"] = {"is_completed": w.is_completed(), "future_done": w.get_future().done()}
+        row["completed_s"] = _poll(w, t0)
+    torch.cuda.synchronize()
+    row["gpu_done_s"] = round(time.perf_counter() - t0, 3)
+    out["blocking"] = row
+    dist.barrier()
+    return out
 
 
 def attempt(env: dict, ranks: int, limit: float) -> dict:
