@@ -285,7 +285,12 @@ def main() -> None:
     out: dict = {"torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "cuda": torch.version.cuda}
     if dev == "cuda":
         out["driver"] = _driver()
+        # torch.cuda.nccl.version() is the NCCL torch was built with; the loaded one can differ
+        # (LD_PRELOAD, scripts/gpu-check.sh): record both
+        from labkit.engines.host import nccl_version
+
         out["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+        out["nccl_loaded"] = ".".join(map(str, nccl_version() or ()))
         torch.cuda.init()
         free, total = torch.cuda.mem_get_info()
         torch.ones(1, device="cuda") @ torch.ones(1, 1, device="cuda")  # cuBLAS handle
