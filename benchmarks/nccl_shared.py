@@ -169,7 +169,41 @@ def completion_probe(rank: int, world: int, dev) -> dict:
     row["gpu_done_s"] = round(time.perf_counter() - t0, 3)
     out["blocking"] = row
     dist.barrier()
+    out["meter_blocking"] = _meter_probe(x)
+    dist.barrier()
     return out
+
+
+def _meter_probe(x) -> dict:
+    """labkit's collective log on the same blocking all-reduce behind a ~0.5 s GPU sleep: when does
+    its event get an end, against the GPU? (2026-11-26, H100: the log stamped it at once inside the
+    Lab while Work.is_completed() of an async op was right; this runs the log's own path.)"""
+    import torch
+    import torch.distributed as dist
+
+    from labkit.engines.meters.comm import CommMeter
+
+    torch.cuda.synchronize()
+    with CommMeter({}) as meter:
+        torch.cuda._sleep(1_000_000_000)
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        ret = time.perf_counter() - t0
+        meter.sweep()
+        ev = meter.events[-1]
+        row = {
+            "return_s": round(ret, 4),
+            "op": ev["op"],
+            "end_at_return": ev["end"] is not None,
+            "pending": len(meter._pending),
+        }
+        while ev["end"] is None and time.perf_counter() - t0 < 4:
+            meter.sweep()
+            time.sleep(0.01)
+        row["end_s"] = None if ev["end"] is None else round(ev["end"] - ev["start"], 3)
+        torch.cuda.synchronize()
+        row["gpu_done_s"] = round(time.perf_counter() - t0, 3)
+    return row
 
 
 def attempt(env: dict, ranks: int, limit: float) -> dict:

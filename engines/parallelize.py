@@ -7,6 +7,7 @@ are reduced come last, because they wrap whatever the earlier ones left.
   1. tensor parallelism (+ sequence parallelism)   swaps Linear / Embedding / loss   [tp]
   2. context parallelism                            swaps the attention kernel        [cp]
   3. expert parallelism                             keeps E/ep experts, all-to-all    [ep]
+  3b. compiled blocks (ParallelConfig.compile)      each block's forward, torch.compile
   4. activation checkpointing                       recomputes blocks in backward
   5. pipeline parallelism                           keeps this stage's chunks         [pp]
   6. precision                                      bf16 compute, fp32 masters (a policy)
@@ -48,6 +49,7 @@ from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.accumulate import accumulate
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.checkpoint import apply_ac
+from labkit.engines.parallel.compile import apply_compile
 from labkit.engines.parallel.common import GradSync, ParamMetas, on_device
 from labkit.engines.parallel.context import zigzag_inputs
 from labkit.engines.parallel.context_kinds import apply_cp
@@ -108,6 +110,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     # 3. expert parallelism: engines/parallel/experts.py
     if cfg.ep > 1:
         model, info["ep"] = apply_ep(model, mesh, metas)
+
+    # 3b. compiled blocks: engines/parallel/compile.py (after 1-3 swapped their layers in, before 4 wraps them)
+    if cfg.compile:
+        model, info["compile"] = apply_compile(model)
 
     # 4. activation checkpointing: engines/parallel/checkpoint.py
     if cfg.recomputation.recomputes:

@@ -86,6 +86,10 @@ class ParallelConfig(_Dict):
     """HSDP (torchtitan's dp_replicate x dp_shard): dp as replicas of shard groups of dp / dp_replicate ranks,
     the sharding inside a group, its reduced shard all-reduced across; both at dp's place in `order`, shard
     inside (layout/mesh.py SUB_DIMS). 1: one flat dp dim."""
+    compile: bool = False
+    """Each transformer block's forward through torch.compile (per block, as torchtitan does:
+    engines/parallel/compile.py), every hook and collective around the blocks kept outside the graphs.
+    The theory prices the layout as eager (its activation bytes are eager PyTorch's)."""
 
     def __post_init__(self):
         if isinstance(self.stage_layers, list):  # from a plain dict (JSON): the config stays hashable
