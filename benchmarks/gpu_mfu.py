@@ -167,7 +167,45 @@ PAIRS = [
 ]
 
 
+def hardware_of_device(name: str) -> str:
+    """The theory's hardware for a CUDA device name (H100 80GB or H200; else the H100's)."""
+    return "h200" if "H200" in name else "h100"
+
+
+def theory_beside(row: dict, hardware: str) -> dict:
+    """The theory's step for a one-rank row (theory.evaluate on the row's model, batch and
+    stack: 'compile' for the compiled rows), and its error against the measured step."""
+    from labkit import ParallelConfig
+
+    model, batch = MODELS[row["model"]]
+    compiled = "compiled" in row["what"]
+    plan = theory.evaluate(ParallelConfig(global_batch=batch, precision="bf16", compile=compiled), model, hardware)
+    return {
+        "theory_step_s": plan.step_seconds,
+        "theory_error": plan.step_seconds / row["step_s"] - 1,
+        "theory_hardware": hardware,
+    }
+
+
+def print_beside(path: str) -> None:
+    """`--beside mfu.json`: each measured one-rank step with the theory's, from a saved run."""
+    with open(path) as f:
+        got = json.load(f)
+    hardware = hardware_of_device(got["device"])
+    print(f"{got['device']} ({hardware}), torch {got['torch']}")
+    for row in got["rows"]:
+        if "step_s" in row:
+            t = theory_beside(row, hardware)
+            print(
+                f"{row['model']:12s} {row['what']:13s} measured {row['step_s'] * 1e3:7.1f} ms"
+                f"  theory {t['theory_step_s'] * 1e3:7.1f} ms  ({t['theory_error']:+.1%})"
+            )
+
+
 def main() -> None:
+    if "--beside" in sys.argv:
+        print_beside(sys.argv[sys.argv.index("--beside") + 1])
+        return
     if not torch.cuda.is_available():
         sys.exit("needs a CUDA GPU")
     ap = argparse.ArgumentParser()
@@ -206,6 +244,7 @@ def main() -> None:
             r.update(fn(model, batch))
             r["tokens_per_s"] = tokens / r["step_s"]
             r["mfu"] = flops_per_token(model) * tokens / r["step_s"] / peak
+            r.update(theory_beside(r, hardware_of_device(out["device"])))  # priced before it is read
         except Exception as e:  # noqa: BLE001 - a row records what failed and the next one runs
             r["error"] = f"{type(e).__name__}: {e}"[:1500]
             traceback.print_exc()

@@ -138,14 +138,17 @@ def layout_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     return problems(cfg.replace(**changes) if changes else cfg, model)
 
 
-def evaluate(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware = "h100", stack: str = "eager") -> Plan:
+def evaluate(
+    cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardware = "h100", stack: str | None = None
+) -> Plan:
     """The predicted memory and time of `cfg` on `model` on one hardware (a name of
     theory.hardware.HARDWARE, or a Hardware) under a software stack (stacks.STACKS: 'eager'
-    PyTorch, 'compile', or 'roofline', the kernels' isolated rates). Raises ConfigError for a
-    layout that cannot be laid out; one that does not fit comes back with fits=False and the reason."""
-    hw = with_stack(hardware_of(hardware), stack)
+    PyTorch, 'compile', or 'roofline', the kernels' isolated rates; None: the layout's own,
+    'compile' where cfg.compile, else 'eager'). Raises ConfigError for a layout that cannot be
+    laid out; one that does not fit comes back with fits=False and the reason."""
     if not (isinstance(cfg, ParallelConfig) and isinstance(model, ModelConfig)):
         raise ConfigError(argument_problems("evaluate", cfg, model))
+    hw = with_stack(hardware_of(hardware), stack or ("compile" if cfg.compile else "eager"))
     found = layout_problems(cfg, model)
     if found:
         raise ConfigError(found)
