@@ -1,0 +1,197 @@
+"""DeepSeek-V3's multi-head latent attention (arch 'deepseek_v3', engines/mla.py): read from its
+config.json, counted like transformers' DeepseekV3ForCausalLM (meta device), computing its logits,
+and refused where it is not built. The MoE layers are another part of issue 35: here the model is
+all dense (first_k_dense_replace = num_hidden_layers), which transformers builds as such."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit import ModelConfig
+from labkit.config.choices import ConfigError
+
+T = pytest.importorskip("transformers")
+torch = pytest.importorskip("torch")
+
+# deepseek-ai/DeepSeek-V3's config.json (huggingface.co/deepseek-ai/DeepSeek-V3, the model card's
+# repository; the technical report arXiv 2412.19437 section 4.2 gives the same sizes: 61 layers, h 7168,
+# 128 heads, d_c 512, d'_c 1536, d_h 128, d_h^R 64; section 4.3 YaRN s = 40, alpha 1, beta 32)
+DEEPSEEK_V3 = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "vocab_size": 129280,
+    "hidden_size": 7168,
+    "intermediate_size": 18432,
+    "moe_intermediate_size": 2048,
+    "num_hidden_layers": 61,
+    "num_nextn_predict_layers": 1,
+    "num_attention_heads": 128,
+    "num_key_value_heads": 128,
+    "n_shared_experts": 1,
+    "n_routed_experts": 256,
+    "routed_scaling_factor": 2.5,
+    "kv_lora_rank": 512,
+    "q_lora_rank": 1536,
+    "qk_rope_head_dim": 64,
+    "v_head_dim": 128,
+    "qk_nope_head_dim": 128,
+    "topk_method": "noaux_tc",
+    "n_group": 8,
+    "topk_group": 4,
+    "num_experts_per_tok": 8,
+    "first_k_dense_replace": 3,
+    "norm_topk_prob": True,
+    "scoring_func": "sigmoid",
+    "hidden_act": "silu",
+    "max_position_embeddings": 163840,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": {
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "factor": 40,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4096,
+        "type": "yarn",
+    },
+    "rope_theta": 10000,
+    "tie_word_embeddings": False,
+    "attention_bias": False,
+}
+DENSE_V3 = {**DEEPSEEK_V3, "first_k_dense_replace": 61}
+"""DeepSeek-V3 with every layer dense: the attention, norms, embeddings and head of the published model."""
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    first_k_dense_replace=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    vocab_size=211,
+    q_lora_rank=24,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=12,
+)
+# original context 16 and 64 positions: YaRN's ramp falls inside the rotary dims (low 0, high 3 of 4)
+YARN = {**DEEPSEEK_V3["rope_scaling"], "factor": 4, "original_max_position_embeddings": 16}
+CASES = {
+    "v3-yarn": ({**DEEPSEEK_V3, **SMALL, "rope_scaling": YARN}, 64),
+    # mscale != mscale_all_dim: cos/sin scaled by their ratio, the softmax by mscale_all_dim's square
+    "v3-mscale": ({**DEEPSEEK_V3, **SMALL, "rope_scaling": {**YARN, "mscale": 0.707}}, 64),
+    # no query latent (DeepSeek-V2-Lite's shape), v wider than q/k, plain RoPE
+    "no-q-latent": ({**DEEPSEEK_V3, **SMALL, "q_lora_rank": None, "v_head_dim": 32, "rope_scaling": None}, 32),
+}
+
+
+def hf_config(c: dict):
+    return T.AutoConfig.for_model(**{k: v for k, v in c.items() if k != "architectures"})
+
+
+@pytest.mark.parametrize("name, c", [("DeepSeek-V3 all-dense", DENSE_V3), ("small", CASES["v3-yarn"][0])])
+def test_count_equals_transformers(name, c):
+    with torch.device("meta"):
+        hf = T.DeepseekV3ForCausalLM(hf_config(c))
+    m = ModelConfig.from_hf(c, seq=4096)
+    assert m.num_params() == sum(p.numel() for p in hf.parameters())
+    from labkit.theory import num_params
+
+    assert num_params(m) == m.num_params()
+
+
+def test_published_attention_count():
+    """DeepSeek-V3's MLA per layer, by hand from the report's sizes: wq_a 7168·1536, q_norm 1536,
+    wq_b 1536·128·192, wkv_a 7168·576, kv_norm 512, wkv_b 512·128·256, wo 16384·7168 = 187,107,328."""
+    m = ModelConfig.from_hf(DENSE_V3, seq=4096)
+    per_layer = 7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert per_layer == 187_107_328
+    dense_layer = per_layer + 3 * 7168 * 18432 + 2 * 7168
+    assert m.num_params() == 61 * dense_layer + 2 * 129280 * 7168 + 7168
+
+
+def mla_weights(net, cfg) -> dict:
+    """transformers' names for labkit's deepseek_v3 weights."""
+    sd = {"model.embed_tokens.weight": net.embed.tok.weight, "model.norm.weight": net.head.norm.weight}
+    sd["lm_head.weight"] = net.head.proj.weight
+    names = {
+        "wq": "q_proj",
+        "wq_a": "q_a_proj",
+        "q_norm": "q_a_layernorm",
+        "wq_b": "q_b_proj",
+        "wkv_a": "kv_a_proj_with_mqa",
+        "kv_norm": "kv_a_layernorm",
+        "wkv_b": "kv_b_proj",
+        "wo": "o_proj",
+    }
+    for i, b in enumerate(net.blocks):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"], sd[p + "post_attention_layernorm.weight"] = b.ln1.weight, b.ln2.weight
+        for ours, theirs in names.items():
+            if hasattr(b.attn, ours):
+                sd[p + f"self_attn.{theirs}.weight"] = getattr(b.attn, ours).weight
+        for ours, theirs in (("gate", "gate_proj"), ("up", "up_proj"), ("down", "down_proj")):
+            sd[p + f"mlp.{theirs}.weight"] = getattr(b.mlp, ours).weight
+    return sd
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_logits_equal_transformers(name):
+    from labkit.engines.model import build_model
+    from tests.test_hf_numerics import logits
+
+    c, seq = CASES[name]
+    cfg = ModelConfig.from_hf(c, seq=seq)
+    net = build_model(cfg, 0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in net.parameters():  # off 1 (the norms), so that every weight matters
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    config = hf_config(c)
+    config._attn_implementation = "eager"
+    hf = T.DeepseekV3ForCausalLM(config).eval()
+    missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in mla_weights(net, cfg).items()})
+    assert not missing and not unexpected
+    tokens = torch.randint(0, cfg.vocab, (2, seq), generator=gen)
+    with torch.no_grad():
+        ours, theirs = logits(net, tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
+
+
+def test_a_wrong_rope_changes_the_logits():
+    """The check above can fail: the same weights with YaRN's factor changed move the logits past it."""
+    from labkit.engines.model import build_model
+    from tests.test_hf_numerics import logits
+
+    c, seq = CASES["v3-yarn"]
+    cfg = ModelConfig.from_hf(c, seq=seq)
+    tokens = torch.randint(0, cfg.vocab, (2, seq), generator=torch.Generator().manual_seed(2))
+    a, b = build_model(cfg, 0), build_model(cfg.replace(yarn=cfg.yarn.replace(factor=5.0)), 0)
+    with torch.no_grad():
+        la, lb = logits(a, tokens), logits(b, tokens)
+    assert (la - lb).abs().max() > 1e-5 * la.abs().max()
+
+
+def test_from_hf_reads_and_refuses_by_name():
+    m = ModelConfig.from_hf(DENSE_V3, seq=4096)
+    assert (m.arch, m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim, m.qk_rope_head_dim, m.v_head_dim) == (
+        "deepseek_v3",
+        1536,
+        512,
+        128,
+        64,
+        128,
+    )
+    assert m.yarn.factor == 40 and m.yarn.original_max_position == 4096 and m.kv_heads is None
+    # transformers 5 writes rope_parameters (rope_theta inside): read the same
+    written = hf_config(DENSE_V3).to_dict()
+    assert ModelConfig.from_hf({**written, "architectures": ["DeepseekV3ForCausalLM"]}, seq=4096) == m
+    with pytest.raises(ConfigError, match="first_k_dense_replace=3 < num_hidden_layers=61.*n_routed_experts=256"):
+        ModelConfig.from_hf(DEEPSEEK_V3, seq=4096)
+    with pytest.raises(ConfigError, match="rope_interleave=False"):
+        ModelConfig.from_hf({**DENSE_V3, "rope_interleave": False}, seq=4096)
+    with pytest.raises(ConfigError, match="num_key_value_heads=8"):
+        ModelConfig.from_hf({**DENSE_V3, "num_key_value_heads": 8}, seq=4096)
+    with pytest.raises(ConfigError, match="longrope"):
+        ModelConfig.from_hf({**DENSE_V3, "rope_scaling": {"type": "longrope"}}, seq=4096)
