@@ -126,5 +126,7 @@ class LatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1) * self.q_gain  # (b, nh, s, dn+dr)
         k = torch.cat([k_nope, k_pe], dim=-1)
         q, k, v = (F.pad(t, (0, self.width - t.shape[-1])) for t in (q, k, v))  # (b, nh, s, width)
-        y = self.core(q, k, v)[..., :dv]  # (b, nh, s, dv): the padding's outputs dropped
+        # (b, nh, s, W) -> (b, nh, s, dv): the padding's outputs dropped, into a tensor of its own
+        # whatever the kernel's layout (a slice could be a view of it or not), so wo keeps e·b·s·nh·dv
+        y = self.core(q, k, v).narrow_copy(-1, 0, dv)
         return self.wo(y.transpose(1, 2).reshape(b, s, nh * dv))  # (b, s, nh*dv) -> (b, s, h)
