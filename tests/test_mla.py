@@ -321,3 +321,50 @@ def test_the_oracle_catches_an_mla_bug(lab, oracle, name):
     with mutated(lab, target, make):
         res = lab.run(cfg, model=model, steps=3, seed=0, return_params=True)
     assert mismatches(res, oracle(cfg, model))
+
+
+# -- the theory at scale ---------------------------------------------------------------------------
+def test_dense_v3_preset_is_what_from_hf_reads():
+    from labkit.theory.presets import DEEPSEEK_V3_DENSE
+
+    assert ModelConfig.from_hf(DENSE_V3, seq=4096) == DEEPSEEK_V3_DENSE
+    assert DEEPSEEK_V3_DENSE.num_params() == 37_445_852_160
+
+
+def test_planner_holds_what_the_exact_theory_holds():
+    """The planner's closed form per rank (theory/planner/stages.py) keeps MLA's latent projections
+    whole over tp, as the exact per-parameter walk does (theory/exact/params.py)."""
+    from labkit import ParallelConfig
+    from labkit.theory.exact.params import rank_param_count
+    from labkit.theory.planner.stages import stage_params, stages
+    from labkit.theory.presets import DEEPSEEK_V3_DENSE
+
+    for cfg in (ParallelConfig(tp=8, dp=1), ParallelConfig(tp=4, pp=2, microbatches=2)):
+        for st in stages(cfg, DEEPSEEK_V3_DENSE):
+            assert sum(stage_params(DEEPSEEK_V3_DENSE, cfg, st)) == rank_param_count(cfg, DEEPSEEK_V3_DENSE, st.rank)
+    # the latents: wq_a 7168·1536 + q_norm 1536 + wkv_a 7168·576 + kv_norm 512 per layer, on every tp rank
+    whole = 7168 * 1536 + 1536 + 7168 * 576 + 512
+    split = 187_107_328 - whole
+    tp8 = ParallelConfig(tp=8, dp=1)
+    layer = rank_param_count(tp8, DEEPSEEK_V3_DENSE.replace(layers=2), 0) - rank_param_count(
+        tp8, DEEPSEEK_V3_DENSE.replace(layers=1), 0
+    )
+    assert layer == whole + split // 8 + 3 * 7168 * 18432 // 8 + 2 * 7168
+
+
+def test_ring_message_is_the_up_projected_heads():
+    """DeepSeek-V3 (bf16) per token, layer and hop: 2 · 128/t heads · 192 (v padded from 128) · 2
+    bytes = 98,304 at t = 1, 12,288 at t = 8; the compressed latent would be (512 + 64) · 2 = 1,152
+    whatever t (not built, DERIVATIONS.md says why)."""
+    from labkit import ParallelConfig, theory
+    from labkit.theory.exact.context import kv_message_bytes
+    from labkit.theory.exact.latent import ring_bytes_per_token
+    from labkit.theory.presets import DEEPSEEK_V3_DENSE as V3
+
+    assert [ring_bytes_per_token(V3, t, 2) for t in (1, 8)] == [98_304, 12_288]
+    assert ring_bytes_per_token(V3, 8, 2, latent=True) == 1_152
+    cfg = ParallelConfig(tp=8, cp=4, global_batch=1, precision="bf16")
+    assert kv_message_bytes(cfg, V3, 1, 2) == 12_288 * 4096 // 4
+    layout = dict(tp=8, cp=2, pp=4, dp=2, microbatches=8, global_batch=16, stage_layers=(16, 15, 15, 15))
+    plan = theory.evaluate(ParallelConfig(**layout, precision="bf16"), V3)
+    assert plan.step_seconds > 0 and plan.peak_bytes > 0

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from labkit.config.base import _Dict
+from labkit.config.choices import ConfigError
 
 if TYPE_CHECKING:
     from labkit.config import ModelConfig, ParallelConfig
@@ -48,8 +49,6 @@ class YarnRope(_Dict):
     mscale_all_dim: float = 1.0
 
     def __post_init__(self):
-        from labkit.config.choices import ConfigError
-
         bad = [
             f"yarn.{k}={getattr(self, k)!r} must be > 0"
             for k in ("factor", "beta_fast", "beta_slow")

@@ -61,6 +61,14 @@ def kv_width(model: ModelConfig, tp: int) -> int:
     return (model.heads // tp) * kernel_width(model)
 
 
+def ring_bytes_per_token(model: ModelConfig, tp: int, e: int, latent: bool = False) -> int:
+    """Bytes of K/V one token sends per layer per ring hop (forward): the up-projected heads labkit
+    sends, 2 (nh/t) W e; or, latent=True, the (r + dr)-wide latent the ring could send instead
+    (not built: each rank would up-project every received block with wkv_b again, forward and
+    backward, and the latent is whole on every tp rank, so it does not shrink with t)."""
+    return (model.kv_lora_rank + model.qk_rope_head_dim) * e if latent else 2 * kv_width(model, tp) * e
+
+
 def matmul_widths(model: ModelConfig, tp: int) -> list[int]:
     """Output widths of the attention's matmuls in the order they run (torchtitan's per-op policy
     saves every second one): wq_a, wq_b (or wq), wkv_a, wkv_b, wo."""
