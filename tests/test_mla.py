@@ -372,3 +372,19 @@ def test_ring_message_is_the_up_projected_heads():
     layout = dict(tp=8, cp=2, pp=4, dp=2, microbatches=8, global_batch=16, stage_layers=(16, 15, 15, 15))
     plan = theory.evaluate(ParallelConfig(**layout, precision="bf16"), V3)
     assert plan.step_seconds > 0 and plan.peak_bytes > 0
+
+
+def test_what_is_not_built_is_refused_at_the_door():
+    from labkit import ParallelConfig
+    from labkit.config.validation import problems
+
+    found = " ".join(problems(ParallelConfig(), ModelConfig(arch="deepseek_v3")))
+    assert "kv_lora_rank=None: arch='deepseek_v3' needs it >= 1" in found
+    found = " ".join(problems(ParallelConfig(), ModelConfig(arch="llama", kv_lora_rank=8)))
+    assert "kv_lora_rank=8: multi-head latent attention's fields apply to arch='deepseek_v3' only" in found
+    found = " ".join(problems(ParallelConfig(tp=2, impl="torch"), MLA))
+    assert "labkit's DTensor plan has no MLA rows" in found
+    assert "kv_heads=2" in " ".join(problems(ParallelConfig(), MLA.replace(kv_heads=2)))
+    assert not problems(ParallelConfig(tp=4, cp=2, sequence_parallel=True), MLA)
+    with pytest.raises(ConfigError, match="yarn.factor=0.0 must be > 0"):
+        MLA.replace(yarn={"factor": 0.0})

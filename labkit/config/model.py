@@ -69,7 +69,8 @@ class ModelConfig(_Dict):
     """'gpt': labkit's toy (LayerNorm, learned positions, exact-GELU MLP, no biases, untied head);
     'gpt2': GPT-2 as published (biases in every Linear and LayerNorm, tanh GELU, learned
     positions, head tied to the token embedding); 'llama': RMSNorm, rotary positions, SwiGLU,
-    grouped-query attention, no biases (Llama 2/3, Mistral; Mixtral with experts > 0)."""
+    grouped-query attention, no biases (Llama 2/3, Mistral; Mixtral with experts > 0); 'deepseek_v3':
+    llama's norms and SwiGLU with DeepSeek-V3's multi-head latent attention (the MLA fields below)."""
     kv_heads: int | None = None
     """Key/value heads (grouped-query attention, Ainslie et al. 2023); must divide heads.
     None: heads (multi-head attention)."""
