@@ -234,6 +234,7 @@ def _layouts():
         "cp2": (P(cp=2), MLA),  # the ring carries the up-projected K and V (padded to 12)
         "cp2-ulysses": (P(cp=2, cp_kind="ulysses"), MLA),
         "cp2-allgather": (P(cp=2, cp_kind="allgather"), MLA),
+        "cp4-hierarchical": (P(cp=4, cp_kind="hierarchical", cp_a2a=2), MLA),  # all-to-all in pairs, ring across
         "dp2-bf16": (P(dp=2, precision="bf16"), MLA),  # the norms' fp32 copies of their latents
         "tp2-selective": (P(tp=2, checkpoint_activations="selective"), MLA),
         "tp2sp-cp2": (P(tp=2, cp=2, sequence_parallel=True), MLA),
