@@ -389,3 +389,15 @@ def test_what_is_not_built_is_refused_at_the_door():
     assert not problems(ParallelConfig(tp=4, cp=2, sequence_parallel=True), MLA)
     with pytest.raises(ConfigError, match="yarn.factor=0.0 must be > 0"):
         MLA.replace(yarn={"factor": 0.0})
+
+
+def test_dry_run_of_deepseek_v3_attention_at_scale_equals_the_theory():
+    """One real step of two DeepSeek-V3 layers (h 7168, 128 heads, its latents, seq 4096, bf16) on
+    fake tensors as rank 3 of tp 8 x cp 2 x dp 2 with SP: its saved bytes, states and every comm
+    row equal theory.estimate's, activations to the byte (labkit/results/dryrun.py `differences`)."""
+    from labkit import ParallelConfig
+    from labkit.results.dryrun import dry_run
+    from labkit.theory.presets import DEEPSEEK_V3_DENSE
+
+    cfg = ParallelConfig(tp=8, cp=2, dp=2, sequence_parallel=True, precision="bf16", global_batch=2)
+    assert dry_run(cfg, DEEPSEEK_V3_DENSE.replace(layers=2), rank=3).differences(activation_tolerance=0.0) == []
