@@ -19,6 +19,8 @@ def _layouts():
         "zero1-dp2": (P(dp=2, sharding="zero1"), MLA),
         "zero3-dp2": (P(dp=2, sharding="zero3"), MLA),
         "fsdp-dp2": (P(dp=2, sharding="fsdp"), MLA),
+        "fsdp-dp2-torch": (P(dp=2, sharding="fsdp", impl="torch"), MLA),  # FSDP2 over the MLA blocks
+        "pp2-torch": (P(pp=2, microbatches=2, impl="torch"), MLA),  # torch.distributed.pipelining
         "tp2": (P(tp=2), MLA),  # heads split, latents replicated (their gradients summed over tp)
         "tp4sp": (P(tp=4, sequence_parallel=True), MLA),  # one head per rank
         "pp2-uneven": (P(pp=2, microbatches=2, stage_layers=(2, 1)), MLA_3),
