@@ -6,6 +6,8 @@ engines/layers.py.
   gpt2   GPT-2 (Radford et al. 2019): the same with biases everywhere, tanh GELU, tied head
   llama  Llama 2/3 (Touvron et al. 2023; Llama Team 2024), Mistral: RMSNorm, rotary positions,
          SwiGLU MLP, grouped-query attention, no biases; with experts, Mixtral (Jiang et al. 2024)
+  deepseek_v3  DeepSeek-V3 (arXiv 2412.19437): llama's blocks with multi-head latent attention
+         (engines/mla.py) and its YaRN RoPE; dense MLPs (its MoE layers: not here yet)
 
 The parts are separate modules so that strategies can work on them by function, never by
 subclassing: tensor parallelism swaps the Linear layers of `attn` and `mlp`, context
@@ -23,6 +25,7 @@ import torch.nn as nn
 from labkit.config import ModelConfig
 from labkit.engines.layers import MLP, Attention, Rotary, SwiGLU, norm
 from labkit.engines.loss import cross_entropy, mask_padding
+from labkit.engines.mla import LatentAttention, LatentRotary
 from labkit.engines.moe import MoE
 
 
@@ -47,7 +50,7 @@ class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.ln1 = norm(cfg)
-        self.attn = Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.family.latent_attention else Attention(cfg)
         self.ln2 = norm(cfg)
         if cfg.experts:
             self.mlp = MoE(cfg)
@@ -90,6 +93,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
         self.head = Head(cfg, rows or cfg.vocab)
         self.rope = Rotary(cfg) if cfg.family.rotary else None
+        if cfg.family.latent_attention:  # MLA rotates qk_rope_head_dim dims, with YaRN
+            self.rope = LatentRotary(cfg)
         if cfg.tied:  # one Parameter: named_parameters lists it once, as embed.tok.weight
             self.head.proj.weight = self.embed.tok.weight
 

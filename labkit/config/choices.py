@@ -46,7 +46,7 @@ CHECKPOINTING: tuple = get_args(Checkpointing)
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 Recompute = Literal["none", "full", "selective", "op"]
 """A checkpoint_activations value by name (ParallelConfig.recompute)."""
-Arch = Literal["gpt", "gpt2", "llama"]
+Arch = Literal["gpt", "gpt2", "llama", "deepseek_v3"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 Loss = Literal["fp32", "fused"]
 LOSSES: tuple[str, ...] = get_args(Loss)
@@ -296,6 +296,8 @@ class Family:
     """F.gelu's `approximate` for the GELU MLP: 'tanh' (GPT-2's) or 'none' (exact)."""
     ties: bool = False
     """The head shares the token embedding unless tie_embeddings says otherwise."""
+    latent_attention: bool = False
+    """Multi-head latent attention (DeepSeek-V2/V3, engines/mla.py) rather than multi-head / grouped-query."""
 
 
 @cache
@@ -309,6 +311,9 @@ def family(arch: Arch) -> Family:
         case "llama":
             # Llama (Touvron et al. 2023): RMSNorm, RoPE, SwiGLU, no biases (Qwen2 adds q, k, v's)
             return Family(rms_norm=True, rotary=True, gated_mlp=True, takes_qkv_bias=True)
+        case "deepseek_v3":
+            # DeepSeek-V3 (arXiv 2412.19437, section 2.1): llama's norms and SwiGLU, multi-head latent attention
+            return Family(rms_norm=True, rotary=True, gated_mlp=True, latent_attention=True)
         case _:
             raise ConfigError([unknown("arch", arch, ARCHS)])
 

@@ -13,6 +13,7 @@ never downloads, so a Hub id is refused with the way to fetch its config.json.
     MixtralForCausalLM                     arch 'llama' with experts (SwiGLU experts, top-k router)
     Qwen2ForCausalLM                       arch 'llama' with biases on q, k, v (qkv_bias)
     GPT2LMHeadModel                        arch 'gpt2'
+    DeepseekV3ForCausalLM                  arch 'deepseek_v3' (MLA, YaRN), all layers dense for now
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ LLAMA_LIKE = {
     "Qwen2ForCausalLM": "qwen2",
 }
 GPT2 = "GPT2LMHeadModel"
+DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 
 
 def load(config) -> dict:
@@ -102,9 +104,9 @@ def _arch_class(c: dict) -> str | None:
     # the class named in "architectures" decides; model_type only where that names none we build
     names = c.get("architectures") or []
     for name in names:
-        if name in LLAMA_LIKE or name == GPT2:
+        if name in LLAMA_LIKE or name in (GPT2, DEEPSEEK_V3):
             return name
-    by_type = {v: k for k, v in LLAMA_LIKE.items()} | {"gpt2": GPT2}
+    by_type = {v: k for k, v in LLAMA_LIKE.items()} | {"gpt2": GPT2, "deepseek_v3": DEEPSEEK_V3}
     return by_type.get(c.get("model_type"))
 
 
@@ -214,18 +216,96 @@ def _gpt2(c: dict, seq: int | None, problems: list[str]) -> dict:
     return out
 
 
+def _yarn(c: dict, problems: list[str]) -> tuple[float | None, dict | None]:
+    """(rope_theta, YarnRope fields or None) of a DeepSeek-V3 config: transformers 5 writes
+    rope_parameters (rope_theta inside), the released config.json rope_scaling {"type": "yarn"} and
+    a top-level rope_theta."""
+    rp = c.get("rope_parameters") or c.get("rope_scaling") or {}
+    theta = _read(rp, "rope_theta", float, problems, None, "rope_parameters.") or _read(
+        c, "rope_theta", float, problems, 10000.0
+    )
+    kind = rp.get("rope_type", rp.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind not in ("yarn", "deepseek_yarn"):
+        problems.append(f"rope type {kind!r}: DeepSeek-V3 is built with plain RoPE or YaRN ('yarn') only")
+        return theta, None
+    w = "rope_scaling."
+    return theta, {
+        "factor": _read(rp, "factor", float, problems, within=w),
+        "original_max_position": _read(rp, "original_max_position_embeddings", int, problems, within=w),
+        "beta_fast": _read(rp, "beta_fast", float, problems, 32.0, w),
+        "beta_slow": _read(rp, "beta_slow", float, problems, 1.0, w),
+        # transformers: no mscale pair -> cos/sin gain mscale(factor), softmax unscaled (engines/mla.py)
+        "mscale": _read(rp, "mscale", float, problems, 0.0, w),
+        "mscale_all_dim": _read(rp, "mscale_all_dim", float, problems, 0.0, w),
+    }
+
+
+def _deepseek_v3(c: dict, seq: int | None, problems: list[str]) -> dict:
+    """DeepseekV3ForCausalLM (transformers models/deepseek_v3): MLA with YaRN, dense layers. Its MoE
+    layers (from layer first_k_dense_replace on) are refused by name until labkit's DeepSeek MoE is
+    connected; the multi-token-prediction layer (num_nextn_predict_layers) is left out, as
+    transformers leaves it out of DeepseekV3ForCausalLM (its weights are skipped on load)."""
+    missing: list[str] = []
+    layers = _read(c, "num_hidden_layers", int, missing)
+    out = {
+        "arch": "deepseek_v3",
+        "layers": layers,
+        "hidden": _read(c, "hidden_size", int, missing),
+        "heads": _read(c, "num_attention_heads", int, missing),
+        "ffn": _read(c, "intermediate_size", int, missing),
+        "vocab": _read(c, "vocab_size", int, missing),
+        "seq": seq or _read(c, "max_position_embeddings", int, missing),
+        "norm_eps": _read(c, "rms_norm_eps", float, missing, 1e-6),
+        "tie_embeddings": _read(c, "tie_word_embeddings", bool, missing, False),
+        # transformers' q_lora_rank null: queries projected directly (DeepSeek-V2-Lite)
+        "q_lora_rank": _read(c, "q_lora_rank", int, missing, None),
+        "kv_lora_rank": _read(c, "kv_lora_rank", int, missing),
+        "qk_nope_head_dim": _read(c, "qk_nope_head_dim", int, missing),
+        "qk_rope_head_dim": _read(c, "qk_rope_head_dim", int, missing),
+        "v_head_dim": _read(c, "v_head_dim", int, missing),
+    }
+    out["rope_theta"], out["yarn"] = _yarn(c, missing)
+    if missing:
+        problems += missing
+        return {}
+    dense = _read(c, "first_k_dense_replace", int, problems, 3)
+    routed = _read(c, "n_routed_experts", int, problems, 256)
+    if routed and dense is not None and dense < layers:
+        problems.append(
+            f"first_k_dense_replace={dense} < num_hidden_layers={layers}: layers {dense}..{layers - 1} are "
+            f"DeepSeek-V3's MoE layers (n_routed_experts={routed}, n_shared_experts, sigmoid gating, "
+            "n_group/topk_group), not yet connected to arch='deepseek_v3'; give first_k_dense_replace="
+            f"{layers} for the all-dense model"
+        )
+    if c.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={c['hidden_act']!r}: DeepSeek-V3's SwiGLU uses 'silu'")
+    if c.get("attention_bias"):
+        problems.append("attention_bias=True: MLA's projections have no biases in labkit")
+    if c.get("rope_interleave", True) is not True:
+        problems.append("rope_interleave=False: labkit rotates DeepSeek's interleaved pairs (its released layout)")
+    kv = c.get("num_key_value_heads")
+    if kv is not None and kv != out["heads"]:
+        problems.append(f"num_key_value_heads={kv}: MLA has a key and value per head (= num_attention_heads)")
+    return out
+
+
 def hf_fields(config, seq: int | None = None) -> tuple[dict, list[str]]:
     """(ModelConfig keyword arguments, problems) of a Hugging Face config (dict or path); ConfigError
     for what is not a config at all."""
     c = load(config)
     cls = _arch_class(c)
     if cls is None:
-        known = ", ".join([*LLAMA_LIKE, GPT2])
+        known = ", ".join([*LLAMA_LIKE, GPT2, DEEPSEEK_V3])
         return {}, [
             f"architectures={c.get('architectures')!r} (model_type={c.get('model_type')!r}): supported: {known}"
         ]
     problems: list[str] = []
-    fields = _gpt2(c, seq, problems) if cls == GPT2 else _llama(c, LLAMA_LIKE[cls], seq, problems)
+    if cls == DEEPSEEK_V3:
+        fields = _deepseek_v3(c, seq, problems)
+    else:
+        fields = _gpt2(c, seq, problems) if cls == GPT2 else _llama(c, LLAMA_LIKE[cls], seq, problems)
     if not fields:  # a key it needs is missing or mistyped: problems names it
         return fields, problems
     # a value that is the family's default stays unset (None), as in a config written by hand

@@ -3,6 +3,7 @@ choices decoded once (choices.py); `from_hf` reads a Hugging Face config.json (h
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from labkit.config import choices
@@ -14,6 +15,7 @@ from labkit.config.choices import (
     Loss,
 )
 from labkit.config.hf import hf_fields
+from labkit.config.latent import YarnRope, mla_shapes
 from labkit.config.validation import check_fields
 
 
@@ -67,7 +69,8 @@ class ModelConfig(_Dict):
     """'gpt': labkit's toy (LayerNorm, learned positions, exact-GELU MLP, no biases, untied head);
     'gpt2': GPT-2 as published (biases in every Linear and LayerNorm, tanh GELU, learned
     positions, head tied to the token embedding); 'llama': RMSNorm, rotary positions, SwiGLU,
-    grouped-query attention, no biases (Llama 2/3, Mistral; Mixtral with experts > 0)."""
+    grouped-query attention, no biases (Llama 2/3, Mistral; Mixtral with experts > 0); 'deepseek_v3':
+    llama's norms and SwiGLU with DeepSeek-V3's multi-head latent attention (the MLA fields below)."""
     kv_heads: int | None = None
     """Key/value heads (grouped-query attention, Ainslie et al. 2023); must divide heads.
     None: heads (multi-head attention)."""
@@ -94,10 +97,25 @@ class ModelConfig(_Dict):
     `padded_vocab(tp)` rows, vocab rounded up to a multiple of vocab_divisible_by * tp, so any vocab
     splits over any tp (GPT-2's 50257). The padding rows start at zero and their logits are masked
     out of the loss (-inf), so the model trains exactly as the unpadded one. None: no padding."""
+    # -- multi-head latent attention (arch='deepseek_v3'; labkit/config/latent.py, engines/mla.py); None elsewhere
+    q_lora_rank: int | None = None
+    """Width of the queries' latent c_q (DeepSeek-V3: 1536); None: queries projected directly from x (V2-Lite)."""
+    kv_lora_rank: int | None = None
+    """Width of the compressed key/value latent c_kv (DeepSeek-V3: 512)."""
+    qk_nope_head_dim: int | None = None
+    """Per head, the query/key dimensions without rotary positions (DeepSeek-V3: 128; 0: none)."""
+    qk_rope_head_dim: int | None = None
+    """Per head, the rotated query dimensions; the rotated key is one, shared by every head (DeepSeek-V3: 64)."""
+    v_head_dim: int | None = None
+    """Per head, the value's width (DeepSeek-V3: 128)."""
+    yarn: YarnRope | None = None
+    """DeepSeek-V3's YaRN RoPE with mscale (arch='deepseek_v3'); None: plain RoPE."""
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)
             object.__setattr__(self, "rope_scaling", RopeScaling.from_dict(self.rope_scaling))
+        if isinstance(self.yarn, dict):
+            object.__setattr__(self, "yarn", YarnRope.from_dict(self.yarn))
         check_fields(self)  # a wrong type or range is refused here, named, with a fix
 
     @classmethod
@@ -156,6 +174,8 @@ class ModelConfig(_Dict):
         fam = self.family
         norm = h if fam.rms_norm else 2 * h  # RMSNorm has no bias
         attn = 2 * h * h + 2 * h * kv
+        if fam.latent_attention:  # MLA's own projections and latent norms (labkit/config/latent.py)
+            attn = sum(math.prod(shape) for _, shape in mla_shapes(self))
         if fam.biases or self.qkv_bias:
             attn += h + 2 * kv  # q, k, v biases
         if fam.biases:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from labkit.config.latent import latent_problems
+
 if TYPE_CHECKING:
     from labkit.config import ModelConfig, ParallelConfig
 
@@ -46,7 +48,7 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
             "rows and cannot replicate a KV head (torchtitan requires kv_heads % tp == 0); use impl='lab' "
             f"or tp <= {kv}"
         )
-    if model.family.rotary and model.head_dim % 2:
+    if model.family.rotary and not model.family.latent_attention and model.head_dim % 2:
         out.append(f"head_dim={model.head_dim} must be even for rotary embeddings (pairs of dimensions rotate)")
     if not model.family.rotary and (model.rope_scaling is not None or model.rope_theta != 10000.0):
         out.append(f"rope_theta / rope_scaling apply to arch='llama' only (arch={model.arch!r} learns its positions)")
@@ -55,6 +57,7 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
             f"qkv_bias applies to arch='llama' (Qwen2); arch={model.arch!r} has "
             + ("a bias on every projection already" if model.family.biases else "no biases")
         )
+    out += latent_problems(cfg, model)  # MLA's fields (arch='deepseek_v3')
     if model.fused_loss and cfg.torch_impl and cfg.tp > 1:
         out.append(
             "loss='fused' with impl='torch' and tp > 1: DTensor's loss_parallel takes F.cross_entropy only; "

@@ -28,6 +28,12 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
       replicate  every tp rank holds the whole parameter and computes the same values
       sequence   replicated parameters applied to this rank's s/tp positions (norms, position
                  embedding under SP): the gradient is partial per tp rank and summed over tp
+      latent     MLA's down-projections to its latents and their norms (wq_a, q_norm, wkv_a, kv_norm):
+                 replicated and applied to every position, but the latents feed only this rank's
+                 heads, so the gradient is partial per tp rank and summed over tp (Megatron-Core
+                 multi_latent_attention.py: linear_q_down_proj / linear_kv_down_proj built
+                 "duplicated", their grads all-reduced over tp; torchtitan deepseek_v3
+                 parallelize.py leaves wkv_a and kv_norm out of its TP plan, replicated)
     `output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
     (SP: the sum lands sequence-sharded); the LM head's is the vocab-parallel cross-entropy, whose
     two small all-reduces (max, then sum-exp with the target logit) replace gathering (b, s, V)."""
@@ -45,9 +51,15 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
         b = f"blocks.{i}."
         styles[b + "ln1"] = dict(norm)
         styles[b + "attn"] = dict(enter)
-        styles[b + "attn.wq"] = {"style": "colwise", "shard_dim": 0}  # whole heads per rank
-        styles[b + "attn.wk"] = dict(kv_style)
-        styles[b + "attn.wv"] = dict(kv_style)
+        if model.family.latent_attention:  # MLA: heads split, the latents whole (DERIVATIONS.md)
+            colwise = {"style": "colwise", "shard_dim": 0}  # wq_b / wkv_b rows: whole heads per rank
+            latent = ("wq_a", "q_norm", "wkv_a", "kv_norm") if model.q_lora_rank else ("wkv_a", "kv_norm")
+            styles.update({b + "attn." + n: {"style": "latent"} for n in latent})
+            styles.update({b + "attn." + n: dict(colwise) for n in ("wq_b" if model.q_lora_rank else "wq", "wkv_b")})
+        else:
+            styles[b + "attn.wq"] = {"style": "colwise", "shard_dim": 0}  # whole heads per rank
+            styles[b + "attn.wk"] = dict(kv_style)
+            styles[b + "attn.wv"] = dict(kv_style)
         styles[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
         styles[b + "ln2"] = dict(norm)
         if model.experts:  # replicated over tp, split by ep instead (DERIVATIONS.md)
@@ -103,5 +115,5 @@ def local_param(styles: dict[str, dict], name: str, full_shape, tp: int, tp_rank
     if "shard_dim" in style:
         box = shard_box(full_shape, style["shard_dim"], tp, tp_rank)
         return tuple(b - a for a, b in box), box, (), ()
-    extra = ("tp",) if kind == "sequence" else ()
+    extra = ("tp",) if kind in ("sequence", "latent") else ()
     return tuple(full_shape), None, extra, ("tp",)

@@ -12,6 +12,7 @@ Llama 3.1 405B), now exact; the Llama 3.x models have names of their own.
 from __future__ import annotations
 
 from labkit.config import ModelConfig, RopeScaling
+from labkit.config.latent import YarnRope
 
 GPT2_124M = ModelConfig(arch="gpt2", layers=12, hidden=768, heads=12, ffn=3072, vocab=50257, seq=1024)
 """GPT-2 small: Radford et al., "Language Models are Unsupervised Multitask Learners" (2019),
@@ -91,6 +92,33 @@ MIXTRAL_8X7B = ModelConfig(
 """Mixtral 8x7B: Jiang et al., "Mixtral of Experts" (2024), table 1; huggingface.co/mistralai/
 Mixtral-8x7B-v0.1 config.json (h 4096, 32 layers, 32 heads, 8 KV heads, 8 SwiGLU experts of
 14336, top-2, rope_theta 1e6, context 32768)."""
+
+DEEPSEEK_V3_DENSE = ModelConfig(
+    arch="deepseek_v3",
+    layers=61,
+    hidden=7168,
+    heads=128,
+    ffn=18432,
+    vocab=129280,
+    seq=4096,
+    norm_eps=1e-6,
+    q_lora_rank=1536,
+    kv_lora_rank=512,
+    qk_nope_head_dim=128,
+    qk_rope_head_dim=64,
+    v_head_dim=128,
+    yarn=YarnRope(
+        factor=40.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0
+    ),
+)
+"""DeepSeek-V3's attention, norms, embedding and head with every one of its 61 layers dense (its
+first_k_dense_replace = 61): DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv 2412.19437),
+section 4.2 (61 layers, h 7168, 128 heads, d_c 512, d'_c 1536, d_h 128, d_h^R 64, dense FFN
+18432, 4K training sequence) and 4.3 (YaRN s = 40, alpha 1, beta 32, sqrt(t) = 0.1 ln s + 1);
+huggingface.co/deepseek-ai/DeepSeek-V3 config.json, read by from_hf with first_k_dense_replace=61
+(tests/test_mla.py). 37,445,852,160 parameters, transformers' DeepseekV3ForCausalLM count of the same
+config. Not in PRESETS: no checkpoint has this shape; the published model (671B, its 58 MoE layers)
+comes with the MoE fields."""
 
 PRESETS: dict[str, ModelConfig] = {
     "gpt2-124m": GPT2_124M,

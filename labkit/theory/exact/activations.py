@@ -13,7 +13,7 @@ from functools import lru_cache
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM
 from labkit.layout.schedules import chunk_layers, schedule_table, stage_of, style
-from labkit.theory.exact import memory, tensor
+from labkit.theory.exact import latent, memory, tensor
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
 from labkit.theory.exact.experts import layer_activation_bytes
 from labkit.theory.exact.pipeline import peak_in_flight
@@ -40,8 +40,8 @@ def ulysses_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     kernel saves its output as head shards (b, nh/(tp·cp), s, hd), the all-to-all back gives wo a
     tensor of its own (without CP, or with the other kinds, wo's input is the kernel's output).
     Selective recomputation drops it with the log-sum-exp; 0 for the other kinds."""
-    if cfg.cp == 1 or not cfg.context.splits_heads:
-        return 0
+    if cfg.cp == 1 or not cfg.context.splits_heads or model.family.latent_attention:
+        return 0  # MLA: wo's input is its own copy of the output (theory/exact/latent.py), whatever the kernel
     return ELEM[cfg.precision] * b * (model.seq // cfg.cp) * (model.hidden // cfg.tp)
 
 
@@ -78,6 +78,8 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     e, t, h, f = ELEM[cfg.precision], cfg.tp, model.hidden, model.ffn
     s, rows = model.seq // cfg.cp, stream_rows(cfg, model)
     widths = [h // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
+    if model.family.latent_attention:  # MLA's five (or four) matmuls (theory/exact/latent.py)
+        widths = latent.matmul_widths(model, t)
     # an MoE layer's grouped expert products are not matmuls to the policy: nothing of its MLP is saved
     if not model.experts:
         widths += [f // t, f // t, h] if model.family.gated_mlp else [f // t, h]
@@ -87,7 +89,8 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     # SP's two reduce-scatters (after wo, after the MLP) leave this rank's stream rows: saved by the policy
     scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
     # the block's input + the saved products + the attention output (b, s, h/t) + its lse + SP's scatters
-    return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
+    out = e * b * s * (model.heads // t * model.v_head_dim if model.family.latent_attention else h // t)
+    return e * b * rows * h + mm + out + lse_bytes(cfg, model, b) + scatters
 
 
 def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> Chunk:
@@ -102,6 +105,8 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     # (Korthikanti et al. 2022, section 4.2; DERIVATIONS.md, "Activations per rank": the rest stays)
     if not r.reruns_forward:
         dropped = layers * (lse_bytes(cfg, model, b) + ulysses_bytes(cfg, model, b)) if r.attention_only else 0
+        if r.attention_only and model.family.latent_attention:  # and MLA's kernel output (wo keeps a copy)
+            dropped += layers * latent.kernel_output_bytes(model, b, model.seq // cfg.cp, cfg.tp, ELEM[cfg.precision])
         return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
     if r.per_op:
         x = op_block_bytes(cfg, model, b)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM
+from labkit.theory.exact import latent
 from labkit.theory.exact.batch import microbatch_rows
 from labkit.theory.exact.pipeline import stage_layers
 
@@ -16,12 +17,14 @@ def kv_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_by
     """One ring message: K and V of this rank's tokens, (2, b, nkv, s/cp, head_dim) with nkv the
     rank's KV heads: kv_heads/tp, or one (shared) when tp > kv_heads."""
     local_kv = max(1, model.n_kv_heads // cfg.tp)
-    return act_bytes * 2 * batch * (model.seq // cfg.cp) * local_kv * model.head_dim
+    width = latent.kv_width(model, cfg.tp) if model.family.latent_attention else local_kv * model.head_dim
+    return act_bytes * 2 * batch * (model.seq // cfg.cp) * width
 
 
 def q_message_bytes(cfg: ParallelConfig, model: ModelConfig, batch: int, act_bytes: int = 4) -> int:
     """Ulysses' query (and output) message: (b, nh/tp, s/cp, head_dim) of this rank's tokens."""
-    return act_bytes * batch * (model.seq // cfg.cp) * (model.heads // cfg.tp) * model.head_dim
+    hd = latent.kernel_width(model) if model.family.latent_attention else model.head_dim  # MLA: padded heads
+    return act_bytes * batch * (model.seq // cfg.cp) * (model.heads // cfg.tp) * hd
 
 
 def _kind_rows(cfg: ParallelConfig, model: ModelConfig, micro: int, forwards: int) -> list[tuple[str, int, int, int]]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from labkit.config import ModelConfig
 from labkit.config.choices import recomputation
+from labkit.theory.exact import latent
 from labkit.theory.exact.experts import layer_activation_bytes
 
 STATE_BYTES = {"fp32": (4, 4, 8), "bf16": (2, 2, 12), "fp16": (2, 2, 12), "fp8": (2, 2, 12)}
@@ -73,13 +74,16 @@ def activation_bytes(
         mlp = layer_activation_bytes(m, b, s, e)
     else:
         mlp = e * (4 if fam.gated_mlp else 2) * b * s * f
-    if fam.rms_norm:  # the norms keep fp32 statistics and inputs; q and k kept rotated
+    if fam.latent_attention:  # MLA's latents, kernel and wo input (theory/exact/latent.py), llama's norms
+        block = 8 * (2 * b * s * h + b * s) + e * 2 * b * s * h + latent.attention_bytes(m, b, s, 1, e) + mlp
+    elif fam.rms_norm:  # the norms keep fp32 statistics and inputs; q and k kept rotated
         block = 8 * (2 * b * s * h + b * s) + e * (4 * b * s * h + 2 * b * s * kv) + mlp + 4 * a * b * s
     else:
         block = e * (6 * b * s * h + 2 * b * s * kv + 4 * b * s) + mlp + 4 * a * b * s
     total = layers * block
     if fam.rotary and layers:
-        total += 2 * e * s * m.head_dim  # the rotary tables
+        # the rotary tables
+        total += latent.rotary_bytes(m, s, e) if fam.latent_attention else 2 * e * s * m.head_dim
     if head:
         norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if fam.rms_norm else e * (2 * b * s * h + 2 * b * s)
         # 'fp32': log_softmax's fp32 output, nll's targets and total weight; 'fused': the

@@ -11,6 +11,7 @@ from functools import lru_cache
 from math import prod
 
 from labkit.config import ModelConfig
+from labkit.config.latent import mla_shapes
 
 
 @lru_cache(maxsize=64)
@@ -34,8 +35,11 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     for i in range(m.layers):
         b = f"blocks.{i}."
         out += norm(b + "ln1")
-        out += linear(b + "attn.wq", h, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
-        out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, h, fam.biases)
+        if fam.latent_attention:  # MLA (deepseek_v3): its latents' projections and norms
+            out += [(b + "attn." + name, shape) for name, shape in mla_shapes(m)]
+        else:
+            out += linear(b + "attn.wq", h, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
+            out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, h, fam.biases)
         out += norm(b + "ln2")
         if m.experts:
             # a module's own parameters come before its submodules' (nn.Module.named_parameters)

@@ -19,6 +19,7 @@ from labkit.layout.precision import ELEM, REDUCE
 from labkit.layout.schedules import chunk_layers, rank_chunk_of, schedule_table, stage_of, stage_sizes, style
 from labkit.layout.simulator import Costs, Simulation, simulate
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
+from labkit.theory.exact.latent import matmul_widths
 from labkit.theory.exact.model import param_shapes
 
 
@@ -216,6 +217,8 @@ def held_bytes(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool,
     norm = (4 if model.family.rms_norm else e) * b * rows * h
     kv = max(1, model.n_kv_heads // t) * model.head_dim
     attn = e * (b * s * h // t + 2 * b * s * kv + b * s * h)
+    if model.family.latent_attention:  # MLA: its matmuls' output gradients, its latent norms' (fp32)
+        attn = e * b * s * sum(matmul_widths(model, t)) + 4 * b * s * ((model.q_lora_rank or 0) + model.kv_lora_rank)
     gated = model.family.gated_mlp
     if model.experts:
         n = b * s * model.top_k

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM, REDUCE
+from labkit.theory.exact import latent
 from labkit.theory.exact.batch import microbatch_rows
 from labkit.theory.exact.experts import layer_activation_bytes
 from labkit.theory.exact.pipeline import stage_layers
@@ -53,9 +54,12 @@ def activation_bytes(
     else:
         block = e * (2 * b * rows * h + 2 * b * kept * h + 4 * b * rows) + attn + mlp
     block += 4 * (a // tp) * b * s
+    if fam.latent_attention:  # MLA in place of q, k, v, the output and the lse (theory/exact/latent.py)
+        block += latent.attention_bytes(model, b, s, tp, e) - attn - 4 * (a // tp) * b * s
     total = model.layers * block
     if fam.rotary and model.layers:
-        total += 2 * e * s * model.head_dim  # the rotary tables, on the gathered sequence
+        # the rotary tables, on the gathered sequence
+        total += latent.rotary_bytes(model, s, e) if fam.latent_attention else 2 * e * s * model.head_dim
     if head:
         norm = 4 * (2 * b * rows * h + b * rows) if fam.rms_norm else e * (b * rows * h + 2 * b * rows)
         # the loss keeps the fp32 softmax ('fp32') or the logits and the fp32 log-sum-exp ('fused'),

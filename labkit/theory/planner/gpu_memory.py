@@ -33,6 +33,7 @@ from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import pipeline_shape
 from labkit.layout.precision import ELEM, GATHER, LOSS_CHUNK, REDUCE
 from labkit.theory.exact.activations import chunk
+from labkit.theory.exact.latent import kv_width
 from labkit.theory.exact.pipeline import in_flight
 from labkit.theory.planner.hardware import Hardware
 from labkit.theory.planner.stages import Stage, rank_params, stage_params
@@ -150,10 +151,14 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
     mats = 3 if model.family.gated_mlp else 2
     mlp = mats * e * tokens * model.ffn / cfg.tp
     attention = ((4 + e) * model.hidden + 2 * e * kv) * tokens / cfg.tp
+    local_kv = max(1, model.n_kv_heads // cfg.tp) * model.head_dim
+    if model.family.latent_attention:  # MLA: q, k, v and their gradients at the kernel's width, per local head
+        local_kv = kv_width(model, cfg.tp)
+        attention = (4 + 3 * e) * local_kv * tokens
     if cfg.cp > 1 and cfg.context.gathers:
         # the all-gather kind's backward holds every cp rank's K/V (compute dtype) and their fp32 dK/dV
         # (engines/parallel/context_kinds.py): cp times this rank's K and V, at e + 4 bytes
-        attention += cfg.cp * (e + 4) * 2 * tokens * max(1, model.n_kv_heads // cfg.tp) * model.head_dim
+        attention += cfg.cp * (e + 4) * 2 * tokens * local_kv
     # ops run one at a time: the larger of the two is the peak
     return {"logits": logits, "temporaries": max(mlp, attention) if st.layers else 0.0}
 

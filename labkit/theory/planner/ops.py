@@ -22,11 +22,14 @@ from math import prod
 from labkit.config import ModelConfig
 from labkit.config.choices import numerics
 from labkit.layout.precision import ELEM
+from labkit.theory.exact.latent import kernel_width
 from labkit.theory.exact.model import param_shapes
 
 ROWWISE = ("attn.wo", "mlp.fc2", "mlp.down")
 """Row-parallel layers under tp (their input features are split); every other matrix of a block
-is column-parallel (layout/tensor.py)."""
+is column-parallel (layout/tensor.py), but LATENT's."""
+LATENT = ("attn.wq_a", "attn.wkv_a")
+"""MLA's down-projections to its latents: whole on every tp rank (layout/tensor.py 'latent')."""
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
         n, k = shape  # nn.Linear's (out, in)
         module = name[len("blocks.0.") : -len(".weight")]
         # row-parallel layers split their input features, column-parallel ones their output features
-        n, k = (n, k // tp) if module in ROWWISE else (n // tp, k)
+        n, k = (n, k // tp) if module in ROWWISE else (n, k) if module in LATENT else (n // tp, k)
         ops += _matmul(module, tokens, k, n, precision, kept=index % 2 == 0)
         index += 1
     if model.experts:  # dropless top-k: this rank's experts see T·k rows in all (balanced routing)
@@ -99,6 +102,11 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     attn_flops = 4.0 * b * s * model.seq * (a // tp) * hd / 2  # causal: half the products
     # the kernel reads q, k, v and writes its output once: q and the output h/t wide, k and v kv/t
     attn_bytes = e * tokens * (2 * h + 2 * _kv(model)) / tp
+    if fam.latent_attention:  # MLA: q·k over dn + dr, p·v over dv; the kernel runs q, k, v, out at W
+        hd = kernel_width(model)
+        attn_flops = 2.0 * b * s * model.seq * (a // tp) * (model.qk_nope_head_dim + model.qk_rope_head_dim)
+        attn_flops = (attn_flops + 2.0 * b * s * model.seq * (a // tp) * model.v_head_dim) / 2  # causal
+        attn_bytes = e * tokens * 4 * (a // tp) * hd
     ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5, head_dim=hd, length=s))
     # eager kernels, bytes per element forward / backward (each reads its inputs and writes its
     # output once; DERIVATIONS.md, "The time model", counts them kernel by kernel):

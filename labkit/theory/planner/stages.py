@@ -14,7 +14,7 @@ from math import prod
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.schedules import chunk_layers, stage_of
 from labkit.theory.exact.model import param_shapes
-from labkit.theory.planner.ops import ROWWISE
+from labkit.theory.planner.ops import LATENT, ROWWISE
 
 
 @dataclass(frozen=True)
@@ -115,7 +115,8 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             # matrices split over tp, row- or column-wise alike; the router stays whole, as an MoE layer is
             # replicated over tp
             elif len(shape) == 2 and not name.endswith("router.weight"):
-                dense += n // tp
+                # MLA's latent down-projections stay whole on every tp rank (layout/tensor.py 'latent')
+                dense += n if name[len("blocks.0.") : -len(".weight")] in LATENT else n // tp
             elif name.endswith(".bias") and _column_parallel(name[len("blocks.0.") : -len(".bias")]):
                 dense += n // tp  # split with its layer's rows
             else:

@@ -21,6 +21,7 @@ from functools import lru_cache
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import Recomputation, recomputation
 from labkit.layout.precision import ELEM, REDUCE
+from labkit.theory.exact.latent import kv_width
 from labkit.theory.planner.hardware import H100, HARDWARE, Hardware, Link, attention_rate
 from labkit.theory.planner.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
 from labkit.theory.planner.overlap import DataParallel, collective_seconds, link_of, ring, run_link, spans_nodes
@@ -177,6 +178,8 @@ def microbatch(
         n = cfg.cp // cfg.cp_a2a if cfg.context.hierarchical else cfg.cp
         link = link_of(cfg, ("cp",), hw)
         kv = 2 * b * s * model.n_kv_heads * model.head_dim // cfg.tp
+        if model.family.latent_attention:  # MLA: the up-projected heads, padded to one width (latent.py)
+            kv = 2 * b * s * kv_width(model, cfg.tp)
         # Hockney per hop: α + bytes/β; K/V in the compute dtype, the dK/dV accumulators in fp32
         hop, dhop = link.alpha + e * kv / link.beta, link.alpha + REDUCE * kv / link.beta
         fwd, bwd = (n - 1) * hop, (n - 1) * (hop + dhop)
