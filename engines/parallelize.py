@@ -49,8 +49,8 @@ from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.accumulate import accumulate
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.checkpoint import apply_ac
-from labkit.engines.parallel.compile import apply_compile
 from labkit.engines.parallel.common import GradSync, ParamMetas, on_device
+from labkit.engines.parallel.compile import apply_compile
 from labkit.engines.parallel.context import zigzag_inputs
 from labkit.engines.parallel.context_kinds import apply_cp
 from labkit.engines.parallel.ddp import DDP, TorchDDP
