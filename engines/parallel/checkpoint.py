@@ -31,6 +31,7 @@ never stores those, so here the saving is small, and the theory says exactly how
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -51,7 +52,7 @@ class Recompute(torch.autograd.Function):
     def backward(ctx, dy, daux):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_()
-        with torch.enable_grad(), ctx.meter.saved_tensors():
+        with torch.enable_grad(), ctx.meter.saved_tensors(), _not_counting(ctx.run):
             y, aux = ctx.run(x)  # (b, s, h) -> (b, s, h), the block's graph rebuilt
         outs, grads = ([y, aux], [dy, daux]) if aux.requires_grad else ([y], [dy])
         torch.autograd.backward(outs, grads)  # parameter grads accumulate as usual (hooks fire)
@@ -75,6 +76,20 @@ class RecomputeCore(torch.autograd.Function):
             y = ctx.core(q, k, v)
         torch.autograd.backward(y, dy)
         return None, None, q.grad, k.grad, v.grad
+
+
+@contextmanager
+def _not_counting(run):
+    """The rerun routes the same tokens again: its MoE layers add nothing to their expert loads
+    (engines/moe.py `loads`, the aux-loss-free bias's input), so the bias sees each token once."""
+    moes = [m for m in run.func.args[0].modules() if hasattr(m, "counting")]  # run: partial(_with_aux, block, ..)
+    for m in moes:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m in moes:
+            m.counting = True
 
 
 def _with_aux(block: nn.Module, forward, x: torch.Tensor, rope=None):

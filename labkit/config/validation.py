@@ -65,6 +65,13 @@ _RANGES = {
         "vocab_divisible_by": ((lambda v: v is None or v >= 1), lambda v: f"vocab_divisible_by={v} must be >= 1"),
         "rope_theta": _above_zero("rope_theta", "RoPE's base: try 10000.0 (Llama 2) or 500000.0 (Llama 3)"),
         "norm_eps": _above_zero("norm_eps", "try 1e-5"),
+        "moe_ffn": ((lambda v: v is None or v >= 1), lambda v: f"moe_ffn={v} must be >= 1, or None (= ffn)"),
+        "shared_experts": _at_least(0, "shared_experts", "0: routed experts only"),
+        "n_group": _at_least(1, "n_group", "1: no group limit"),
+        "topk_group": _at_least(1, "topk_group", "try 1"),
+        "routed_scaling_factor": _above_zero("routed_scaling_factor", "1.0 leaves the gates as they are"),
+        "dense_layers": _at_least(0, "dense_layers", "0: every block has experts"),
+        "bias_update_speed": ((lambda v: v >= 0), lambda v: f"bias_update_speed={v} must be >= 0; try 0.001"),
     },
     "ParallelConfig": {
         **{d: _at_least(1, d, "try 1") for d in DIMS},
@@ -244,6 +251,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         )
     if model.experts > 0 and not 1 <= model.top_k <= model.experts:
         out.append(f"top_k={model.top_k} must be between 1 and experts={model.experts}")
+    out += moe_problems(model)
 
     # the engines split the global batch over dp x ep, then into microbatches (theory/exact/batch.py)
     split = cfg.dp * cfg.ep * cfg.microbatches
@@ -376,3 +384,26 @@ def validate(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     found += [p for p in not_built_yet(cfg, model) if p not in found]
     if found:
         raise ConfigError(found)
+
+
+def moe_problems(model) -> list[str]:
+    """The fine-grained MoE fields (ModelConfig.moe_ffn ... bias_update_speed) against each other."""
+    out = []
+    e, g = model.experts, model.n_group
+    if g > 1 and (not e or e % g):
+        out.append(f"n_group={g} must divide experts={e} (group-limited routing); try n_group=1")
+    elif g > 1 and e // g < 2:
+        # a group's score is the sum of its two best experts (DeepSeek-V3; HF DeepseekV3TopkRouter)
+        out.append(f"n_group={g} leaves {e // g} expert(s) a group; a group scores its best two: n_group <= {e // 2}")
+    if g > 1 and not 1 <= model.topk_group <= g:
+        out.append(f"topk_group={model.topk_group} must be between 1 and n_group={g}")
+    elif g > 1 and model.top_k > model.topk_group * (e // g):
+        out.append(
+            f"top_k={model.top_k} exceeds the {model.topk_group * (e // g)} experts of topk_group={model.topk_group} "
+            f"groups; raise topk_group"
+        )
+    if model.experts and model.dense_layers > model.layers:
+        out.append(f"dense_layers={model.dense_layers} exceeds layers={model.layers}")
+    if model.bias_update_speed and not model.sigmoid_router:
+        out.append("bias_update_speed > 0 needs router='sigmoid' (DeepSeek-V3's aux-loss-free bias)")
+    return out

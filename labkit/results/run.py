@@ -172,6 +172,9 @@ class RunResult(RankViews):
     """A padded vocabulary's padding rows (ModelConfig.vocab_divisible_by), kept apart: what -> name ->
     rows [vocab:) of 'params', 'grads', 'compute'. params / grads / compute hold the vocabulary rows
     alone, the unpadded model the reference trains; the oracle holds these at zero (checks.padding)."""
+    buffers: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    """Final buffers training changes (the MoE routers' aux-loss-free biases), assembled like params
+    (return_params=True): every rank's copy must agree, and the oracle compares them (checks.buffers)."""
 
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
@@ -203,6 +206,7 @@ class RunResult(RankViews):
             ("pieces", "parameters"),
             ("grad_pieces", "gradients"),
             ("compute_pieces", "working weights"),
+            ("buffer_pieces", "buffers"),
         ):
             # each piece tagged with its sender, so that a copy that differs names its rank
             mine = [{**pc, "rank": r["rank"]} for r in active for pc in r.get(key) or []]
@@ -230,6 +234,7 @@ class RunResult(RankViews):
             data=data,
             validation_loss=validation,
             padding=padding,
+            buffers=found["buffer_pieces"],
         )
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:

