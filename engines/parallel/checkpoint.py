@@ -43,8 +43,8 @@ class Recompute(torch.autograd.Function):
     then backpropagate (dy, daux) through it (its saved tensors are counted by `meter`)."""
 
     @staticmethod
-    def forward(ctx, run, meter, x):
-        ctx.run, ctx.meter = run, meter
+    def forward(ctx, run, meter, x, block=None):
+        ctx.run, ctx.meter, ctx.block = run, meter, block
         ctx.save_for_backward(x)
         return run(x)  # grad mode is off inside a Function's forward
 
@@ -52,11 +52,11 @@ class Recompute(torch.autograd.Function):
     def backward(ctx, dy, daux):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_()
-        with torch.enable_grad(), ctx.meter.saved_tensors(), _not_counting(ctx.run):
+        with torch.enable_grad(), ctx.meter.saved_tensors(), _not_counting(ctx.block):
             y, aux = ctx.run(x)  # (b, s, h) -> (b, s, h), the block's graph rebuilt
         outs, grads = ([y, aux], [dy, daux]) if aux.requires_grad else ([y], [dy])
         torch.autograd.backward(outs, grads)  # parameter grads accumulate as usual (hooks fire)
-        return None, None, x.grad
+        return None, None, x.grad, None
 
 
 class RecomputeCore(torch.autograd.Function):
@@ -79,10 +79,10 @@ class RecomputeCore(torch.autograd.Function):
 
 
 @contextmanager
-def _not_counting(run):
+def _not_counting(block):
     """The rerun routes the same tokens again: its MoE layers add nothing to their expert loads
     (engines/moe.py `loads`, the aux-loss-free bias's input), so the bias sees each token once."""
-    moes = [m for m in run.func.args[0].modules() if hasattr(m, "counting")]  # run: partial(_with_aux, block, ..)
+    moes = [m for m in block.modules() if hasattr(m, "counting")] if block is not None else []
     for m in moes:
         m.counting = False
     try:
@@ -105,7 +105,7 @@ def _with_aux(block: nn.Module, forward, x: torch.Tensor, rope=None):
 
 
 def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor, rope=None) -> torch.Tensor:
-    y, aux = Recompute.apply(partial(run, rope=rope), meter, x)
+    y, aux = Recompute.apply(partial(run, rope=rope), meter, x, block)
     if hasattr(block.mlp, "aux_loss"):  # an MoE block: its loss, now with a gradient path
         block.mlp.aux_loss = aux
     return y
