@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
 from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
+from labkit.config.moe import moe_problems
 from labkit.config.strategy_problems import context_problems, hybrid_problems, schedule_problems
 
 if TYPE_CHECKING:
@@ -251,7 +252,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         )
     if model.experts > 0 and not 1 <= model.top_k <= model.experts:
         out.append(f"top_k={model.top_k} must be between 1 and experts={model.experts}")
-    out += moe_problems(model)
+    out += moe_problems(model)  # labkit/config/moe.py
 
     # the engines split the global batch over dp x ep, then into microbatches (theory/exact/batch.py)
     split = cfg.dp * cfg.ep * cfg.microbatches
@@ -384,26 +385,3 @@ def validate(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
     found += [p for p in not_built_yet(cfg, model) if p not in found]
     if found:
         raise ConfigError(found)
-
-
-def moe_problems(model) -> list[str]:
-    """The fine-grained MoE fields (ModelConfig.moe_ffn ... bias_update_speed) against each other."""
-    out = []
-    e, g = model.experts, model.n_group
-    if g > 1 and (not e or e % g):
-        out.append(f"n_group={g} must divide experts={e} (group-limited routing); try n_group=1")
-    elif g > 1 and e // g < 2:
-        # a group's score is the sum of its two best experts (DeepSeek-V3; HF DeepseekV3TopkRouter)
-        out.append(f"n_group={g} leaves {e // g} expert(s) a group; a group scores its best two: n_group <= {e // 2}")
-    if g > 1 and not 1 <= model.topk_group <= g:
-        out.append(f"topk_group={model.topk_group} must be between 1 and n_group={g}")
-    elif g > 1 and model.top_k > model.topk_group * (e // g):
-        out.append(
-            f"top_k={model.top_k} exceeds the {model.topk_group * (e // g)} experts of topk_group={model.topk_group} "
-            f"groups; raise topk_group"
-        )
-    if model.experts and model.dense_layers > model.layers:
-        out.append(f"dense_layers={model.dense_layers} exceeds layers={model.layers}")
-    if model.bias_update_speed and not model.sigmoid_router:
-        out.append("bias_update_speed > 0 needs router='sigmoid' (DeepSeek-V3's aux-loss-free bias)")
-    return out
