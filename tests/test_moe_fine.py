@@ -286,3 +286,48 @@ def test_qwen3_moe_shaped_layer_trains_like_one_process(lab, ref_cache, cfg):
     res = lab.run(cfg, model=QWEN3, steps=3, return_params=True)
     assert_matches(res, ref_cache(QWEN3))
     compare(res, cfg, QWEN3, world=4)
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        ParallelConfig(pp=2, ep=2),
+        ParallelConfig(tp=2, ep=2),
+        ParallelConfig(pp=4, tp=2, ep=4, stage_layers=(1, 1, 1, 1)),
+    ],
+    ids=["pp2-ep2", "tp2-ep2", "pp4-tp2-ep4"],
+)
+def test_the_planner_counts_each_stage_as_the_exact_theory(cfg):
+    """The planner's closed form (stages.py: one MoE block standing for the MoE blocks, the dense first
+    ones counted as theirs) holds what the exact parameter list holds, stage by stage."""
+    from labkit.theory.exact.params import rank_param_count
+    from labkit.theory.planner.stages import stage_params, stages
+
+    for st in stages(cfg, DSV3):
+        assert sum(stage_params(DSV3, cfg, st)) == rank_param_count(cfg, DSV3, st.rank), st
+
+
+def test_the_planner_prices_deepseek_v3_moe_at_scale():
+    """DeepSeek-V3's MoE (its published fields, grouped-query attention standing in for MLA until the lead
+    joins it) priced on 2,048 GPUs in the report's layout, PP16 x EP64 x ZeRO-1 (arXiv:2412.19437,
+    section 3.2.1): the stage holding the three dense blocks holds fewer experts than the next one."""
+    from labkit.theory.planner.stages import stage_params, stages
+
+    m = ModelConfig(
+        layers=61, hidden=7168, heads=128, ffn=18432, vocab=129280, seq=4096, arch="llama", experts=256, top_k=8,
+        moe_ffn=2048, shared_experts=1, norm_topk_prob=True, router="sigmoid", n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, dense_layers=3, kv_heads=128,
+    )  # fmt: skip
+    cfg = ParallelConfig(pp=16, ep=64, dp=2, sharding="zero1", microbatches=16, global_batch=2048,
+                         stage_layers=(3,) + (4,) * 14 + (2,))  # fmt: skip
+    from labkit.theory.exact.params import rank_param_count
+
+    first, second = stages(cfg, m)[:2]
+    (_, e0), (_, e1) = stage_params(m, cfg, first), stage_params(m, cfg, second)
+    assert e0 == 0 and e1 == 4 * 256 // 64 * 3 * 7168 * 2048  # stage 0: the three dense blocks, no experts
+    for st in (first, second):
+        assert sum(stage_params(m, cfg, st)) == rank_param_count(cfg, m, st.rank)
+    plan = theory.estimate(cfg, m, world=2048)  # the exact per-rank estimate at 2,048 ranks
+    # ZeRO-1: a dense weight's AdamW moments (8 bytes) sharded over its reduce group, dp x ep = 128 ranks;
+    # stage 0 holds no expert (whose moments would be sharded over dp = 2 alone)
+    assert plan.memory[0]["optimizer"] == pytest.approx(8 * rank_param_count(cfg, m, 0) / 128, rel=1e-3)
