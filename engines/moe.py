@@ -76,6 +76,14 @@ class MoE(nn.Module):
         self.aux_loss = None
         """The load-balancing loss of the last forward (engines/model.py aux_loss collects it)."""
 
+    def _apply(self, fn, recurse=True):
+        """Casts and moves as nn.Module does, but the bias stays fp32 (a bf16 compute copy too): its
+        updates of γ = 0.001 would round away in bf16's 8 bits (DeepSeek-V3 keeps it in fp32 as well)."""
+        super()._apply(fn, recurse)
+        if self.expert_bias is not None and self.expert_bias.dtype != torch.float32:
+            self.expert_bias = self.expert_bias.float()
+        return self
+
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e of the ones this rank holds: a GELU MLP, or SwiGLU (llama). (n, h) -> (n, f) -> (n, h)."""
         if self.w3 is None:  # gpt2's experts use its tanh GELU

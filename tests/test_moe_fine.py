@@ -171,10 +171,11 @@ def test_the_bias_moves_towards_balance_from_the_global_loads():
     half(tokens[:4], targets[:4])  # one data rank's loads, never summed with the other's
     update_expert_bias(half.modules())
 
-    class Run:
-        buffers = {n: b.numpy() for n, b in half.named_buffers()}
+    from types import SimpleNamespace
 
-    assert buffers(Run, ref, 1e-6)
+    run = lambda m: SimpleNamespace(buffers={n: b.numpy() for n, b in m.named_buffers()}, config=ParallelConfig())
+    assert buffers(run(half), ref, 1e-6)  # the check fails a bias from half the batch's loads ...
+    assert not buffers(run(net), ref, 1e-6)  # ... and passes the whole batch's
 
 
 VARIANTS = {
@@ -239,8 +240,11 @@ LAYOUTS = [
     ParallelConfig(ep=2, dp=2, checkpoint_activations=True),
     ParallelConfig(tp=2, ep=2, sequence_parallel=True),
     ParallelConfig(pp=2, ep=2, sharding="zero1", microbatches=2),
+    ParallelConfig(pp=2, ep=2, microbatches=4, schedule="interleaved", virtual_stages=2),
+    ParallelConfig(ep=2, dp=2, precision="bf16"),
 ]
 IDS = ["dp4", "zero3", "fsdp-tp2-sp", "pp2-dp2", "cp2-ep2", "ep4", "ep2-dp2-recompute", "tp2-sp-ep2", "pp2-ep2-zero1"]
+IDS += ["pp2-ep2-interleaved", "ep2-dp2-bf16"]
 
 
 @pytest.mark.parametrize("cfg", LAYOUTS, ids=IDS)
@@ -331,3 +335,20 @@ def test_the_planner_prices_deepseek_v3_moe_at_scale():
     # ZeRO-1: a dense weight's AdamW moments (8 bytes) sharded over its reduce group, dp x ep = 128 ranks;
     # stage 0 holds no expert (whose moments would be sharded over dp = 2 alone)
     assert plan.memory[0]["optimizer"] == pytest.approx(8 * rank_param_count(cfg, m, 0) / 128, rel=1e-3)
+
+
+def test_recomputation_counts_each_token_once():
+    """A checkpointed block routes its tokens again in backward; the loads the bias reads count them once.
+    (Full recomputation doubles every load alike, which sign() would not notice: this checks the counts.)"""
+    from labkit.engines import data
+    from labkit.engines.meters.memory import MemoryMeter
+    from labkit.engines.parallel.checkpoint import apply_ac
+
+    tokens, targets = data.global_batch(0, 0, 4, DSV3.seq, DSV3.vocab)
+    plain, checkpointed = build_model(DSV3, 0), build_model(DSV3, 0)
+    apply_ac(checkpointed, MemoryMeter())
+    for net in (plain, checkpointed):
+        net(tokens, targets).backward()
+    for a, b in zip(plain.blocks[1:], checkpointed.blocks[1:]):
+        assert int(a.mlp.loads.sum()) == 4 * DSV3.seq * DSV3.top_k
+        assert torch.equal(a.mlp.loads, b.mlp.loads)

@@ -112,7 +112,7 @@ def compare(res, cfg, model, world: int) -> list[dict]:
             g, p = got[rk.rank], row[rk.rank]
             assert (g["dim"], g["calls"]) == (p["dim"], p["calls"])
             # R rows back in the forward combine (again when recomputed) and in the dispatch's backward
-            uses = 3 if cfg.checkpoint_activations else 2
+            uses = 3 if cfg.recomputation.reruns_forward else 2  # selective recomputation leaves the MoE layer be
             assert g["payload_bytes"] == p["payload_bytes"] + sum(uses * elem * model.hidden * (x - n) for x in r)
         for group in MeshLayout.of(cfg).groups("ep"):
             for key in ("payload_bytes", "wire_bytes"):

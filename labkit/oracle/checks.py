@@ -239,8 +239,11 @@ def parameters(result, ref, bound: float) -> list[Mismatch]:
 def buffers(result, ref, bound: float) -> list[Mismatch]:
     """Each buffer training changes (an MoE router's aux-loss-free bias) against the reference's, by
     its own relative L2: a bias updated from one rank's loads rather than the global batch's lands
-    some γ off (tests/test_moe_fine.py feeds it one)."""
-    if result.buffers is None or not ref.buffers:
+    some γ off (tests/test_moe_fine.py feeds it one). fp32 runs only: the bias is a step function of
+    the routing (a top-k), and bf16's rounding moves some tokens to other experts than the fp32
+    reference's, so no bound derived from rounding holds it; a bf16 run's copies are still held equal
+    across ranks (the replicas check), which a bias updated from one rank's loads fails."""
+    if result.buffers is None or not ref.buffers or numerics(result.config.precision).mixed:
         return []
     missing = sorted(set(ref.buffers) - set(result.buffers))
     if missing:
