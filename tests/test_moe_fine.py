@@ -242,9 +242,10 @@ LAYOUTS = [
     ParallelConfig(pp=2, ep=2, sharding="zero1", microbatches=2),
     ParallelConfig(pp=2, ep=2, microbatches=4, schedule="interleaved", virtual_stages=2),
     ParallelConfig(ep=2, dp=2, precision="bf16"),
+    ParallelConfig(dp=4, sharding="fsdp", impl="torch"),
 ]
 IDS = ["dp4", "zero3", "fsdp-tp2-sp", "pp2-dp2", "cp2-ep2", "ep4", "ep2-dp2-recompute", "tp2-sp-ep2", "pp2-ep2-zero1"]
-IDS += ["pp2-ep2-interleaved", "ep2-dp2-bf16"]
+IDS += ["pp2-ep2-interleaved", "ep2-dp2-bf16", "fsdp2-torch"]
 
 
 @pytest.mark.parametrize("cfg", LAYOUTS, ids=IDS)
@@ -352,3 +353,30 @@ def test_recomputation_counts_each_token_once():
     for a, b in zip(plain.blocks[1:], checkpointed.blocks[1:]):
         assert int(a.mlp.loads.sum()) == 4 * DSV3.seq * DSV3.top_k
         assert torch.equal(a.mlp.loads, b.mlp.loads)
+
+
+def _local_loads(original):
+    """engines/moe.py update_expert_bias as engines/train.py calls it, with each rank's own loads
+    (the all-reduce over dp x ep x cp left out)."""
+
+    def update_expert_bias(modules, group=None):
+        return original(modules, None)
+
+    return update_expert_bias
+
+
+def test_a_bias_from_one_ranks_loads_is_caught(lab, ref_cache):
+    """The mutation suite's hook (tests/test_mutations.py) on the real cluster: with the loads' all-reduce
+    left out, the ranks' biases part (the replicas check names the buffer) and miss the reference's."""
+    from test_mutations import mutated
+
+    from labkit.cluster.shipping import register
+    from labkit.oracle.checks import mismatches
+
+    register(_local_loads)  # this module's bug goes to the engines by value, as test_mutations' do
+    cfg = ParallelConfig(ep=2, dp=2)
+    with mutated(lab, ("labkit.engines.train", None, "update_expert_bias"), _local_loads):
+        res = lab.run(cfg, model=DSV3, steps=3, return_params=True)
+    found = mismatches(res, ref_cache(DSV3))
+    assert {m.check for m in found} >= {"replicas", "buffers"}, found
+    assert any("expert_bias" in str(m) for m in found if m.check == "replicas")
