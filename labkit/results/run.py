@@ -261,7 +261,7 @@ class RunResult(RankViews):
             "validation_loss": self.validation_loss,
             "ranks": [asdict(r) for r in self.ranks],
         }
-        for key in ("params", "grads", "compute"):
+        for key in ("params", "grads", "compute", "buffers"):
             if getattr(self, key) is not None:
                 d[key] = _lists(getattr(self, key))
         if self.padding:
@@ -277,7 +277,7 @@ class RunResult(RankViews):
             r["comm"] = [CommEvent(**e) for e in r["comm"]]
             r["timeline"] = [Event(**e) for e in r["timeline"]]
             ranks.append(RankReport(**r))
-        tensors = {key: _arrays(d[key]) if d.get(key) else None for key in ("params", "grads", "compute")}
+        tensors = {key: _arrays(d[key]) if d.get(key) else None for key in ("params", "grads", "compute", "buffers")}
         return cls(
             ParallelConfig.from_dict(d["config"]),
             ModelConfig.from_dict(d["model"]),
@@ -294,6 +294,7 @@ class RunResult(RankViews):
             data=d.get("data", "synthetic"),
             validation_loss=d.get("validation_loss"),
             padding={kind: _arrays(t) for kind, t in d["padding"].items()} if d.get("padding") else None,
+            buffers=tensors["buffers"],
         )
 
     def save(self, path) -> None:
