@@ -147,6 +147,8 @@ def test_unbuilt_moe_fields_are_refused_by_name():
         validate(ParallelConfig(), DSV3.replace(n_group=3), 1)
     with pytest.raises(ConfigError, match="exceeds the 4 experts"):
         validate(ParallelConfig(), DSV3.replace(top_k=5), 1)
+    with pytest.raises(ConfigError, match="checkpoint_activations='op' with dense_layers"):
+        validate(ParallelConfig(checkpoint_activations="op"), DSV3, 1)
     with pytest.raises(ConfigError, match="bias_update_speed"):
         validate(ParallelConfig(), QWEN3.replace(bias_update_speed=0.1), 1)
 

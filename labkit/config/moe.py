@@ -26,3 +26,15 @@ def moe_problems(model) -> list[str]:
     if model.bias_update_speed and not model.sigmoid_router:
         out.append("bias_update_speed > 0 needs router='sigmoid' (DeepSeek-V3's aux-loss-free bias)")
     return out
+
+
+def moe_layout_problems(cfg, model) -> list[str]:
+    """What a layout cannot do with these fields yet, with the reason."""
+    if cfg.recomputation.per_op and model.experts and model.dense_layers:
+        # the 'op' policy keeps every second matmul's output: a dense block keeps more than an MoE block,
+        # and theory/exact/activations.py prices one kind of block per chunk under it
+        return [
+            "checkpoint_activations='op' with dense_layers > 0 is not priced (a dense block keeps other "
+            "matmuls than an MoE block under the per-op policy); use 'full' or 'selective'"
+        ]
+    return []

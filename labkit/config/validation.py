@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING
 from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
 from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
-from labkit.config.moe import moe_problems
+from labkit.config.moe import moe_layout_problems, moe_problems
 from labkit.config.strategy_problems import context_problems, hybrid_problems, schedule_problems
 
 if TYPE_CHECKING:
@@ -252,7 +252,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         )
     if model.experts > 0 and not 1 <= model.top_k <= model.experts:
         out.append(f"top_k={model.top_k} must be between 1 and experts={model.experts}")
-    out += moe_problems(model)  # labkit/config/moe.py
+    out += moe_problems(model) + moe_layout_problems(cfg, model)  # labkit/config/moe.py
 
     # the engines split the global batch over dp x ep, then into microbatches (theory/exact/batch.py)
     split = cfg.dp * cfg.ep * cfg.microbatches

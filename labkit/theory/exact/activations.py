@@ -123,8 +123,7 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     if not r.reruns_forward:
         dropped = layers * (lse_bytes(cfg, model, b) + ulysses_bytes(cfg, model, b)) if r.attention_only else 0
         return Chunk(_bytes(cfg, model, b, layers, head, embed, dense) - dropped)
-    if r.per_op and dense and model.experts:  # torchtitan's 'op' policy keeps more of a dense block: theory only
-        raise NotImplementedError("checkpoint_activations='op' with dense_layers is not priced")
+    # 'op' with dense first layers is refused at the door (labkit/config/moe.py moe_layout_problems)
     if r.per_op:
         x = op_block_bytes(cfg, model, b)
     else:
