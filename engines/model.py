@@ -47,12 +47,12 @@ class Embedding(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, index: int = 0):
         super().__init__()
         self.ln1 = norm(cfg)
         self.attn = LatentAttention(cfg) if cfg.family.latent_attention else Attention(cfg)
         self.ln2 = norm(cfg)
-        if cfg.experts:
+        if cfg.moe_layer(index):  # the first dense_layers blocks stay dense (DeepSeek-V3's first_k_dense_replace)
             self.mlp = MoE(cfg)
         elif cfg.family.gated_mlp:
             self.mlp = SwiGLU(cfg)
@@ -90,7 +90,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed = Embedding(cfg, rows or cfg.vocab)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.layers))
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.layers))
         self.head = Head(cfg, rows or cfg.vocab)
         self.rope = Rotary(cfg) if cfg.family.rotary else None
         if cfg.family.latent_attention:  # MLA rotates qk_rope_head_dim dims, with YaRN

@@ -19,6 +19,8 @@ from labkit.engines.mesh import Mesh
 from labkit.engines.meters.audit import CommAudit
 from labkit.engines.meters.bundle import Meters
 from labkit.engines.model import build_model
+from labkit.engines.moe import update_expert_bias
+from labkit.engines.parallel.common import piece
 from labkit.engines.parallelize import parallelize
 from labkit.layout.mesh import MeshLayout
 
@@ -46,7 +48,12 @@ def run_rank(spec: dict) -> dict:
     device = torch.device(rt.device)
     meters = Meters(mesh, device, run.comm_log)
     # the vocabulary padded for this tp (ModelConfig.vocab_divisible_by), then sliced
-    rank_model = parallelize(build_model(model_cfg, seed, cfg.tp), mesh, cfg, run.optim, meters)
+    full = build_model(model_cfg, seed, cfg.tp)
+    buffers = {id(b): n for n, b in full.named_buffers()}  # the MoE routers' biases, by their full names
+    rank_model = parallelize(full, mesh, cfg, run.optim, meters)
+    modules = [m for chunk in rank_model.chunks for m in chunk.modules()]
+    # the global batch's tokens are split over dp x ep x cp: the loads are summed over them
+    tokens_group = mesh.group("dp", "ep", "cp") if mesh.size("dp", "ep", "cp") > 1 else None
     meters.memory.exclude(p for chunk in rank_model.chunks for p in chunk.parameters())
     audit = CommAudit() if run.audit else None
 
@@ -68,6 +75,7 @@ def run_rank(spec: dict) -> dict:
                     grad_pieces = rank_model.grads.grad_pieces()
                 with meters.phase("optimizer"), meters.span("opt"):
                     norm = rank_model.grads.step()
+                    update_expert_bias(modules, tokens_group)  # DeepSeek-V3's aux-loss-free bias, if any
             step_times.append(time.perf_counter() - t0)
             losses.append(loss)
             norms.append(norm)
@@ -102,4 +110,5 @@ def run_rank(spec: dict) -> dict:
         report["pieces"] = rank_model.grads.param_pieces()
         report["grad_pieces"] = grad_pieces
         report["compute_pieces"] = rank_model.grads.compute_pieces()
+        report["buffer_pieces"] = [piece(buffers[id(b)], b.shape, b) for m in modules for b in m.buffers(False)]
     return report

@@ -33,6 +33,7 @@ CHOICE_FIELDS = {
     "recompute",
     "arch",
     "loss",
+    "router",
     "data",
 }
 """Every choice field of the configs (and `recompute`, checkpoint_activations by name)."""
@@ -118,7 +119,8 @@ def test_the_reader_lets_decoded_and_other_comparisons_be(snippet):
 
 
 def test_the_decode_module_is_the_one_that_matches():
-    assert len([n for n in ast.walk(ast.parse(DECODE.read_text())) if isinstance(n, ast.Match)]) == 9
+    # 10: sigmoid_router joined them (issue 35)
+    assert len([n for n in ast.walk(ast.parse(DECODE.read_text())) if isinstance(n, ast.Match)]) == 10
 
 
 # -- the types -------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from labkit import theory
 from labkit.layout.mesh import MeshLayout
 from labkit.layout.schedules import chunk_layers, schedule_table, style
 from labkit.theory.exact import activations
-from labkit.theory.exact.pipeline import stage_layers
+from labkit.theory.exact.experts import moe_layers_held
 
 STATES = ("params", "grads", "optimizer")
 
@@ -52,7 +52,9 @@ def routing(rank_report, cfg, model) -> dict:
     in the order the rank ran its forwards (the schedule's F actions), layer by layer."""
     elem = 2 if cfg.precision == "bf16" else 4
     p, v, r = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, rank_report.coords["pp"]
-    layers = [len(chunk_layers(model.layers, p, v, r, c, cfg.stage_layers, style(cfg.schedule))) for c in range(v)]
+    # the MoE layers of each chunk (the first dense_layers blocks route nothing)
+    held = [chunk_layers(model.layers, p, v, r, c, cfg.stage_layers, style(cfg.schedule)) for c in range(v)]
+    layers = [sum(model.moe_layer(i) for i in blocks) for blocks in held]
     if cfg.pp == 1:
         order = [(mb, 0) for mb in range(cfg.microbatches)]
     else:
@@ -105,12 +107,12 @@ def compare(res, cfg, model, world: int) -> list[dict]:
     assert sorted(got) == sorted(row)
     if routed(cfg, model):
         for rk in res.ranks:
-            passes = stage_layers(cfg, model, rk.coords["pp"])[0] * cfg.microbatches
+            passes = moe_layers_held(cfg, model, rk.coords["pp"]) * cfg.microbatches
             r = received_rows(rk, passes, model.hidden, elem)
             g, p = got[rk.rank], row[rk.rank]
             assert (g["dim"], g["calls"]) == (p["dim"], p["calls"])
             # R rows back in the forward combine (again when recomputed) and in the dispatch's backward
-            uses = 3 if cfg.checkpoint_activations else 2
+            uses = 3 if cfg.recomputation.reruns_forward else 2  # selective recomputation leaves the MoE layer be
             assert g["payload_bytes"] == p["payload_bytes"] + sum(uses * elem * model.hidden * (x - n) for x in r)
         for group in MeshLayout.of(cfg).groups("ep"):
             for key in ("payload_bytes", "wire_bytes"):

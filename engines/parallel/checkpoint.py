@@ -31,6 +31,7 @@ never stores those, so here the saving is small, and the theory says exactly how
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from functools import partial
 
 import torch
@@ -42,8 +43,8 @@ class Recompute(torch.autograd.Function):
     then backpropagate (dy, daux) through it (its saved tensors are counted by `meter`)."""
 
     @staticmethod
-    def forward(ctx, run, meter, x):
-        ctx.run, ctx.meter = run, meter
+    def forward(ctx, run, meter, x, block=None):
+        ctx.run, ctx.meter, ctx.block = run, meter, block
         ctx.save_for_backward(x)
         return run(x)  # grad mode is off inside a Function's forward
 
@@ -51,11 +52,11 @@ class Recompute(torch.autograd.Function):
     def backward(ctx, dy, daux):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_()
-        with torch.enable_grad(), ctx.meter.saved_tensors():
+        with torch.enable_grad(), ctx.meter.saved_tensors(), _not_counting(ctx.block):
             y, aux = ctx.run(x)  # (b, s, h) -> (b, s, h), the block's graph rebuilt
         outs, grads = ([y, aux], [dy, daux]) if aux.requires_grad else ([y], [dy])
         torch.autograd.backward(outs, grads)  # parameter grads accumulate as usual (hooks fire)
-        return None, None, x.grad
+        return None, None, x.grad, None
 
 
 class RecomputeCore(torch.autograd.Function):
@@ -77,6 +78,20 @@ class RecomputeCore(torch.autograd.Function):
         return None, None, q.grad, k.grad, v.grad
 
 
+@contextmanager
+def _not_counting(block):
+    """The rerun routes the same tokens again: its MoE layers add nothing to their expert loads
+    (engines/moe.py `loads`, the aux-loss-free bias's input), so the bias sees each token once."""
+    moes = [m for m in block.modules() if hasattr(m, "counting")] if block is not None else []
+    for m in moes:
+        m.counting = False
+    try:
+        yield
+    finally:
+        for m in moes:
+            m.counting = True
+
+
 def _with_aux(block: nn.Module, forward, x: torch.Tensor, rope=None):
     """The block's output and the sum of its MoE layers' balance losses (0 without any), taken
     off the layers so that only the returned one is collected. `rope`: the rotary tables (llama),
@@ -90,7 +105,7 @@ def _with_aux(block: nn.Module, forward, x: torch.Tensor, rope=None):
 
 
 def _checkpointed(block: nn.Module, run, meter, x: torch.Tensor, rope=None) -> torch.Tensor:
-    y, aux = Recompute.apply(partial(run, rope=rope), meter, x)
+    y, aux = Recompute.apply(partial(run, rope=rope), meter, x, block)
     if hasattr(block.mlp, "aux_loss"):  # an MoE block: its loss, now with a gradient path
         block.mlp.aux_loss = aux
     return y

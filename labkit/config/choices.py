@@ -48,6 +48,10 @@ Recompute = Literal["none", "full", "selective", "op"]
 """A checkpoint_activations value by name (ParallelConfig.recompute)."""
 Arch = Literal["gpt", "gpt2", "llama", "deepseek_v3"]
 ARCHS: tuple[str, ...] = get_args(Arch)
+Router = Literal["softmax", "sigmoid"]
+ROUTERS: tuple[str, ...] = get_args(Router)
+"""How an MoE router scores the experts (ModelConfig.router): a softmax over them (Switch, Mixtral,
+Qwen3-MoE) or each expert's own sigmoid (DeepSeek-V3, technical report section 2.1.2, eq. 15)."""
 Loss = Literal["fp32", "fused"]
 LOSSES: tuple[str, ...] = get_args(Loss)
 """How ModelConfig.loss takes the cross-entropy."""
@@ -316,6 +320,18 @@ def family(arch: Arch) -> Family:
             return Family(rms_norm=True, rotary=True, gated_mlp=True, latent_attention=True)
         case _:
             raise ConfigError([unknown("arch", arch, ARCHS)])
+
+
+@cache
+def sigmoid_router(router: Router) -> bool:
+    """Whether the router's affinities are per-expert sigmoids (DeepSeek-V3) rather than a softmax."""
+    match router:
+        case "softmax":
+            return False
+        case "sigmoid":
+            return True
+        case _:
+            raise ConfigError([unknown("router", router, ROUTERS)])
 
 
 @cache

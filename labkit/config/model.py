@@ -13,6 +13,7 @@ from labkit.config.choices import (
     ConfigError,
     Family,
     Loss,
+    Router,
 )
 from labkit.config.hf import hf_fields
 from labkit.config.latent import YarnRope, mla_shapes
@@ -110,6 +111,30 @@ class ModelConfig(_Dict):
     """Per head, the value's width (DeepSeek-V3: 128)."""
     yarn: YarnRope | None = None
     """DeepSeek-V3's YaRN RoPE with mscale (arch='deepseek_v3'); None: plain RoPE."""
+    # -- fine-grained MoE (Qwen3-MoE, DeepSeek-V3); the defaults are Mixtral's layer (engines/moe.py)
+    moe_ffn: int | None = None
+    """An expert's inner width (HF moe_intermediate_size), apart from the dense MLP's `ffn`. None: ffn."""
+    shared_experts: int = 0
+    """Shared experts beside the routed ones (HF n_shared_experts; DeepSeekMoE, Dai et al. 2024): one
+    dense MLP of width shared_experts * moe_ffn that every token passes through, replicated over ep."""
+    norm_topk_prob: bool | None = None
+    """Divide the top-k gates by their sum (HF norm_topk_prob). None: the family's (llama: True, Mixtral's
+    router; gpt, gpt2: False, Switch's)."""
+    router: Router = "softmax"
+    """'softmax' over the experts, or each expert's 'sigmoid' (DeepSeek-V3, HF scoring_func) with the
+    aux-loss-free bias: a buffer added to the affinities for the choice only (engines/moe.py)."""
+    n_group: int = 1
+    """Expert groups for group-limited routing (HF n_group; DeepSeek-V3 routes to at most topk_group of
+    them, its nodes); must divide experts. 1: no limit."""
+    topk_group: int = 1
+    """Groups a token's experts may come from (HF topk_group), <= n_group; ignored when n_group is 1."""
+    routed_scaling_factor: float = 1.0
+    """The routed experts' gates scaled by this (HF routed_scaling_factor; DeepSeek-V3: 2.5)."""
+    dense_layers: int = 0
+    """The first dense_layers blocks keep a dense MLP of width ffn (HF first_k_dense_replace; DeepSeek-V3: 3)."""
+    bias_update_speed: float = 0.0
+    """γ of the aux-loss-free balance (DeepSeek-V3 section 2.1.2: 0.001): after each step every expert's
+    bias moves by γ towards balance, from the global batch's loads. 0: the bias stays (sigmoid router only)."""
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)
@@ -144,6 +169,30 @@ class ModelConfig(_Dict):
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
+
+    @property
+    def expert_ffn(self) -> int:
+        """An expert's inner width: moe_ffn, or ffn when None."""
+        return self.ffn if self.moe_ffn is None else self.moe_ffn
+
+    @property
+    def renormalises_gates(self) -> bool:
+        """Whether the top-k gates are divided by their sum: norm_topk_prob, or the family's (SwiGLU experts)."""
+        return self.family.gated_mlp if self.norm_topk_prob is None else self.norm_topk_prob
+
+    @property
+    def sigmoid_router(self) -> bool:
+        """router='sigmoid': per-expert sigmoid affinities and the aux-loss-free bias buffer."""
+        return choices.sigmoid_router(self.router)
+
+    def moe_layer(self, i: int) -> bool:
+        """Whether block i has an MoE layer (the first dense_layers stay dense)."""
+        return self.experts > 0 and i >= self.dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """Blocks with an MoE layer."""
+        return max(0, self.layers - self.dense_layers) if self.experts else 0
 
     @property
     def n_kv_heads(self) -> int:
@@ -181,9 +230,11 @@ class ModelConfig(_Dict):
         if fam.biases:
             attn += h  # the output projection's bias
         mats = 3 if fam.gated_mlp else 2  # SwiGLU: gate, up, down
-        if e:
-            mlp = h * e + e * mats * h * f
-        else:
-            mlp = mats * h * f + (f + h if fam.biases else 0)
+        dense = mats * h * f + (f + h if fam.biases else 0)
+        fe = self.expert_ffn
+        moe = h * e + e * mats * h * fe + mats * h * fe * self.shared_experts  # router, routed, shared
+        if self.shared_experts and fam.biases:  # gpt2's shared MLP has its biases
+            moe += fe * self.shared_experts + h
         pos = 0 if fam.rotary else s * h
-        return v * h + pos + self.layers * (2 * norm + attn + mlp) + norm + (0 if self.tied else h * v)
+        blocks = self.layers * (2 * norm + attn) + self.moe_layers * moe + (self.layers - self.moe_layers) * dense
+        return v * h + pos + blocks + norm + (0 if self.tied else h * v)

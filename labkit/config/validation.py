@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
 from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
+from labkit.config.moe import moe_layout_problems, moe_problems
 from labkit.config.strategy_problems import context_problems, hybrid_problems, schedule_problems
 
 if TYPE_CHECKING:
@@ -65,6 +66,13 @@ _RANGES = {
         "vocab_divisible_by": ((lambda v: v is None or v >= 1), lambda v: f"vocab_divisible_by={v} must be >= 1"),
         "rope_theta": _above_zero("rope_theta", "RoPE's base: try 10000.0 (Llama 2) or 500000.0 (Llama 3)"),
         "norm_eps": _above_zero("norm_eps", "try 1e-5"),
+        "moe_ffn": ((lambda v: v is None or v >= 1), lambda v: f"moe_ffn={v} must be >= 1, or None (= ffn)"),
+        "shared_experts": _at_least(0, "shared_experts", "0: routed experts only"),
+        "n_group": _at_least(1, "n_group", "1: no group limit"),
+        "topk_group": _at_least(1, "topk_group", "try 1"),
+        "routed_scaling_factor": _above_zero("routed_scaling_factor", "1.0 leaves the gates as they are"),
+        "dense_layers": _at_least(0, "dense_layers", "0: every block has experts"),
+        "bias_update_speed": ((lambda v: v >= 0), lambda v: f"bias_update_speed={v} must be >= 0; try 0.001"),
     },
     "ParallelConfig": {
         **{d: _at_least(1, d, "try 1") for d in DIMS},
@@ -244,6 +252,7 @@ def problems(cfg: ParallelConfig, model: ModelConfig, engines: int | None = None
         )
     if model.experts > 0 and not 1 <= model.top_k <= model.experts:
         out.append(f"top_k={model.top_k} must be between 1 and experts={model.experts}")
+    out += moe_problems(model) + moe_layout_problems(cfg, model)  # labkit/config/moe.py
 
     # the engines split the global batch over dp x ep, then into microbatches (theory/exact/batch.py)
     split = cfg.dp * cfg.ep * cfg.microbatches

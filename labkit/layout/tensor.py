@@ -62,13 +62,18 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
             styles[b + "attn.wv"] = dict(kv_style)
         styles[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
         styles[b + "ln2"] = dict(norm)
-        if model.experts:  # replicated over tp, split by ep instead (DERIVATIONS.md)
+        if model.moe_layer(i):  # replicated over tp, split by ep instead (DERIVATIONS.md); shared experts too
             styles[b + "mlp"] = (
                 {"style": "replicate", "input": "all-gather-replicated", "output": "split"}
                 if sequence_parallel
                 else {"style": "replicate"}
             )
             styles[b + "mlp.router"] = {"style": "replicate"}
+            # the shared experts replicated with the layer, as DeepSeek-V3 trains with no TP at all
+            # (technical report section 3.2); Megatron splits them over tp instead (SharedExpertMLP)
+            shared = ("gate", "up", "down") if model.family.gated_mlp else ("fc1", "fc2")
+            for name in shared if model.shared_experts else ():
+                styles[b + f"mlp.shared.{name}"] = {"style": "replicate"}
             continue
         styles[b + "mlp"] = dict(enter)
         up, down = (("gate", "up"), "down") if model.family.gated_mlp else (("fc1",), "fc2")

@@ -236,6 +236,26 @@ def parameters(result, ref, bound: float) -> list[Mismatch]:
     ]
 
 
+def buffers(result, ref, bound: float) -> list[Mismatch]:
+    """Each buffer training changes (an MoE router's aux-loss-free bias) against the reference's, by
+    its own relative L2: a bias updated from one rank's loads rather than the global batch's lands
+    some γ off (tests/test_moe_fine.py feeds it one). fp32 runs only: the bias is a step function of
+    the routing (a top-k), and bf16's rounding moves some tokens to other experts than the fp32
+    reference's, so no bound derived from rounding holds it; a bf16 run's copies are still held equal
+    across ranks (the replicas check), which a bias updated from one rank's loads fails."""
+    if result.buffers is None or not ref.buffers or numerics(result.config.precision).mixed:
+        return []
+    missing = sorted(set(ref.buffers) - set(result.buffers))
+    if missing:
+        return [Mismatch("buffers", f"buffers missing from the run: {missing}")]
+    errs = param_errors(result.buffers, ref.buffers)
+    return [
+        Mismatch("buffers", f"{n}: {e:.3g} (relative L2) from the reference's > {bound:g}")
+        for n, e in errs.items()
+        if _over(e, bound)
+    ]
+
+
 def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     """Everything in which `result` does not train like `ref`, the fp32 reference of the same
     model, seed, steps and global batch (bf16 runs too: labkit/oracle/bounds.py). A run without
@@ -253,7 +273,7 @@ def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     found += working_weights(result) + padding(result)
     found += gradients(result, ref, b.grads)
     found += losses(result, ref, b.losses) + grad_norms(result, ref, b.grad_norms)
-    return found + parameters(result, ref, b.params)
+    return found + parameters(result, ref, b.params) + buffers(result, ref, b.params)
 
 
 def margins(result, ref, within: Bounds | None = None) -> dict[str, float]:

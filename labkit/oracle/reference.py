@@ -38,6 +38,9 @@ class Reference:
     validation_loss: float | None = None
     """data='text': the mean loss of the final model on the held-out validation windows (the same
     windows, in the same global batches, as a run's RunResult.validation_loss); else None."""
+    buffers: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
+    """Final buffers that training changes, by name (fp32): the MoE routers' aux-loss-free biases
+    (engines/moe.py `update_expert_bias`), updated from the whole batch's expert loads."""
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
         """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
@@ -98,6 +101,7 @@ def reference(
     from labkit.engines import data as batches
     from labkit.engines.evaluate import reference_validation_loss
     from labkit.engines.model import build_model
+    from labkit.engines.moe import update_expert_bias
     from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
     from labkit.engines.precision import compute_copy
 
@@ -130,10 +134,12 @@ def reference(
             first = {n: g.detach().float().numpy().copy() for n, g in zip(names, grads)}
         # clipped by the global norm, before the update, as every layout does
         opt.step(grads, clip_coefficient(norm, optim.clip))
+        update_expert_bias(compute.module.modules())  # the whole global batch's loads, on one process
         # the compute copy taken again from the updated masters (bf16: rounded)
         compute.after_step()
         losses.append(loss.item())
         norms.append(float(norm))
     validation = reference_validation_loss(compute.module, model, global_batch) if trains_on_text(data) else None
     final = {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()}
-    return Reference(losses, norms, final, first, precision, model, data, validation)
+    buffers = {n: b.detach().float().numpy().copy() for n, b in compute.module.named_buffers()}
+    return Reference(losses, norms, final, first, precision, model, data, validation, buffers)

@@ -172,6 +172,9 @@ class RunResult(RankViews):
     """A padded vocabulary's padding rows (ModelConfig.vocab_divisible_by), kept apart: what -> name ->
     rows [vocab:) of 'params', 'grads', 'compute'. params / grads / compute hold the vocabulary rows
     alone, the unpadded model the reference trains; the oracle holds these at zero (checks.padding)."""
+    buffers: dict[str, np.ndarray] | None = field(default=None, repr=False)
+    """Final buffers training changes (the MoE routers' aux-loss-free biases), assembled like params
+    (return_params=True): every rank's copy must agree, and the oracle compares them (checks.buffers)."""
 
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
@@ -203,6 +206,7 @@ class RunResult(RankViews):
             ("pieces", "parameters"),
             ("grad_pieces", "gradients"),
             ("compute_pieces", "working weights"),
+            ("buffer_pieces", "buffers"),
         ):
             # each piece tagged with its sender, so that a copy that differs names its rank
             mine = [{**pc, "rank": r["rank"]} for r in active for pc in r.get(key) or []]
@@ -230,6 +234,7 @@ class RunResult(RankViews):
             data=data,
             validation_loss=validation,
             padding=padding,
+            buffers=found["buffer_pieces"],
         )
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
@@ -256,7 +261,7 @@ class RunResult(RankViews):
             "validation_loss": self.validation_loss,
             "ranks": [asdict(r) for r in self.ranks],
         }
-        for key in ("params", "grads", "compute"):
+        for key in ("params", "grads", "compute", "buffers"):
             if getattr(self, key) is not None:
                 d[key] = _lists(getattr(self, key))
         if self.padding:
@@ -272,7 +277,7 @@ class RunResult(RankViews):
             r["comm"] = [CommEvent(**e) for e in r["comm"]]
             r["timeline"] = [Event(**e) for e in r["timeline"]]
             ranks.append(RankReport(**r))
-        tensors = {key: _arrays(d[key]) if d.get(key) else None for key in ("params", "grads", "compute")}
+        tensors = {key: _arrays(d[key]) if d.get(key) else None for key in ("params", "grads", "compute", "buffers")}
         return cls(
             ParallelConfig.from_dict(d["config"]),
             ModelConfig.from_dict(d["model"]),
@@ -289,6 +294,7 @@ class RunResult(RankViews):
             data=d.get("data", "synthetic"),
             validation_loss=d.get("validation_loss"),
             padding={kind: _arrays(t) for kind, t in d["padding"].items()} if d.get("padding") else None,
+            buffers=tensors["buffers"],
         )
 
     def save(self, path) -> None:

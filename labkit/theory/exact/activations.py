@@ -19,11 +19,19 @@ from labkit.theory.exact.experts import layer_activation_bytes
 from labkit.theory.exact.pipeline import peak_in_flight
 
 
-def _bytes(cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: bool, embed: bool) -> int:
-    """What one microbatch of `b` sequences keeps in `layers` blocks (+ head / embedding), no recompute."""
+def _bytes(
+    cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: bool, embed: bool, dense: int = 0
+) -> int:
+    """What one microbatch of `b` sequences keeps in `layers` blocks (+ head / embedding), no recompute;
+    `dense` of the blocks with a dense MLP in place of the MoE layer (ModelConfig.dense_layers)."""
     act = ELEM[cfg.precision]
     # a cp rank keeps the activations of its own s/cp positions only (DERIVATIONS.md, "Context parallelism")
     seq = model.seq // cfg.cp
+    if dense and model.experts:  # the dense blocks and the MoE blocks apart; the chunk's rotary tables once
+        both = model.family.rotary and layers > dense
+        rotary = 2 * act * seq * model.head_dim if both else 0
+        moe = _bytes(cfg, model, b, layers - dense, False, False)
+        return _bytes(cfg, model.replace(experts=0), b, dense, head, embed) + moe - rotary
     heads = layers * ulysses_bytes(cfg, model, b)
     if cfg.tp == 1:
         plain = memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act)
@@ -55,6 +63,10 @@ class Chunk:
     block: int = 0
     x: int = 0
     head: int = 0
+    dense: int = 0
+    """Of the chunk's blocks, the first `dense` keep a dense MLP (ModelConfig.dense_layers)..."""
+    dense_block: int = 0
+    """... and rebuild this many bytes each (`block`: an MoE block's, the balanced R = N)."""
 
 
 def lse_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
@@ -93,7 +105,15 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     return e * b * rows * h + mm + out + lse_bytes(cfg, model, b) + scatters
 
 
-def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> Chunk:
+def _rebuild_extra(blocks: list[int], x: int, head: int) -> int:
+    """What a recomputed chunk's backward adds over its forward's kept bytes: block l is rebuilt while
+    the inputs of blocks 0..l-1 are still kept (l·x; later ones were freed by their backward), the head
+    freed first, the rebuilt block replacing its kept input: max_l(block_l + l·x) - L·x - head, >= 0."""
+    top = max((blk + i * x for i, blk in enumerate(blocks)), default=0)
+    return max(0, top - len(blocks) * x - head) if blocks else 0
+
+
+def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool, dense: int = 0) -> Chunk:
     """One pipeline chunk (or the whole model when pp == 1) for one microbatch, under the
     config's recomputation: none; 'selective' (the attention core: its log-sum-exp is not kept,
     and its recomputation never adds to the peak, as the rest of its block is freed by then);
@@ -107,7 +127,8 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
         dropped = layers * (lse_bytes(cfg, model, b) + ulysses_bytes(cfg, model, b)) if r.attention_only else 0
         if r.attention_only and model.family.latent_attention:  # and MLA's kernel output (wo keeps a copy)
             dropped += layers * latent.kernel_output_bytes(model, b, model.seq // cfg.cp, cfg.tp, ELEM[cfg.precision])
-        return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
+        return Chunk(_bytes(cfg, model, b, layers, head, embed, dense) - dropped)
+    # 'op' with dense first layers is refused at the door (labkit/config/moe.py moe_layout_problems)
     if r.per_op:
         x = op_block_bytes(cfg, model, b)
     else:
@@ -120,8 +141,9 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     # the loss's backward frees the head before the first block is rebuilt, and the rebuilt block
     # replaces its kept input: extra over the forward's total is block - x - head, never below 0;
     # a chunk with no blocks (stage_layers may give a stage 0) rebuilds nothing
-    extra = max(0, block - x - head_bytes) if layers else 0
-    return Chunk(kept + layers * x + head_bytes, extra, block, x, head_bytes)
+    dense_block = _bytes(cfg, model.replace(experts=0), b, 1, False, False) if dense and model.experts else 0
+    extra = _rebuild_extra([dense_block] * dense + [block] * (layers - dense), x, head_bytes)
+    return Chunk(kept + layers * x + head_bytes, extra, block, x, head_bytes, dense, dense_block)
 
 
 def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int]) -> Chunk:
@@ -141,8 +163,8 @@ def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int
         return Chunk(c.forward + sum(delta))
     # backward rebuilds block L-1 first, then down to 0: at block l's rebuild the inputs of blocks
     # 0..l-1 are still kept (l·x) beside it, and the heaviest layer need not be the last one
-    rebuilt = max((c.block + d + l * c.x for l, d in enumerate(delta)), default=0)
-    return Chunk(c.forward, max(0, rebuilt - len(delta) * c.x - c.head) if delta else 0, c.block, c.x, c.head)
+    blocks = [c.dense_block] * c.dense + [c.block + d for d in delta]
+    return Chunk(c.forward, _rebuild_extra(blocks, c.x, c.head), c.block, c.x, c.head, c.dense, c.dense_block)
 
 
 def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, Chunk]:
@@ -154,8 +176,9 @@ def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, C
         # the stage, not c, says whether a chunk holds the embedding (stage 0) or the head (the last):
         # a V-shaped schedule puts rank r's chunks on stages r and 2p-1-r (schedules.style)
         s = stage_of(pp_rank, c, p, placement)
-        layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement))
-        out[c] = chunk(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
+        held = chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement)
+        dense = sum(not model.moe_layer(i) for i in held) if model.experts else 0  # DeepSeek-V3's first dense
+        out[c] = chunk(cfg, model, len(held), head=s == p * v - 1, embed=s == 0, dense=dense)
     return out
 
 

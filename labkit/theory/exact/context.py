@@ -10,6 +10,7 @@ from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM
 from labkit.theory.exact import latent
 from labkit.theory.exact.batch import microbatch_rows
+from labkit.theory.exact.experts import moe_layers_held
 from labkit.theory.exact.pipeline import stage_layers
 
 
@@ -67,5 +68,6 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         passes = stage_layers(cfg, model, layout.coords(rank)["pp"])[0] * cfg.microbatches  # attention layers run
         for op, payload, calls, n in _kind_rows(cfg, model, micro, forwards):
             comm.add(rank, label, op, payload, n, calls * passes)
-        if model.experts:
-            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, moe_forwards * passes)
+        if model.experts:  # per MoE layer (not the first dense_layers) and microbatch
+            moe_passes = moe_layers_held(cfg, model, layout.coords(rank)["pp"]) * cfg.microbatches
+            comm.add(rank, label, "all_reduce", 8 * micro * model.experts, cfg.cp, moe_forwards * moe_passes)

@@ -41,31 +41,64 @@ def layer_activation_bytes(
     the experts their input, GELU input and output). llama (Mixtral): SwiGLU experts keep 4·R·f
     (gate out, SiLU out, up out, product), and renormalising the top-k gates keeps them and their
     sum in fp32, 4·(N + T). `received`: R; default the balanced R = N, which is exact without
-    expert parallelism (every rank runs every expert on its own N rows)."""
+    expert parallelism (every rank runs every expert on its own N rows).
+    Fine-grained MoE (engines/moe.py; measured by tests/test_moe_fine.py): f is an expert's width
+    (moe_ffn); the top-k renormalisation's 4·(N + T) wherever gates are renormalised (norm_topk_prob);
+    a sigmoid router keeps one more fp32 sum per token, 4·T (the affinities normalised for the balance
+    loss, DeepSeek-V3 eq. 19); shared experts keep a dense MLP's a·(4 or 2)·T·f_s on every token
+    (f_s = shared_experts·f); group limits and routed_scaling_factor keep nothing more."""
     t = batch * seq
     n = t * model.top_k
     r = n if received is None else received
-    e, h, f = model.experts, model.hidden, model.ffn
+    e, h, f = model.experts, model.hidden, model.expert_ffn
     out = 4 * t * e + 3 * 8 * n + 4 * batch * e + act_bytes * (n + n * h + r * h + 2 * r * f)
-    if model.family.gated_mlp:  # and the top-k gates renormalised in fp32 (Mixtral)
-        out += act_bytes * 2 * r * f + 4 * (n + t)
+    if model.family.gated_mlp:  # SwiGLU experts: gate out, SiLU out, up out, product
+        out += act_bytes * 2 * r * f
+    if model.renormalises_gates:  # the top-k gates renormalised in fp32 (Mixtral)
+        out += 4 * (n + t)
+    if model.sigmoid_router:
+        out += 4 * t
+    if model.shared_experts:  # a dense MLP of width shared_experts·f on all T tokens (memory.py's MLP row)
+        out += act_bytes * (4 if model.family.gated_mlp else 2) * t * f * model.shared_experts
     return out
+
+
+def moe_layers_held(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
+    """MoE layers a rank at pipeline coordinate `pp_rank` holds (the first dense_layers blocks have none)."""
+    if not model.experts:
+        return 0
+    v, placement = cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
+    held = [chunk_layers(model.layers, cfg.pp, v, pp_rank, c, cfg.stage_layers, placement) for c in range(v)]
+    return sum(model.moe_layer(i) for blocks in held for i in blocks)
+
+
+def bias_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+    """The aux-loss-free bias's one all-reduce a step (engines/moe.py `update_expert_bias`): each
+    rank's (MoE layers held, E) int64 expert loads summed over the dp x ep x cp ranks whose tokens
+    make the global batch (as torchtitan sums tokens_per_expert over dp x cp)."""
+    if not (model.sigmoid_router and model.bias_update_speed > 0):
+        return
+    label, n = layout.label("dp", "ep", "cp"), cfg.dp * cfg.ep * cfg.cp
+    for rank in comm.ranks(layout):
+        layers = moe_layers_held(cfg, model, layout.coords(rank)["pp"])
+        if layers:
+            comm.add(rank, label, "all_reduce", 8 * layers * model.experts, n)
 
 
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """The all-to-alls of one step per ep rank (balanced routing): per MoE layer and microbatch
     one of the E split sizes (int64), then the dispatch and the combine, each N·h elements
-    forward and again backward; recomputation routes and dispatches once more."""
+    forward and again backward; recomputation routes and dispatches once more. With top-k over
+    E experts a rank sends N = b·s·k rows whatever E is (dropless): 256 experts cost the wire no
+    more than 8, only a longer split-size vector (8·E bytes)."""
+    bias_rows(comm, cfg, model, layout)
     if cfg.ep == 1 or not model.experts:
         return
-    v, placement = cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
     rows = microbatch_rows(cfg) * (model.seq // cfg.cp) * model.top_k * model.hidden * ELEM[cfg.precision]
     forwards = 2 if cfg.recomputation.reruns_forward else 1
     label = layout.label("ep")
     for rank in comm.ranks(layout):
-        pp_rank = layout.coords(rank)["pp"]
-        held = [chunk_layers(model.layers, cfg.pp, v, pp_rank, c, cfg.stage_layers, placement) for c in range(v)]
-        layers = sum(len(blocks) for blocks in held)
+        layers = moe_layers_held(cfg, model, layout.coords(rank)["pp"])
         for _ in range(layers * cfg.microbatches):
             comm.add(rank, label, "all_to_all", 8 * model.experts, cfg.ep, forwards)  # split sizes
             comm.add(rank, label, "all_to_all", rows, cfg.ep, 2 * forwards + 2)  # dispatch, combine, and back

@@ -68,6 +68,11 @@ def activation_bytes(
     """
     b, s, h, f, a, v, e = batch, m.seq, m.hidden, m.ffn, m.heads, m.vocab, act_bytes
     kv = m.n_kv_heads * m.head_dim
+    if layers is None and m.experts and m.dense_layers:  # the whole model: its first dense blocks apart
+        d = min(m.dense_layers, m.layers)
+        rotary = 2 * e * s * m.head_dim if m.family.rotary and d and m.layers > d else 0  # one pair of tables
+        dense = activation_bytes(m.replace(experts=0), batch, d, head, embed, act_bytes)
+        return dense + activation_bytes(m, batch, m.layers - d, False, False, act_bytes) - rotary
     layers = m.layers if layers is None else layers
     fam = m.family
     if m.experts:

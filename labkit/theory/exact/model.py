@@ -41,11 +41,17 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
             out += linear(b + "attn.wq", h, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
             out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, h, fam.biases)
         out += norm(b + "ln2")
-        if m.experts:
+        if m.moe_layer(i):  # the first dense_layers blocks keep the dense MLP below
+            fe, fs = m.expert_ffn, m.expert_ffn * m.shared_experts  # an expert's width; the shared MLP's
             # a module's own parameters come before its submodules' (nn.Module.named_parameters)
-            out += [(b + "mlp.w1", (m.experts, h, f)), (b + "mlp.w2", (m.experts, f, h))]
-            out += [(b + "mlp.w3", (m.experts, h, f))] if fam.gated_mlp else []
+            out += [(b + "mlp.w1", (m.experts, h, fe)), (b + "mlp.w2", (m.experts, fe, h))]
+            out += [(b + "mlp.w3", (m.experts, h, fe))] if fam.gated_mlp else []
             out += [(b + "mlp.router.weight", (m.experts, h))]
+            if fs and fam.gated_mlp:  # the shared experts: one dense MLP (engines/moe.py MoE.shared)
+                out += linear(b + "mlp.shared.gate", fs, h, False) + linear(b + "mlp.shared.up", fs, h, False)
+                out += linear(b + "mlp.shared.down", h, fs, False)
+            elif fs:
+                out += linear(b + "mlp.shared.fc1", fs, h, fam.biases) + linear(b + "mlp.shared.fc2", h, fs, fam.biases)
         elif fam.gated_mlp:
             out += linear(b + "mlp.gate", f, h, False) + linear(b + "mlp.up", f, h, False)
             out += linear(b + "mlp.down", h, f, False)

@@ -17,7 +17,7 @@ from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.theory.exact import latent
 from labkit.theory.exact.batch import microbatch_rows
-from labkit.theory.exact.experts import layer_activation_bytes
+from labkit.theory.exact.experts import layer_activation_bytes, moe_layers_held
 from labkit.theory.exact.pipeline import stage_layers
 
 
@@ -82,16 +82,16 @@ def collectives(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> li
     again = 2 if cfg.recomputation.reruns_forward else 1  # recomputation repeats a block's forward
     b = microbatch_rows(cfg)
     B = ELEM[cfg.precision] * b * (model.seq // cfg.cp) * model.hidden
-    moe = bool(model.experts)
+    moe = moe_layers_held(cfg, model, pp_rank)  # an MoE layer (replicated over tp) has no g of its own
     if cfg.sequence_parallel:  # per layer forward (+ backward): attention AG, RS (+ RS, AG); MLP the same,
         gather = L * (2 * again + 2) + ends  # MoE AG (+ AG of its output's gradient)
-        scatter = L * ((1 if moe else 2) * (again + 1)) + ends
+        scatter = (2 * L - moe) * (again + 1) + ends
         rows = [
             ("all_gather", B, gather * m, "into column-parallel / MoE regions (fwd), out of row-parallel (bwd)"),
             ("reduce_scatter", B, scatter * m, "out of row-parallel regions (fwd), into column-parallel (bwd)"),
         ]
     else:  # per layer: g after wo (and fc2) forward, f before attention (and MLP) backward
-        reduce = L * ((1 if moe else 2) * (again + 1)) + ends
+        reduce = (2 * L - moe) * (again + 1) + ends
         rows = [("all_reduce", B, reduce * m, "g after row-parallel layers (fwd), f before column-parallel (bwd)")]
     if last:
         s = model.seq // cfg.cp

@@ -70,24 +70,36 @@ def _matmul(name: str, tokens: int, k: int, n: int, precision: str, kept: bool) 
     ]
 
 
+def representative_block(model: ModelConfig) -> str:
+    """The name prefix of the block that stands for every block in the planner's closed forms: block 0,
+    or with dense first layers (DeepSeek-V3's first_k_dense_replace) the first MoE block: they are the
+    many (58 of DeepSeek-V3's 61). The dense ones are priced as MoE blocks in time; their parameters are
+    counted as theirs (stages.py `stage_params`)."""
+    return f"blocks.{model.dense_layers}." if model.experts and model.dense_layers < model.layers else "blocks.0."
+
+
 @lru_cache(maxsize=4096)
 def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision: str) -> tuple[Op, ...]:
     """One transformer block's forward on one rank, for a microbatch of b sequences."""
     e = ELEM[precision]
     s = model.seq // cp
     tokens, rows = b * s, b * s // (tp if sp else 1)  # rows: what the norms and residuals see
-    h, f, a = model.hidden, model.ffn, model.heads
+    h, f, a = model.hidden, model.expert_ffn if model.experts else model.ffn, model.heads
     fam = model.family
     ops: list[Op] = []
     index = 0  # torchtitan's op policy keeps the 1st, 3rd, ... matmul of a block
+    first = representative_block(model)
     for name, shape in param_shapes(model):
-        # block 0 stands for every block; vectors are the memory ops below; the router goes with the experts
-        if not name.startswith("blocks.0.") or len(shape) != 2 or name.endswith("router.weight"):
+        # one block stands for every block; vectors are the memory ops below; the router goes with the experts
+        if not name.startswith(first) or len(shape) != 2 or name.endswith("router.weight"):
             continue
         n, k = shape  # nn.Linear's (out, in)
-        module = name[len("blocks.0.") : -len(".weight")]
-        # row-parallel layers split their input features, column-parallel ones their output features
-        n, k = (n, k // tp) if module in ROWWISE else (n, k) if module in LATENT else (n // tp, k)
+        module = name[len(first) : -len(".weight")]
+        # row-parallel layers split their input features, column-parallel ones their output features;
+        # MLA's latent down-projections stay whole; the shared experts are replicated over tp with
+        # their MoE layer (layout/tensor.py)
+        if not module.startswith("mlp.shared."):
+            n, k = (n, k // tp) if module in ROWWISE else (n, k) if module in LATENT else (n // tp, k)
         ops += _matmul(module, tokens, k, n, precision, kept=index % 2 == 0)
         index += 1
     if model.experts:  # dropless top-k: this rank's experts see T·k rows in all (balanced routing)

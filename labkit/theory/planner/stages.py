@@ -14,7 +14,7 @@ from math import prod
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.schedules import chunk_layers, stage_of
 from labkit.theory.exact.model import param_shapes
-from labkit.theory.planner.ops import LATENT, ROWWISE
+from labkit.theory.planner.ops import LATENT, ROWWISE, representative_block
 
 
 @dataclass(frozen=True)
@@ -28,6 +28,8 @@ class Stage:
     largest_chunk: int
     embed: bool
     head: bool
+    dense_blocks: int = 0
+    """Of its blocks, those with a dense MLP in an MoE model (ModelConfig.dense_layers; 0 otherwise)."""
 
 
 def _layers(cfg: ParallelConfig, model: ModelConfig, rank: int, chunk: int) -> int:
@@ -71,8 +73,9 @@ def _distinct(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage,
 
 @lru_cache(maxsize=4096)
 def _stages(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, ...]:
+    dense = min(model.dense_layers, model.layers) if model.experts else 0
     if p == 1:
-        return (Stage(0, model.layers, 1, model.layers, True, True),)
+        return (Stage(0, model.layers, 1, model.layers, True, True, dense),)
     # a bare config only to place the chunks: Megatron's loop, stage c·p + r, whatever the schedule
     cfg = ParallelConfig(pp=p, virtual_stages=v, schedule="interleaved" if v > 1 else "1f1b")
     if uneven:
@@ -81,7 +84,8 @@ def _stages(model: ModelConfig, p: int, v: int, uneven: tuple) -> tuple[Stage, .
     for r in range(p):
         per = [_layers(cfg, model, r, c) for c in range(v)]
         ids = [stage_of(r, c, p) for c in range(v)]
-        out.append(Stage(r, sum(per), v, max(per), 0 in ids, p * v - 1 in ids))
+        held = [i for c in range(v) for i in chunk_layers(model.layers, p, v, r, c, cfg.stage_layers)]
+        out.append(Stage(r, sum(per), v, max(per), 0 in ids, p * v - 1 in ids, sum(i < dense for i in held)))
     return tuple(out)
 
 
@@ -95,6 +99,8 @@ class RankParams:
     """Of a block: its E/ep experts (reduced over dp x cp)."""
     embed: int
     head: int
+    dense_block: int = 0
+    """Of a dense block of an MoE model (its first dense_layers): all of it, split over tp."""
 
 
 def _column_parallel(module: str) -> bool:
@@ -105,19 +111,27 @@ def _column_parallel(module: str) -> bool:
 def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
     """Matrices of a block split over tp (row- or column-wise), vectors whole, experts over ep
     (and whole over tp, layout/tensor.py), the token table and the LM head over tp."""
-    dense = expert = embed = head = 0
+    dense = expert = embed = head = dense_block = 0
+    first = representative_block(model)
     for name, shape in param_shapes(model):
         n = prod(shape)
-        # block 0 stands for every block: they are alike
-        if name.startswith("blocks.0."):
+        if first != "blocks.0." and name.startswith("blocks.0."):  # a dense block of an MoE model: all split
+            # MLA's latent down-projections whole here too (layout/tensor.py 'latent')
+            matrix = len(shape) == 2 and name[9 : -len(".weight")] not in LATENT
+            split = matrix or (name.endswith(".bias") and _column_parallel(name[9 : -len(".bias")]))
+            dense_block += n // tp if split else n
+        # one block stands for every block: they are alike (the dense first ones apart)
+        if name.startswith(first):
             if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
                 expert += n // ep
+            elif ".mlp.shared." in name:
+                dense += n  # replicated over tp with the MoE layer
             # matrices split over tp, row- or column-wise alike; the router stays whole, as an MoE layer is
             # replicated over tp
             elif len(shape) == 2 and not name.endswith("router.weight"):
                 # MLA's latent down-projections stay whole on every tp rank (layout/tensor.py 'latent')
-                dense += n if name[len("blocks.0.") : -len(".weight")] in LATENT else n // tp
-            elif name.endswith(".bias") and _column_parallel(name[len("blocks.0.") : -len(".bias")]):
+                dense += n if name[len(first) : -len(".weight")] in LATENT else n // tp
+            elif name.endswith(".bias") and _column_parallel(name[len(first) : -len(".bias")]):
                 dense += n // tp  # split with its layer's rows
             else:
                 dense += n  # norms, a row-parallel layer's bias (added once), the router
@@ -129,7 +143,7 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             head += n // tp if name.startswith("head.proj") else n
     if model.tied:
         head += model.vocab // tp * model.hidden  # the head's copy when it sits on another stage
-    return RankParams(dense, expert, embed, head)
+    return RankParams(dense, expert, embed, head, dense_block)
 
 
 def stage_params(model: ModelConfig, cfg: ParallelConfig, st: Stage) -> tuple[int, int]:
@@ -140,4 +154,5 @@ def stage_params(model: ModelConfig, cfg: ParallelConfig, st: Stage) -> tuple[in
     # one rank holding both ends (pp = 1) keeps one tied table, not a copy for the head
     if model.tied and st.embed and st.head:
         ends -= model.vocab // cfg.tp * model.hidden
-    return st.layers * rp.dense + ends, st.layers * rp.expert
+    moe = st.layers - st.dense_blocks  # the dense first blocks hold no experts
+    return moe * rp.dense + st.dense_blocks * rp.dense_block + ends, moe * rp.expert
