@@ -13,7 +13,7 @@ never downloads, so a Hub id is refused with the way to fetch its config.json.
     MixtralForCausalLM                     arch 'llama' with experts (SwiGLU experts, top-k router)
     Qwen2ForCausalLM                       arch 'llama' with biases on q, k, v (qkv_bias)
     GPT2LMHeadModel                        arch 'gpt2'
-    DeepseekV3ForCausalLM                  arch 'deepseek_v3' (MLA, YaRN), all layers dense for now
+    DeepseekV3ForCausalLM                  arch 'deepseek_v3' (MLA, YaRN; its MoE layers: hf_moe.py)
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import os
 import pathlib
 
 from labkit.config.choices import ConfigError, family
+from labkit.config.hf_moe import moe_fields
+from labkit.config.hf_read import _read
 
 LLAMA_LIKE = {
     "LlamaForCausalLM": "llama",
@@ -71,33 +73,6 @@ def load(config) -> dict:
     if not isinstance(out, dict):
         raise ConfigError([f"ModelConfig.from_hf: {str(path)!r} holds a {type(out).__name__}, not a JSON object"])
     return out
-
-
-_REQUIRED = object()
-
-
-def _read(c: dict, key: str, kind: type, problems: list[str], default=_REQUIRED, within: str = ""):
-    """c[key], checked to be a `kind` (int: a whole number; float: any number), or `default` when
-    the key is absent or null; a missing required key or a value of another type is a problem
-    naming the key (`within`: the dict holding it), and None comes back."""
-    value = c.get(key)
-    # JSON null reads as absent: transformers writes null for some defaults (GPT-2's n_inner)
-    if value is None:
-        if default is _REQUIRED:
-            problems.append(
-                f"config.json has no {within + key!r}, which this architecture needs; pass the model's config.json"
-            )
-        return None if default is _REQUIRED else default
-    # bool is an int to Python, but true is no layer count; and 12.0 is no whole number to JSON
-    whole = isinstance(value, int) and not isinstance(value, bool)
-    fits = {int: whole, float: whole or isinstance(value, float), bool: isinstance(value, bool)}[kind]
-    if not fits:
-        problems.append(f"config.json's {within + key!r} is {value!r}, not a JSON {_KINDS[kind]}; write it as one")
-        return None
-    return float(value) if kind is float else value
-
-
-_KINDS = {int: "whole number", float: "number", bool: "boolean (true or false)"}
 
 
 def _arch_class(c: dict) -> str | None:
@@ -243,10 +218,11 @@ def _yarn(c: dict, problems: list[str]) -> tuple[float | None, dict | None]:
 
 
 def _deepseek_v3(c: dict, seq: int | None, problems: list[str]) -> dict:
-    """DeepseekV3ForCausalLM (transformers models/deepseek_v3): MLA with YaRN, dense layers. Its MoE
-    layers (from layer first_k_dense_replace on) are refused by name until labkit's DeepSeek MoE is
-    connected; the multi-token-prediction layer (num_nextn_predict_layers) is left out, as
-    transformers leaves it out of DeepseekV3ForCausalLM (its weights are skipped on load)."""
+    """DeepseekV3ForCausalLM (transformers models/deepseek_v3): MLA with YaRN, the first
+    first_k_dense_replace layers dense, the rest DeepSeek-V3's MoE (hf_moe.py: sigmoid router with
+    the aux-loss-free bias, shared experts, group-limited routing); the multi-token-prediction layer
+    (num_nextn_predict_layers) is left out, as transformers leaves it out of DeepseekV3ForCausalLM
+    (its weights are skipped on load)."""
     missing: list[str] = []
     layers = _read(c, "num_hidden_layers", int, missing)
     out = {
@@ -270,15 +246,13 @@ def _deepseek_v3(c: dict, seq: int | None, problems: list[str]) -> dict:
     if missing:
         problems += missing
         return {}
+    # the MoE layers from first_k_dense_replace on (labkit/config/hf_moe.py); all dense when it covers
+    # every layer or there are no routed experts
     dense = _read(c, "first_k_dense_replace", int, problems, 3)
-    routed = _read(c, "n_routed_experts", int, problems, 256)
-    if routed and dense is not None and dense < layers:
-        problems.append(
-            f"first_k_dense_replace={dense} < num_hidden_layers={layers}: layers {dense}..{layers - 1} are "
-            f"DeepSeek-V3's MoE layers (n_routed_experts={routed}, n_shared_experts, sigmoid gating, "
-            "n_group/topk_group), not yet connected to arch='deepseek_v3'; give first_k_dense_replace="
-            f"{layers} for the all-dense model"
-        )
+    if (_read(c, "n_routed_experts", int, problems, 0) or 0) and dense is not None and dense < layers:
+        moe, found = moe_fields(c, DEEPSEEK_V3)
+        problems += found
+        out.update(moe)
     if c.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act={c['hidden_act']!r}: DeepSeek-V3's SwiGLU uses 'silu'")
     if c.get("attention_bias"):
