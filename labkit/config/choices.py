@@ -46,7 +46,7 @@ CHECKPOINTING: tuple = get_args(Checkpointing)
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 Recompute = Literal["none", "full", "selective", "op"]
 """A checkpoint_activations value by name (ParallelConfig.recompute)."""
-Arch = Literal["gpt", "gpt2", "llama"]
+Arch = Literal["gpt", "gpt2", "llama", "gemma3"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 Loss = Literal["fp32", "fused"]
 LOSSES: tuple[str, ...] = get_args(Loss)
@@ -296,6 +296,14 @@ class Family:
     """F.gelu's `approximate` for the GELU MLP: 'tanh' (GPT-2's) or 'none' (exact)."""
     ties: bool = False
     """The head shares the token embedding unless tie_embeddings says otherwise."""
+    geglu: bool = False
+    """The gated MLP's activation is the tanh GELU (GeGLU, Shazeer 2020) rather than SiLU (Gemma)."""
+    offset_norm: bool = False
+    """RMSNorm scales by (1 + w), w initialised at 0, computed in fp32 (Gemma's Gemma3RMSNorm)."""
+    scaled_embedding: bool = False
+    """The token embedding is multiplied by sqrt(hidden), in the compute dtype (Gemma3TextScaledWordEmbedding)."""
+    sandwich_norm: bool = False
+    """Four norms a block: each sublayer's output is normed too before the residual add (Gemma 2/3)."""
 
 
 @cache
@@ -309,6 +317,20 @@ def family(arch: Arch) -> Family:
         case "llama":
             # Llama (Touvron et al. 2023): RMSNorm, RoPE, SwiGLU, no biases (Qwen2 adds q, k, v's)
             return Family(rms_norm=True, rotary=True, gated_mlp=True, takes_qkv_bias=True)
+        case "gemma3":
+            # Gemma 3 (Gemma Team 2025; transformers' modeling_gemma3.py): (1 + w) RMSNorm before and
+            # after each sublayer, GeGLU with the tanh GELU, sqrt(h)-scaled embedding tied to the head
+            return Family(
+                rms_norm=True,
+                rotary=True,
+                gated_mlp=True,
+                gelu_approximate="tanh",
+                ties=True,
+                geglu=True,
+                offset_norm=True,
+                scaled_embedding=True,
+                sandwich_norm=True,
+            )
         case _:
             raise ConfigError([unknown("arch", arch, ARCHS)])
 

@@ -13,6 +13,8 @@ never downloads, so a Hub id is refused with the way to fetch its config.json.
     MixtralForCausalLM                     arch 'llama' with experts (SwiGLU experts, top-k router)
     Qwen2ForCausalLM                       arch 'llama' with biases on q, k, v (qkv_bias)
     GPT2LMHeadModel                        arch 'gpt2'
+    Qwen3ForCausalLM, SmolLM3ForCausalLM,  the dense attention families of issue 35: hf_families.py
+    Gemma3ForCausalLM
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import os
 import pathlib
 
 from labkit.config.choices import ConfigError, family
+from labkit.config.hf_families import FAMILIES, family_of, read_family
 
 LLAMA_LIKE = {
     "LlamaForCausalLM": "llama",
@@ -218,14 +221,18 @@ def hf_fields(config, seq: int | None = None) -> tuple[dict, list[str]]:
     """(ModelConfig keyword arguments, problems) of a Hugging Face config (dict or path); ConfigError
     for what is not a config at all."""
     c = load(config)
-    cls = _arch_class(c)
+    kind = family_of(c)  # Qwen3, SmolLM3, Gemma 3 (labkit/config/hf_families.py)
+    cls = kind or _arch_class(c)
     if cls is None:
-        known = ", ".join([*LLAMA_LIKE, GPT2])
+        known = ", ".join([*LLAMA_LIKE, GPT2, *FAMILIES])
         return {}, [
             f"architectures={c.get('architectures')!r} (model_type={c.get('model_type')!r}): supported: {known}"
         ]
     problems: list[str] = []
-    fields = _gpt2(c, seq, problems) if cls == GPT2 else _llama(c, LLAMA_LIKE[cls], seq, problems)
+    if kind:
+        fields = read_family(c, kind, seq, _read, problems)
+    else:
+        fields = _gpt2(c, seq, problems) if cls == GPT2 else _llama(c, LLAMA_LIKE[cls], seq, problems)
     if not fields:  # a key it needs is missing or mistyped: problems names it
         return fields, problems
     # a value that is the family's default stays unset (None), as in a config written by hand

@@ -28,6 +28,10 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
       replicate  every tp rank holds the whole parameter and computes the same values
       sequence   replicated parameters applied to this rank's s/tp positions (norms, position
                  embedding under SP): the gradient is partial per tp rank and summed over tp
+      heads      replicated parameters applied to this rank's heads (Qwen3's and Gemma 3's q_norm,
+                 k_norm): the gradient is partial per tp rank and summed over tp, SP or not
+                 (transformers' plan 'replicated_with_grad_allreduce'; Megatron all-reduces its
+                 q_layernorm / k_layernorm gradients over TP, finalize_model_grads)
     `output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
     (SP: the sum lands sequence-sharded); the LM head's is the vocab-parallel cross-entropy, whose
     two small all-reduces (max, then sum-exp with the target logit) replace gathering (b, s, V)."""
@@ -49,7 +53,13 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
         styles[b + "attn.wk"] = dict(kv_style)
         styles[b + "attn.wv"] = dict(kv_style)
         styles[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
+        if model.qk_norm:
+            styles[b + "attn.q_norm"] = {"style": "heads"}
+            styles[b + "attn.k_norm"] = {"style": "heads"}
         styles[b + "ln2"] = dict(norm)
+        if model.family.sandwich_norm:  # after wo's and the MLP's output: sequence-sharded under SP, as ln1
+            styles[b + "ln1_post"] = dict(norm)
+            styles[b + "ln2_post"] = dict(norm)
         if model.experts:  # replicated over tp, split by ep instead (DERIVATIONS.md)
             styles[b + "mlp"] = (
                 {"style": "replicate", "input": "all-gather-replicated", "output": "split"}
@@ -103,5 +113,5 @@ def local_param(styles: dict[str, dict], name: str, full_shape, tp: int, tp_rank
     if "shard_dim" in style:
         box = shard_box(full_shape, style["shard_dim"], tp, tp_rank)
         return tuple(b - a for a, b in box), box, (), ()
-    extra = ("tp",) if kind == "sequence" else ()
+    extra = ("tp",) if kind in ("sequence", "heads") else ()
     return tuple(full_shape), None, extra, ("tp",)
