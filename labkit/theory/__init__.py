@@ -131,6 +131,16 @@ def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.nd
     return coord["pp"], shard
 
 
+def _window_class(cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> np.ndarray:
+    """Per rank: its cp coordinate where its comm rows depend on it — sliding-window layers under a cp
+    kind that exchanges the window's rows (labkit/layout/window.py: each rank its own tails) — else 0."""
+    windowed = cfg.cp > 1 and not cfg.context.splits_heads and any(model.layer_window(i) for i in range(model.layers))
+    if not windowed:
+        return np.zeros(layout.world, dtype=np.int64)
+    idx = np.unravel_index(np.arange(layout.world), layout.grid.shape)
+    return idx[layout._axis("cp")]
+
+
 def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int | None = None) -> Estimate:
     """Predicted memory, communication and bubble of `cfg` on `model`.
 
@@ -158,11 +168,13 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     by_key = {k: rank_memory(cfg, model, layout, r) for k, r in first.items()}
     memory = [by_key[k] for k in keys]
 
-    # the comm rows depend on the stage alone (the splits are even): one rank per stage is walked
-    stage_rep: dict[int, int] = {}
-    for r, s in enumerate(stage.tolist()):
+    # the comm rows depend on the stage alone (the splits are even): one rank per stage is walked;
+    # with sliding-window layers under cp on the cp coordinate too (each rank's window rows differ)
+    cls = list(zip(stage.tolist(), _window_class(cfg, model, layout).tolist()))
+    stage_rep: dict[tuple, int] = {}
+    for r, s in enumerate(cls):
         stage_rep.setdefault(s, r)
-    representative = [stage_rep[s] for s in stage.tolist()]
+    representative = [stage_rep[s] for s in cls]
     rows_of = rank_comm(cfg, model, layout, stage_rep.values())
     return Estimate(
         cfg,
