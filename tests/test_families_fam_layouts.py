@@ -9,7 +9,7 @@ a global layer every 3rd, its own RoPE bases, the linear factor, query_pre_attn_
 from __future__ import annotations
 
 import pytest
-from theory_match import STATES
+from theory_match import STATES, compare
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
 from labkit.layout.window import window_rows
@@ -102,10 +102,24 @@ def test_layout_trains_like_one_process_with_the_predicted_bytes(run, oracle, na
     cfg, model = LAYOUTS[name]
     res = run(name)
     assert_matches(res, oracle(cfg, model))
+    if model is not GEMMA:
+        compare(res, cfg, model, world=4)  # states, activations and every comm row, to the byte
+        return
+    # Gemma: states and every comm row to the byte; its activations (the (1 + w) norms' fp32 steps,
+    # four a block, GeGLU, the scaled embedding) are not in the theory yet (test_gemma_activations_left_out)
     est = theory.estimate(cfg, model, world=4)
     for rk in res.ranks:
         assert {k: rk.memory[k] for k in STATES} == {k: est.memory[rk.rank][k] for k in STATES}, rk.rank
     assert res.comm_table() == est.comm_table()
+
+
+def test_gemma_activations_left_out(run):
+    """Said, not hidden: Gemma 3's saved activations exceed the theory's llama-shaped count (measured
+    1,631,752 bytes against 1,015,300 on gemma-dp2); Qwen3's and SmolLM3's are exact above."""
+    res = run("gemma-dp2")
+    cfg, model = LAYOUTS["gemma-dp2"]
+    est = theory.estimate(cfg, model, world=4)
+    assert all(rk.memory["activations"] > est.memory[rk.rank]["activations"] for rk in res.ranks)
 
 
 def test_the_oracle_sees_the_window(run):

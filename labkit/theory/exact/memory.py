@@ -74,7 +74,10 @@ def activation_bytes(
     else:
         mlp = e * (4 if fam.gated_mlp else 2) * b * s * f
     if fam.rms_norm:  # the norms keep fp32 statistics and inputs; q and k kept rotated
-        block = 8 * (2 * b * s * h + b * s) + e * (4 * b * s * h + 2 * b * s * kv) + mlp + 4 * a * b * s
+        # q and the attention output are heads·head_dim wide (= h unless kv_channels says otherwise)
+        q = a * m.head_dim
+        block = 8 * (2 * b * s * h + b * s) + e * (2 * b * s * h + 2 * b * s * q + 2 * b * s * kv) + mlp + 4 * a * b * s
+        block += qk_norm_bytes(m, b, s, a, m.n_kv_heads)
     else:
         block = e * (6 * b * s * h + 2 * b * s * kv + 4 * b * s) + mlp + 4 * a * b * s
     total = layers * block
@@ -89,6 +92,16 @@ def activation_bytes(
     if embed:
         total += 8 * b * s + (0 if fam.rotary else 8 * s)  # a position table keeps the positions
     return total
+
+
+def qk_norm_bytes(m: ModelConfig, b: int, s: int, heads: int, kv_heads: int) -> int:
+    """Qwen3's q_norm and k_norm (`heads` query and `kv_heads` KV heads of this rank): each RMSNorm keeps
+    its input and normalised output in fp32 and one fp32 rstd per head and position (measured: torch's
+    CPU rms_norm); 0 without qk_norm."""
+    if not m.qk_norm:
+        return 0
+    hd = m.head_dim
+    return 4 * (2 * b * s * heads * hd + b * s * heads) + 4 * (2 * b * s * kv_heads * hd + b * s * kv_heads)
 
 
 def korthikanti_layer_bytes(

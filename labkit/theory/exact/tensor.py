@@ -17,6 +17,7 @@ from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.theory.exact.batch import microbatch_rows
 from labkit.theory.exact.experts import layer_activation_bytes
+from labkit.theory.exact.memory import qk_norm_bytes
 from labkit.theory.exact.pipeline import stage_layers
 
 
@@ -47,7 +48,9 @@ def activation_bytes(
         mlp = layer_activation_bytes(model, b, s, e)
     else:
         mlp = e * (4 if fam.gated_mlp else 2) * b * s * f // tp
-    attn = e * (2 * b * s * h // tp + 2 * b * s * kv)  # q and the attention output of the local heads; k, v
+    q = model.heads * model.head_dim  # h unless kv_channels sets head_dim apart
+    attn = e * (2 * b * s * q // tp + 2 * b * s * kv)  # q and the attention output of the local heads; k, v
+    attn += qk_norm_bytes(model, b, s, a // tp, max(1, model.n_kv_heads // tp))  # on the gathered sequence
     if fam.rms_norm:  # the norms keep fp32 statistics and inputs
         block = 8 * (2 * b * rows * h + b * rows) + e * 2 * b * kept * h + attn + mlp
     else:
