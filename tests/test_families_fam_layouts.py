@@ -184,3 +184,19 @@ def validate_problems(cfg, model) -> list[str]:
     except ConfigError as e:
         return e.problems
     return []
+
+
+def test_planner_prices_the_window():
+    """The time model (theory/planner/timing.py, ops.py) on Gemma 3 27B at 65,536 tokens, tp 8 x cp 8:
+    the local layers' attention computes s·w - w(w-1)/2 pairs of s²/2 and their cp traffic is the
+    window exchange's, so the step is shorter than the same model with every layer global; the
+    exchange's seconds are the slowest rank's messages (labkit/layout/window.py)."""
+    from labkit.theory.planner.timing import step_time
+    from labkit.theory.presets import GEMMA3_27B
+
+    gemma = GEMMA3_27B.replace(seq=65536)
+    every_global = gemma.replace(sliding_window=None, window_pattern=0, rope_local_theta=None)
+    cfg = P(cp=8, tp=8, sequence_parallel=True, global_batch=8, precision="bf16")
+    local, full = step_time(cfg, gemma, world=64), step_time(cfg, every_global, world=64)
+    assert local.compute < full.compute and local.comm["cp"] < full.comm["cp"] / 3
+    assert local.total < full.total

@@ -95,10 +95,12 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
             k, n = (f, h) if i == mats - 1 else (h, f)
             ops += _matmul(f"mlp.experts.{i}", routed, k, n, precision, kept=False)
         ops.append(Op("moe gather/scatter", "memory", 0, 4 * e * routed * h, kept=False))
-    hd = h // a
+    hd, q = model.head_dim, a * model.head_dim  # h // a and h unless kv_channels sets head_dim apart
     attn_flops = 4.0 * b * s * model.seq * (a // tp) * hd / 2  # causal: half the products
+    if any(model.layer_window(i) for i in range(model.layers)):  # Gemma 3: its local layers' pairs only
+        attn_flops = 4.0 * b * (a // tp) * hd * _mean_pairs(model) / cp
     # the kernel reads q, k, v and writes its output once: q and the output h/t wide, k and v kv/t
-    attn_bytes = e * tokens * (2 * h + 2 * _kv(model)) / tp
+    attn_bytes = e * tokens * (2 * q + 2 * _kv(model)) / tp
     ops.append(Op("attention", "attention", attn_flops, attn_bytes, backward=2.5, head_dim=hd, length=s))
     # eager kernels, bytes per element forward / backward (each reads its inputs and writes its
     # output once; DERIVATIONS.md, "The time model", counts them kernel by kernel):
@@ -168,6 +170,14 @@ OPTIMIZER_BYTES = 40
 """Bytes per parameter element of AdamW + clipping on the rank's (sharded) fp32 states: read
 master, gradient, both moments and write master and moments (28), the norm's read of the gradient
 and the clip's scaling in place (12)."""
+
+
+def _mean_pairs(model: ModelConfig) -> float:
+    """(query, key) pairs a block computes, averaged over the blocks: s²/2 causal (a global layer, as
+    the formula above halves it), s·w - w(w-1)/2 for a window of w (each query its last w keys)."""
+    s = model.seq
+    pairs = [s * s / 2 if w is None else s * w - w * (w - 1) / 2 for w in map(model.layer_window, range(model.layers))]
+    return sum(pairs) / len(pairs)
 
 
 @lru_cache(maxsize=256)
