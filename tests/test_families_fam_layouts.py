@@ -45,11 +45,12 @@ LAYOUTS = {
     "smol-fsdp-dp2": (P(dp=2, sharding="fsdp"), SMOL),
     "smol-tp2sp": (P(tp=2, sequence_parallel=True), SMOL),
     "smol-pp2": (P(pp=2, microbatches=2), SMOL),  # the tied embedding on both stages
+    "smol-pp2-nope-stage": (P(pp=2, microbatches=2, stage_layers=(3, 1)), SMOL),  # stage 1: a NoPE layer, no tables
     "smol-cp4": (P(cp=4), SMOL),  # NoPE layers: no rotation at the zigzag positions either
     "gemma-dp2": (P(dp=2), GEMMA),
     "gemma-zero3-dp2": (P(dp=2, sharding="zero3"), GEMMA),
     "gemma-tp2sp": (P(tp=2, sequence_parallel=True), GEMMA),  # the scaled embedding vocab-parallel, four norms
-    "gemma-pp2-uneven": (P(pp=2, microbatches=2, stage_layers=(2, 1)), GEMMA),
+    "gemma-pp2-uneven": (P(pp=2, microbatches=2, stage_layers=(2, 1)), GEMMA),  # local tables only on stage 0
     "gemma-cp2": (P(cp=2), GEMMA),  # chunks of 8: each local layer sends a 6-row tail
     "gemma-cp4": (P(cp=4), GEMMA),  # chunks of 4: a whole chunk and 2 rows of the one before
     "gemma-cp2-allgather": (P(cp=2, cp_kind="allgather"), GEMMA),
@@ -102,22 +103,23 @@ def test_layout_trains_like_one_process_with_the_predicted_bytes(run, oracle, na
     cfg, model = LAYOUTS[name]
     res = run(name)
     assert_matches(res, oracle(cfg, model))
-    if model is not GEMMA:
+    if model is not GEMMA or cfg.cp == 1:
         compare(res, cfg, model, world=4)  # states, activations and every comm row, to the byte
         return
-    # Gemma: states and every comm row to the byte; its activations (the (1 + w) norms' fp32 steps,
-    # four a block, GeGLU, the scaled embedding) are not in the theory yet (test_gemma_activations_left_out)
+    # Gemma under cp: states and every comm row to the byte; what the window exchange's attention keeps
+    # is not in the theory yet (test_gemma_cp_activations_left_out)
     est = theory.estimate(cfg, model, world=4)
     for rk in res.ranks:
         assert {k: rk.memory[k] for k in STATES} == {k: est.memory[rk.rank][k] for k in STATES}, rk.rank
     assert res.comm_table() == est.comm_table()
 
 
-def test_gemma_activations_left_out(run):
-    """Said, not hidden: Gemma 3's saved activations exceed the theory's llama-shaped count (measured
-    1,631,752 bytes against 1,015,300 on gemma-dp2); Qwen3's and SmolLM3's are exact above."""
-    res = run("gemma-dp2")
-    cfg, model = LAYOUTS["gemma-dp2"]
+def test_gemma_cp_activations_left_out(run):
+    """Said, not hidden: under cp, Gemma 3's local layers keep what the window exchange's attention
+    keeps (the received rows, each chunk's keys and mask), which the theory does not count yet
+    (measured 1,710,984 bytes against 1,619,464 on gemma-cp2); without cp they are exact above."""
+    res = run("gemma-cp2")
+    cfg, model = LAYOUTS["gemma-cp2"]
     est = theory.estimate(cfg, model, world=4)
     assert all(rk.memory["activations"] > est.memory[rk.rank]["activations"] for rk in res.ranks)
 

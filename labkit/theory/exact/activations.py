@@ -19,19 +19,33 @@ from labkit.theory.exact.experts import layer_activation_bytes
 from labkit.theory.exact.pipeline import peak_in_flight
 
 
-def _bytes(cfg: ParallelConfig, model: ModelConfig, b: int, layers: int, head: bool, embed: bool) -> int:
-    """What one microbatch of `b` sequences keeps in `layers` blocks (+ head / embedding), no recompute."""
+def _bytes(
+    cfg: ParallelConfig,
+    model: ModelConfig,
+    b: int,
+    layers: int,
+    head: bool,
+    embed: bool,
+    local: int = 0,
+    tables: int | None = None,
+) -> int:
+    """What one microbatch of `b` sequences keeps in `layers` blocks (+ head / embedding), no recompute;
+    `local` of the blocks are sliding-window layers (each keeps its mask; without cp only)."""
     act = ELEM[cfg.precision]
     # a cp rank keeps the activations of its own s/cp positions only (DERIVATIONS.md, "Context parallelism")
     seq = model.seq // cfg.cp
     heads = layers * ulysses_bytes(cfg, model, b)
+    if cfg.cp == 1:  # under cp the window's keys are the exchange's (not priced here: DERIVATIONS.md)
+        heads += local * memory.window_mask_bytes(model, seq, act)
     if cfg.tp == 1:
-        plain = memory.activation_bytes(model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act)
+        plain = memory.activation_bytes(
+            model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act, tables=tables
+        )
         return plain + heads
     # tensor.activation_bytes reads the block count off the model and takes the sequence apart: under SP
     # the stream holds s/(cp·tp) rows of it while the gathered inputs, q, k, v and MoE layers keep all s/cp
     return heads + tensor.activation_bytes(
-        model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act, head=head, embed=embed
+        model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act, head=head, embed=embed, tables=tables
     )
 
 
@@ -90,7 +104,15 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
 
 
-def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> Chunk:
+def chunk(
+    cfg: ParallelConfig,
+    model: ModelConfig,
+    layers: int,
+    head: bool,
+    embed: bool,
+    local: int = 0,
+    tables: int | None = None,
+) -> Chunk:
     """One pipeline chunk (or the whole model when pp == 1) for one microbatch, under the
     config's recomputation: none; 'selective' (the attention core: its log-sum-exp is not kept,
     and its recomputation never adds to the peak, as the rest of its block is freed by then);
@@ -102,13 +124,13 @@ def chunk(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embe
     # (Korthikanti et al. 2022, section 4.2; DERIVATIONS.md, "Activations per rank": the rest stays)
     if not r.reruns_forward:
         dropped = layers * (lse_bytes(cfg, model, b) + ulysses_bytes(cfg, model, b)) if r.attention_only else 0
-        return Chunk(_bytes(cfg, model, b, layers, head, embed) - dropped)
+        return Chunk(_bytes(cfg, model, b, layers, head, embed, local, tables) - dropped)
     if r.per_op:
         x = op_block_bytes(cfg, model, b)
     else:
         x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
     # one whole block, no head or embedding: the most that is rebuilt at a time in backward
-    block = _bytes(cfg, model, b, 1, False, False)
+    block = _bytes(cfg, model, b, 1, False, False, min(local, 1))  # a local block is the larger one
     # the head and the embedding are never checkpointed: they keep all they keep under any policy
     head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
     kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
@@ -149,8 +171,13 @@ def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, C
         # the stage, not c, says whether a chunk holds the embedding (stage 0) or the head (the last):
         # a V-shaped schedule puts rank r's chunks on stages r and 2p-1-r (schedules.style)
         s = stage_of(pp_rank, c, p, placement)
-        layers = len(chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement))
-        out[c] = chunk(cfg, model, layers, head=s == p * v - 1, embed=s == 0)
+        blocks = chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement)
+        local = sum(model.layer_window(i) is not None for i in blocks)  # Gemma 3's sliding-window layers
+        # the rotary pairs its blocks use (Gemma 3: a chunk of local layers keeps the local pair only;
+        # SmolLM3: a chunk of NoPE layers none)
+        varied = model.rope_local_theta is not None or model.nope_interval  # else: one pair, any chunk with blocks
+        tables = memory.table_kinds(model, blocks) if varied else None
+        out[c] = chunk(cfg, model, len(blocks), head=s == p * v - 1, embed=s == 0, local=local, tables=tables)
     return out
 
 
