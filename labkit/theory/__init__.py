@@ -23,6 +23,7 @@ from labkit.config.table import Rows, card, human_bytes
 from labkit.config.validation import argument_problems, problems
 from labkit.layout.mesh import DATA_DIMS, MeshLayout
 from labkit.theory.exact.comm import Stopped
+from labkit.theory.exact.context import window_exchanged
 from labkit.theory.exact.memory import (
     activation_bytes,
     korthikanti_layer_bytes,
@@ -134,8 +135,7 @@ def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.nd
 def _window_class(cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> np.ndarray:
     """Per rank: its cp coordinate where its comm rows depend on it — sliding-window layers under a cp
     kind that exchanges the window's rows (labkit/layout/window.py: each rank its own tails) — else 0."""
-    windowed = cfg.cp > 1 and not cfg.context.splits_heads and any(model.layer_window(i) for i in range(model.layers))
-    if not windowed:
+    if not window_exchanged(cfg, model):
         return np.zeros(layout.world, dtype=np.int64)
     idx = np.unravel_index(np.arange(layout.world), layout.grid.shape)
     return idx[layout._axis("cp")]
@@ -161,7 +161,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     if not (cfg.sharded.fsdp and cfg.torch_impl):
         shard = np.zeros_like(shard)  # only FSDP2's uneven dim-0 chunks differ by shard index
     # one rank_memory per (stage, shard) class; every rank of the class shares its dict
-    keys = list(zip(stage.tolist(), shard.tolist()))
+    keys = list(zip(stage.tolist(), shard.tolist(), _window_class(cfg, model, layout).tolist()))
     first: dict[tuple, int] = {}
     for r, k in enumerate(keys):
         first.setdefault(k, r)

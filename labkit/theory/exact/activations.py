@@ -15,6 +15,7 @@ from labkit.layout.precision import ELEM
 from labkit.layout.schedules import chunk_layers, schedule_table, stage_of, style
 from labkit.theory.exact import memory, tensor
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
+from labkit.theory.exact.context import window_activation_bytes
 from labkit.theory.exact.experts import layer_activation_bytes
 from labkit.theory.exact.pipeline import peak_in_flight
 
@@ -30,13 +31,12 @@ def _bytes(
     tables: int | None = None,
 ) -> int:
     """What one microbatch of `b` sequences keeps in `layers` blocks (+ head / embedding), no recompute;
-    `local` of the blocks are sliding-window layers (each keeps its mask; without cp only)."""
+    `local`: the bytes the chunk's sliding-window layers keep beyond a global layer's (chunks())."""
     act = ELEM[cfg.precision]
     # a cp rank keeps the activations of its own s/cp positions only (DERIVATIONS.md, "Context parallelism")
     seq = model.seq // cfg.cp
     heads = layers * ulysses_bytes(cfg, model, b)
-    if cfg.cp == 1:  # under cp the window's keys are the exchange's (not priced here: DERIVATIONS.md)
-        heads += local * memory.window_mask_bytes(model, seq, act)
+    heads += local  # the local layers' own bytes, summed by the caller (context.window_activation_bytes)
     if cfg.tp == 1:
         plain = memory.activation_bytes(
             model.replace(seq=seq), b, layers=layers, head=head, embed=embed, act_bytes=act, tables=tables
@@ -56,7 +56,8 @@ def ulysses_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     Selective recomputation drops it with the log-sum-exp; 0 for the other kinds."""
     if cfg.cp == 1 or not cfg.context.splits_heads:
         return 0
-    return ELEM[cfg.precision] * b * (model.seq // cfg.cp) * (model.hidden // cfg.tp)
+    # heads·head_dim wide: h unless kv_channels sets head_dim apart (Qwen3, Gemma 3)
+    return ELEM[cfg.precision] * b * (model.seq // cfg.cp) * (model.heads * model.head_dim // cfg.tp)
 
 
 @dataclass(frozen=True)
@@ -91,7 +92,8 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     sum. An MoE layer's grouped products are not matmuls to the policy: recomputed whole."""
     e, t, h, f = ELEM[cfg.precision], cfg.tp, model.hidden, model.ffn
     s, rows = model.seq // cfg.cp, stream_rows(cfg, model)
-    widths = [h // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
+    q = model.heads * model.head_dim  # h unless kv_channels sets head_dim apart
+    widths = [q // t, _kv(model) // t, _kv(model) // t, h]  # wq, wk, wv, wo
     # an MoE layer's grouped expert products are not matmuls to the policy: nothing of its MLP is saved
     if not model.experts:
         widths += [f // t, f // t, h] if model.family.gated_mlp else [f // t, h]
@@ -101,7 +103,7 @@ def op_block_bytes(cfg: ParallelConfig, model: ModelConfig, b: int) -> int:
     # SP's two reduce-scatters (after wo, after the MLP) leave this rank's stream rows: saved by the policy
     scatters = 2 * e * b * rows * h if cfg.sequence_parallel else 0
     # the block's input + the saved products + the attention output (b, s, h/t) + its lse + SP's scatters
-    return e * b * rows * h + mm + e * b * s * h // t + lse_bytes(cfg, model, b) + scatters
+    return e * b * rows * h + mm + e * b * s * q // t + lse_bytes(cfg, model, b) + scatters
 
 
 def chunk(
@@ -112,6 +114,7 @@ def chunk(
     embed: bool,
     local: int = 0,
     tables: int | None = None,
+    local_one: int = 0,
 ) -> Chunk:
     """One pipeline chunk (or the whole model when pp == 1) for one microbatch, under the
     config's recomputation: none; 'selective' (the attention core: its log-sum-exp is not kept,
@@ -130,7 +133,8 @@ def chunk(
     else:
         x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
     # one whole block, no head or embedding: the most that is rebuilt at a time in backward
-    block = _bytes(cfg, model, b, 1, False, False, min(local, 1))  # a local block is the larger one
+    # a local block is the larger one: the heaviest rebuilt is a global block plus one local layer's own
+    block = _bytes(cfg, model, b, 1, False, False, local_one)
     # the head and the embedding are never checkpointed: they keep all they keep under any policy
     head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
     kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
@@ -162,7 +166,7 @@ def routed(cfg: ParallelConfig, model: ModelConfig, c: Chunk, received: list[int
     return Chunk(c.forward, max(0, rebuilt - len(delta) * c.x - c.head) if delta else 0, c.block, c.x, c.head)
 
 
-def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, Chunk]:
+def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, cp_rank: int = 0) -> dict[int, Chunk]:
     """Each of pipeline rank `pp_rank`'s chunks (chunk 0: the whole model when pp == 1)."""
     # without a pipeline there is one chunk whatever virtual_stages says
     p, v, placement = cfg.pp, cfg.virtual_stages if cfg.pp > 1 else 1, style(cfg.schedule)
@@ -172,34 +176,40 @@ def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> dict[int, C
         # a V-shaped schedule puts rank r's chunks on stages r and 2p-1-r (schedules.style)
         s = stage_of(pp_rank, c, p, placement)
         blocks = chunk_layers(model.layers, p, v, pp_rank, c, cfg.stage_layers, placement)
-        local = sum(model.layer_window(i) is not None for i in blocks)  # Gemma 3's sliding-window layers
+        b = microbatch_rows(cfg)
+        # Gemma 3's sliding-window layers: what each keeps beyond a global layer (this cp rank's windows)
+        windows = [w for w in map(model.layer_window, blocks) if w is not None]
+        local = sum(window_activation_bytes(cfg, model, b, cp_rank, w) for w in windows)
         # the rotary pairs its blocks use (Gemma 3: a chunk of local layers keeps the local pair only;
         # SmolLM3: a chunk of NoPE layers none)
         varied = model.rope_local_theta is not None or model.nope_interval  # else: one pair, any chunk with blocks
         tables = memory.table_kinds(model, blocks) if varied else None
-        out[c] = chunk(cfg, model, len(blocks), head=s == p * v - 1, embed=s == 0, local=local, tables=tables)
+        one = max((window_activation_bytes(cfg, model, b, cp_rank, w) for w in windows), default=0)
+        out[c] = chunk(cfg, model, len(blocks), s == p * v - 1, s == 0, local, tables, one)
     return out
 
 
-def peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0, received: dict | None = None) -> int:
+def peak(
+    cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0, received: dict | None = None, cp_rank: int = 0
+) -> int:
     """Peak bytes saved for backward on a rank at pipeline coordinate `pp_rank` over one step.
     received: {(microbatch, chunk): [R of each MoE layer of the chunk]}, rows each layer's experts
     got (routing dependent under ep; read off a run's combine all-to-alls) for the exact value;
     default the balanced R = N."""
     if received is None:
-        return _peak(cfg, model, pp_rank)
-    return _walk(cfg, model, pp_rank, received)
+        return _peak(cfg, model, pp_rank, cp_rank)
+    return _walk(cfg, model, pp_rank, received, cp_rank)
 
 
 # frozen configs hash: estimate and the planner ask for the same (layout, rank) many times over;
 # a routed walk (received given) depends on one run's routing and is not cached
 @lru_cache(maxsize=4096)
-def _peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> int:
-    return _walk(cfg, model, pp_rank, None)
+def _peak(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, cp_rank: int = 0) -> int:
+    return _walk(cfg, model, pp_rank, None, cp_rank)
 
 
-def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict | None) -> int:
-    base = chunks(cfg, model, pp_rank)
+def _walk(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, received: dict | None, cp_rank: int = 0) -> int:
+    base = chunks(cfg, model, pp_rank, cp_rank)
 
     def per(mb: int, c: int) -> Chunk:
         return base[c] if received is None else routed(cfg, model, base[c], received[mb, c])

@@ -71,6 +71,30 @@ def _window_rows(comm, cfg, model, rank: int, label: str, cp_rank: int, window: 
             comm.add(rank, label, op, row * r, cfg.cp, cfg.microbatches)
 
 
+def window_exchanged(cfg: ParallelConfig, model: ModelConfig) -> bool:
+    """Whether a rank's bytes depend on its cp coordinate: sliding-window layers whose rows go by the
+    window exchange (cp > 1, a kind other than Ulysses), each rank its own tails."""
+    return cfg.cp > 1 and not cfg.context.splits_heads and any(model.layer_window(i) for i in range(model.layers))
+
+
+def window_activation_bytes(cfg: ParallelConfig, model: ModelConfig, b: int, cp_rank: int, window: int) -> int:
+    """What one local layer keeps beyond a global layer's count (b sequences, s/cp positions), by cp kind.
+    Without cp: SDPA's (s, s) mask in the compute dtype (the CPU kernel makes the boolean mask additive).
+    Ulysses: the same mask over the whole sequence, after its all-to-all. The window exchange
+    (engines/parallel/context_window.py): each of the rank's two chunks saves its own keys and values
+    (its rows and those received, cat'ed: e·2b·kv·keys) in place of the rank's k and v, its mask
+    (c, keys), and the chunks' outputs cat'ed make wo's input a copy (e·b·(s/cp)·q, not a view)."""
+    e, s = ELEM[cfg.precision], model.seq
+    if cfg.cp == 1 or cfg.context.splits_heads:
+        return e * s * s
+    c = s // (2 * cfg.cp)
+    kv = max(1, model.n_kv_heads // cfg.tp) * model.head_dim  # the rank's K (and V) width
+    q = model.heads // cfg.tp * model.head_dim
+    keys = [qc * c + c - max(0, qc * c - (window - 1)) for qc in (cp_rank, 2 * cfg.cp - 1 - cp_rank)]
+    own_kv = e * 2 * b * (s // cfg.cp) * kv  # what a global layer's count has for k and v
+    return sum(e * 2 * b * kv * n + e * c * n for n in keys) - own_kv + e * b * (s // cfg.cp) * q
+
+
 def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
     """What a cp rank sends for one step (per layer and microbatch: _kind_rows, by cp_kind) and
     the MoE balance-loss count all-reduce. The ring: cp-1 hops of K/V forward, cp-1 again backward
