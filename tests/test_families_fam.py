@@ -151,6 +151,8 @@ def test_the_variants_matter():
     base = out(cfg)
     for change in (dict(sliding_window=None, window_pattern=0, rope_local_theta=None), dict(rope_linear_factor=1.0)):
         assert (out(cfg.replace(**change)) - base).abs().max() > 1e-4, change
+    for change in (dict(qk_norm=False), dict(query_pre_attn_scalar=None)):
+        assert (out(cfg.replace(**change)) - base).abs().max() > 1e-4, change
     smol = ModelConfig.from_hf(CASES["smollm3"][0], seq=64)
     t = tokens[:, :64] % smol.vocab
     nets = [build_model(m, 0) for m in (smol, smol.replace(nope_interval=0))]

@@ -55,6 +55,11 @@ LAYOUTS = {
     "gemma-cp4": (P(cp=4), GEMMA),  # chunks of 4: a whole chunk and 2 rows of the one before
     "gemma-cp2-allgather": (P(cp=2, cp_kind="allgather"), GEMMA),
     "gemma-cp2-ulysses": (P(cp=2, cp_kind="ulysses"), GEMMA),
+    # recomputed: the window exchange runs again in backward (selective: the attention core only)
+    "gemma-cp2-selective": (P(cp=2, checkpoint_activations="selective"), GEMMA),
+    "gemma-cp2-ac": (P(cp=2, checkpoint_activations=True), GEMMA),
+    "qwen3-tp2sp-ac": (P(tp=2, sequence_parallel=True, checkpoint_activations=True), QWEN3),
+    "smol-pp2-ac": (P(pp=2, microbatches=2, stage_layers=(3, 1), checkpoint_activations=True), SMOL),
     # composed
     "gemma-dp2-tp2sp-cp": (P(tp=2, cp=2, sequence_parallel=True), GEMMA),
     "qwen3-tp2-pp2": (P(tp=2, pp=2, microbatches=2), QWEN3),

@@ -114,27 +114,30 @@ def chunk(
     embed: bool,
     local: int = 0,
     tables: int | None = None,
-    local_one: int = 0,
+    own: tuple[int, ...] = (),
+    pairs: tuple[int, ...] | None = None,
 ) -> Chunk:
     """One pipeline chunk (or the whole model when pp == 1) for one microbatch, under the
     config's recomputation: none; 'selective' (the attention core: its log-sum-exp is not kept,
     and its recomputation never adds to the peak, as the rest of its block is freed by then);
     'full' (a block keeps its input, one block at a time is rebuilt in backward); 'op'
-    (`op_block_bytes` kept, the rest rebuilt one block at a time)."""
+    (`op_block_bytes` kept, the rest rebuilt one block at a time). `local`: what the chunk's
+    sliding-window layers keep beyond global ones, `own` the same per block and `pairs` the rotary
+    pairs each block uses (Gemma 3, SmolLM3; None: the model's, every block alike)."""
     b = microbatch_rows(cfg)
     r = cfg.recomputation
     # no block's forward rerun (none, 'selective'): all is kept but, under 'selective', each block's lse
     # (Korthikanti et al. 2022, section 4.2; DERIVATIONS.md, "Activations per rank": the rest stays)
     if not r.reruns_forward:
         dropped = layers * (lse_bytes(cfg, model, b) + ulysses_bytes(cfg, model, b)) if r.attention_only else 0
+        dropped += local if r.attention_only else 0  # a local layer's own bytes are all inside its core
         return Chunk(_bytes(cfg, model, b, layers, head, embed, local, tables) - dropped)
     if r.per_op:
         x = op_block_bytes(cfg, model, b)
     else:
         x = ELEM[cfg.precision] * b * stream_rows(cfg, model) * model.hidden  # a block's input, all it keeps
     # one whole block, no head or embedding: the most that is rebuilt at a time in backward
-    # a local block is the larger one: the heaviest rebuilt is a global block plus one local layer's own
-    block = _bytes(cfg, model, b, 1, False, False, local_one)
+    block = _bytes(cfg, model, b, 1, False, False, 0, None if pairs is None else 0)
     # the head and the embedding are never checkpointed: they keep all they keep under any policy
     head_bytes = _bytes(cfg, model, b, 0, True, False) if head else 0
     kept = _bytes(cfg, model, b, 0, False, True) if embed else 0
@@ -142,6 +145,12 @@ def chunk(
     # replaces its kept input: extra over the forward's total is block - x - head, never below 0;
     # a chunk with no blocks (stage_layers may give a stage 0) rebuilds nothing
     extra = max(0, block - x - head_bytes) if layers else 0
+    if own or pairs:  # blocks of unequal size (Gemma 3's local layers, its rotary pairs): block l is rebuilt
+        # while the inputs of blocks 0..l-1 are still kept, as routed() walks an MoE chunk's layers
+        pair = memory.rotary_bytes(model, model.seq // cfg.cp, ELEM[cfg.precision], 1)
+        sizes = [block + (own[i] if own else 0) + pair * (pairs[i] if pairs else 0) for i in range(layers)]
+        rebuilt = max(size + i * x for i, size in enumerate(sizes))
+        extra, block = max(0, rebuilt - layers * x - head_bytes), max(sizes)
     return Chunk(kept + layers * x + head_bytes, extra, block, x, head_bytes)
 
 
@@ -184,8 +193,11 @@ def chunks(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, cp_rank: int =
         # SmolLM3: a chunk of NoPE layers none)
         varied = model.rope_local_theta is not None or model.nope_interval  # else: one pair, any chunk with blocks
         tables = memory.table_kinds(model, blocks) if varied else None
-        one = max((window_activation_bytes(cfg, model, b, cp_rank, w) for w in windows), default=0)
-        out[c] = chunk(cfg, model, len(blocks), s == p * v - 1, s == 0, local, tables, one)
+        own = tuple(
+            window_activation_bytes(cfg, model, b, cp_rank, w) if w else 0 for w in map(model.layer_window, blocks)
+        )
+        pairs = tuple(memory.table_kinds(model, [i]) for i in blocks) if varied else None
+        out[c] = chunk(cfg, model, len(blocks), s == p * v - 1, s == 0, local, tables, own if windows else (), pairs)
     return out
 
 
