@@ -192,3 +192,9 @@ def test_planner_prices_the_window():
     local, full = step_time(cfg, gemma, world=64), step_time(cfg, every_global, world=64)
     assert local.compute < full.compute and local.comm["cp"] < full.comm["cp"] / 3
     assert local.total < full.total
+    # MFU's model FLOPs (PaLM's convention) count a local layer's queries against w keys, not s
+    from labkit.theory.planner.ops import model_flops_per_token
+
+    q = gemma.heads * gemma.head_dim  # the same parameters: the difference is the 52 local layers' keys
+    drop = model_flops_per_token(every_global) - model_flops_per_token(gemma)
+    assert drop == pytest.approx(12.0 * q * 52 * (65536 - 1024), rel=1e-12)

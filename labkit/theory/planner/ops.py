@@ -185,7 +185,8 @@ def model_flops_per_token(model: ModelConfig) -> float:
     """Model FLOPs per token of forward + backward, PaLM's convention (Chowdhery et al. 2022,
     appendix B; torchtitan and MFU tables use it): 6·N + 12·L·h·s, N the parameters a token
     passes through without the embedding table (the LM head counted, a tied one too), and the
-    attention products counted whole (not halved for the causal mask)."""
+    attention products counted whole (not halved for the causal mask), h = heads·head_dim, a
+    sliding-window layer's at its window's w keys instead of s."""
     total = 0.0
     for name, shape in param_shapes(model):
         # the embedding table is a lookup, not a product: PaLM leaves it out
@@ -198,4 +199,9 @@ def model_flops_per_token(model: ModelConfig) -> float:
         total += n
     if model.tied:
         total += model.vocab * model.hidden  # the head's product with the tied table
-    return 6.0 * total + 12.0 * model.layers * model.hidden * model.seq
+    q = model.heads * model.head_dim  # = h unless kv_channels (torchtitan's 12·l·heads·head_dim·s)
+    if not any(model.layer_window(i) for i in range(model.layers)):
+        return 6.0 * total + 12.0 * model.layers * q * model.seq
+    # a sliding-window layer's queries see w keys, not s (Gemma 3: five layers in six)
+    keys = sum(model.seq if w is None else w for w in map(model.layer_window, range(model.layers)))
+    return 6.0 * total + 12.0 * q * keys
