@@ -1,6 +1,6 @@
 """Qwen3, SmolLM3 and Gemma 3 (issue 35) under every strategy on the session's 4-engine cluster: each
-layout trains like one process (labkit.oracle.checks.assert_matches) and measures the model states
-and every comm row the theory predicts, to the byte — Gemma 3's sliding-window layers under context
+layout trains like one process (labkit.oracle.checks.assert_matches) and measures the model states,
+the activations and every comm row the theory predicts, to the byte — Gemma 3's sliding-window layers under context
 parallelism included, where only the K/V rows inside the window travel (labkit/layout/window.py).
 The tiny models keep each feature live: Qwen3's q/k norms and head_dim apart from hidden / heads
 (16 on h 32 with 4 heads), SmolLM3's NoPE layers (every 2nd here), Gemma 3's windows (7 < seq 32,
@@ -64,7 +64,8 @@ LAYOUTS = {
     # from the fp32 reference here, past the oracle's bf16 bound of 2%: not a layout's doing, left out)
     "qwen3-tp2sp-bf16": (P(tp=2, sequence_parallel=True, precision="bf16"), QWEN3),
     # composed
-    "gemma-dp2-tp2sp-cp": (P(tp=2, cp=2, sequence_parallel=True), GEMMA),
+    "gemma-tp2sp-cp2": (P(tp=2, cp=2, sequence_parallel=True), GEMMA),
+    "gemma-cp2-pp2-uneven": (P(cp=2, pp=2, microbatches=2, stage_layers=(2, 1)), GEMMA),  # per (stage, cp rank)
     "qwen3-tp2-pp2": (P(tp=2, pp=2, microbatches=2), QWEN3),
     "smol-dp2-cp2-zero1": (P(dp=2, cp=2, sharding="zero1"), SMOL),
 }
