@@ -21,6 +21,7 @@ torch = pytest.importorskip("torch")
 
 sys.path.insert(0, str(Path(__file__).parent / "data"))
 sys.path.insert(0, str(Path(__file__).parent))
+from hf_configs import MISTRAL_7B_V01  # noqa: E402
 from hf_configs_fam import GEMMA3_27B, QWEN3_8B, SMOLLM3_3B  # noqa: E402
 from test_hf_numerics import llama_weights, logits  # noqa: E402
 
@@ -87,6 +88,8 @@ CASES = {
         },
         96,
     ),
+    # Mistral 7B v0.1's window on every layer, 24 < seq 64 (labkit/config/hf.py)
+    "mistral-window": ({**MISTRAL_7B_V01, **SMALL, "num_key_value_heads": 2, "sliding_window": 24}, 64),
 }
 
 

@@ -9,7 +9,7 @@ inference or for training noise (dropout, token ids, caches, dtype) are ignored:
 without dropout. A config is a dict, or a local config.json (or the folder holding one): labkit
 never downloads, so a Hub id is refused with the way to fetch its config.json.
 
-    LlamaForCausalLM, MistralForCausalLM   arch 'llama' (RMSNorm, RoPE, SwiGLU, GQA)
+    LlamaForCausalLM, MistralForCausalLM   arch 'llama' (RMSNorm, RoPE, SwiGLU, GQA; Mistral: a window on every layer)
     MixtralForCausalLM                     arch 'llama' with experts (SwiGLU experts, top-k router)
     Qwen2ForCausalLM                       arch 'llama' with biases on q, k, v (qkv_bias)
     GPT2LMHeadModel                        arch 'gpt2'
@@ -178,10 +178,13 @@ def _llama(c: dict, kind: str, seq: int | None, problems: list[str]) -> dict:
     if kind == "qwen2":
         window = window if c.get("use_sliding_window") else None
     if window is not None and window < out["seq"]:
-        problems.append(
-            f"sliding_window={window} < seq={out['seq']}: sliding-window attention is not built; "
-            "pass seq <= sliding_window (the window then changes nothing)"
-        )
+        if kind == "mistral":  # every layer local (window_pattern 0), as MistralAttention masks each one
+            out["sliding_window"] = _read(c, "sliding_window", int, problems)
+        else:  # Qwen2's sliding layers start at max_window_layers: not this pattern
+            problems.append(
+                f"sliding_window={window} < seq={out['seq']}: {kind}'s sliding-window layers are not built; "
+                "pass seq <= sliding_window (the window then changes nothing)"
+            )
     if kind == "mixtral" and c.get("router_jitter_noise", 0.0):
         problems.append(f"router_jitter_noise={c['router_jitter_noise']}: the router is deterministic here")
     return out
