@@ -13,6 +13,7 @@ sequence) — and cast to the compute dtype, as HF does.
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -21,13 +22,20 @@ import torch.nn.functional as F
 from labkit.config import ModelConfig
 
 
-def rope_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
+def rope_frequencies(cfg: ModelConfig, device=None, local: bool = False) -> torch.Tensor:
     """θ^(-2i/hd) for i < hd/2, fp32 (hd/2,); with Llama 3.1's scaling (HF
     `_compute_llama3_parameters`, Meta's `apply_scaling`): wavelengths 2π/f beyond
     original/low_freq_factor are divided by `factor`, those below original/high_freq_factor kept,
-    and in between f is interpolated: (1 - w) f/factor + w f, w = (original/λ - low) / (high - low)."""
+    and in between f is interpolated: (1 - w) f/factor + w f, w = (original/λ - low) / (high - low).
+    `local`: a sliding-window layer's tables (Gemma 3: base rope_local_theta, unscaled); a global
+    layer's are divided by rope_linear_factor (HF `_compute_linear_scaling_rope_parameters`)."""
     hd = cfg.head_dim
-    freq = 1.0 / cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
+    freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
+    if local:
+        return freq
+    if cfg.rope_linear_factor != 1.0:
+        freq = freq / cfg.rope_linear_factor
     sc = cfg.rope_scaling
     if sc is None:
         return freq
@@ -49,8 +57,15 @@ class Rotary(nn.Module):
         super().__init__()
         self.cfg = cfg
 
-    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        freq = rope_frequencies(self.cfg, positions.device)  # (hd/2,)
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):
+        """(cos, sin); with a local RoPE base (Gemma 3) a dict of both, {False: global, True: local},
+        each layer picking its own (Attention.local)."""
+        if self.cfg.rope_local_theta is not None:
+            return {local: self.tables(positions, dtype, local) for local in (False, True)}
+        return self.tables(positions, dtype)
+
+    def tables(self, positions: torch.Tensor, dtype: torch.dtype, local: bool = False):
+        freq = rope_frequencies(self.cfg, positions.device, local)  # (hd/2,)
         angles = positions.float()[:, None] * freq[None, :]  # (s,) x (hd/2,) -> (s, hd/2)
         angles = torch.cat([angles, angles], dim=-1)  # (s, hd): both halves of each pair
         return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -72,32 +87,65 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(len q, len k) bool, True where the query may see the key: k <= q, and within the sliding
+    window, q - k < window (transformers' causal mask with its sliding_window_overlay)."""
+    d = q_pos[:, None] - k_pos[None, :]
+    return (d >= 0) if window is None else (d >= 0) & (d < window)
+
+
+def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int) -> torch.Tensor:
+    """causal_attention restricted to a sliding window of `window` positions (tokens in order)."""
+    pos = torch.arange(q.shape[2], device=q.device)
+    mask = window_mask(pos, pos, window)  # (s, s)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
 class Attention(nn.Module):
     """Causal self-attention with `heads` query heads and `n_kv_heads` key/value heads; head counts
     are read off the projections' widths, so a TP shard works as is. gpt2 has biases on every
-    projection, Qwen2 on q, k and v; llama rotates q and k."""
+    projection, Qwen2 on q, k and v; llama rotates q and k. Block `layer`'s variants (issue 35):
+    q and k normed per head before RoPE (Qwen3, Gemma 3, HF's order), no RoPE on a NoPE layer
+    (SmolLM3), a sliding window and a local RoPE base on a local layer (Gemma 3), scores scaled by
+    query_pre_attn_scalar^-1/2 (folded into q: every attention core keeps its head_dim^-1/2)."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
-        h, kv = cfg.hidden, cfg.n_kv_heads * cfg.head_dim
+        h, hd = cfg.hidden, cfg.head_dim
+        q, kv = cfg.heads * hd, cfg.n_kv_heads * hd  # q is h wide unless kv_channels says otherwise
         bias = cfg.family.biases
         qkv_bias = bias or cfg.qkv_bias
-        self.head_dim = cfg.head_dim
-        self.wq = nn.Linear(h, h, bias=qkv_bias)
+        self.head_dim = hd
+        self.wq = nn.Linear(h, q, bias=qkv_bias)
         self.wk = nn.Linear(h, kv, bias=qkv_bias)
         self.wv = nn.Linear(h, kv, bias=qkv_bias)
-        self.wo = nn.Linear(h, h, bias=bias)
-        self.core = causal_attention  # swapped for ring attention under context parallelism
+        self.wo = nn.Linear(q, h, bias=bias)
+        # over each head's hd features, one weight for every head: a TP rank holds it whole and its
+        # gradient (from the rank's heads only) is summed over tp (layout/tensor.py style 'heads')
+        self.q_norm = norm(cfg, hd) if cfg.qk_norm else None
+        self.k_norm = norm(cfg, hd) if cfg.qk_norm else None
+        self.rotates, self.local = cfg.layer_rotates(layer), cfg.layer_local(layer)
+        self.window = cfg.layer_window(layer)  # None: the whole causal prefix
+        scalar = cfg.query_pre_attn_scalar
+        self.q_scale = None if scalar is None else math.sqrt(hd / scalar)  # hd^-1/2 · q_scale = scalar^-1/2
+        # swapped for ring attention under context parallelism (a window exchange on a local layer)
+        self.core = causal_attention if self.window is None else partial(windowed_attention, window=self.window)
 
-    def forward(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple | dict | None = None) -> torch.Tensor:
         b, s, _ = x.shape
         hd = self.head_dim
         # (b, s, h) -> (b, s, nh, hd) -> (b, nh, s, hd); nh, nkv are the local head counts under TP
-        q = self.wq(x).view(b, s, -1, hd).transpose(1, 2)
-        k = self.wk(x).view(b, s, -1, hd).transpose(1, 2)  # (b, nkv, s, hd)
+        q = self.wq(x).view(b, s, -1, hd)
+        k = self.wk(x).view(b, s, -1, hd)  # (b, s, nkv, hd)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(b, s, -1, hd).transpose(1, 2)
-        if rope is not None:
-            q, k = rotate(q, rope), rotate(k, rope)
+        if rope is not None and self.rotates:
+            tables = rope[self.local] if isinstance(rope, dict) else rope
+            q, k = rotate(q, tables), rotate(k, tables)
+        if self.q_scale is not None:
+            q = q * self.q_scale
         y = self.core(q, k, v)  # (b, nh, s, hd)
         y = y.transpose(1, 2).reshape(b, s, -1)  # (b, s, nh*hd)
         return self.wo(y)  # (b, s, h)
@@ -118,20 +166,47 @@ class MLP(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """llama: down(SiLU(gate x) * up x) (Shazeer, "GLU Variants Improve Transformer", 2020)."""
+    """llama: down(SiLU(gate x) * up x) (Shazeer, "GLU Variants Improve Transformer", 2020);
+    gemma3: GeGLU, the tanh GELU in SiLU's place (HF hidden_activation 'gelu_pytorch_tanh')."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
         self.up = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
         self.down = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        self.act = partial(F.gelu, approximate="tanh") if cfg.family.geglu else F.silu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down(F.silu(self.gate(x)) * self.up(x))  # (b, s, h) -> 2 x (b, s, f) -> (b, s, h)
+        return self.down(self.act(self.gate(x)) * self.up(x))  # (b, s, h) -> 2 x (b, s, f) -> (b, s, h)
 
 
-def norm(cfg: ModelConfig) -> nn.Module:
-    """RMSNorm (Zhang & Sennrich 2019; weight only) for llama, LayerNorm (weight and bias) otherwise."""
+class OffsetRMSNorm(nn.Module):
+    """Gemma's RMSNorm (transformers' Gemma3RMSNorm): x / rms(x) · (1 + w), in fp32, cast back;
+    w starts at 0 (engines/model.py init_weights)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x.float()
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * (1.0 + self.weight.float())).type_as(x)
+
+
+def scaled(x: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """x · scale, the scale rounded to x's dtype first as transformers' Gemma3TextScaledWordEmbedding
+    does (sqrt(h) in bf16 is not sqrt(h)); None: x."""
+    return x if scale is None else x * torch.tensor(scale, dtype=x.dtype, device=x.device)
+
+
+def norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
+    """RMSNorm (Zhang & Sennrich 2019; weight only) for llama, Gemma's (1 + w) one for gemma3,
+    LayerNorm (weight and bias) otherwise; over `dim` features (default hidden)."""
+    dim = dim or cfg.hidden
+    if cfg.family.offset_norm:
+        return OffsetRMSNorm(dim, cfg.norm_eps)
     if cfg.family.rms_norm:
-        return nn.RMSNorm(cfg.hidden, eps=cfg.norm_eps)
-    return nn.LayerNorm(cfg.hidden, eps=cfg.norm_eps)
+        return nn.RMSNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps)

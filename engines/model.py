@@ -7,7 +7,10 @@ engines/layers.py.
   llama  Llama 2/3 (Touvron et al. 2023; Llama Team 2024), Mistral: RMSNorm, rotary positions,
          SwiGLU MLP, grouped-query attention, no biases; with experts, Mixtral (Jiang et al. 2024)
   deepseek_v3  DeepSeek-V3 (arXiv 2412.19437): llama's blocks with multi-head latent attention
-         (engines/mla.py) and its YaRN RoPE; dense MLPs (its MoE layers: not here yet)
+         (engines/mla.py) and its YaRN RoPE; its first dense_layers blocks dense, the rest MoE
+         (engines/moe.py: sigmoid router, shared experts, group-limited routing)
+  gemma3  Gemma 3's text model: (1 + w) RMSNorms before and after each sublayer, GeGLU, a
+         sqrt(h)-scaled tied embedding, local sliding-window and global layers (engines/layers.py)
 
 The parts are separate modules so that strategies can work on them by function, never by
 subclassing: tensor parallelism swaps the Linear layers of `attn` and `mlp`, context
@@ -23,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from labkit.config import ModelConfig
-from labkit.engines.layers import MLP, Attention, Rotary, SwiGLU, norm
+from labkit.engines.layers import MLP, Attention, Rotary, SwiGLU, norm, scaled
 from labkit.engines.loss import cross_entropy, mask_padding
 from labkit.engines.mla import LatentAttention, LatentRotary
 from labkit.engines.moe import MoE
@@ -37,31 +40,42 @@ class Embedding(nn.Module):
         super().__init__()
         self.tok = nn.Embedding(rows, cfg.hidden)  # rows: the vocabulary, padded (ModelConfig.padded_vocab)
         self.pos = None if cfg.family.rotary else nn.Embedding(cfg.seq, cfg.hidden)
+        # Gemma: times sqrt(h), a float (a buffer would be a state the strategies must carry); TP's
+        # VocabParallelEmbedding reads it too
+        self.scale = math.sqrt(cfg.hidden) if cfg.family.scaled_embedding else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # (b, s) tokens, (s,) positions -> (b, s, h)
-        x = self.tok(tokens)
+        x = scaled(self.tok(tokens), self.scale)
         return x if self.pos is None else x + self.pos(positions)
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x))."""
+    """Pre-norm transformer block: x + attn(ln1(x)), then x + mlp(ln2(x)); Gemma's four norms:
+    x + ln1_post(attn(ln1(x))), then x + ln2_post(mlp(ln2(x))) (HF's post_attention_layernorm,
+    pre_feedforward_layernorm and post_feedforward_layernorm are ln1_post, ln2 and ln2_post).
+    `layer`: the block's index, which decides its attention's window and RoPE (ModelConfig.layer_*)."""
 
-    def __init__(self, cfg: ModelConfig, index: int = 0):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.ln1 = norm(cfg)
-        self.attn = LatentAttention(cfg) if cfg.family.latent_attention else Attention(cfg)
+        self.attn = LatentAttention(cfg) if cfg.family.latent_attention else Attention(cfg, layer)
         self.ln2 = norm(cfg)
-        if cfg.moe_layer(index):  # the first dense_layers blocks stay dense (DeepSeek-V3's first_k_dense_replace)
+        if cfg.moe_layer(layer):  # the first dense_layers blocks stay dense (DeepSeek-V3's first_k_dense_replace)
             self.mlp = MoE(cfg)
         elif cfg.family.gated_mlp:
             self.mlp = SwiGLU(cfg)
         else:
             self.mlp = MLP(cfg)
+        # registered after the MLP, so every older family's parameter order is unchanged
+        self.ln1_post = norm(cfg) if cfg.family.sandwich_norm else None
+        self.ln2_post = norm(cfg) if cfg.family.sandwich_norm else None
 
-    def forward(self, x: torch.Tensor, rope: tuple | None = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), rope)
-        return x + self.mlp(self.ln2(x))
+    def forward(self, x: torch.Tensor, rope: tuple | dict | None = None) -> torch.Tensor:
+        y = self.attn(self.ln1(x), rope)
+        x = x + (y if self.ln1_post is None else self.ln1_post(y))
+        y = self.mlp(self.ln2(x))
+        return x + (y if self.ln2_post is None else self.ln2_post(y))
 
 
 class Head(nn.Module):
@@ -136,8 +150,8 @@ def init_weights(model: GPT, seed: int) -> GPT:
     resid = 0.02 / math.sqrt(2 * model.cfg.layers)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if ".ln" in name or "norm." in name:
-                p.fill_(1.0 if name.endswith("weight") else 0.0)
+            if ".ln" in name or "norm." in name:  # Gemma's (1 + w) norms start at w = 0
+                p.fill_(1.0 if name.endswith("weight") and not model.cfg.family.offset_norm else 0.0)
             elif name.endswith("bias"):  # gpt2's and Qwen2's Linear biases
                 p.zero_()
             else:

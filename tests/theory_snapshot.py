@@ -92,7 +92,21 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=repr).encode()).hexdigest()[:16]
 
 
-ADDED_AT_DEFAULT = {"cp_kind": "ring", "cp_a2a": 1, "dp_replicate": 1, "compile": False}
+ADDED_AT_DEFAULT = {
+    "cp_kind": "ring",
+    "cp_a2a": 1,
+    "dp_replicate": 1,
+    "compile": False,
+    # issue 35, the dense attention families
+    "kv_channels": None,
+    "qk_norm": False,
+    "nope_interval": 0,
+    "sliding_window": None,
+    "window_pattern": 0,
+    "rope_local_theta": None,
+    "rope_linear_factor": 1.0,
+    "query_pre_attn_scalar": None,
+}
 """Config fields added after the snapshot was recorded, with the default that keeps the old
 behaviour: left out of a plan's config while they hold it, so a new choice proves it moved nothing."""
 

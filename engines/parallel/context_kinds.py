@@ -21,10 +21,12 @@ own inverse's gradient, so backward sends the same bytes again.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.distributed as dist
 
-from labkit.engines.layers import causal_attention
+from labkit.engines.layers import causal_attention, windowed_attention
 from labkit.engines.parallel.common import all_gather_single, reduce_scatter_single
 from labkit.engines.parallel.context import (
     Ring,
@@ -37,6 +39,7 @@ from labkit.engines.parallel.context import (
     zigzag_chunks,
     zigzag_index,
 )
+from labkit.engines.parallel.context_window import Windowed
 
 
 class Gathered:
@@ -153,8 +156,10 @@ class Ulysses:
     """The cp group's all-to-all attention: sequence shards to head shards, dense causal attention
     over the whole sequence, and back."""
 
-    def __init__(self, group, rank: int, cp: int, seq: int):
+    def __init__(self, group, rank: int, cp: int, seq: int, window: int | None = None):
         self.group, self.rank, self.cp = group, rank, cp
+        # a local layer's (Gemma 3): the same all-to-alls, the window applied on the whole sequence
+        self.attend = causal_attention if window is None else partial(windowed_attention, window=window)
         arrived = torch.cat([zigzag_index(seq, cp, r) for r in range(cp)])  # the position of each row after the a2a
         self.natural = arrived.argsort()  # rows in position order
         self.back = self.natural.argsort()  # position order back to rank order
@@ -163,7 +168,7 @@ class Ulysses:
         """q (b, nh, s/cp, hd), k and v (b, nkv, s/cp, hd) -> (b, nh, s/cp, hd), as layers.causal_attention."""
         q = _SeqToHeads.apply(q.unsqueeze(0), self)[0]  # (b, nh/cp, s, hd)
         k, v = _SeqToHeads.apply(torch.stack([k, v]), self)  # K and V in one message: 2 x (b, nkv/cp, s, hd)
-        y = causal_attention(q, k, v)  # (b, nh/cp, s, hd): dense, over every position
+        y = self.attend(q, k, v)  # (b, nh/cp, s, hd): dense, over every position
         return _HeadsToSeq.apply(y.unsqueeze(0), self)[0]
 
 
@@ -206,8 +211,15 @@ def apply_cp(model: torch.nn.Module, mesh, kind, cfg_a2a: int = 1) -> tuple[torc
         core = Gathered(group, rank, cp)
     else:
         core = Ulysses(group, rank, cp, model.cfg.seq)
+    local = {}  # a sliding window's core, one per width (issue 35: Gemma 3's local layers)
     for block in model.blocks:
-        block.attn.core = core
+        w = block.attn.window
+        if w is None:
+            block.attn.core = core
+        elif kind.splits_heads:  # Ulysses: whole heads over the whole sequence, the window in its dense attention
+            block.attn.core = local.setdefault(w, Ulysses(group, rank, cp, model.cfg.seq, window=w))
+        else:  # ring and all-gather alike: the rows inside the window, point to point (context_window.py)
+            block.attn.core = local.setdefault(w, Windowed(group, rank, cp, model.cfg.seq, w))
     for m in model.modules():
         if hasattr(m, "seq_split"):
             m.seq_split = (group, cp)

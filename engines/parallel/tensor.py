@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config.choices import fused_loss
+from labkit.engines.layers import scaled
 from labkit.engines.loss import mask_padding
 from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.tensor_ops import (
@@ -93,16 +94,18 @@ class VocabParallelEmbedding(nn.Module):
     position embedding (gpt, gpt2). Tokens another rank owns look up zeros; `leave` sums the
     partial lookups. Under SP the sum lands sequence-sharded and each rank adds its s/t positions."""
 
-    def __init__(self, tok: nn.Embedding, pos: nn.Embedding | None, start: int, leave, seq_chunk=None):
+    def __init__(self, tok: nn.Embedding, pos: nn.Embedding | None, start: int, leave, seq_chunk=None, scale=None):
         super().__init__()
         self.tok, self.pos, self.start, self.leave = tok, pos, start, leave
         self.seq_chunk = seq_chunk  # (tp rank, tp) under SP, else None
+        self.scale = scale  # Gemma's sqrt(h) (engines/model.py Embedding), else None
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         v = self.tok.weight.shape[0]
         outside = (tokens < self.start) | (tokens >= self.start + v)  # (b, s)
         x = F.embedding((tokens - self.start).masked_fill(outside, 0), self.tok.weight)  # (b, s, h)
         x = self.leave(x.masked_fill(outside[..., None], 0.0))  # (b, s, h) partial -> summed (or s/t rows)
+        x = scaled(x, self.scale)
         if self.pos is None:
             return x
         if self.seq_chunk is not None:
@@ -178,7 +181,9 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
             sp = styles.get(parent_name + ".pos", {}).get("style") == "sequence"
             model.set_submodule(
                 parent_name,
-                VocabParallelEmbedding(module, parent.pos, box[0][0], ops[style["output"]], (r, t) if sp else None),
+                VocabParallelEmbedding(
+                    module, parent.pos, box[0][0], ops[style["output"]], (r, t) if sp else None, parent.scale
+                ),
             )
         elif kind == "vocab":
             module.weight, module.out_features = weight, weight.shape[0]

@@ -46,7 +46,7 @@ CHECKPOINTING: tuple = get_args(Checkpointing)
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 Recompute = Literal["none", "full", "selective", "op"]
 """A checkpoint_activations value by name (ParallelConfig.recompute)."""
-Arch = Literal["gpt", "gpt2", "llama", "deepseek_v3"]
+Arch = Literal["gpt", "gpt2", "llama", "deepseek_v3", "gemma3"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 Router = Literal["softmax", "sigmoid"]
 ROUTERS: tuple[str, ...] = get_args(Router)
@@ -302,6 +302,14 @@ class Family:
     """The head shares the token embedding unless tie_embeddings says otherwise."""
     latent_attention: bool = False
     """Multi-head latent attention (DeepSeek-V2/V3, engines/mla.py) rather than multi-head / grouped-query."""
+    geglu: bool = False
+    """The gated MLP's activation is the tanh GELU (GeGLU, Shazeer 2020) rather than SiLU (Gemma)."""
+    offset_norm: bool = False
+    """RMSNorm scales by (1 + w), w initialised at 0, computed in fp32 (Gemma's Gemma3RMSNorm)."""
+    scaled_embedding: bool = False
+    """The token embedding is multiplied by sqrt(hidden), in the compute dtype (Gemma3TextScaledWordEmbedding)."""
+    sandwich_norm: bool = False
+    """Four norms a block: each sublayer's output is normed too before the residual add (Gemma 2/3)."""
 
 
 @cache
@@ -318,6 +326,20 @@ def family(arch: Arch) -> Family:
         case "deepseek_v3":
             # DeepSeek-V3 (arXiv 2412.19437, section 2.1): llama's norms and SwiGLU, multi-head latent attention
             return Family(rms_norm=True, rotary=True, gated_mlp=True, latent_attention=True)
+        case "gemma3":
+            # Gemma 3 (Gemma Team 2025; transformers' modeling_gemma3.py): (1 + w) RMSNorm before and
+            # after each sublayer, GeGLU with the tanh GELU, sqrt(h)-scaled embedding tied to the head
+            return Family(
+                rms_norm=True,
+                rotary=True,
+                gated_mlp=True,
+                gelu_approximate="tanh",
+                ties=True,
+                geglu=True,
+                offset_norm=True,
+                scaled_embedding=True,
+                sandwich_norm=True,
+            )
         case _:
             raise ConfigError([unknown("arch", arch, ARCHS)])
 

@@ -9,11 +9,14 @@ inference or for training noise (dropout, token ids, caches, dtype) are ignored:
 without dropout. A config is a dict, or a local config.json (or the folder holding one): labkit
 never downloads, so a Hub id is refused with the way to fetch its config.json.
 
-    LlamaForCausalLM, MistralForCausalLM   arch 'llama' (RMSNorm, RoPE, SwiGLU, GQA)
+    LlamaForCausalLM, MistralForCausalLM   arch 'llama' (RMSNorm, RoPE, SwiGLU, GQA; Mistral: a window on every layer)
     MixtralForCausalLM                     arch 'llama' with experts (SwiGLU experts, top-k router)
     Qwen2ForCausalLM                       arch 'llama' with biases on q, k, v (qkv_bias)
     GPT2LMHeadModel                        arch 'gpt2'
     DeepseekV3ForCausalLM                  arch 'deepseek_v3' (MLA, YaRN; its MoE layers: hf_moe.py)
+    Qwen3ForCausalLM, SmolLM3ForCausalLM,  the dense attention families of issue 35: hf_families.py
+    Gemma3ForCausalLM
+    Qwen3MoeForCausalLM                    Qwen3's attention (hf_families.py), its MoE layers (hf_moe.py)
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ import os
 import pathlib
 
 from labkit.config.choices import ConfigError, family
-from labkit.config.hf_moe import moe_fields
+from labkit.config.hf_families import FAMILIES, family_of, read_family
+from labkit.config.hf_moe import QWEN3_MOE, moe_fields
 from labkit.config.hf_read import _read
 
 LLAMA_LIKE = {
@@ -152,10 +156,13 @@ def _llama(c: dict, kind: str, seq: int | None, problems: list[str]) -> dict:
     if kind == "qwen2":
         window = window if c.get("use_sliding_window") else None
     if window is not None and window < out["seq"]:
-        problems.append(
-            f"sliding_window={window} < seq={out['seq']}: sliding-window attention is not built; "
-            "pass seq <= sliding_window (the window then changes nothing)"
-        )
+        if kind == "mistral":  # every layer local (window_pattern 0), as MistralAttention masks each one
+            out["sliding_window"] = _read(c, "sliding_window", int, problems)
+        else:  # Qwen2's sliding layers start at max_window_layers: not this pattern
+            problems.append(
+                f"sliding_window={window} < seq={out['seq']}: {kind}'s sliding-window layers are not built; "
+                "pass seq <= sliding_window (the window then changes nothing)"
+            )
     if kind == "mixtral" and c.get("router_jitter_noise", 0.0):
         problems.append(f"router_jitter_noise={c['router_jitter_noise']}: the router is deterministic here")
     return out
@@ -269,14 +276,21 @@ def hf_fields(config, seq: int | None = None) -> tuple[dict, list[str]]:
     """(ModelConfig keyword arguments, problems) of a Hugging Face config (dict or path); ConfigError
     for what is not a config at all."""
     c = load(config)
-    cls = _arch_class(c)
+    kind = family_of(c)  # Qwen3, SmolLM3, Gemma 3 (labkit/config/hf_families.py)
+    cls = kind or _arch_class(c)
     if cls is None:
-        known = ", ".join([*LLAMA_LIKE, GPT2, DEEPSEEK_V3])
+        known = ", ".join([*LLAMA_LIKE, GPT2, DEEPSEEK_V3, *FAMILIES])
         return {}, [
             f"architectures={c.get('architectures')!r} (model_type={c.get('model_type')!r}): supported: {known}"
         ]
     problems: list[str] = []
-    if cls == DEEPSEEK_V3:
+    if kind:
+        fields = read_family(c, kind, seq, _read, problems)
+        if fields and kind == "qwen3_moe":  # Qwen3's attention, then its experts
+            moe, found = moe_fields(c, QWEN3_MOE)
+            problems += found
+            fields.update(moe)
+    elif cls == DEEPSEEK_V3:
         fields = _deepseek_v3(c, seq, problems)
     else:
         fields = _gpt2(c, seq, problems) if cls == GPT2 else _llama(c, LLAMA_LIKE[cls], seq, problems)

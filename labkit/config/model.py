@@ -135,6 +135,33 @@ class ModelConfig(_Dict):
     bias_update_speed: float = 0.0
     """γ of the aux-loss-free balance (DeepSeek-V3 section 2.1.2: 0.001): after each step every expert's
     bias moves by γ towards balance, from the global batch's loads. 0: the bias stays (sigmoid router only)."""
+    # -- the dense attention families of issue 35 (Qwen3, SmolLM3, Gemma 3); each default leaves every
+    # older model exactly as it was (tests/theory_snapshot.py ADDED_AT_DEFAULT)
+    kv_channels: int | None = None
+    """Width of one attention head (HF head_dim, Megatron's --kv-channels) when it is not hidden / heads:
+    q is heads * kv_channels wide, k and v kv_heads * kv_channels (Qwen3 and Gemma 3 27B: 128,
+    Gemma 3 1B-12B: 256). None: hidden / heads."""
+    qk_norm: bool = False
+    """An RMSNorm over head_dim applied to every head of q and of k before RoPE (Qwen3, Gemma 3:
+    transformers' q_norm / k_norm; one weight per norm, shared by the heads)."""
+    nope_interval: int = 0
+    """Every nope_interval-th layer (i + 1 divisible by it) has no RoPE (SmolLM3's
+    no_rope_layer_interval, 4). 0: every layer rotates."""
+    sliding_window: int | None = None
+    """Sliding-window attention: a query at position i sees keys at i - sliding_window < j <= i
+    (transformers' sliding_window_overlay), on the layers window_pattern makes local. A window of
+    seq or more changes nothing. None: every layer attends to the whole causal prefix."""
+    window_pattern: int = 0
+    """With sliding_window: every window_pattern-th layer (i + 1 divisible by it) is global, the
+    others local (Gemma 3: 6, five local to one global). 0: every layer is local."""
+    rope_local_theta: float | None = None
+    """RoPE base of the sliding-window layers (Gemma 3's rope_local_base_freq, 10000.0); None: rope_theta."""
+    rope_linear_factor: float = 1.0
+    """Linear RoPE scaling of the global layers (HF rope_type 'linear', Chen et al. 2023 position
+    interpolation): the frequencies divided by it (Gemma 3 4B-27B: 8.0). 1.0: none."""
+    query_pre_attn_scalar: float | None = None
+    """Attention scores scaled by query_pre_attn_scalar^-1/2 rather than head_dim^-1/2 (Gemma 3; 27B:
+    168 = hidden / heads, while its head_dim is 128). None: head_dim."""
 
     def __post_init__(self):
         if isinstance(self.rope_scaling, dict):  # from a plain dict (to_dict, JSON)
@@ -168,7 +195,28 @@ class ModelConfig(_Dict):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        """One head's width: kv_channels, or hidden / heads."""
+        return self.hidden // self.heads if self.kv_channels is None else self.kv_channels
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of block `layer`, or None where it attends to the whole causal prefix
+        (a global layer, or a window of seq or more, which masks nothing)."""
+        w = self.sliding_window
+        if w is None or w >= self.seq:
+            return None
+        pattern = self.window_pattern
+        return None if pattern and (layer + 1) % pattern == 0 else w
+
+    def layer_rotates(self, layer: int) -> bool:
+        """Whether block `layer` applies RoPE (a rotary family, and not one of SmolLM3's NoPE layers)."""
+        n = self.nope_interval
+        return self.family.rotary and not (n and (layer + 1) % n == 0)
+
+    def layer_local(self, layer: int) -> bool:
+        """Whether block `layer` is a sliding-window layer by its pattern, whatever seq (its RoPE base
+        is rope_local_theta, as transformers picks the tables by layer type)."""
+        pattern = self.window_pattern
+        return self.sliding_window is not None and not (pattern and (layer + 1) % pattern == 0)
 
     @property
     def expert_ffn(self) -> int:
@@ -219,14 +267,14 @@ class ModelConfig(_Dict):
         """Parameter count Ψ of the full model (every weight, counted once; a tied head is the
         embedding). labkit.theory.num_params counts the same from the parameter list."""
         h, f, v, s, e = self.hidden, self.ffn, self.vocab, self.seq, self.experts
-        kv = self.n_kv_heads * self.head_dim
+        kv, q = self.n_kv_heads * self.head_dim, self.heads * self.head_dim
         fam = self.family
         norm = h if fam.rms_norm else 2 * h  # RMSNorm has no bias
-        attn = 2 * h * h + 2 * h * kv
+        attn = 2 * h * q + 2 * h * kv + (2 * self.head_dim if self.qk_norm else 0)
         if fam.latent_attention:  # MLA's own projections and latent norms (labkit/config/latent.py)
             attn = sum(math.prod(shape) for _, shape in mla_shapes(self))
         if fam.biases or self.qkv_bias:
-            attn += h + 2 * kv  # q, k, v biases
+            attn += q + 2 * kv  # q, k, v biases
         if fam.biases:
             attn += h  # the output projection's bias
         mats = 3 if fam.gated_mlp else 2  # SwiGLU: gate, up, down
@@ -236,5 +284,6 @@ class ModelConfig(_Dict):
         if self.shared_experts and fam.biases:  # gpt2's shared MLP has its biases
             moe += fe * self.shared_experts + h
         pos = 0 if fam.rotary else s * h
-        blocks = self.layers * (2 * norm + attn) + self.moe_layers * moe + (self.layers - self.moe_layers) * dense
+        norms = 4 if fam.sandwich_norm else 2  # Gemma: each sublayer's input and output
+        blocks = self.layers * (norms * norm + attn) + self.moe_layers * moe + (self.layers - self.moe_layers) * dense
         return v * h + pos + blocks + norm + (0 if self.tied else h * v)

@@ -52,6 +52,7 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
         out.append(f"head_dim={model.head_dim} must be even for rotary embeddings (pairs of dimensions rotate)")
     if not model.family.rotary and (model.rope_scaling is not None or model.rope_theta != 10000.0):
         out.append(f"rope_theta / rope_scaling apply to arch='llama' only (arch={model.arch!r} learns its positions)")
+    out += _attention_variant_problems(cfg, model)
     if not model.family.takes_qkv_bias and model.qkv_bias:
         out.append(
             f"qkv_bias applies to arch='llama' (Qwen2); arch={model.arch!r} has "
@@ -62,6 +63,28 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
         out.append(
             "loss='fused' with impl='torch' and tp > 1: DTensor's loss_parallel takes F.cross_entropy only; "
             "use impl='lab' (its vocab-parallel loss has both ways) or loss='fp32'"
+        )
+    return out
+
+
+def _attention_variant_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
+    """The fields of Qwen3, SmolLM3 and Gemma 3 (issue 35): what they need of the family and the layout."""
+    out = []
+    rope_fields = model.nope_interval or model.rope_local_theta is not None or model.rope_linear_factor != 1.0
+    if rope_fields and not model.family.rotary:
+        out.append(
+            f"nope_interval / rope_local_theta / rope_linear_factor apply to a rotary family (arch={model.arch!r} "
+            "learns its positions); use arch='llama' or 'gemma3'"
+        )
+    if model.sliding_window is None and (model.window_pattern or model.rope_local_theta is not None):
+        out.append("window_pattern / rope_local_theta describe sliding-window layers: set sliding_window too")
+    variant = model.qk_norm or model.kv_channels is not None or model.family.sandwich_norm
+    if cfg.torch_impl and cfg.tp > 1 and variant:
+        # DTensor's plan (engines/parallel/tensor_torch.py) has no entries for these: q_norm / k_norm's
+        # gradients would stay partial per tp rank (transformers' plan calls them 'replicated_with_grad_allreduce')
+        out.append(
+            "impl='torch' with tp > 1 on a model with qk_norm, kv_channels or Gemma's norms: the DTensor plan "
+            "does not split them; use impl='lab'"
         )
     return out
 

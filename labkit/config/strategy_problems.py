@@ -13,6 +13,13 @@ if TYPE_CHECKING:
 def context_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """What a cp_kind needs of the layout and the model."""
     kind = cfg.context
+    windowed = any(model.layer_window(i) for i in range(model.layers))
+    if kind.hierarchical and windowed and cfg.cp > 1:
+        return [
+            f"cp_kind='hierarchical' with sliding-window layers (sliding_window={model.sliding_window} < "
+            f"seq={model.seq}) is not built: its ring crosses runs of tokens, not the zigzag chunks the window "
+            "exchange reads; use cp_kind='ring' or 'allgather' (window exchange) or 'ulysses'"
+        ]
     if kind.hierarchical:
         if not (1 < cfg.cp_a2a < cfg.cp and cfg.cp % cfg.cp_a2a == 0):
             return [

@@ -73,6 +73,16 @@ _RANGES = {
         "routed_scaling_factor": _above_zero("routed_scaling_factor", "1.0 leaves the gates as they are"),
         "dense_layers": _at_least(0, "dense_layers", "0: every block has experts"),
         "bias_update_speed": ((lambda v: v >= 0), lambda v: f"bias_update_speed={v} must be >= 0; try 0.001"),
+        "kv_channels": ((lambda v: v is None or v >= 1), lambda v: f"kv_channels={v} must be >= 1, or None"),
+        "nope_interval": _at_least(0, "nope_interval", "0 rotates every layer; SmolLM3: 4"),
+        "sliding_window": ((lambda v: v is None or v >= 1), lambda v: f"sliding_window={v} must be >= 1, or None"),
+        "window_pattern": _at_least(0, "window_pattern", "0 makes every layer local; Gemma 3: 6"),
+        "rope_local_theta": ((lambda v: v is None or v > 0), lambda v: f"rope_local_theta={v} must be > 0, or None"),
+        "rope_linear_factor": _above_zero("rope_linear_factor", "1.0 leaves RoPE unscaled; Gemma 3: 8.0"),
+        "query_pre_attn_scalar": (
+            (lambda v: v is None or v > 0),
+            lambda v: f"query_pre_attn_scalar={v} must be > 0, or None (= head_dim)",
+        ),
     },
     "ParallelConfig": {
         **{d: _at_least(1, d, "try 1") for d in DIMS},

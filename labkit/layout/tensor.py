@@ -34,6 +34,10 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
                  multi_latent_attention.py: linear_q_down_proj / linear_kv_down_proj built
                  "duplicated", their grads all-reduced over tp; torchtitan deepseek_v3
                  parallelize.py leaves wkv_a and kv_norm out of its TP plan, replicated)
+      heads      replicated parameters applied to this rank's heads (Qwen3's and Gemma 3's q_norm,
+                 k_norm): the gradient is partial per tp rank and summed over tp, SP or not
+                 (transformers' plan 'replicated_with_grad_allreduce'; Megatron all-reduces its
+                 q_layernorm / k_layernorm gradients over TP, finalize_model_grads)
     `output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
     (SP: the sum lands sequence-sharded); the LM head's is the vocab-parallel cross-entropy, whose
     two small all-reduces (max, then sum-exp with the target logit) replace gathering (b, s, V)."""
@@ -61,7 +65,13 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
             styles[b + "attn.wk"] = dict(kv_style)
             styles[b + "attn.wv"] = dict(kv_style)
         styles[b + "attn.wo"] = {"style": "rowwise", "shard_dim": 1, "output": leave}
+        if model.qk_norm:
+            styles[b + "attn.q_norm"] = {"style": "heads"}
+            styles[b + "attn.k_norm"] = {"style": "heads"}
         styles[b + "ln2"] = dict(norm)
+        if model.family.sandwich_norm:  # after wo's and the MLP's output: sequence-sharded under SP, as ln1
+            styles[b + "ln1_post"] = dict(norm)
+            styles[b + "ln2_post"] = dict(norm)
         if model.moe_layer(i):  # replicated over tp, split by ep instead (DERIVATIONS.md); shared experts too
             styles[b + "mlp"] = (
                 {"style": "replicate", "input": "all-gather-replicated", "output": "split"}
@@ -120,5 +130,5 @@ def local_param(styles: dict[str, dict], name: str, full_shape, tp: int, tp_rank
     if "shard_dim" in style:
         box = shard_box(full_shape, style["shard_dim"], tp, tp_rank)
         return tuple(b - a for a, b in box), box, (), ()
-    extra = ("tp",) if kind in ("sequence", "latent") else ()
+    extra = ("tp",) if kind in ("sequence", "latent", "heads") else ()
     return tuple(full_shape), None, extra, ("tp",)

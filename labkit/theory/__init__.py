@@ -23,6 +23,7 @@ from labkit.config.table import Rows, card, human_bytes
 from labkit.config.validation import argument_problems, problems
 from labkit.layout.mesh import DATA_DIMS, MeshLayout
 from labkit.theory.exact.comm import Stopped
+from labkit.theory.exact.context import window_exchanged
 from labkit.theory.exact.memory import (
     activation_bytes,
     korthikanti_layer_bytes,
@@ -131,6 +132,15 @@ def _classes(cfg: ParallelConfig, layout: MeshLayout) -> tuple[np.ndarray, np.nd
     return coord["pp"], shard
 
 
+def _window_class(cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -> np.ndarray:
+    """Per rank: its cp coordinate where its comm rows depend on it — sliding-window layers under a cp
+    kind that exchanges the window's rows (labkit/layout/window.py: each rank its own tails) — else 0."""
+    if not window_exchanged(cfg, model):
+        return np.zeros(layout.world, dtype=np.int64)
+    idx = np.unravel_index(np.arange(layout.world), layout.grid.shape)
+    return idx[layout._axis("cp")]
+
+
 def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int | None = None) -> Estimate:
     """Predicted memory, communication and bubble of `cfg` on `model`.
 
@@ -151,18 +161,20 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     if not (cfg.sharded.fsdp and cfg.torch_impl):
         shard = np.zeros_like(shard)  # only FSDP2's uneven dim-0 chunks differ by shard index
     # one rank_memory per (stage, shard) class; every rank of the class shares its dict
-    keys = list(zip(stage.tolist(), shard.tolist()))
+    keys = list(zip(stage.tolist(), shard.tolist(), _window_class(cfg, model, layout).tolist()))
     first: dict[tuple, int] = {}
     for r, k in enumerate(keys):
         first.setdefault(k, r)
     by_key = {k: rank_memory(cfg, model, layout, r) for k, r in first.items()}
     memory = [by_key[k] for k in keys]
 
-    # the comm rows depend on the stage alone (the splits are even): one rank per stage is walked
-    stage_rep: dict[int, int] = {}
-    for r, s in enumerate(stage.tolist()):
+    # the comm rows depend on the stage alone (the splits are even): one rank per stage is walked;
+    # with sliding-window layers under cp on the cp coordinate too (each rank's window rows differ)
+    cls = list(zip(stage.tolist(), _window_class(cfg, model, layout).tolist()))
+    stage_rep: dict[tuple, int] = {}
+    for r, s in enumerate(cls):
         stage_rep.setdefault(s, r)
-    representative = [stage_rep[s] for s in stage.tolist()]
+    representative = [stage_rep[s] for s in cls]
     rows_of = rank_comm(cfg, model, layout, stage_rep.values())
     return Estimate(
         cfg,

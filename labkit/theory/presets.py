@@ -119,6 +119,64 @@ huggingface.co/deepseek-ai/DeepSeek-V3 config.json, read by from_hf with first_k
 (tests/test_mla.py). 37,445,852,160 parameters, transformers' DeepseekV3ForCausalLM count of the same
 config. Not in PRESETS: no checkpoint has this shape; the published model (671B, its 58 MoE layers)
 comes with the MoE fields."""
+QWEN3_8B = ModelConfig(
+    arch="llama",
+    layers=36,
+    hidden=4096,
+    heads=32,
+    kv_heads=8,
+    ffn=12288,
+    vocab=151936,
+    seq=32768,
+    rope_theta=1e6,
+    norm_eps=1e-6,
+    qk_norm=True,
+)
+"""Qwen3 8B: huggingface.co/Qwen/Qwen3-8B-Base config.json (h 4096, 36 layers, 32 heads of 128, 8 KV
+heads, SwiGLU 12288, per-head q/k RMSNorm, untied head, rope_theta 1e6, context 32768); Qwen3
+technical report (Yang et al. 2025), table 1."""
+
+SMOLLM3_3B = ModelConfig(
+    arch="llama",
+    layers=36,
+    hidden=2048,
+    heads=16,
+    kv_heads=4,
+    ffn=11008,
+    vocab=128256,
+    seq=65536,
+    rope_theta=5e6,
+    norm_eps=1e-6,
+    tie_embeddings=True,
+    nope_interval=4,
+)
+"""SmolLM3 3B: huggingface.co/HuggingFaceTB/SmolLM3-3B config.json (h 2048, 36 layers, 16 heads, 4 KV
+heads, SwiGLU 11008, no RoPE on every 4th layer, tied, rope_theta 5e6, context 65536)."""
+
+GEMMA3_27B = ModelConfig(
+    arch="gemma3",
+    layers=62,
+    hidden=5376,
+    heads=32,
+    kv_heads=16,
+    kv_channels=128,
+    ffn=21504,
+    vocab=262208,
+    seq=131072,
+    rope_theta=1e6,
+    rope_local_theta=1e4,
+    rope_linear_factor=8.0,
+    norm_eps=1e-6,
+    qk_norm=True,
+    sliding_window=1024,
+    window_pattern=6,
+    query_pre_attn_scalar=168.0,
+)
+"""Gemma 3 27B's language model (Gemma3ForCausalLM): huggingface.co/google/gemma-3-27b-pt config.json's
+text_config (h 5376, 62 layers, 32 heads of 128, 16 KV heads, GeGLU 21504, query_pre_attn_scalar
+168, window 1024 on five layers of six, linear RoPE factor 8 on the global ones), the rest
+Gemma3TextConfig's defaults (vocab 262208, rope bases 1e6 / 1e4, context 131072); Gemma Team,
+"Gemma 3 Technical Report" (2025), section 2."""
 
 PRESETS: dict[str, ModelConfig] = {
     "gpt2-124m": GPT2_124M,
@@ -130,6 +188,9 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.1-70b": LLAMA31_70B,
     "llama-405b": LLAMA31_405B,
     "mixtral-8x7b": MIXTRAL_8X7B,
+    "qwen3-8b": QWEN3_8B,
+    "smollm3-3b": SMOLLM3_3B,
+    "gemma3-27b": GEMMA3_27B,
 }
 
 PUBLISHED_PARAMS: dict[str, int] = {
@@ -142,6 +203,12 @@ PUBLISHED_PARAMS: dict[str, int] = {
     "llama3.1-70b": 70_553_706_496,
     "llama-405b": 405_853_388_800,
     "mixtral-8x7b": 46_702_792_704,
+    # issue 35: transformers 5.24's Qwen3ForCausalLM / SmolLM3ForCausalLM / Gemma3ForCausalLM built on
+    # the meta device from the published config (tests/test_families_fam.py counts them again); Qwen3 8B's
+    # Hub page lists 8.19B, SmolLM3's 3.08B; Gemma 3 27B's 27.4B includes its vision tower
+    "qwen3-8b": 8_190_735_360,
+    "smollm3-3b": 3_075_098_624,
+    "gemma3-27b": 27_009_346_304,
 }
 """Exact parameter counts of the published checkpoints (Hugging Face's safetensors totals)."""
 

@@ -40,7 +40,13 @@ def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str
 
 
 def activation_bytes(
-    m: ModelConfig, batch: int, layers: int | None = None, head: bool = True, embed: bool = True, act_bytes: int = 4
+    m: ModelConfig,
+    batch: int,
+    layers: int | None = None,
+    head: bool = True,
+    embed: bool = True,
+    act_bytes: int = 4,
+    tables: int | None = None,
 ) -> int:
     """Bytes the model saves for backward for one (batch, seq) microbatch, counted from what each
     op keeps (pre-norm block, no dropout, PyTorch's CPU flash attention; a = heads, kv = KV heads
@@ -82,22 +88,69 @@ def activation_bytes(
     if fam.latent_attention:  # MLA's latents, kernel and wo input (theory/exact/latent.py), llama's norms
         block = 8 * (2 * b * s * h + b * s) + e * 2 * b * s * h + latent.attention_bytes(m, b, s, 1, e) + mlp
     elif fam.rms_norm:  # the norms keep fp32 statistics and inputs; q and k kept rotated
-        block = 8 * (2 * b * s * h + b * s) + e * (4 * b * s * h + 2 * b * s * kv) + mlp + 4 * a * b * s
+        # q and the attention output are heads·head_dim wide (= h unless kv_channels says otherwise)
+        q = a * m.head_dim
+        block = 8 * (2 * b * s * h + b * s) + e * (2 * b * s * h + 2 * b * s * q + 2 * b * s * kv) + mlp + 4 * a * b * s
+        block += qk_norm_bytes(m, b, s, a, m.n_kv_heads) + gemma_norm_bytes(m, b, s, s)
     else:
         block = e * (6 * b * s * h + 2 * b * s * kv + 4 * b * s) + mlp + 4 * a * b * s
     total = layers * block
     if fam.rotary and layers:
-        # the rotary tables
-        total += latent.rotary_bytes(m, s, e) if fam.latent_attention else 2 * e * s * m.head_dim
+        total += rotary_bytes(m, s, e, tables)  # the rotary tables
     if head:
         norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if fam.rms_norm else e * (2 * b * s * h + 2 * b * s)
+        norm += 4 * h if fam.offset_norm else 0  # Gemma's (1 + w)
         # 'fp32': log_softmax's fp32 output, nll's targets and total weight; 'fused': the
         # logits, each row's fp32 log-sum-exp and the targets (engines/loss.py)
         loss = e * b * s * v + 4 * b * s + 8 * b * s if m.fused_loss else 4 * b * s * v + 8 * b * s + 4
         total += norm + loss
     if embed:
         total += 8 * b * s + (0 if fam.rotary else 8 * s)  # a position table keeps the positions
+        total += e if fam.scaled_embedding else 0  # Gemma's sqrt(h), a 0-dim tensor in the compute dtype
     return total
+
+
+def gemma_norm_bytes(m: ModelConfig, b: int, rows: int, s: int) -> int:
+    """What Gemma 3's block keeps beyond a llama block's (measured, engines/layers.py OffsetRMSNorm):
+    two more RMSNorms (after attention and after the MLP, on the `rows` the stream holds), each
+    keeping its input, normalised input and rstd in fp32, and every one of the four its (1 + w),
+    h fp32; 0 for the other families. The sliding window's mask: window_mask_bytes."""
+    if not m.family.sandwich_norm:
+        return 0
+    return 2 * 4 * (2 * b * rows * m.hidden + b * rows) + 4 * 4 * m.hidden
+
+
+def window_mask_bytes(m: ModelConfig, s: int, e: int) -> int:
+    """A local layer's mask as PyTorch's SDPA keeps it for backward: (s, s) in the compute dtype (the
+    CPU kernel turns the boolean mask into an additive one; measured 4096 bytes at s = 32, fp32)."""
+    return e * s * s
+
+
+def rotary_bytes(m: ModelConfig, s: int, e: int, tables: int | None = None) -> int:
+    """The cos and sin tables (s, head_dim) a chunk keeps per forward: one pair per kind of rotating
+    layer it holds (`tables`; default every kind the model has: two with a local RoPE base, Gemma 3),
+    a pair no block of the chunk uses being saved by nothing."""
+    if m.family.latent_attention:  # MLA's tables are qk_rope_head_dim wide (theory/exact/latent.py)
+        return latent.rotary_bytes(m, s, e)
+    if tables is None:
+        tables = 2 if m.rope_local_theta is not None else 1
+    return tables * 2 * e * s * m.head_dim
+
+
+def table_kinds(m: ModelConfig, blocks) -> int:
+    """The rotary pairs a chunk of `blocks` keeps: the kinds (local base, global) of its rotating layers."""
+    return len({m.layer_local(i) and m.rope_local_theta is not None for i in blocks if m.layer_rotates(i)})
+
+
+def qk_norm_bytes(m: ModelConfig, b: int, s: int, heads: int, kv_heads: int) -> int:
+    """Qwen3's q_norm and k_norm (`heads` query and `kv_heads` KV heads of this rank): each RMSNorm keeps
+    its input and normalised output in fp32 and one fp32 rstd per head and position (measured: torch's
+    CPU rms_norm); 0 without qk_norm."""
+    if not m.qk_norm:
+        return 0
+    hd = m.head_dim
+    offset = 2 * 4 * hd if m.family.offset_norm else 0  # Gemma's (1 + w), one per norm
+    return 4 * (2 * b * s * heads * hd + b * s * heads) + 4 * (2 * b * s * kv_heads * hd + b * s * kv_heads) + offset
 
 
 def korthikanti_layer_bytes(

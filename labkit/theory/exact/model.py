@@ -19,7 +19,7 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     """(name, shape) of every parameter, in registration order; a tied head is the embedding
     (listed once, as embed.tok.weight)."""
     h, f, v, s = m.hidden, m.ffn, m.vocab, m.seq
-    kv = m.n_kv_heads * m.head_dim
+    kv, q = m.n_kv_heads * m.head_dim, m.heads * m.head_dim  # q = h unless kv_channels sets head_dim
     fam = m.family
     # a rotary model (llama) has no position table
     out = [("embed.tok.weight", (v, h))] + ([] if fam.rotary else [("embed.pos.weight", (s, h))])
@@ -38,8 +38,10 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
         if fam.latent_attention:  # MLA (deepseek_v3): its latents' projections and norms
             out += [(b + "attn." + name, shape) for name, shape in mla_shapes(m)]
         else:
-            out += linear(b + "attn.wq", h, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
-            out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, h, fam.biases)
+            out += linear(b + "attn.wq", q, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
+            out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, q, fam.biases)
+        if m.qk_norm:  # Qwen3, Gemma 3: one RMSNorm over head_dim for q's heads, one for k's
+            out += [(b + "attn.q_norm.weight", (m.head_dim,)), (b + "attn.k_norm.weight", (m.head_dim,))]
         out += norm(b + "ln2")
         if m.moe_layer(i):  # the first dense_layers blocks keep the dense MLP below
             fe, fs = m.expert_ffn, m.expert_ffn * m.shared_experts  # an expert's width; the shared MLP's
@@ -57,6 +59,8 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
             out += linear(b + "mlp.down", h, f, False)
         else:
             out += linear(b + "mlp.fc1", f, h, fam.biases) + linear(b + "mlp.fc2", h, f, fam.biases)
+        if fam.sandwich_norm:  # Gemma: the sublayers' outputs normed, registered after the MLP
+            out += norm(b + "ln1_post") + norm(b + "ln2_post")
     # a tied head registers no weight of its own: it is the embedding's one Parameter
     out += norm("head.norm") + ([] if m.tied else [("head.proj.weight", (v, h))])
     return tuple(out)

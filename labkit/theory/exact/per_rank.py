@@ -27,16 +27,18 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     coords = layout.coords(rank)
     # FSDP2's uneven rows depend on the dp index (within the shard group under HSDP: shard inside)
     index = coords["dp"] % sharding.dp_shard(cfg) if cfg.torch_impl else 0
-    return dict(_rank_memory(cfg, model, coords["pp"], index))
+    # sliding windows under cp: each cp rank's chunks see their own number of keys (context.py)
+    cp_rank = coords["cp"] if context.window_exchanged(cfg, model) else 0
+    return dict(_rank_memory(cfg, model, coords["pp"], index, cp_rank))
 
 
 @lru_cache(maxsize=4096)
-def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int) -> tuple:
+def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int, cp_rank: int = 0) -> tuple:
     """rank_memory of every rank at pipeline coordinate `pp_rank` (and FSDP2 data index `index`):
     the rest of a rank's coordinates change nothing, so an estimate at scale computes this once
     per coordinate."""
     out = sharding.state_bytes(cfg, model, None, index, pp_rank)
-    out["activations"] = activations.peak(cfg, model, pp_rank)
+    out["activations"] = activations.peak(cfg, model, pp_rank, cp_rank=cp_rank)
     if cfg.pp > 1 and cfg.pipeline.splits_backward and not cfg.torch_impl:  # what our B keeps for W
         out["held_for_w"] = pipeline.held_peak(cfg, model, pp_rank)
     out.update(sharding.transient_peaks(cfg, model, None, pp_rank))

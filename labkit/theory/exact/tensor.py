@@ -18,6 +18,7 @@ from labkit.layout.precision import ELEM, REDUCE
 from labkit.theory.exact import latent
 from labkit.theory.exact.batch import microbatch_rows
 from labkit.theory.exact.experts import layer_activation_bytes, moe_layers_held
+from labkit.theory.exact.memory import gemma_norm_bytes, qk_norm_bytes, rotary_bytes
 from labkit.theory.exact.pipeline import stage_layers
 
 
@@ -31,6 +32,7 @@ def activation_bytes(
     megatron_regather: bool = False,
     head: bool = True,
     embed: bool = True,
+    tables: int | None = None,
 ) -> int:
     """Bytes our TP (+ SP) model saves for backward for one microbatch of `batch` rows on one
     rank (DERIVATIONS.md counts them): model.layers blocks, plus the head and the embedding if
@@ -48,9 +50,12 @@ def activation_bytes(
         mlp = layer_activation_bytes(model, b, s, e)
     else:
         mlp = e * (4 if fam.gated_mlp else 2) * b * s * f // tp
-    attn = e * (2 * b * s * h // tp + 2 * b * s * kv)  # q and the attention output of the local heads; k, v
+    q = model.heads * model.head_dim  # h unless kv_channels sets head_dim apart
+    attn = e * (2 * b * s * q // tp + 2 * b * s * kv)  # q and the attention output of the local heads; k, v
+    attn += qk_norm_bytes(model, b, s, a // tp, max(1, model.n_kv_heads // tp))  # on the gathered sequence
     if fam.rms_norm:  # the norms keep fp32 statistics and inputs
         block = 8 * (2 * b * rows * h + b * rows) + e * 2 * b * kept * h + attn + mlp
+        block += gemma_norm_bytes(model, b, rows, s)  # Gemma's post-sublayer norms on the stream's rows
     else:
         block = e * (2 * b * rows * h + 2 * b * kept * h + 4 * b * rows) + attn + mlp
     block += 4 * (a // tp) * b * s
@@ -58,16 +63,17 @@ def activation_bytes(
         block += latent.attention_bytes(model, b, s, tp, e) - attn - 4 * (a // tp) * b * s
     total = model.layers * block
     if fam.rotary and model.layers:
-        # the rotary tables, on the gathered sequence
-        total += latent.rotary_bytes(model, s, e) if fam.latent_attention else 2 * e * s * model.head_dim
+        total += rotary_bytes(model, s, e, tables)  # the rotary tables, on the gathered sequence
     if head:
         norm = 4 * (2 * b * rows * h + b * rows) if fam.rms_norm else e * (b * rows * h + 2 * b * rows)
+        norm += 4 * h if fam.offset_norm else 0  # Gemma's (1 + w)
         # the loss keeps the fp32 softmax ('fp32') or the logits and the fp32 log-sum-exp ('fused'),
         # with the local targets (int64) and whether another rank holds them (bool)
         loss = e * b * s * v // tp + 4 * b * s if model.fused_loss else 4 * b * s * v // tp
         total += norm + e * b * kept * h + loss + 8 * b * s + b * s
     if embed:
         total += 8 * b * s + b * s + (0 if fam.rotary else 8 * s)
+        total += e if fam.scaled_embedding else 0  # Gemma's sqrt(h), a 0-dim tensor
     return total
 
 

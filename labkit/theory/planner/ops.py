@@ -110,10 +110,12 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
             k, n = (f, h) if i == mats - 1 else (h, f)
             ops += _matmul(f"mlp.experts.{i}", routed, k, n, precision, kept=False)
         ops.append(Op("moe gather/scatter", "memory", 0, 4 * e * routed * h, kept=False))
-    hd = h // a
+    hd, q = model.head_dim, a * model.head_dim  # h // a and h unless kv_channels sets head_dim apart
     attn_flops = 4.0 * b * s * model.seq * (a // tp) * hd / 2  # causal: half the products
+    if any(model.layer_window(i) for i in range(model.layers)):  # Gemma 3: its local layers' pairs only
+        attn_flops = 4.0 * b * (a // tp) * hd * _mean_pairs(model) / cp
     # the kernel reads q, k, v and writes its output once: q and the output h/t wide, k and v kv/t
-    attn_bytes = e * tokens * (2 * h + 2 * _kv(model)) / tp
+    attn_bytes = e * tokens * (2 * q + 2 * _kv(model)) / tp
     if fam.latent_attention:  # MLA: q·k over dn + dr, p·v over dv; the kernel runs q, k, v, out at W
         hd = kernel_width(model)
         attn_flops = 2.0 * b * s * model.seq * (a // tp) * (model.qk_nope_head_dim + model.qk_rope_head_dim)
@@ -190,12 +192,21 @@ master, gradient, both moments and write master and moments (28), the norm's rea
 and the clip's scaling in place (12)."""
 
 
+def _mean_pairs(model: ModelConfig) -> float:
+    """(query, key) pairs a block computes, averaged over the blocks: s²/2 causal (a global layer, as
+    the formula above halves it), s·w - w(w-1)/2 for a window of w (each query its last w keys)."""
+    s = model.seq
+    pairs = [s * s / 2 if w is None else s * w - w * (w - 1) / 2 for w in map(model.layer_window, range(model.layers))]
+    return sum(pairs) / len(pairs)
+
+
 @lru_cache(maxsize=256)
 def model_flops_per_token(model: ModelConfig) -> float:
     """Model FLOPs per token of forward + backward, PaLM's convention (Chowdhery et al. 2022,
     appendix B; torchtitan and MFU tables use it): 6·N + 12·L·h·s, N the parameters a token
     passes through without the embedding table (the LM head counted, a tied one too), and the
-    attention products counted whole (not halved for the causal mask)."""
+    attention products counted whole (not halved for the causal mask), h = heads·head_dim, a
+    sliding-window layer's at its window's w keys instead of s."""
     total = 0.0
     for name, shape in param_shapes(model):
         # the embedding table is a lookup, not a product: PaLM leaves it out
@@ -208,4 +219,9 @@ def model_flops_per_token(model: ModelConfig) -> float:
         total += n
     if model.tied:
         total += model.vocab * model.hidden  # the head's product with the tied table
-    return 6.0 * total + 12.0 * model.layers * model.hidden * model.seq
+    q = model.heads * model.head_dim  # = h unless kv_channels (torchtitan's 12·l·heads·head_dim·s)
+    if not any(model.layer_window(i) for i in range(model.layers)):
+        return 6.0 * total + 12.0 * model.layers * q * model.seq
+    # a sliding-window layer's queries see w keys, not s (Gemma 3: five layers in six)
+    keys = sum(model.seq if w is None else w for w in map(model.layer_window, range(model.layers)))
+    return 6.0 * total + 12.0 * q * keys

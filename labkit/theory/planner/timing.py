@@ -21,6 +21,7 @@ from functools import lru_cache
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import Recomputation, recomputation
 from labkit.layout.precision import ELEM, REDUCE
+from labkit.layout.window import rows_of, window_plan
 from labkit.theory.exact.latent import kv_width
 from labkit.theory.planner.hardware import H100, HARDWARE, Hardware, Link, attention_rate
 from labkit.theory.planner.ops import OPTIMIZER_BYTES, Op, block_ops, embed_ops, head_ops, model_flops_per_token
@@ -171,8 +172,14 @@ def microbatch(
     tp_calls = L * (4 + 2 * repeat) + 2 * (st.head + st.embed)
     # nothing hides TP's collectives: the next op needs their result
     add("tp", tp_calls * ring("all_reduce", e * b * s * h, cfg.tp, link_of(cfg, ("tp",), hw)))
+    # sliding-window layers (Gemma 3) exchange their window's rows instead of the ring's or the gather's
+    # K/V (labkit/layout/window.py); a stage holds its share of them: the model's fraction, at scale
+    local = L * _window_share(cfg, model)
+    L_kind = L - local
+    if local:
+        add("cp", local * _window_exchange(cfg, model, hw, b, r.recomputes))
     if cfg.cp > 1 and not (cfg.context.ring and not cfg.context.splits_heads):
-        add("cp", L * _context_collectives(cfg, model, hw, b, r.recomputes))
+        add("cp", L_kind * _context_collectives(cfg, model, hw, b, r.recomputes))
     if cfg.cp > 1 and cfg.context.ring:  # ring attention: n-1 hops of K/V forward, of K/V and fp32 dK/dV backward
         # hierarchical: the ring across the cp / cp_a2a runs, on the link the whole cp group spans
         n = cfg.cp // cfg.cp_a2a if cfg.context.hierarchical else cfg.cp
@@ -191,7 +198,7 @@ def microbatch(
             (fwd, block.attention_forward),
             (bwd + again_cp, (2.5 + r.recomputes) * block.attention_forward),
         ):
-            add("cp", L * total, L * kernel)
+            add("cp", L_kind * total, L_kind * kernel)  # the global layers' rings
     if cfg.ep > 1 and model.experts:  # dispatch and combine, forward and backward
         a2a = ring("all_to_all", e * b * s * model.top_k * h, cfg.ep, link_of(cfg, ("ep",), hw))
         # exposed: the experts need the dispatched rows and the next layer the combined ones
@@ -207,6 +214,31 @@ def microbatch(
     copies = dp.copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
     parts["memory-bound"] += copies
     return Microbatch(compute + copies, parts, comm, exposed)
+
+
+def _window_share(cfg: ParallelConfig, model: ModelConfig) -> float:
+    """The fraction of the layers whose window rows go point to point under cp (Ulysses: none, its
+    all-to-alls are any layer's; a window of seq or more: none)."""
+    if cfg.cp == 1 or cfg.context.splits_heads or model.layers == 0:
+        return 0.0
+    return sum(model.layer_window(i) is not None for i in range(model.layers)) / model.layers
+
+
+def _window_exchange(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, b: int, recomputes: bool) -> float:
+    """Seconds per local layer and microbatch of the window exchange (theory/exact/context.py counts its
+    calls and bytes), all exposed: the attention waits for the rows. Each message α + bytes/β; the
+    slowest cp rank's sends or receives, whichever is longer; forward (again when recomputed) and the
+    gradients back in backward, the same rows."""
+    link, e = link_of(cfg, ("cp",), hw), ELEM[cfg.precision]
+    row = e * 2 * b * max(1, model.n_kv_heads // cfg.tp) * model.head_dim  # one position's K and V
+    widths = {model.layer_window(i) for i in range(model.layers)} - {None}
+    w = max(widths)  # the widest window of the model (Gemma 3: one width)
+    worst = 0.0
+    for plan in window_plan(model.seq, cfg.cp, w):
+        for side in ("send", "recv"):
+            t = sum(link.alpha + row * rows_of(spans) / link.beta for spans in plan[side].values())
+            worst = max(worst, t)
+    return (2 + recomputes) * worst
 
 
 def _context_collectives(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, b: int, recomputes: bool) -> float:
