@@ -128,7 +128,8 @@ def read_family(c: dict, kind: str, seq: int | None, read, problems: list[str]) 
     # Qwen3Attention (Qwen3-MoE's too): q_norm, k_norm over head_dim; head_dim 128 apart from hidden / heads
     if kind in ("qwen3", "qwen3_moe"):
         out["qk_norm"] = True
-        _kv_channels(c, out, read, problems, 128)
+        # the config classes' defaults when head_dim is absent: Qwen3Config 128, Qwen3MoeConfig none (h / heads)
+        _kv_channels(c, out, read, problems, 128 if kind == "qwen3" else None)
         return out
     # SmolLM3: no_rope_layers[i] = 1 where layer i rotates; the released configs drop every 4th
     n = read(c, "no_rope_layer_interval", int, problems, 4)

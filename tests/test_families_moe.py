@@ -1,7 +1,8 @@
-"""DeepSeek-V3 whole (issue 35): MLA (tests/test_mla.py) joined with its MoE layers (tests/test_moe_fine.py)
-in ModelConfig.from_hf: the published config counted like transformers' DeepseekV3ForCausalLM on the meta
-device, and a small config's logits equal transformers' on the same weights, the aux-loss-free bias and the
-group limit biting."""
+"""The MoE families whole (issue 35), where from_hf joins an attention part with the fine-grained MoE layer
+(tests/test_moe_fine.py): DeepSeek-V3 (MLA, tests/test_mla.py) and Qwen3-MoE (Qwen3's q/k norms,
+tests/test_families_fam.py). The published configs counted like transformers' models on the meta device, and
+small configs' logits equal transformers' on the same weights (DeepSeek-V3's with the aux-loss-free bias and
+the group limit biting)."""
 
 from __future__ import annotations
 
@@ -101,3 +102,60 @@ def test_logits_equal_transformers():
 def test_an_unbuilt_router_is_refused_by_name():
     with pytest.raises(ConfigError, match="topk_method='greedy'"):
         ModelConfig.from_hf({**DEEPSEEK_V3, "topk_method": "greedy"}, seq=4096)
+
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 2048, "num_hidden_layers": 48,
+    "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 6144,
+    "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True,
+    "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "use_sliding_window": False,
+}  # fmt: skip
+"""huggingface.co/Qwen/Qwen3-30B-A3B config.json (the fields that decide the architecture)."""
+
+
+def _hf(c: dict):
+    return T.AutoConfig.for_model(**{k: v for k, v in c.items() if k != "architectures"})
+
+
+def test_qwen3_30b_a3b_counts_as_transformers():
+    with torch.device("meta"):
+        hf = T.Qwen3MoeForCausalLM(_hf(QWEN3_30B_A3B))
+    m = ModelConfig.from_hf(QWEN3_30B_A3B, seq=4096)
+    assert (m.qk_norm, m.kv_channels, m.experts, m.top_k, m.moe_ffn, m.shared_experts) == (True, 128, 128, 8, 768, 0)
+    assert m.num_params() == sum(p.numel() for p in hf.parameters()) == 30_532_122_624
+
+
+def test_qwen3_moe_logits_equal_transformers():
+    from test_hf_numerics import logits
+
+    c = {
+        **QWEN3_30B_A3B, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "moe_intermediate_size": 24, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 97,
+    }  # fmt: skip
+    cfg = ModelConfig.from_hf(c, seq=16)
+    net = build_model(cfg, 0)
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+    config = _hf(c)
+    config._attn_implementation = "eager"
+    hf = T.Qwen3MoeForCausalLM(config).eval()
+    sd = {"model.embed_tokens.weight": net.embed.tok.weight, "model.norm.weight": net.head.norm.weight}
+    sd["lm_head.weight"] = net.head.proj.weight
+    names = {"wq": "q_proj", "wk": "k_proj", "wv": "v_proj", "wo": "o_proj", "q_norm": "q_norm", "k_norm": "k_norm"}
+    for i, b in enumerate(net.blocks):
+        p = f"model.layers.{i}."
+        sd[p + "input_layernorm.weight"], sd[p + "post_attention_layernorm.weight"] = b.ln1.weight, b.ln2.weight
+        for ours, theirs in names.items():
+            sd[p + f"self_attn.{theirs}.weight"] = getattr(b.attn, ours).weight
+        sd[p + "mlp.gate.weight"] = b.mlp.router.weight
+        sd[p + "mlp.experts.gate_up_proj"] = torch.cat([b.mlp.w1, b.mlp.w3], dim=2).transpose(1, 2)
+        sd[p + "mlp.experts.down_proj"] = b.mlp.w2.transpose(1, 2)
+    missing, unexpected = hf.load_state_dict({k: v.detach().clone() for k, v in sd.items()})
+    assert not missing and not unexpected, (missing, unexpected)
+    tokens = torch.randint(0, cfg.vocab, (2, 16), generator=gen)
+    with torch.no_grad():
+        ours, theirs = logits(net, tokens), hf(tokens).logits
+    assert (ours - theirs).abs().max() <= 1e-5 * theirs.abs().max()
