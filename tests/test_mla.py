@@ -188,7 +188,7 @@ def test_from_hf_reads_and_refuses_by_name():
     # transformers 5 writes rope_parameters (rope_theta inside): read the same
     written = hf_config(DENSE_V3).to_dict()
     assert ModelConfig.from_hf({**written, "architectures": ["DeepseekV3ForCausalLM"]}, seq=4096) == m
-    # the published model with its MoE layers reads whole: tests/test_deepseek_v3.py
+    # the published model with its MoE layers reads whole: tests/test_families_moe.py
     with pytest.raises(ConfigError, match="rope_interleave=False"):
         ModelConfig.from_hf({**DENSE_V3, "rope_interleave": False}, seq=4096)
     with pytest.raises(ConfigError, match="num_key_value_heads=8"):
