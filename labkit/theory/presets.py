@@ -178,6 +178,31 @@ text_config (h 5376, 62 layers, 32 heads of 128, 16 KV heads, GeGLU 21504, query
 Gemma3TextConfig's defaults (vocab 262208, rope bases 1e6 / 1e4, context 131072); Gemma Team,
 "Gemma 3 Technical Report" (2025), section 2."""
 
+DEEPSEEK_V3 = DEEPSEEK_V3_DENSE.replace(
+    experts=256,
+    top_k=8,
+    moe_ffn=2048,
+    shared_experts=1,
+    norm_topk_prob=True,
+    router="sigmoid",
+    n_group=8,
+    topk_group=4,
+    routed_scaling_factor=2.5,
+    dense_layers=3,
+)
+"""DeepSeek-V3 (671B): DEEPSEEK_V3_DENSE's attention with layers 3..60 MoE, 256 routed experts of width 2048
+(top-8 within 4 of 8 groups, sigmoid gates scaled by 2.5) and one shared: the technical report (arXiv
+2412.19437) section 4.2 and huggingface.co/deepseek-ai/DeepSeek-V3 config.json, which from_hf reads into
+this (tests/test_families_moe.py: 671,026,404,352 parameters, transformers' count). The MTP module is left
+out, as transformers leaves it out."""
+
+QWEN3_30B_A3B = QWEN3_8B.replace(
+    layers=48, hidden=2048, heads=32, kv_heads=4, kv_channels=128, ffn=6144, seq=40960, experts=128, top_k=8,
+    moe_ffn=768, norm_topk_prob=True,
+)  # fmt: skip
+"""Qwen3-30B-A3B: huggingface.co/Qwen/Qwen3-30B-A3B config.json (48 layers, h 2048, 32 heads of 128, 4 KV heads,
+128 experts of width 768, top-8, gates renormalised, q/k norms, rope_theta 1e6, context 40960)."""
+
 PRESETS: dict[str, ModelConfig] = {
     "gpt2-124m": GPT2_124M,
     "llama-7b": LLAMA2_7B,
@@ -191,6 +216,8 @@ PRESETS: dict[str, ModelConfig] = {
     "qwen3-8b": QWEN3_8B,
     "smollm3-3b": SMOLLM3_3B,
     "gemma3-27b": GEMMA3_27B,
+    "qwen3-30b-a3b": QWEN3_30B_A3B,
+    "deepseek-v3": DEEPSEEK_V3,
 }
 
 PUBLISHED_PARAMS: dict[str, int] = {
@@ -209,6 +236,10 @@ PUBLISHED_PARAMS: dict[str, int] = {
     "qwen3-8b": 8_190_735_360,
     "smollm3-3b": 3_075_098_624,
     "gemma3-27b": 27_009_346_304,
+    # transformers' Qwen3MoeForCausalLM / DeepseekV3ForCausalLM on the meta device (tests/test_families_moe.py);
+    # the Hub pages list 30.5B and 671B (DeepSeek's 685B counts the MTP module too)
+    "qwen3-30b-a3b": 30_532_122_624,
+    "deepseek-v3": 671_026_404_352,
 }
 """Exact parameter counts of the published checkpoints (Hugging Face's safetensors totals)."""
 

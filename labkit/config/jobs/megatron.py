@@ -165,8 +165,10 @@ def read(
     if etp != tp:
         raise ConfigError(
             [
-                f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: "
-                "labkit's mesh has one tp dim for the dense and the expert layers"
+                f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: Megatron's "
+                "MoE parallel folding (expert parallelism folded over the tensor-parallel ranks) is not expressible "
+                "on labkit's mesh, which has one tp dim for the dense and the expert layers (experts whole on each "
+                f"tp rank, split over the ep dim); give --expert-tensor-parallel-size {tp}"
             ]
         )
     if world % (tp * pp * cp):
