@@ -10,8 +10,9 @@ import pytest
 import torch
 from test_mla import DEEPSEEK_V3, SMALL, hf_config
 
-from labkit import ConfigError, ModelConfig
+from labkit import ConfigError, ModelConfig, ParallelConfig
 from labkit.engines.model import build_model
+from labkit.oracle.checks import assert_matches
 
 T = pytest.importorskip("transformers")
 
@@ -189,3 +190,35 @@ def test_deepseek_v3_published_layout_is_priced():
     assert 0 < full.tokens_per_second_per_gpu < bare.tokens_per_second_per_gpu  # recomputation costs time
     est = theory.estimate(ParallelConfig(**layout, **v, checkpoint_activations=True), model, world=2048)
     assert est.memory[0]["params"] > 0
+
+
+DSV3_SMALL = {**DEEPSEEK_V3, **SMALL, **MOE, "rope_scaling": None, "vocab_size": 128}  # a vocab tp splits
+QWEN3_MOE_SMALL = {
+    **QWEN3_30B_A3B, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+    "head_dim": 16, "moe_intermediate_size": 24, "num_experts": 8, "num_experts_per_tok": 2, "vocab_size": 128,
+}  # fmt: skip
+JOINED = [
+    ("deepseek-v3", DSV3_SMALL, ParallelConfig(tp=2, ep=2, sequence_parallel=True)),
+    ("deepseek-v3", DSV3_SMALL, ParallelConfig(pp=2, ep=2, sharding="zero1", microbatches=2, stage_layers=(2, 1))),
+    ("qwen3-moe", QWEN3_MOE_SMALL, ParallelConfig(tp=2, ep=2, sequence_parallel=True, sharding="fsdp")),
+]
+
+
+@pytest.mark.parametrize(
+    "name, c, cfg", JOINED, ids=["dsv3-tp2-sp-ep2", "dsv3-pp2-ep2-zero1", "qwen3moe-tp2-sp-ep2-fsdp"]
+)
+def test_the_joined_families_train_like_one_process(lab, ref_cache, name, c, cfg):
+    """The whole small models as from_hf reads them (MLA or Qwen3's q/k norms with the fine-grained MoE,
+    DeepSeek-V3's dense first block and aux-loss-free bias moving) in composed layouts: every parameter,
+    gradient, loss and bias as one process, every state byte, activation byte and comm row the theory's."""
+    from theory_match import compare
+
+    model = ModelConfig.from_hf(c, seq=16)
+    if model.sigmoid_router:
+        model = model.replace(bias_update_speed=0.01)  # training's choice (hf_moe.py): on, so the oracle sees it move
+    res = lab.run(cfg, model=model, steps=3, return_params=True)
+    ref = ref_cache(model)
+    assert_matches(res, ref)
+    if model.sigmoid_router:
+        assert ref.buffers and all(abs(b).max() > 0 for b in ref.buffers.values())
+    compare(res, cfg, model, world=4)

@@ -39,7 +39,7 @@ def _bytes(
     seq = model.seq // cfg.cp
     if dense and model.experts:  # the dense blocks and the MoE blocks apart; the chunk's rotary tables once
         both = model.family.rotary and layers > dense
-        rotary = 2 * act * seq * model.head_dim if both else 0
+        rotary = memory.rotary_bytes(model, seq, act, tables) if both else 0  # MLA's: qk_rope_head_dim wide
         moe = _bytes(cfg, model, b, layers - dense, False, False, 0, tables)
         return _bytes(cfg, model.replace(experts=0), b, dense, head, embed, local, tables) + moe - rotary
     heads = layers * ulysses_bytes(cfg, model, b)
