@@ -183,8 +183,14 @@ class Attention(nn.Module):
             self.core = self.sink_core
 
     def sink_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """The attention kernel with this layer's sinks and window (a method: the sinks are a parameter)."""
-        return sink_attention(q, k, v, self.sinks, self.window)
+        """The attention kernel with this layer's sinks and window (a method: the sinks are a parameter):
+        PyTorch's CPU flash kernel rescaled (engines/sinks.py) on the CPU, computed eagerly elsewhere."""
+        if q.device.type != "cpu":
+            return sink_attention(q, k, v, self.sinks, self.window)
+        from labkit.engines.sinks import sink_flash  # engines/sinks.py imports nothing of this module's
+
+        pos = torch.arange(q.shape[2], device=q.device)
+        return sink_flash(q, k, v, self.sinks, None if self.window is None else window_mask(pos, pos, self.window))
 
     def forward(self, x: torch.Tensor, rope: tuple | dict | None = None) -> torch.Tensor:
         b, s, _ = x.shape

@@ -13,6 +13,7 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.schedules import chunk_layers, stage_of
+from labkit.theory.exact.experts import is_expert
 from labkit.theory.exact.model import param_shapes
 from labkit.theory.planner.ops import LATENT, ROWWISE, representative_block
 
@@ -122,7 +123,7 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             dense_block += n // tp if split else n
         # one block stands for every block: they are alike (the dense first ones apart)
         if name.startswith(first):
-            if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
+            if is_expert(name):
                 expert += n // ep
             elif ".mlp.shared." in name:
                 dense += n  # replicated over tp with the MoE layer
