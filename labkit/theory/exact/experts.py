@@ -46,7 +46,8 @@ def layer_activation_bytes(
     Fine-grained MoE (engines/moe.py; measured by tests/test_moe_fine.py): f is an expert's width
     (moe_ffn); the top-k renormalisation's 4·(N + T) wherever gates are renormalised (norm_topk_prob);
     a sigmoid router keeps one more fp32 sum per token, 4·T (the affinities normalised for the balance
-    loss, DeepSeek-V3 eq. 19); GPT-OSS's clamped SwiGLU keeps a·7·R·f and its top-k softmax 4·N below fp32; shared experts keep a dense MLP's a·(4 or 2)·T·f_s on every token
+    loss, DeepSeek-V3 eq. 19); GPT-OSS's clamped SwiGLU keeps a·7·R·f and its top-k softmax 4·N below fp32;
+    shared experts keep a dense MLP's a·(4 or 2)·T·f_s on every token
     (f_s = shared_experts·f); group limits and routed_scaling_factor keep nothing more."""
     t = batch * seq
     n = t * model.top_k
