@@ -21,6 +21,7 @@ import torch.nn.functional as F
 
 from labkit.config import ModelConfig
 from labkit.config.latent import yarn_gain
+from labkit.engines.sinks import sink_flash
 
 
 def rope_frequencies(cfg: ModelConfig, device=None, local: bool = False) -> torch.Tensor:
@@ -187,8 +188,6 @@ class Attention(nn.Module):
         PyTorch's CPU flash kernel rescaled (engines/sinks.py) on the CPU, computed eagerly elsewhere."""
         if q.device.type != "cpu":
             return sink_attention(q, k, v, self.sinks, self.window)
-        from labkit.engines.sinks import sink_flash  # engines/sinks.py imports nothing of this module's
-
         pos = torch.arange(q.shape[2], device=q.device)
         return sink_flash(q, k, v, self.sinks, None if self.window is None else window_mask(pos, pos, self.window))
 

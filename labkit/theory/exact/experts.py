@@ -57,9 +57,9 @@ def layer_activation_bytes(
     if model.family.gated_mlp:  # SwiGLU experts: gate out, SiLU out, up out, product
         out += act_bytes * 2 * r * f
     if model.family.clamped_experts:
-        # GPT-OSS: the clamped SwiGLU keeps 3·R·f more (both clamps' inputs, σ's output, up + 1, their product,
-        # the product with the gate: 7 in all); the softmax over the top-k logits keeps its fp32 output, which is
-        # the gates counted above in fp32, a tensor of its own (4·N more) once cast to a narrower compute dtype
+        # GPT-OSS: the clamped SwiGLU keeps 3·R·f more, 7 in all (both clamps' inputs, the clamped gate g,
+        # σ(1.702 g), g σ, up + 1, and (up + 1) · g σ, down's input); the softmax over the top-k logits keeps
+        # its fp32 output, the gates counted above in fp32, a tensor of its own (4·N more) once cast narrower
         out += act_bytes * 3 * r * f + (4 * n if act_bytes != 4 else 0)
     elif model.renormalises_gates:  # the top-k gates renormalised in fp32 (Mixtral)
         out += 4 * (n + t)
