@@ -2,7 +2,8 @@
 like one process (labkit.oracle.checks.assert_matches) and measures the model states, the activations and
 every comm row the theory predicts, to the byte. The tiny model keeps each feature live: a window of 6 < seq 16
 on every other layer, a sink per head, biases on q/k/v/o, the router and the experts (split with them over ep),
-head_dim 16 apart from hidden / heads, YaRN. What is not built (tp, cp) is refused at the door."""
+head_dim 16 apart from hidden / heads, YaRN. What is not built (tp, cp kinds other than the ring) is refused
+at the door."""
 
 from __future__ import annotations
 
@@ -28,7 +29,10 @@ LAYOUTS = {
     "oss-pp2": P(pp=2, microbatches=2),
     "oss-dp2-bf16": P(dp=2, precision="bf16"),  # the top-k softmax's fp32 output apart from the bf16 gates
     "oss-ep2": P(ep=2),  # two experts a rank, their biases with them
+    "oss-cp2": P(cp=2),  # ring on the full layer, the window exchange on the local one, a sink once per query
+    "oss-cp4": P(cp=4),  # chunks of 2: a window of 6 reaches two peers back
     "oss-dp2-ep2-zero1": P(dp=2, ep=2, sharding="zero1"),  # composed
+    "oss-cp2-ep2": P(cp=2, ep=2),  # composed
     "oss-pp2-ep2": P(pp=2, ep=2, microbatches=2),  # composed
 }
 
@@ -56,7 +60,10 @@ def test_layout_trains_like_one_process_with_the_predicted_bytes(lab, oracle, na
     compare(res, cfg, OSS, world=4)  # states, activations and every comm row, to the byte
 
 
-@pytest.mark.parametrize("cfg, says", [(P(tp=2), "tp=2 with arch='gpt_oss'"), (P(cp=2), "cp=2 with arch='gpt_oss'")])
+@pytest.mark.parametrize(
+    "cfg, says",
+    [(P(tp=2), "tp=2 with arch='gpt_oss'"), (P(cp=2, cp_kind="allgather"), "cp_kind='allgather' with arch='gpt_oss'")],
+)
 def test_what_is_not_built_is_refused_at_the_door(cfg, says):
     with pytest.raises(ConfigError, match=says):
         validate(cfg, OSS, engines=4)

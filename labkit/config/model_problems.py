@@ -100,10 +100,10 @@ def _sink_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
             f"tp={cfg.tp} with arch='gpt_oss': splitting the sinks by heads and the row-parallel o bias is not "
             "built; use tp=1 (dp, zero, fsdp, pp, ep)"
         )
-    if cfg.cp > 1:
+    if cfg.cp > 1 and not (cfg.context.ring and not cfg.context.hierarchical):
         out.append(
-            f"cp={cfg.cp} with arch='gpt_oss': a ring counting each head's sink once per query (not once per "
-            "block) is not built; use cp=1"
+            f"cp_kind={cfg.cp_kind!r} with arch='gpt_oss': the sinks join the ring's merged log-sum-exp only "
+            "(engines/parallel/context.py); use cp_kind='ring'"
         )
     return out
 
