@@ -33,6 +33,8 @@ LAYOUTS = {
     "oss-cp4": P(cp=4),  # chunks of 2: a window of 6 reaches two peers back
     "oss-dp2-ep2-zero1": P(dp=2, ep=2, sharding="zero1"),  # composed
     "oss-cp2-ep2": P(cp=2, ep=2),  # composed
+    "oss-cp2-selective": P(cp=2, checkpoint_activations="selective"),  # the sinked ring rerun in backward
+    "oss-pp2-ac": P(pp=2, microbatches=2, checkpoint_activations=True),
     "oss-pp2-ep2": P(pp=2, ep=2, microbatches=2),  # composed
 }
 
