@@ -2,8 +2,8 @@
 like one process (labkit.oracle.checks.assert_matches) and measures the model states, the activations and
 every comm row the theory predicts, to the byte. The tiny model keeps each feature live: a window of 6 < seq 16
 on every other layer, a sink per head, biases on q/k/v/o, the router and the experts (split with them over ep),
-head_dim 16 apart from hidden / heads, YaRN. What is not built (tp, cp kinds other than the ring) is refused
-at the door."""
+head_dim 16 apart from hidden / heads, YaRN. What is not built (cp kinds other than the ring, DTensor's tp) is
+refused at the door."""
 
 from __future__ import annotations
 
@@ -33,6 +33,10 @@ LAYOUTS = {
     "oss-cp4": P(cp=4),  # chunks of 2: a window of 6 reaches two peers back
     "oss-dp2-ep2-zero1": P(dp=2, ep=2, sharding="zero1"),  # composed
     "oss-cp2-ep2": P(cp=2, ep=2),  # composed
+    "oss-tp2": P(tp=2),  # the sinks split by heads with wq's rows, o's bias added once after the sum
+    "oss-tp2sp": P(tp=2, sequence_parallel=True),
+    "oss-tp4sp": P(tp=4, sequence_parallel=True),  # one query head a rank, each KV head shared by two
+    "oss-tp2sp-cp2": P(tp=2, cp=2, sequence_parallel=True),  # composed
     "oss-cp2-selective": P(cp=2, checkpoint_activations="selective"),  # the sinked ring rerun in backward
     "oss-pp2-ac": P(pp=2, microbatches=2, checkpoint_activations=True),
     "oss-pp2-ep2": P(pp=2, ep=2, microbatches=2),  # composed
@@ -64,8 +68,24 @@ def test_layout_trains_like_one_process_with_the_predicted_bytes(lab, oracle, na
 
 @pytest.mark.parametrize(
     "cfg, says",
-    [(P(tp=2), "tp=2 with arch='gpt_oss'"), (P(cp=2, cp_kind="allgather"), "cp_kind='allgather' with arch='gpt_oss'")],
+    [
+        (P(tp=2, impl="torch"), "impl='torch' with tp=2 and arch='gpt_oss'"),
+        (P(cp=2, cp_kind="allgather"), "cp_kind='allgather' with arch='gpt_oss'"),
+    ],
 )
 def test_what_is_not_built_is_refused_at_the_door(cfg, says):
     with pytest.raises(ConfigError, match=says):
         validate(cfg, OSS, engines=4)
+
+
+def test_the_planner_counts_a_rank_s_parameters_as_the_exact_theory():
+    """labkit/theory/planner/stages.py's closed form against the exact per-rank count, for GPT-OSS's sinks
+    (split over tp with the heads) and its router's bias (whole, as the router)."""
+    from labkit.theory.exact.params import rank_param_count
+    from labkit.theory.planner.stages import rank_params
+
+    for tp, ep in ((1, 1), (2, 1), (2, 2)):  # tp <= kv_heads: the closed form splits wk, wv evenly
+        cfg = P(tp=tp, ep=ep)
+        got = rank_params(OSS, tp, ep)
+        per_rank = got.embed + got.head + OSS.layers * (got.dense + got.expert)
+        assert per_rank == rank_param_count(cfg, OSS, 0), (tp, ep)

@@ -95,10 +95,10 @@ def _sink_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     if not model.family.sinks:
         return []
     out = []
-    if cfg.tp > 1:
+    if cfg.tp > 1 and cfg.torch_impl:
         out.append(
-            f"tp={cfg.tp} with arch='gpt_oss': splitting the sinks by heads and the row-parallel o bias is not "
-            "built; use tp=1 (dp, zero, fsdp, pp, ep)"
+            f"impl='torch' with tp={cfg.tp} and arch='gpt_oss': the DTensor plan has no row for the sinks; "
+            "use impl='lab' (the sinks split by heads with wq's rows)"
         )
     if cfg.cp > 1 and not (cfg.context.ring and not cfg.context.hierarchical):
         out.append(

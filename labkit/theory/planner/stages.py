@@ -132,8 +132,12 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             elif len(shape) == 2 and not name.endswith("router.weight"):
                 # MLA's latent down-projections stay whole on every tp rank (layout/tensor.py 'latent')
                 dense += n if name[len(first) : -len(".weight")] in LATENT else n // tp
+            elif name.endswith("router.bias"):
+                dense += n  # GPT-OSS's router bias: whole, as its router
             elif name.endswith(".bias") and _column_parallel(name[len(first) : -len(".bias")]):
                 dense += n // tp  # split with its layer's rows
+            elif name.endswith("attn.sinks"):
+                dense += n // tp  # GPT-OSS: one per query head, split with wq's rows
             else:
                 dense += n  # norms, a row-parallel layer's bias (added once), the router
         elif name.startswith("embed."):
