@@ -151,3 +151,62 @@ def test_logits_equal_transformers(monkeypatch):
 def test_what_is_not_built_is_refused_by_name(change, match):
     with pytest.raises(ConfigError, match=match):
         ModelConfig.from_hf({**GPT_OSS_20B, **change}, seq=4096)
+
+
+class _Ring:
+    """A cp ring without a transport: member `rank` of `cp`, each hop handing it the K/V block the previous
+    member held one step before (what engines/parallel/context.py Ring receives), for the forward only."""
+
+    def __init__(self, rank: int, cp: int, blocks: list):
+        from labkit.engines.parallel.context import ring_schedule
+
+        self.rank, self.cp, self.n_chunks, self.blocks = rank, cp, 2, blocks
+        self.schedule, self.t = ring_schedule(rank, cp), 0
+
+    def hop(self, send, tag):
+        self.t += 1
+        return self.blocks[(self.rank - self.t) % self.cp], []
+
+
+def test_the_ring_joins_each_sink_once_per_query():
+    """engines/parallel/context.py's ring forward on cp = 4 zigzag ranks equals sink_attention on the whole
+    sequence; without its sinks, or with the sink joined into every block's partial result (cp times on the
+    last chunks' queries), it does not."""
+    from labkit.engines.layers import sink_attention
+    from labkit.engines.parallel.context import _RingAttention, zigzag_index
+
+    gen = torch.Generator().manual_seed(4)
+    b, nh, nkv, s, hd, cp = 2, 4, 2, 16, 8, 4
+    q, k, v = (torch.randn(b, n, s, hd, generator=gen, dtype=torch.float64) for n in (nh, nkv, nkv))
+    sinks = torch.randn(nh, generator=gen, dtype=torch.float64)
+    want = sink_attention(q, k, v, sinks, None)  # (b, nh, s, hd)
+    idx = [zigzag_index(s, cp, r) for r in range(cp)]
+    blocks = [torch.stack([k[:, :, i], v[:, :, i]]) for i in idx]  # what each member holds: (2, b, nkv, s/cp, hd)
+
+    def ring(r, sinks):
+        return _RingAttention.forward(
+            _Ctx(), q[:, :, idx[r]], k[:, :, idx[r]], v[:, :, idx[r]], _Ring(r, cp, blocks), sinks
+        )
+
+    for r in range(cp):
+        assert torch.allclose(ring(r, sinks), want[:, :, idx[r]], atol=1e-12)
+    last = idx[0][s // (2 * cp) :]  # rank 0's second chunk: queries that see every block of the ring
+    assert (ring(0, None)[:, :, s // (2 * cp) :] - want[:, :, last]).abs().max() > 1e-2
+    # a sink counted once per block: a block's softmax mass shrunk by each partial's own sink term
+    per_block = torch.zeros_like(want[:, :, last])
+    norm = torch.zeros(b, nh, len(last), 1, dtype=torch.float64)
+    for r in range(cp):
+        keys = idx[r][idx[r] <= last.max()]
+        sc = q[:, :, last] @ k.repeat_interleave(nh // nkv, 1)[:, :, keys].transpose(2, 3) * hd**-0.5
+        sc = sc.masked_fill(last[:, None] < keys[None, :], float("-inf"))
+        w = sc.exp()
+        per_block += w @ v.repeat_interleave(nh // nkv, 1)[:, :, keys]
+        norm += w.sum(-1, keepdim=True) + sinks.exp().view(1, nh, 1, 1)  # the sink in every block's sum
+    assert (per_block / norm - want[:, :, last]).abs().max() > 1e-2
+
+
+class _Ctx:
+    """A stand-in for autograd's ctx: the forward only saves."""
+
+    def save_for_backward(self, *tensors):
+        self.saved = tensors
