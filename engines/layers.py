@@ -20,6 +20,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config import ModelConfig
+from labkit.config.latent import yarn_gain
+from labkit.engines.sinks import sink_flash
 
 
 def rope_frequencies(cfg: ModelConfig, device=None, local: bool = False) -> torch.Tensor:
@@ -30,6 +32,8 @@ def rope_frequencies(cfg: ModelConfig, device=None, local: bool = False) -> torc
     `local`: a sliding-window layer's tables (Gemma 3: base rope_local_theta, unscaled); a global
     layer's are divided by rope_linear_factor (HF `_compute_linear_scaling_rope_parameters`)."""
     hd = cfg.head_dim
+    if cfg.yarn is not None:  # GPT-OSS: YaRN over the whole head (MLA's own tables: engines/mla.py)
+        return yarn_frequencies(cfg, device, hd)
     theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
     freq = 1.0 / theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd)
     if local:
@@ -47,6 +51,30 @@ def rope_frequencies(cfg: ModelConfig, device=None, local: bool = False) -> torc
     smooth = (1 - w) * scaled / sc.factor + w * scaled
     middle = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
     return torch.where(middle, smooth, scaled)
+
+
+def yarn_frequencies(cfg: ModelConfig, device=None, dim: int | None = None) -> torch.Tensor:
+    """θ^(-2i/dr) for i < dr/2 (dr = qk_rope_head_dim), fp32; with YaRN (transformers
+    `_compute_yarn_parameters`, truncate=True; DeepSeek-V3 inference/model.py `precompute_freqs_cis`):
+    the dimensions past the correction range [low, high] (wavelengths beyond original / (2π beta_slow))
+    divided by `factor`, those before it kept, a linear ramp between. `dim`: the rotated width when it
+    is not MLA's (GPT-OSS: head_dim), with the range unrounded when yarn.truncate is False."""
+    d, base = dim or cfg.qk_rope_head_dim, cfg.rope_theta
+    freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)  # (dr/2,)
+    y = cfg.yarn
+    if y is None:
+        return freq
+
+    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
+        return d * math.log(y.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(y.beta_fast), correction_dim(y.beta_slow)
+    if y.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, d - 1)
+    high = high + 0.001 if low == high else high  # no 0/0 (transformers `linear_ramp_factor`)
+    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
+    return freq / y.factor * ramp + freq * (1 - ramp)  # ramp 0: kept (extrapolated), 1: interpolated
 
 
 class Rotary(nn.Module):
@@ -68,7 +96,10 @@ class Rotary(nn.Module):
         freq = rope_frequencies(self.cfg, positions.device, local)  # (hd/2,)
         angles = positions.float()[:, None] * freq[None, :]  # (s,) x (hd/2,) -> (s, hd/2)
         angles = torch.cat([angles, angles], dim=-1)  # (s, hd): both halves of each pair
-        return angles.cos().to(dtype), angles.sin().to(dtype)
+        if self.cfg.yarn is None:
+            return angles.cos().to(dtype), angles.sin().to(dtype)
+        gain = yarn_gain(self.cfg.yarn)  # YaRN's attention factor, in fp32 before the cast (as transformers)
+        return (angles.cos() * gain).to(dtype), (angles.sin() * gain).to(dtype)
 
 
 def rotate(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
@@ -101,6 +132,23 @@ def windowed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
 
 
+def sink_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, window: int | None
+) -> torch.Tensor:
+    """Causal attention with a learned sink per head (GPT-OSS; transformers `eager_attention_forward`):
+    softmax over [q·k^T / sqrt(hd), sink_h], the sink's column dropped, so it only adds exp(sink_h) to
+    each row's denominator. q (b, nh, s, hd), k and v (b, nkv, s, hd), sinks (nh,) -> (b, nh, s, hd)."""
+    b, nh, s, hd = q.shape
+    rep = nh // k.shape[1]  # grouped-query: query head i reads KV head i // rep
+    k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (b, nh, s, hd)
+    scores = (q @ k.transpose(2, 3)) * hd**-0.5  # (b, nh, s, s)
+    pos = torch.arange(s, device=q.device)
+    scores = scores.masked_fill(~window_mask(pos, pos, window), float("-inf"))
+    sink = sinks.to(scores.dtype).view(1, nh, 1, 1).expand(b, nh, s, 1)  # (b, nh, s, 1)
+    probs = torch.cat([scores, sink], dim=-1).softmax(dim=-1)[..., :-1]  # (b, nh, s, s + 1) -> (b, nh, s, s)
+    return probs.to(v.dtype) @ v  # (b, nh, s, hd)
+
+
 class Attention(nn.Module):
     """Causal self-attention with `heads` query heads and `n_kv_heads` key/value heads; head counts
     are read off the projections' widths, so a TP shard works as is. gpt2 has biases on every
@@ -113,7 +161,7 @@ class Attention(nn.Module):
         super().__init__()
         h, hd = cfg.hidden, cfg.head_dim
         q, kv = cfg.heads * hd, cfg.n_kv_heads * hd  # q is h wide unless kv_channels says otherwise
-        bias = cfg.family.biases
+        bias = cfg.family.biases or cfg.family.attention_biases
         qkv_bias = bias or cfg.qkv_bias
         self.head_dim = hd
         self.wq = nn.Linear(h, q, bias=qkv_bias)
@@ -130,6 +178,18 @@ class Attention(nn.Module):
         self.q_scale = None if scalar is None else math.sqrt(hd / scalar)  # hd^-1/2 · q_scale = scalar^-1/2
         # swapped for ring attention under context parallelism (a window exchange on a local layer)
         self.core = causal_attention if self.window is None else partial(windowed_attention, window=self.window)
+        # GPT-OSS: one logit per query head, split by heads under TP like wq's rows (transformers' `sinks`)
+        self.sinks = nn.Parameter(torch.zeros(cfg.heads)) if cfg.family.sinks else None
+        if self.sinks is not None:
+            self.core = self.sink_core
+
+    def sink_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """The attention kernel with this layer's sinks and window (a method: the sinks are a parameter):
+        PyTorch's CPU flash kernel rescaled (engines/sinks.py) on the CPU, computed eagerly elsewhere."""
+        if q.device.type != "cpu":
+            return sink_attention(q, k, v, self.sinks, self.window)
+        pos = torch.arange(q.shape[2], device=q.device)
+        return sink_flash(q, k, v, self.sinks, None if self.window is None else window_mask(pos, pos, self.window))
 
     def forward(self, x: torch.Tensor, rope: tuple | dict | None = None) -> torch.Tensor:
         b, s, _ = x.shape

@@ -33,29 +33,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config import ModelConfig
-from labkit.config.latent import LATENT_NORM_EPS, softmax_scale, yarn_mscale
-from labkit.engines.layers import causal_attention
-
-
-def yarn_frequencies(cfg: ModelConfig, device=None) -> torch.Tensor:
-    """θ^(-2i/dr) for i < dr/2 (dr = qk_rope_head_dim), fp32; with YaRN (transformers
-    `_compute_yarn_parameters`, truncate=True; DeepSeek-V3 inference/model.py `precompute_freqs_cis`):
-    the dimensions past the correction range [low, high] (wavelengths beyond original / (2π beta_slow))
-    divided by `factor`, those before it kept, a linear ramp between."""
-    d, base = cfg.qk_rope_head_dim, cfg.rope_theta
-    freq = 1.0 / base ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d)  # (dr/2,)
-    y = cfg.yarn
-    if y is None:
-        return freq
-
-    def correction_dim(rotations: float) -> float:  # the dim whose wavelength fits `rotations` times
-        return d * math.log(y.original_max_position / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low = max(math.floor(correction_dim(y.beta_fast)), 0)
-    high = min(math.ceil(correction_dim(y.beta_slow)), d - 1)
-    high = high + 0.001 if low == high else high  # no 0/0 (transformers `linear_ramp_factor`)
-    ramp = ((torch.arange(d // 2, dtype=torch.float32, device=device) - low) / (high - low)).clamp(0, 1)
-    return freq / y.factor * ramp + freq * (1 - ramp)  # ramp 0: kept (extrapolated), 1: interpolated
+from labkit.config.latent import LATENT_NORM_EPS, softmax_scale, yarn_gain
+from labkit.engines.layers import causal_attention, yarn_frequencies
 
 
 class LatentRotary(nn.Module):
@@ -66,13 +45,7 @@ class LatentRotary(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        y = cfg.yarn
-        if y is None:
-            self.gain = 1.0
-        elif y.mscale and y.mscale_all_dim:
-            self.gain = yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
-        else:
-            self.gain = yarn_mscale(y.factor)
+        self.gain = yarn_gain(cfg.yarn)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         angles = positions.float()[:, None] * yarn_frequencies(self.cfg, positions.device)[None, :]  # (s, dr/2)

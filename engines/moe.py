@@ -43,6 +43,10 @@ import torch.nn.functional as F
 from labkit.config import ModelConfig
 from labkit.engines.layers import MLP, SwiGLU
 
+SWIGLU_ALPHA, SWIGLU_LIMIT = 1.702, 7.0
+"""GPT-OSS's clamped SwiGLU: g σ(1.702 g) with g <= 7 and |up| <= 7 (transformers GptOssConfig swiglu_alpha,
+swiglu_limit; OpenAI's gpt_oss/torch/model.py `swiglu`); from_hf refuses other values."""
+
 
 def local_experts(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Every expert on this rank: rows (N, h) sorted by expert, counts (E,) -> (N, h)."""
@@ -55,10 +59,14 @@ class MoE(nn.Module):
         super().__init__()
         self.cfg = cfg
         e, h, f = cfg.experts, cfg.hidden, cfg.expert_ffn
-        self.router = nn.Linear(h, e, bias=False)
+        clamped = cfg.family.clamped_experts  # GPT-OSS: biases on the router and every expert projection
+        self.router = nn.Linear(h, e, bias=clamped)
         self.w1 = nn.Parameter(torch.empty(e, h, f))  # gpt: fc1; llama: the gate
         self.w2 = nn.Parameter(torch.empty(e, f, h))  # the down projection
         self.w3 = nn.Parameter(torch.empty(e, h, f)) if cfg.family.gated_mlp else None  # llama: the up projection
+        self.w1_bias = nn.Parameter(torch.zeros(e, f)) if clamped else None  # HF gate_up_proj_bias[:, ::2]
+        self.w3_bias = nn.Parameter(torch.zeros(e, f)) if clamped else None  # HF gate_up_proj_bias[:, 1::2]
+        self.w2_bias = nn.Parameter(torch.zeros(e, h)) if clamped else None  # HF down_proj_bias
         self.approximate = cfg.family.gelu_approximate
         dense = SwiGLU if cfg.family.gated_mlp else MLP
         self.shared = dense(cfg.replace(ffn=f * cfg.shared_experts)) if cfg.shared_experts else None
@@ -88,6 +96,10 @@ class MoE(nn.Module):
         """Expert e of the ones this rank holds: a GELU MLP, or SwiGLU (llama). (n, h) -> (n, f) -> (n, h)."""
         if self.w3 is None:  # gpt2's experts use its tanh GELU
             return F.gelu(x @ self.w1[e], approximate=self.approximate) @ self.w2[e]
+        if self.w1_bias is not None:  # GPT-OSS's clamped SwiGLU (transformers GptOssExperts._apply_gate)
+            gate = (x @ self.w1[e] + self.w1_bias[e]).clamp(max=SWIGLU_LIMIT)  # (n, f)
+            up = (x @ self.w3[e] + self.w3_bias[e]).clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+            return ((up + 1) * gate * torch.sigmoid(gate * SWIGLU_ALPHA)) @ self.w2[e] + self.w2_bias[e]
         return (F.silu(x @ self.w1[e]) * (x @ self.w3[e])) @ self.w2[e]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -112,6 +124,9 @@ class MoE(nn.Module):
         averages (b, s, E)). Softmax: top-k of the softmax (Switch; Mixtral, Qwen3-MoE renormalise).
         Sigmoid (DeepSeek-V3 eqs. 13-16): chosen by s + b within the topk_group best groups, gated by s."""
         cfg, k = self.cfg, self.cfg.top_k
+        if cfg.family.clamped_experts:  # GPT-OSS (GptOssTopKRouter): top-k of the logits, softmax over those k
+            top, expert = logits.topk(k, dim=-1)  # (b, s, k) each
+            return top.softmax(dim=-1), expert, logits.softmax(dim=-1)
         if not cfg.sigmoid_router:
             probs = logits.softmax(dim=-1)  # (b, s, E)
             choice = probs

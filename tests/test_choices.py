@@ -191,7 +191,10 @@ def test_the_dict_that_crosses_holds_the_fields_only():
         (dict(layers=True), "ModelConfig.layers=True must be a whole number (int); the default is 4"),
         (dict(vocab=256.0), "ModelConfig.vocab=256.0 must be a whole number"),
         (dict(norm_eps=float("nan")), "ModelConfig.norm_eps=nan must be a finite number"),
-        (dict(arch="mistral"), "arch='mistral' is not one of ['gpt', 'gpt2', 'llama', 'deepseek_v3', 'gemma3']"),
+        (
+            dict(arch="mistral"),
+            "arch='mistral' is not one of ['gpt', 'gpt2', 'llama', 'deepseek_v3', 'gemma3', 'gpt_oss']",
+        ),
         (dict(loss="fast"), "loss='fast' is not one of ['fp32', 'fused']"),
         (dict(kv_heads=0), "kv_heads=0 must be >= 1, or None"),
         (dict(top_k=0), "top_k=0 must be a positive integer"),

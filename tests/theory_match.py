@@ -83,7 +83,7 @@ def compare(res, cfg, model, world: int) -> list[dict]:
             assert rk.memory[k] == want[k], (rk.rank, k, rk.memory[k], want[k])
         acts = want["activations"]
         if routed(cfg, model):  # the same walk with this rank's R per layer and microbatch
-            acts = activations.peak(cfg, model, rk.coords["pp"], routing(rk, cfg, model))
+            acts = activations.peak(cfg, model, rk.coords["pp"], routing(rk, cfg, model), rk.coords["cp"])
         if ours:
             assert rk.memory["activations"] == acts, (rk.rank, rk.memory["activations"], acts)
         else:  # DTensor's own saved tensors (FSDP2 x TP)

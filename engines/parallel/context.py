@@ -142,11 +142,11 @@ class Ring:
         hop = self.link.batch([(send, self._next_global, tag)], [(recv, self._prev_global, tag)])
         return recv, [hop]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks=None) -> torch.Tensor:
         """Causal attention of this rank's zigzag tokens against the whole sequence.
         q (b, nh, s/cp, hd), k and v (b, nkv, s/cp, hd) -> (b, nh, s/cp, hd), the same contract as
-        layers.causal_attention."""
-        return _RingAttention.apply(q, k, v, self)
+        layers.causal_attention. `sinks` (nh,): GPT-OSS's, joined once per query after the merge."""
+        return _RingAttention.apply(q, k, v, self, sinks)
 
 
 def _wait(works) -> None:
@@ -211,7 +211,7 @@ class _RingAttention(torch.autograd.Function):
     Backward: K/V round the ring again, each block's dK/dV accumulator following it home."""
 
     @staticmethod
-    def forward(ctx, q, k, v, ring: Ring):
+    def forward(ctx, q, k, v, ring: Ring, sinks=None):
         acc, scale, g, qh, out, lse = _queries(q, k, ring.n_chunks)
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd): one message per hop
         for t, pairs in enumerate(ring.schedule):
@@ -219,9 +219,13 @@ class _RingAttention(torch.autograd.Function):
             _attend(qh, out, lse, kv, pairs, g, acc, scale)
             _wait(works)
             kv = nxt
+        if sinks is not None:  # once per query, after every block is merged (engines/sinks.py): L' = L ⊕ sink
+            for i in range(len(out)):
+                joined = torch.logaddexp(lse[i], sinks.to(acc).view(1, -1, 1))  # (b, nh, c)
+                out[i], lse[i] = out[i] * torch.exp(lse[i] - joined).unsqueeze(-1), joined
         y, lse = _output(out, lse, q)
         ctx.save_for_backward(q, k, v, y, lse)
-        ctx.ring, ctx.scale = ring, scale
+        ctx.ring, ctx.scale, ctx.sinks = ring, scale, sinks
         return y
 
     @staticmethod
@@ -252,7 +256,12 @@ class _RingAttention(torch.autograd.Function):
             _wait(pending)
             own = own + incoming  # everyone else's part, back home
         dq = torch.cat(grads[-1], dim=2).to(q.dtype)
-        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None
+        dsinks = None
+        if ctx.sinks is not None:  # -Σ_rows P'(sink) · rowsum(dO · y) over this rank's queries; cp sums the rest
+            sinks = ctx.sinks
+            share = torch.exp(sinks.to(acc).view(1, -1, 1) - lse)  # (b, nh, s/cp)
+            dsinks = -(share * (dy.to(acc) * y.to(acc)).sum(-1)).sum(dim=(0, 2)).to(sinks.dtype)
+        return dq, own[0].to(k.dtype), own[1].to(v.dtype), None, dsinks
 
 
 def zigzag_inputs(seq: int, mesh):

@@ -214,7 +214,10 @@ def apply_cp(model: torch.nn.Module, mesh, kind, cfg_a2a: int = 1) -> tuple[torc
     local = {}  # a sliding window's core, one per width (issue 35: Gemma 3's local layers)
     for block in model.blocks:
         w = block.attn.window
-        if w is None:
+        if getattr(block.attn, "sinks", None) is not None:  # GPT-OSS (the ring only: config/model_problems.py)
+            kernel = core if w is None else local.setdefault(w, Windowed(group, rank, cp, model.cfg.seq, w))
+            block.attn.core = partial(kernel, sinks=block.attn.sinks)
+        elif w is None:
             block.attn.core = core
         elif kind.splits_heads:  # Ulysses: whole heads over the whole sequence, the window in its dense attention
             block.attn.core = local.setdefault(w, Ulysses(group, rank, cp, model.cfg.seq, window=w))

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from labkit.engines.layers import window_mask
 from labkit.engines.p2p import Link
+from labkit.engines.sinks import sink_flash
 from labkit.layout.window import local_start, window_plan
 
 # beside the ring's K/V (0) and dK/dV (1) tags: gloo matches messages by tag; NCCL by order, the same on every rank
@@ -54,8 +55,9 @@ class Windowed:
                         offset += b - a
             self.chunks.append((qc * self.c, pieces))
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q (b, nh, s/cp, hd), k and v (b, nkv, s/cp, hd) -> (b, nh, s/cp, hd), as layers.causal_attention."""
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks=None) -> torch.Tensor:
+        """q (b, nh, s/cp, hd), k and v (b, nkv, s/cp, hd) -> (b, nh, s/cp, hd), as layers.causal_attention.
+        `sinks` (nh,): GPT-OSS's; a chunk holds every key its queries see, so each query counts its sink once."""
         kv = torch.stack([k, v])  # (2, b, nkv, s/cp, hd): one message per peer
         got = _Exchange.apply(kv, self) if self.recvs or self.sends else ()
         out = []
@@ -67,6 +69,9 @@ class Windowed:
             mask = window_mask(qpos, pos, self.window)  # (c, keys)
             qn = q[:, :, n * self.c : (n + 1) * self.c]
             gqa = k.shape[1] != q.shape[1]
+            if sinks is not None:
+                out.append(sink_flash(qn, kc[0], kc[1], sinks, mask))
+                continue
             out.append(F.scaled_dot_product_attention(qn, kc[0], kc[1], attn_mask=mask, enable_gqa=gqa))
         return torch.cat(out, dim=2)  # (b, nh, s/cp, hd)
 

@@ -78,9 +78,9 @@ def apply_ep(model: nn.Module, mesh, metas: ParamMetas) -> tuple[nn.Module, dict
     dispatch = ExpertParallel(mesh.group("ep"), ep, local)
     sharded = set()
     for moe in (m for m in model.modules() if isinstance(m, MoE)):
-        for name in ("w1", "w2", "w3"):
+        for name in ("w1", "w2", "w3", "w1_bias", "w3_bias", "w2_bias"):
             full = getattr(moe, name)
-            if full is None:  # w3: SwiGLU experts only
+            if full is None:  # w3: SwiGLU experts only; the biases GPT-OSS's
                 continue
             part = nn.Parameter(full.detach()[lo:hi].clone())  # (E, h, f) -> (E/ep, h, f)
             meta = metas[part]

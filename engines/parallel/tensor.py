@@ -203,6 +203,9 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
             module.register_forward_pre_hook(lambda _m, args, enter=enter: (enter(args[0]), *args[1:]))
             module.register_forward_hook(lambda _m, _args, out, leave=leave: leave(out))
 
+    for name, module in model.named_modules():  # GPT-OSS's sinks: a parameter of attn itself, not a Linear's
+        if getattr(module, "sinks", None) is not None:
+            module.sinks = _sliced(module.sinks, local_param(styles, name + ".sinks", full[name + ".sinks"], t, r)[1])
     for name, p in model.named_parameters():
         _, box, extra, replicas = local_param(styles, name, full[name], t, r)
         meta = metas[p]

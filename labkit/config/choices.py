@@ -46,7 +46,7 @@ CHECKPOINTING: tuple = get_args(Checkpointing)
 selective (the attention core); torchtitan's per-op selective policy ("op": the theory only)."""
 Recompute = Literal["none", "full", "selective", "op"]
 """A checkpoint_activations value by name (ParallelConfig.recompute)."""
-Arch = Literal["gpt", "gpt2", "llama", "deepseek_v3", "gemma3"]
+Arch = Literal["gpt", "gpt2", "llama", "deepseek_v3", "gemma3", "gpt_oss"]
 ARCHS: tuple[str, ...] = get_args(Arch)
 Router = Literal["softmax", "sigmoid"]
 ROUTERS: tuple[str, ...] = get_args(Router)
@@ -310,6 +310,13 @@ class Family:
     """The token embedding is multiplied by sqrt(hidden), in the compute dtype (Gemma3TextScaledWordEmbedding)."""
     sandwich_norm: bool = False
     """Four norms a block: each sublayer's output is normed too before the residual add (Gemma 2/3)."""
+    attention_biases: bool = False
+    """Biases on q, k, v and o (GPT-OSS's attention_bias), the rest of the model without."""
+    sinks: bool = False
+    """A learned logit per query head in each softmax's denominator, no value behind it (GPT-OSS's sinks)."""
+    clamped_experts: bool = False
+    """GPT-OSS's experts: router and experts with biases, softmax over the top-k router logits, the
+    clamped SwiGLU (up + 1) · g σ(1.702 g), g <= 7, |up| <= 7 (transformers GptOssExperts._apply_gate)."""
 
 
 @cache
@@ -339,6 +346,12 @@ def family(arch: Arch) -> Family:
                 offset_norm=True,
                 scaled_embedding=True,
                 sandwich_norm=True,
+            )
+        case "gpt_oss":
+            # GPT-OSS (OpenAI 2025 model card; transformers' modeling_gpt_oss.py): llama's RMSNorm, RoPE and
+            # a gated MLP, biased attention with sinks, MoE experts with biases and a clamped SwiGLU
+            return Family(
+                rms_norm=True, rotary=True, gated_mlp=True, attention_biases=True, sinks=True, clamped_experts=True
             )
         case _:
             raise ConfigError([unknown("arch", arch, ARCHS)])

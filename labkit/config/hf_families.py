@@ -11,9 +11,12 @@ published (rope_theta, rope_scaling, sliding_window_pattern) and as transformers
     Gemma3ForCausalLM      arch 'gemma3' (Gemma3ForConditionalGeneration: its text_config, the
                            vision tower left out), sliding-window layers in a pattern, their own
                            RoPE base, query_pre_attn_scalar, q/k norms
+    GptOssForCausalLM      arch 'gpt_oss': hf_gpt_oss.py
 """
 
 from __future__ import annotations
+
+from labkit.config.hf_gpt_oss import read_gpt_oss
 
 FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -21,12 +24,14 @@ FAMILIES = {
     "SmolLM3ForCausalLM": "smollm3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
+    "GptOssForCausalLM": "gpt_oss",  # read by hf_gpt_oss.py
 }
 MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "smollm3": "SmolLM3ForCausalLM",
     "gemma3_text": "Gemma3ForCausalLM",
+    "gpt_oss": "GptOssForCausalLM",
 }
 
 
@@ -108,6 +113,8 @@ def _refuse_common(c: dict, problems: list[str], act_key: str, act: str) -> None
 
 def read_family(c: dict, kind: str, seq: int | None, read, problems: list[str]) -> dict:
     """ModelConfig fields of a Qwen3 / SmolLM3 / Gemma 3 config (`read`: hf.py's checked reader)."""
+    if kind == "gpt_oss":
+        return read_gpt_oss(c, seq, problems)
     if kind == "gemma3" and isinstance(c.get("text_config"), dict):
         c = c["text_config"]  # the multimodal checkpoint: its language model, Gemma3ForCausalLM
     missing: list[str] = []

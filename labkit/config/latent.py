@@ -47,6 +47,9 @@ class YarnRope(_Dict):
     beta_slow: float = 1.0
     mscale: float = 1.0
     mscale_all_dim: float = 1.0
+    truncate: bool = True
+    """Round the correction range's ends to whole dimensions (floor, ceil), as DeepSeek-V3 does;
+    GPT-OSS's config says truncate=false (transformers `find_correction_range`)."""
 
     def __post_init__(self):
         bad = [
@@ -63,6 +66,17 @@ class YarnRope(_Dict):
 def yarn_mscale(factor: float, m: float = 1.0) -> float:
     """0.1 m ln(factor) + 1, or 1 when factor <= 1 (DeepSeek-V3 inference/model.py; transformers `get_mscale`)."""
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def yarn_gain(y: YarnRope | None) -> float:
+    """YaRN's attention factor on cos and sin (transformers `_compute_yarn_parameters`): mscale(factor,
+    mscale) / mscale(factor, mscale_all_dim) when both are set (DeepSeek-V3: 1.0), else mscale(factor)
+    (GPT-OSS, which sets neither: 0.1 ln 32 + 1 = 1.3466)."""
+    if y is None:
+        return 1.0
+    if y.mscale and y.mscale_all_dim:
+        return yarn_mscale(y.factor, y.mscale) / yarn_mscale(y.factor, y.mscale_all_dim)
+    return yarn_mscale(y.factor)
 
 
 def softmax_scale(m: ModelConfig) -> float:
@@ -97,10 +111,13 @@ def latent_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """What MLA's fields must satisfy, and what is not built with it (named, with the reason)."""
     if not model.family.latent_attention:
         set_ = [f"{k}={getattr(model, k)}" for k in _MLA_FIELDS if getattr(model, k) is not None]
-        if model.yarn is not None:
+        if model.yarn is not None and not model.family.sinks:  # GPT-OSS rotates its heads with YaRN too
             set_.append("yarn")
         return (
-            [f"{', '.join(set_)}: multi-head latent attention's fields apply to arch='deepseek_v3' only"]
+            [
+                f"{', '.join(set_)}: multi-head latent attention's fields apply to arch='deepseek_v3' only"
+                f"{' (yarn: and gpt_oss)' if model.yarn is not None else ''}"
+            ]
             if set_
             else []
         )

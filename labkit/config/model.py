@@ -275,6 +275,8 @@ class ModelConfig(_Dict):
             attn = sum(math.prod(shape) for _, shape in mla_shapes(self))
         if fam.biases or self.qkv_bias:
             attn += q + 2 * kv  # q, k, v biases
+        if fam.attention_biases:  # GPT-OSS: q, k, v and o biases, and a sink per head
+            attn += q + 2 * kv + h + self.heads
         if fam.biases:
             attn += h  # the output projection's bias
         mats = 3 if fam.gated_mlp else 2  # SwiGLU: gate, up, down
@@ -283,6 +285,8 @@ class ModelConfig(_Dict):
         moe = h * e + e * mats * h * fe + mats * h * fe * self.shared_experts  # router, routed, shared
         if self.shared_experts and fam.biases:  # gpt2's shared MLP has its biases
             moe += fe * self.shared_experts + h
+        if fam.clamped_experts:  # GPT-OSS: the router's bias, each expert's gate, up and down biases
+            moe += e + e * (2 * fe + h)
         pos = 0 if fam.rotary else s * h
         norms = 4 if fam.sandwich_norm else 2  # Gemma: each sublayer's input and output
         blocks = self.layers * (norms * norm + attn) + self.moe_layers * moe + (self.layers - self.moe_layers) * dense

@@ -59,6 +59,7 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
             + ("a bias on every projection already" if model.family.biases else "no biases")
         )
     out += latent_problems(cfg, model)  # MLA's fields (arch='deepseek_v3')
+    out += _sink_problems(cfg, model)
     if model.fused_loss and cfg.torch_impl and cfg.tp > 1:
         out.append(
             "loss='fused' with impl='torch' and tp > 1: DTensor's loss_parallel takes F.cross_entropy only; "
@@ -85,6 +86,24 @@ def _attention_variant_problems(cfg: ParallelConfig, model: ModelConfig) -> list
         out.append(
             "impl='torch' with tp > 1 on a model with qk_norm, kv_channels or Gemma's norms: the DTensor plan "
             "does not split them; use impl='lab'"
+        )
+    return out
+
+
+def _sink_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
+    """GPT-OSS (arch='gpt_oss'): the strategies not built for its sinks and biases, refused with the reason."""
+    if not model.family.sinks:
+        return []
+    out = []
+    if cfg.tp > 1 and cfg.torch_impl:
+        out.append(
+            f"impl='torch' with tp={cfg.tp} and arch='gpt_oss': the DTensor plan has no row for the sinks; "
+            "use impl='lab' (the sinks split by heads with wq's rows)"
+        )
+    if cfg.cp > 1 and not (cfg.context.ring and not cfg.context.hierarchical):
+        out.append(
+            f"cp_kind={cfg.cp_kind!r} with arch='gpt_oss': the sinks join the ring's merged log-sum-exp only "
+            "(engines/parallel/context.py); use cp_kind='ring'"
         )
     return out
 

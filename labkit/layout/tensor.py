@@ -117,6 +117,9 @@ def shard_box(full_shape, dim: int, tp: int, tp_rank: int) -> list[list[int]]:
 
 def local_param(styles: dict[str, dict], name: str, full_shape, tp: int, tp_rank: int = 0):
     """(local shape, box or None, extra reduce dims, replica dims) of one parameter under `styles`."""
+    if name.endswith("attn.sinks"):  # GPT-OSS: one per query head, split with wq's rows (whole heads per rank)
+        box = shard_box(full_shape, 0, tp, tp_rank)
+        return tuple(b - a for a, b in box), box, (), ()
     style = param_style(styles, name)
     kind = style["style"]
     if kind == "rowwise" and name.endswith(".bias"):  # added once, after the reduction

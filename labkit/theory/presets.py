@@ -203,6 +203,23 @@ QWEN3_30B_A3B = QWEN3_8B.replace(
 """Qwen3-30B-A3B: huggingface.co/Qwen/Qwen3-30B-A3B config.json (48 layers, h 2048, 32 heads of 128, 4 KV heads,
 128 experts of width 768, top-8, gates renormalised, q/k norms, rope_theta 1e6, context 40960)."""
 
+GPT_OSS_YARN = YarnRope(factor=32.0, original_max_position=4096, mscale=0.0, mscale_all_dim=0.0, truncate=False)
+"""GPT-OSS's rope_scaling: YaRN x32 from 4096 positions, the correction range unrounded, cos/sin times
+mscale(32) = 1.3466 (no mscale pair in its config.json)."""
+
+GPT_OSS_20B = ModelConfig(
+    arch="gpt_oss", layers=24, hidden=2880, heads=64, kv_heads=8, kv_channels=64, ffn=2880, vocab=201088,
+    seq=131072, experts=32, top_k=4, rope_theta=150000.0, yarn=GPT_OSS_YARN, sliding_window=128, window_pattern=2,
+)  # fmt: skip
+"""gpt-oss-20b: huggingface.co/openai/gpt-oss-20b config.json (24 layers, h 2880, 64 heads of 64, 8 KV heads,
+32 experts of width 2880, top-4, window 128 on every other layer from the first, rope_theta 150000, YaRN,
+context 131072); OpenAI, "gpt-oss-120b & gpt-oss-20b Model Card" (2025), table 1: 20.91B parameters, 3.61B
+active (the unembedding counted, the embedding not)."""
+
+GPT_OSS_120B = GPT_OSS_20B.replace(layers=36, experts=128)
+"""gpt-oss-120b: huggingface.co/openai/gpt-oss-120b config.json, 20b's with 36 layers of 128 experts; the model
+card's table 1: 116.83B parameters, 5.13B active."""
+
 PRESETS: dict[str, ModelConfig] = {
     "gpt2-124m": GPT2_124M,
     "llama-7b": LLAMA2_7B,
@@ -218,6 +235,8 @@ PRESETS: dict[str, ModelConfig] = {
     "gemma3-27b": GEMMA3_27B,
     "qwen3-30b-a3b": QWEN3_30B_A3B,
     "deepseek-v3": DEEPSEEK_V3,
+    "gpt-oss-20b": GPT_OSS_20B,
+    "gpt-oss-120b": GPT_OSS_120B,
 }
 
 PUBLISHED_PARAMS: dict[str, int] = {
@@ -240,6 +259,9 @@ PUBLISHED_PARAMS: dict[str, int] = {
     # the Hub pages list 30.5B and 671B (DeepSeek's 685B counts the MTP module too)
     "qwen3-30b-a3b": 30_532_122_624,
     "deepseek-v3": 671_026_404_352,
+    # transformers' GptOssForCausalLM on the meta device (tests/test_gpt_oss.py); the model card's 20.91B, 116.83B
+    "gpt-oss-20b": 20_914_757_184,
+    "gpt-oss-120b": 116_829_156_672,
 }
 """Exact parameter counts of the published checkpoints (Hugging Face's safetensors totals)."""
 

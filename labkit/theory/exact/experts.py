@@ -12,7 +12,8 @@ from labkit.layout.precision import ELEM
 from labkit.layout.schedules import chunk_layers, style
 from labkit.theory.exact.batch import microbatch_rows
 
-EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2", "mlp.w3")
+EXPERT_WEIGHTS = ("mlp.w1", "mlp.w2", "mlp.w3", "mlp.w1_bias", "mlp.w2_bias", "mlp.w3_bias")
+"""Each expert's own tensors, split over ep along their first dim (GPT-OSS's biases with their experts)."""
 EXPERT_DIMS = ("dp", "cp")
 """An expert's gradient is summed over dp x cp only: the ep ranks hold different experts."""
 
@@ -45,7 +46,8 @@ def layer_activation_bytes(
     Fine-grained MoE (engines/moe.py; measured by tests/test_moe_fine.py): f is an expert's width
     (moe_ffn); the top-k renormalisation's 4·(N + T) wherever gates are renormalised (norm_topk_prob);
     a sigmoid router keeps one more fp32 sum per token, 4·T (the affinities normalised for the balance
-    loss, DeepSeek-V3 eq. 19); shared experts keep a dense MLP's a·(4 or 2)·T·f_s on every token
+    loss, DeepSeek-V3 eq. 19); GPT-OSS's clamped SwiGLU keeps a·7·R·f and its top-k softmax 4·N below fp32;
+    shared experts keep a dense MLP's a·(4 or 2)·T·f_s on every token
     (f_s = shared_experts·f); group limits and routed_scaling_factor keep nothing more."""
     t = batch * seq
     n = t * model.top_k
@@ -54,7 +56,12 @@ def layer_activation_bytes(
     out = 4 * t * e + 3 * 8 * n + 4 * batch * e + act_bytes * (n + n * h + r * h + 2 * r * f)
     if model.family.gated_mlp:  # SwiGLU experts: gate out, SiLU out, up out, product
         out += act_bytes * 2 * r * f
-    if model.renormalises_gates:  # the top-k gates renormalised in fp32 (Mixtral)
+    if model.family.clamped_experts:
+        # GPT-OSS: the clamped SwiGLU keeps 3·R·f more, 7 in all (both clamps' inputs, the clamped gate g,
+        # σ(1.702 g), g σ, up + 1, and (up + 1) · g σ, down's input); the softmax over the top-k logits keeps
+        # its fp32 output, the gates counted above in fp32, a tensor of its own (4·N more) once cast narrower
+        out += act_bytes * 3 * r * f + (4 * n if act_bytes != 4 else 0)
+    elif model.renormalises_gates:  # the top-k gates renormalised in fp32 (Mixtral)
         out += 4 * (n + t)
     if model.sigmoid_router:
         out += 4 * t

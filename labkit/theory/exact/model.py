@@ -38,8 +38,11 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
         if fam.latent_attention:  # MLA (deepseek_v3): its latents' projections and norms
             out += [(b + "attn." + name, shape) for name, shape in mla_shapes(m)]
         else:
+            # GPT-OSS: the sinks are attn's own parameter, listed before its submodules'; q, k, v, o biased
+            out += [(b + "attn.sinks", (m.heads,))] if fam.sinks else []
+            qkv_bias, o_bias = qkv_bias or fam.attention_biases, fam.biases or fam.attention_biases
             out += linear(b + "attn.wq", q, h, qkv_bias) + linear(b + "attn.wk", kv, h, qkv_bias)
-            out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, q, fam.biases)
+            out += linear(b + "attn.wv", kv, h, qkv_bias) + linear(b + "attn.wo", h, q, o_bias)
         if m.qk_norm:  # Qwen3, Gemma 3: one RMSNorm over head_dim for q's heads, one for k's
             out += [(b + "attn.q_norm.weight", (m.head_dim,)), (b + "attn.k_norm.weight", (m.head_dim,))]
         out += norm(b + "ln2")
@@ -48,7 +51,10 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
             # a module's own parameters come before its submodules' (nn.Module.named_parameters)
             out += [(b + "mlp.w1", (m.experts, h, fe)), (b + "mlp.w2", (m.experts, fe, h))]
             out += [(b + "mlp.w3", (m.experts, h, fe))] if fam.gated_mlp else []
-            out += [(b + "mlp.router.weight", (m.experts, h))]
+            if fam.clamped_experts:  # GPT-OSS: each expert's gate, up and down biases, and the router's
+                out += [(b + "mlp.w1_bias", (m.experts, fe)), (b + "mlp.w3_bias", (m.experts, fe))]
+                out += [(b + "mlp.w2_bias", (m.experts, h))]
+            out += linear(b + "mlp.router", m.experts, h, fam.clamped_experts)
             if fs and fam.gated_mlp:  # the shared experts: one dense MLP (engines/moe.py MoE.shared)
                 out += linear(b + "mlp.shared.gate", fs, h, False) + linear(b + "mlp.shared.up", fs, h, False)
                 out += linear(b + "mlp.shared.down", h, fs, False)
@@ -76,5 +82,6 @@ def active_params(m: ModelConfig) -> float:
     (the count that sets the FLOPs of an MoE model, e.g. Mixtral's 13B active of 47B)."""
     if not m.experts:
         return num_params(m)
-    expert = sum(prod(s) for n, s in param_shapes(m) if n.endswith(("mlp.w1", "mlp.w2", "mlp.w3")))
+    routed = ("mlp.w1", "mlp.w2", "mlp.w3", "mlp.w1_bias", "mlp.w2_bias", "mlp.w3_bias")
+    expert = sum(prod(s) for n, s in param_shapes(m) if n.endswith(routed))
     return num_params(m) - expert + expert * m.top_k / m.experts

@@ -112,7 +112,7 @@ def collectives(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> li
 def shared_kv(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> list[tuple[str, int, int, int]]:
     """(op, payload bytes, calls per step, group size) of the gradient sums of KV heads shared by
     k = tp/kv_heads ranks (tp > kv_heads): per layer and microbatch, in backward, wk's and wv's
-    (head_dim, h) gradient slices — and their biases (gpt2, Qwen2) — all-reduced in fp32 over the
+    (head_dim, h) gradient slices — and their biases (gpt2, GPT-OSS, Qwen2) — all-reduced in fp32 over the
     k ranks that hold the head (engines/parallel/tensor_ops.py ReduceGrad)."""
     kv = model.n_kv_heads
     if cfg.tp <= kv:
@@ -120,7 +120,7 @@ def shared_kv(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> list
     k = cfg.tp // kv
     calls = stage_layers(cfg, model, pp_rank)[0] * cfg.microbatches
     out = [("all_reduce", REDUCE * model.head_dim * model.hidden, 2 * calls, k)]
-    if model.family.biases or model.qkv_bias:
+    if model.family.biases or model.family.attention_biases or model.qkv_bias:  # gpt2, GPT-OSS, Qwen2
         out.append(("all_reduce", REDUCE * model.head_dim, 2 * calls, k))
     return out
 

@@ -22,6 +22,7 @@ from math import prod
 from labkit.config import ModelConfig
 from labkit.config.choices import numerics
 from labkit.layout.precision import ELEM
+from labkit.theory.exact.experts import is_expert
 from labkit.theory.exact.latent import kernel_width
 from labkit.theory.exact.model import param_shapes
 
@@ -213,7 +214,7 @@ def model_flops_per_token(model: ModelConfig) -> float:
         if name.startswith("embed."):
             continue
         n = prod(shape)
-        if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
+        if is_expert(name):
             # a token passes through top_k of the E experts
             n = n * model.top_k / model.experts
         total += n

@@ -13,6 +13,7 @@ from math import prod
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.schedules import chunk_layers, stage_of
+from labkit.theory.exact.experts import is_expert
 from labkit.theory.exact.model import param_shapes
 from labkit.theory.planner.ops import LATENT, ROWWISE, representative_block
 
@@ -122,7 +123,7 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             dense_block += n // tp if split else n
         # one block stands for every block: they are alike (the dense first ones apart)
         if name.startswith(first):
-            if name.endswith(("mlp.w1", "mlp.w2", "mlp.w3")):
+            if is_expert(name):
                 expert += n // ep
             elif ".mlp.shared." in name:
                 dense += n  # replicated over tp with the MoE layer
@@ -131,8 +132,12 @@ def rank_params(model: ModelConfig, tp: int, ep: int) -> RankParams:
             elif len(shape) == 2 and not name.endswith("router.weight"):
                 # MLA's latent down-projections stay whole on every tp rank (layout/tensor.py 'latent')
                 dense += n if name[len(first) : -len(".weight")] in LATENT else n // tp
+            elif name.endswith("router.bias"):
+                dense += n  # GPT-OSS's router bias: whole, as its router
             elif name.endswith(".bias") and _column_parallel(name[len(first) : -len(".bias")]):
                 dense += n // tp  # split with its layer's rows
+            elif name.endswith("attn.sinks"):
+                dense += n // tp  # GPT-OSS: one per query head, split with wq's rows
             else:
                 dense += n  # norms, a row-parallel layer's bias (added once), the router
         elif name.startswith("embed."):
