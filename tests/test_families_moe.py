@@ -201,12 +201,19 @@ JOINED = [
     ("deepseek-v3", DSV3_SMALL, ParallelConfig(tp=2, ep=2, sequence_parallel=True)),
     ("deepseek-v3", DSV3_SMALL, ParallelConfig(pp=2, ep=2, sharding="zero1", microbatches=2, stage_layers=(2, 1))),
     ("qwen3-moe", QWEN3_MOE_SMALL, ParallelConfig(tp=2, ep=2, sequence_parallel=True, sharding="fsdp")),
+    # each strategy alone on the joined models too
+    ("deepseek-v3", DSV3_SMALL, ParallelConfig(dp=4, sharding="zero3")),
+    ("deepseek-v3", DSV3_SMALL, ParallelConfig(cp=2, ep=2)),
+    ("deepseek-v3", DSV3_SMALL, ParallelConfig(ep=4)),
+    ("qwen3-moe", QWEN3_MOE_SMALL, ParallelConfig(dp=4, sharding="fsdp")),
+    ("qwen3-moe", QWEN3_MOE_SMALL, ParallelConfig(pp=2, ep=2, microbatches=2)),
+    ("qwen3-moe", QWEN3_MOE_SMALL, ParallelConfig(cp=2, ep=2)),
 ]
+JOINED_IDS = ["dsv3-tp2-sp-ep2", "dsv3-pp2-ep2-zero1", "qwen3moe-tp2-sp-ep2-fsdp", "dsv3-zero3", "dsv3-cp2-ep2"]
+JOINED_IDS += ["dsv3-ep4", "qwen3moe-fsdp", "qwen3moe-pp2-ep2", "qwen3moe-cp2-ep2"]
 
 
-@pytest.mark.parametrize(
-    "name, c, cfg", JOINED, ids=["dsv3-tp2-sp-ep2", "dsv3-pp2-ep2-zero1", "qwen3moe-tp2-sp-ep2-fsdp"]
-)
+@pytest.mark.parametrize("name, c, cfg", JOINED, ids=JOINED_IDS)
 def test_the_joined_families_train_like_one_process(lab, ref_cache, name, c, cfg):
     """The whole small models as from_hf reads them (MLA or Qwen3's q/k norms with the fine-grained MoE,
     DeepSeek-V3's dense first block and aux-loss-free bias moving) in composed layouts: every parameter,
