@@ -28,7 +28,7 @@ import pathlib
 from labkit.config.choices import ConfigError, family
 from labkit.config.hf_families import FAMILIES, family_of, read_family
 from labkit.config.hf_moe import QWEN3_MOE, moe_fields
-from labkit.config.hf_read import _read
+from labkit.config.hf_read import _read, yarn_fields
 
 LLAMA_LIKE = {
     "LlamaForCausalLM": "llama",
@@ -212,16 +212,7 @@ def _yarn(c: dict, problems: list[str]) -> tuple[float | None, dict | None]:
     if kind not in ("yarn", "deepseek_yarn"):
         problems.append(f"rope type {kind!r}: DeepSeek-V3 is built with plain RoPE or YaRN ('yarn') only")
         return theta, None
-    w = "rope_scaling."
-    return theta, {
-        "factor": _read(rp, "factor", float, problems, within=w),
-        "original_max_position": _read(rp, "original_max_position_embeddings", int, problems, within=w),
-        "beta_fast": _read(rp, "beta_fast", float, problems, 32.0, w),
-        "beta_slow": _read(rp, "beta_slow", float, problems, 1.0, w),
-        # transformers: no mscale pair -> cos/sin gain mscale(factor), softmax unscaled (engines/mla.py)
-        "mscale": _read(rp, "mscale", float, problems, 0.0, w),
-        "mscale_all_dim": _read(rp, "mscale_all_dim", float, problems, 0.0, w),
-    }
+    return theta, yarn_fields(rp, problems)
 
 
 def _deepseek_v3(c: dict, seq: int | None, problems: list[str]) -> dict:

@@ -19,7 +19,7 @@ architecture: labkit trains in its own precision and ignores it. router_aux_loss
 
 from __future__ import annotations
 
-from labkit.config.hf_read import _read
+from labkit.config.hf_read import _read, yarn_fields
 
 GPT_OSS = "GptOssForCausalLM"
 
@@ -41,16 +41,10 @@ def _yarn(c: dict, problems: list[str]) -> tuple[float | None, dict | None]:
     if kind != "yarn":
         problems.append(f"rope type {kind!r}: GPT-OSS is built with YaRN ('yarn') only here")
         return theta, None
-    w = "rope_scaling."
+    # GPT-OSS keeps YaRN's ramp ends unrounded when its config says truncate: false
     return theta, {
-        "factor": _read(rp, "factor", float, problems, within=w),
-        "original_max_position": _read(rp, "original_max_position_embeddings", int, problems, within=w),
-        "beta_fast": _read(rp, "beta_fast", float, problems, 32.0, w),
-        "beta_slow": _read(rp, "beta_slow", float, problems, 1.0, w),
-        # no mscale pair: cos/sin times mscale(factor), the softmax unscaled (labkit/config/latent.py yarn_gain)
-        "mscale": _read(rp, "mscale", float, problems, 0.0, w),
-        "mscale_all_dim": _read(rp, "mscale_all_dim", float, problems, 0.0, w),
-        "truncate": _read(rp, "truncate", bool, problems, True, w),
+        **yarn_fields(rp, problems),
+        "truncate": _read(rp, "truncate", bool, problems, True, "rope_scaling."),
     }
 
 

@@ -1,5 +1,6 @@
-"""Reading one key of a Hugging Face config.json, checked: the reader hf.py and the family readers
-share (hf_moe.py imports it from here, as hf.py imports hf_moe)."""
+"""Reading a Hugging Face config.json's keys, checked: the reader hf.py and the family readers share
+(hf_moe.py and hf_gpt_oss.py import it from here, as hf.py imports them), and the YaRN fields that
+DeepSeek-V3's and GPT-OSS's readers both take."""
 
 from __future__ import annotations
 
@@ -28,3 +29,18 @@ def _read(c: dict, key: str, kind: type, problems: list[str], default=_REQUIRED,
 
 
 _KINDS = {int: "whole number", float: "number", bool: "boolean (true or false)"}
+
+
+def yarn_fields(rp: dict, problems: list[str]) -> dict:
+    """YarnRope's fields from a config's rope_parameters / rope_scaling of type 'yarn' (transformers'
+    _compute_yarn_parameters defaults); without an mscale pair transformers gains cos/sin by mscale(factor)
+    and leaves the softmax unscaled (labkit/config/latent.py yarn_gain)."""
+    w = "rope_scaling."
+    return {
+        "factor": _read(rp, "factor", float, problems, within=w),
+        "original_max_position": _read(rp, "original_max_position_embeddings", int, problems, within=w),
+        "beta_fast": _read(rp, "beta_fast", float, problems, 32.0, w),
+        "beta_slow": _read(rp, "beta_slow", float, problems, 1.0, w),
+        "mscale": _read(rp, "mscale", float, problems, 0.0, w),
+        "mscale_all_dim": _read(rp, "mscale_all_dim", float, problems, 0.0, w),
+    }
