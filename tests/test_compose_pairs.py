@@ -9,9 +9,9 @@ from math import prod
 
 import pytest
 from conftest import TINY
-from theory_match import compare
+from theory_match import compare, references, runs
 
-from labkit import ConfigError, ParallelConfig, reference, validate
+from labkit import ConfigError, ParallelConfig, validate
 from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import assert_matches
 
@@ -54,29 +54,13 @@ PAIRS = {
 @pytest.fixture(scope="module")
 def oracle():
     """The fp32 reference of each model (its seed, 3 steps): the oracle of fp32 and bf16 layouts alike."""
-    cache = {}
-
-    def get(cfg, model):
-        key = (model, cfg.global_batch)
-        if key not in cache:
-            cache[key] = reference(model, steps=3, seed=SEEDS[model], global_batch=cfg.global_batch)
-        return cache[key]
-
-    return get
+    return references(SEEDS.__getitem__)
 
 
 @pytest.fixture(scope="module")
 def run(lab):
     """Each layout of PAIRS run once (3 steps, final parameters back), shared by the tests below."""
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cfg, model = PAIRS[name]
-            cache[name] = lab.run(cfg, model=model, steps=3, seed=SEEDS[model], return_params=True)
-        return cache[name]
-
-    return get
+    return runs(lab, PAIRS, SEEDS.__getitem__)
 
 
 @pytest.mark.parametrize("name", list(PAIRS))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 from families import GPT2, LLAMA, LLAMA_TIED, MIXTRAL
-from theory_match import STATES, compare
+from theory_match import STATES, compare, references, runs
 
 from labkit import ParallelConfig, reference, theory
 from labkit.oracle.checks import assert_matches, model_error
@@ -123,30 +123,12 @@ def test_seeds_are_well_conditioned(model):
 def oracle(lab):
     import torch
 
-    threads = lab.apply(torch.get_num_threads)[0]
-    cache = {}
-
-    def get(cfg, model):
-        # the fp32 reference is every layout's oracle, bf16 ones included (labkit/oracle/bounds.py)
-        key = (model, cfg.global_batch)
-        if key not in cache:
-            cache[key] = reference(model, steps=3, seed=SEEDS[model], global_batch=cfg.global_batch, threads=threads)
-        return cache[key]
-
-    return get
+    return references(SEEDS.__getitem__, threads=lab.apply(torch.get_num_threads)[0])
 
 
 @pytest.fixture(scope="module")
 def run(lab):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cfg, model = LAYOUTS[name]
-            cache[name] = lab.run(cfg, model=model, steps=3, seed=SEEDS[model], return_params=True)
-        return cache[name]
-
-    return get
+    return runs(lab, LAYOUTS, SEEDS.__getitem__)
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))

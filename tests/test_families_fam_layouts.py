@@ -9,7 +9,7 @@ a global layer every 3rd, its own RoPE bases, the linear factor, query_pre_attn_
 from __future__ import annotations
 
 import pytest
-from theory_match import compare
+from theory_match import compare, references, runs
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
 from labkit.layout.window import window_rows
@@ -75,29 +75,12 @@ LAYOUTS = {
 def oracle(lab):
     import torch
 
-    threads = lab.apply(torch.get_num_threads)[0]
-    cache = {}
-
-    def get(cfg, model):
-        key = (model, cfg.global_batch)
-        if key not in cache:
-            cache[key] = reference(model, steps=3, seed=SEEDS[model], global_batch=cfg.global_batch, threads=threads)
-        return cache[key]
-
-    return get
+    return references(SEEDS.__getitem__, threads=lab.apply(torch.get_num_threads)[0])
 
 
 @pytest.fixture(scope="module")
 def run(lab):
-    cache = {}
-
-    def get(name):
-        if name not in cache:
-            cfg, model = LAYOUTS[name]
-            cache[name] = lab.run(cfg, model=model, steps=3, seed=SEEDS[model], return_params=True)
-        return cache[name]
-
-    return get
+    return runs(lab, LAYOUTS, SEEDS.__getitem__)
 
 
 @pytest.mark.parametrize("model", list(SEEDS), ids=lambda m: m.arch + str(m.layers))

@@ -13,13 +13,42 @@ bytes); DTensor's own TP collectives are its implementation's, not compared here
 
 from __future__ import annotations
 
-from labkit import theory
+from labkit import reference, theory
 from labkit.layout.mesh import MeshLayout
 from labkit.layout.schedules import chunk_layers, schedule_table, style
 from labkit.theory.exact import activations
 from labkit.theory.exact.experts import moe_layers_held
 
 STATES = ("params", "grads", "optimizer")
+
+
+def references(seed_of, threads: int | None = None):
+    """(cfg, model) -> the one-process reference of `model` (3 steps, seed seed_of(model), the layout's
+    global batch), each computed once: the fp32 oracle of every layout, bf16 ones included
+    (labkit/oracle/bounds.py). `threads`: the engines' torch threads, so the sums' order is theirs."""
+    cache = {}
+
+    def get(cfg, model):
+        key = (model, cfg.global_batch)
+        if key not in cache:
+            cache[key] = reference(model, steps=3, seed=seed_of(model), global_batch=cfg.global_batch, threads=threads)
+        return cache[key]
+
+    return get
+
+
+def runs(lab, layouts: dict, seed_of):
+    """name -> lab.run of layouts[name] = (cfg, model) (3 steps, seed seed_of(model), final parameters
+    back), each run once and shared by the tests that read it."""
+    cache = {}
+
+    def get(name):
+        if name not in cache:
+            cfg, model = layouts[name]
+            cache[name] = lab.run(cfg, model=model, steps=3, seed=seed_of(model), return_params=True)
+        return cache[name]
+
+    return get
 
 
 def p2p_payloads(rows) -> dict:
