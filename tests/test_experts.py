@@ -25,6 +25,11 @@ ODD = ModelConfig(layers=1, hidden=48, heads=3, ffn=64, vocab=64, seq=8, experts
 
 @pytest.mark.parametrize("m", [MOE2, ODD])
 def test_moe_parameters_and_activations_match_the_theory(m):
+    check_parameters_and_activations(m)
+
+
+def check_parameters_and_activations(m) -> None:
+    """One process: the parameter list and count, and the bytes a forward saves, equal the theory's."""
     net = build_model(m, 0)
     assert [(n, tuple(p.shape)) for n, p in net.named_parameters()] == list(theory.param_shapes(m))
     assert sum(p.numel() for p in net.parameters()) == theory.num_params(m) == m.num_params()

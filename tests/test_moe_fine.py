@@ -217,19 +217,9 @@ def test_what_the_layer_keeps_is_the_theory(kw):
 
 def test_the_whole_model_keeps_what_the_theory_says():
     """Dense first block + MoE blocks with shared experts and the sigmoid router: parameters and saved bytes."""
-    from labkit.engines import data
-    from labkit.engines.meters.memory import MemoryMeter
+    from test_experts import check_parameters_and_activations
 
-    net = build_model(DSV3, 0)
-    assert [(n, tuple(p.shape)) for n, p in net.named_parameters()] == list(theory.param_shapes(DSV3))
-    assert sum(p.numel() for p in net.parameters()) == theory.num_params(DSV3) == DSV3.num_params()
-    tokens, targets = data.global_batch(0, 0, 3, DSV3.seq, DSV3.vocab)
-    meter = MemoryMeter()
-    meter.exclude(net.parameters())
-    with meter.saved_tensors():
-        loss = net(tokens, targets)
-    assert meter.live["activations"] == theory.activation_bytes(DSV3, 3)
-    del loss
+    check_parameters_and_activations(DSV3)
 
 
 LAYOUTS = [
