@@ -68,11 +68,7 @@ CASES = [
 def test_compiled_layouts_train_like_one_process(lab, ref_cache, cfg, model):
     res = lab.run(cfg, model=model, steps=3, return_params=True)
     assert_matches(res, ref_cache(model, steps=3, global_batch=cfg.global_batch))  # bf16: its bounds
-    assert all(
-        rk.info["compile"]["blocks"] == len(rk.info.get("pipeline", {}).get("blocks", [0]))
-        or rk.info["compile"]["blocks"] > 0
-        for rk in res.ranks
-    )
+    assert all(rk.info["compile"]["blocks"] > 0 for rk in res.ranks)  # every rank compiled its blocks
     assert min(lab.apply(_graphs_compiled, timeout=60)) >= 1  # every engine compiled (its cache outlives runs)
     est = theory.estimate(cfg, model, world=4)
     states = ("params", "grads", "optimizer")
