@@ -108,8 +108,10 @@ def completion_probe(rank: int, world: int, dev) -> dict:
     at world 2, not at world 1). Three cases, each timed from the enqueue:
       gpu_busy: a ~0.5 s sleep kernel on the current stream, then all_reduce(async_op=True)
       peer_late: rank 0 enters at once, the others 1 s later (host sleep), no kernel ahead
-      blocking: the sleep kernel, then a blocking all_reduce through the dispatcher's Work
-    and what Work.is_completed / the future / an event recorded after it say."""
+      meter_blocking: the sleep kernel, then a blocking all_reduce under labkit's collective log
+    and what Work.is_completed / the future / an event recorded after it say. (A case that patched
+    ProcessGroup.allreduce to hold a blocking call's Work saw none on the H100, 2026-11-26: the
+    Python call does not go through that attribute; the log's own path replaced it.)"""
     import torch
     import torch.distributed as dist
 
@@ -144,31 +146,6 @@ def completion_probe(rank: int, world: int, dev) -> dict:
     out["peer_late"] = {"at_enqueue": first, "completed_s": seen, "gpu_done_s": round(time.perf_counter() - t0, 3)}
     dist.barrier()
     torch.cuda.synchronize()
-    works = []
-    real = dist.distributed_c10d.ProcessGroup.allreduce
-
-    def keep(self, *a, **k):  # the Work a blocking call waits on, as labkit's meter sees it
-        w = real(self, *a, **k)
-        works.append(w)
-        return w
-
-    torch.cuda._sleep(1_000_000_000)
-    t0 = time.perf_counter()
-    try:
-        dist.distributed_c10d.ProcessGroup.allreduce = keep
-        dist.all_reduce(x)
-    finally:
-        dist.distributed_c10d.ProcessGroup.allreduce = real
-    ret = time.perf_counter() - t0
-    w = works[-1] if works else None
-    row = {"return_s": round(ret, 4), "work_seen": w is not None}
-    if w is not None:
-        row["at_return"] = {"is_completed": w.is_completed(), "future_done": w.get_future().done()}
-        row["completed_s"] = _poll(w, t0)
-    torch.cuda.synchronize()
-    row["gpu_done_s"] = round(time.perf_counter() - t0, 3)
-    out["blocking"] = row
-    dist.barrier()
     out["meter_blocking"] = _meter_probe(x)
     dist.barrier()
     return out
