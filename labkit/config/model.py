@@ -4,7 +4,7 @@ choices decoded once (choices.py); `from_hf` reads a Hugging Face config.json (h
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from labkit.config import choices
 from labkit.config.base import _Dict
@@ -169,6 +169,23 @@ class ModelConfig(_Dict):
         if isinstance(self.yarn, dict):
             object.__setattr__(self, "yarn", YarnRope.from_dict(self.yarn))
         check_fields(self)  # a wrong type or range is refused here, named, with a fix
+
+    def __hash__(self) -> int:
+        # the fields' hash, once: the planner's caches key on the model ~300,000 times a search, and the
+        # dataclass's own hash rebuilds a tuple of its 50 fields every time (frozen: it cannot change)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(tuple(getattr(self, f.name) for f in fields(self)))
+            object.__setattr__(self, "_hash", h)
+        return h
+
+    def __getstate__(self) -> dict:
+        # without the cached hash: a string's hash differs from process to process (PYTHONHASHSEED)
+        return {k: v for k, v in self.__dict__.items() if k != "_hash"}
+
+    def __setstate__(self, state: dict) -> None:
+        for k, v in state.items():
+            object.__setattr__(self, k, v)
 
     @classmethod
     def from_hf(cls, config, seq: int | None = None) -> ModelConfig:

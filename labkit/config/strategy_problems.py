@@ -4,17 +4,23 @@ each problem with a fix; validation.problems asks these. Plain Python, the ladde
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from labkit.config import ModelConfig, ParallelConfig
 
 
+@lru_cache(maxsize=64)
+def _windowed(model: ModelConfig) -> bool:
+    # once per model: the planner asks context_problems of ~15,000 layouts of 126 layers
+    return any(model.layer_window(i) for i in range(model.layers))
+
+
 def context_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """What a cp_kind needs of the layout and the model."""
     kind = cfg.context
-    windowed = any(model.layer_window(i) for i in range(model.layers))
-    if kind.hierarchical and windowed and cfg.cp > 1:
+    if kind.hierarchical and cfg.cp > 1 and _windowed(model):
         return [
             f"cp_kind='hierarchical' with sliding-window layers (sliding_window={model.sliding_window} < "
             f"seq={model.seq}) is not built: its ring crosses runs of tokens, not the zigzag chunks the window "

@@ -19,8 +19,10 @@ from dataclasses import dataclass, field
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.config.validation import argument_problems, problems
 from labkit.theory.planner.gpu_memory import (
+    allocated_at,
     allocated_bytes,
     memory_terms,
+    nccl_bytes,
     peak_bytes,
     required,
     required_bytes,
@@ -170,7 +172,12 @@ def fullest(cfg: ParallelConfig, model: ModelConfig, hw: Hardware) -> dict:
 
 def fullest_required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac) -> float:
     """The fullest rank's required bytes under checkpointing `ac` (the search's question)."""
-    return max(required(cfg, model, hw, st, ac) for st in fullest_candidates(cfg, model))
+    # what the candidates share (the CUDA context, NCCL's buffers) once, their allocations each
+    return (
+        max(allocated_at(cfg, model, st, ac) for st in fullest_candidates(cfg, model))
+        + hw.context
+        + nccl_bytes(cfg, hw)
+    )
 
 
 def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dict | None = None) -> Plan:

@@ -138,11 +138,23 @@ def buffer_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str
 
 def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:
     """The loss's backward on the head's rank; the largest op's backward buffers."""
+    key = (cfg.precision, cfg.global_batch, cfg.dp, cfg.ep, cfg.microbatches, cfg.cp, cfg.tp, cfg.cp_kind)
+    return _transient(model, key, st.head, st.layers > 0)
+
+
+@lru_cache(maxsize=16384)
+def _transient(model: ModelConfig, key: tuple, head: bool, blocks: bool) -> dict[str, float]:
+    # what transient_terms reads of the layout and the stage, and nothing else: the search asks it ~90,000 times
+    precision, global_batch, dp, ep, microbatches, cp, tp, cp_kind = key
+    cfg = ParallelConfig(
+        precision=precision, global_batch=global_batch, dp=dp, ep=ep, microbatches=microbatches, cp=cp, tp=tp,
+        cp_kind=cp_kind, cp_a2a=2 if cp_kind == "hierarchical" else 1,
+    )  # fmt: skip
     e = ELEM[cfg.precision]
     b = cfg.global_batch // (cfg.dp * cfg.ep * cfg.microbatches)
     tokens = b * model.seq // cfg.cp
     # the logits exist only on the head's rank, V/tp of them each (the vocab-parallel loss)
-    n = tokens * model.vocab / cfg.tp if st.head else 0.0  # the logits on this rank
+    n = tokens * model.vocab / cfg.tp if head else 0.0  # the logits on this rank
     # 'fused': the gradient in the compute dtype and one chunk's fp32 softmax; 'fp32': 8 bytes a logit
     logits = e * n + 4 * min(n, LOSS_CHUNK) if model.fused_loss else 8 * n
     kv = model.n_kv_heads * model.head_dim
@@ -160,7 +172,7 @@ def transient_terms(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[
         # (engines/parallel/context_kinds.py): cp times this rank's K and V, at e + 4 bytes
         attention += cfg.cp * (e + 4) * 2 * tokens * local_kv
     # ops run one at a time: the larger of the two is the peak
-    return {"logits": logits, "temporaries": max(mlp, attention) if st.layers else 0.0}
+    return {"logits": logits, "temporaries": max(mlp, attention) if blocks else 0.0}
 
 
 def communicators(cfg: ParallelConfig) -> int:
@@ -193,13 +205,16 @@ def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stag
 
 def required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, ac=None) -> float:
     """required_bytes(memory_terms(...)), as the planner's search asks it thousands of times."""
-    # memory_terms' sum without building its dict: the search asks this for every candidate
+    return allocated_at(cfg, model, st, ac) + hw.context + nccl_bytes(cfg, hw)
+
+
+def allocated_at(cfg: ParallelConfig, model: ModelConfig, st: Stage, ac=None) -> float:
+    """allocated_bytes(memory_terms(...)) without building its dict: the search asks this for every candidate."""
     held = _held(cfg, model, st)
     acts = activation_terms(cfg, model, st, ac)
     trans = transient_terms(cfg, model, st)
     # the loss's backward comes before any block's: the larger of the two, never both
-    allocated = held["total"] + acts["activations"] + max(trans["logits"], acts["recompute"] + trans["temporaries"])
-    return allocated + hw.context + nccl_bytes(cfg, hw)
+    return held["total"] + acts["activations"] + max(trans["logits"], acts["recompute"] + trans["temporaries"])
 
 
 def _held(cfg: ParallelConfig, model: ModelConfig, st: Stage) -> dict[str, float]:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.config.choices import Precision, pipeline_shape, recomputation
@@ -101,9 +102,15 @@ def _pow2(limit: int) -> list[int]:
 
 
 def _divisors(n: int, limit: int | None = None) -> list[int]:
-    return [d for d in range(1, (limit or n) + 1) if n % d == 0]
+    return list(_divisors_cached(n, limit))
 
 
+@lru_cache(maxsize=1024)
+def _divisors_cached(n: int, limit: int | None) -> tuple[int, ...]:
+    return tuple(d for d in range(1, (limit or n) + 1) if n % d == 0)
+
+
+@lru_cache(maxsize=1024)  # the search asks it of every mesh: ~13,000 times for the same few (layers, pp)
 def stage_split(layers: int, stages: int) -> tuple[int, ...]:
     """Uneven stages as Llama 3 lays them out (Llama Team 2024, section 3.3.2: one layer fewer on
     the first and the last stage, which hold the embedding and the head): the remainder of
