@@ -62,7 +62,7 @@ class Block(nn.Module):
         self.attn = LatentAttention(cfg) if cfg.family.latent_attention else Attention(cfg, layer)
         self.ln2 = norm(cfg)
         if cfg.moe_layer(layer):  # the first dense_layers blocks stay dense (DeepSeek-V3's first_k_dense_replace)
-            self.mlp = MoE(cfg)
+            self.mlp = MoE(cfg, layer)
         elif cfg.family.gated_mlp:
             self.mlp = SwiGLU(cfg)
         else:

@@ -55,9 +55,11 @@ def local_experts(moe: MoE, rows: torch.Tensor, counts: torch.Tensor) -> torch.T
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer: int = 0):
         super().__init__()
         self.cfg = cfg
+        self.layer = layer
+        """The block's index in the whole model (the route log and the reference's replay name it)."""
         e, h, f = cfg.experts, cfg.hidden, cfg.expert_ffn
         clamped = cfg.family.clamped_experts  # GPT-OSS: biases on the router and every expert projection
         self.router = nn.Linear(h, e, bias=clamped)
@@ -83,6 +85,11 @@ class MoE(nn.Module):
         """(group, n): a sequence is split over the n ranks of `group` (context parallelism)."""
         self.aux_loss = None
         """The load-balancing loss of the last forward (engines/model.py aux_loss collects it)."""
+        self.route_log = None
+        """A run's engines/routes.py RouteLog: the experts each forward chose, for the oracle."""
+        self.follow = None
+        """The reference's replay of a run's choices (labkit/oracle/replay.py): (own choice, scores
+        before and after the most favourable perturbation) -> the experts to use."""
 
     def _apply(self, fn, recurse=True):
         """Casts and moves as nn.Module does, but the bias stays fp32 (a bf16 compute copy too): its
@@ -105,7 +112,9 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, h = x.shape
         cfg, k = self.cfg, self.cfg.top_k
-        gate, expert, probs = self.route(self.router(x).float())  # (b, s, k) twice, (b, s, E)
+        gate, expert, probs = self.route(self.router(x).float(), x)  # (b, s, k) twice, (b, s, E)
+        if self.route_log is not None and self.counting:  # not when checkpointing reruns the forward
+            self.route_log.record(self.layer, expert)
         self.aux_loss = self.balance_loss(probs, expert)
         flat = expert.reshape(-1)  # (b*s*k,): assignment a = token*k + slot
         order = flat.argsort(stable=True)  # assignments grouped by expert
@@ -119,31 +128,40 @@ class MoE(nn.Module):
         y = y.view(b, s, h)
         return y if self.shared is None else y + self.shared(x)  # DeepSeekMoE eq. 3: shared + routed
 
-    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(
+        self, logits: torch.Tensor, x: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """logits (b, s, E) fp32 -> (gates (b, s, k), experts (b, s, k), the probabilities the balance loss
         averages (b, s, E)). Softmax: top-k of the softmax (Switch; Mixtral, Qwen3-MoE renormalise).
-        Sigmoid (DeepSeek-V3 eqs. 13-16): chosen by s + b within the topk_group best groups, gated by s."""
+        Sigmoid (DeepSeek-V3 eqs. 13-16): chosen by s + b within the topk_group best groups, gated by s.
+        `x`: the router's input, which the reference's replay (`follow`) bounds the logits' error by."""
+        expert = self.choose(logits)
+        if self.follow is not None:  # the oracle's reference, routing as a run routed (labkit/oracle/replay.py)
+            expert = self.follow(self, x, logits, expert)
+        gate, probs = self.gates(logits, expert)
+        return gate, expert, probs
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The k experts of each token (b, s, k), best first: a function of the logits and the bias alone."""
         cfg, k = self.cfg, self.cfg.top_k
-        if cfg.family.clamped_experts:  # GPT-OSS (GptOssTopKRouter): top-k of the logits, softmax over those k
-            top, expert = logits.topk(k, dim=-1)  # (b, s, k) each
-            return top.softmax(dim=-1), expert, logits.softmax(dim=-1)
-        if not cfg.sigmoid_router:
-            probs = logits.softmax(dim=-1)  # (b, s, E)
-            choice = probs
-        else:
-            probs = logits.sigmoid()  # s_{i,t}, eq. 15
-            choice = probs + self.expert_bias  # s + b: for the choice only (eq. 16)
+        if cfg.family.clamped_experts:  # GPT-OSS (GptOssTopKRouter): top-k of the logits
+            return logits.topk(k, dim=-1)[1]
+        choice = logits.softmax(dim=-1) if not cfg.sigmoid_router else logits.sigmoid() + self.expert_bias
         if cfg.n_group > 1:  # group-limited: a group scores its best two s + b (HF DeepseekV3TopkRouter)
             e, g = cfg.experts, cfg.n_group
             grouped = choice.unflatten(-1, (g, e // g))  # (b, s, G, E/G)
             best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(cfg.topk_group, dim=-1)[1]  # (b, s, topk_group)
             keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)  # (b, s, G)
             choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)  # (b, s, E)
-        if choice is probs:
-            gate, expert = probs.topk(k, dim=-1)  # (b, s, k) each
-        else:
-            expert = choice.topk(k, dim=-1)[1]  # (b, s, k)
-            gate = probs.gather(-1, expert)  # the chosen experts' s, without the bias
+        return choice.topk(k, dim=-1)[1]  # (b, s, k)
+
+    def gates(self, logits: torch.Tensor, expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The gates of the chosen experts (b, s, k) and the probabilities the balance loss averages (b, s, E)."""
+        cfg = self.cfg
+        if cfg.family.clamped_experts:  # GPT-OSS: the softmax over the k chosen logits
+            return logits.gather(-1, expert).softmax(dim=-1), logits.softmax(dim=-1)
+        probs = logits.sigmoid() if cfg.sigmoid_router else logits.softmax(dim=-1)  # s_{i,t}, eq. 15; or p
+        gate = probs.gather(-1, expert)  # the chosen experts' p or s, without the bias
         if cfg.renormalises_gates:
             # Mixtral, Qwen3-MoE: the softmax of the top-k logits; DeepSeek-V3 eq. 13 (HF's + 1e-20)
             gate = gate / (gate.sum(dim=-1, keepdim=True) + 1e-20) if cfg.sigmoid_router else gate / gate.sum(-1, True)
@@ -151,7 +169,7 @@ class MoE(nn.Module):
             gate = gate * cfg.routed_scaling_factor
         if cfg.sigmoid_router:  # the balance loss's s' (DeepSeek-V3 eq. 19): affinities normalised over E
             probs = probs / probs.sum(dim=-1, keepdim=True)
-        return gate, expert, probs
+        return gate, probs
 
     def balance_loss(self, probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4), per sequence:

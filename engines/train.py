@@ -19,9 +19,10 @@ from labkit.engines.mesh import Mesh
 from labkit.engines.meters.audit import CommAudit
 from labkit.engines.meters.bundle import Meters
 from labkit.engines.model import build_model
-from labkit.engines.moe import update_expert_bias
+from labkit.engines.moe import MoE, update_expert_bias
 from labkit.engines.parallel.common import piece
 from labkit.engines.parallelize import parallelize
+from labkit.engines.routes import RouteLog
 from labkit.layout.mesh import MeshLayout
 
 
@@ -56,9 +57,14 @@ def run_rank(spec: dict) -> dict:
     tokens_group = mesh.group("dp", "ep", "cp") if mesh.size("dp", "ep", "cp") > 1 else None
     meters.memory.exclude(p for chunk in rank_model.chunks for p in chunk.parameters())
     audit = CommAudit() if run.audit else None
+    moes = [m for m in modules if isinstance(m, MoE)]
+    # the oracle replays a checked run's routing (labkit/oracle/replay.py): recorded only where it is checked
+    routes = RouteLog(meters.timeline) if run.return_params and moes else None
+    for moe in moes:
+        moe.route_log = routes
 
     index, count = data_index(mesh)
-    losses, norms, step_times, grad_pieces = [], [], [], []
+    losses, norms, step_times, grad_pieces = [], [], [], []  # grad_pieces: per step
     with meters, audit or nullcontext():
         for step in range(steps):
             runtime.check_cancelled()
@@ -66,13 +72,15 @@ def run_rank(spec: dict) -> dict:
             tokens = data.shard(tokens, index, count).to(device)
             targets = data.shard(targets, index, count).to(device)
             t0 = time.perf_counter()
+            if routes is not None:
+                routes.begin_step()
             with meters.step(step, sum(rank_model.grads.memory().values())):
                 loss = rank_model.schedule(rank_model, data.microbatches(tokens, targets, cfg.microbatches), meters)
                 with meters.phase("backward"), meters.span("sync"):
                     rank_model.grads.finish()
                 meters.wait_device()  # the gradients' collectives: step() reads their norm
-                if step == 0 and run.return_params:  # the reduced gradients, before clipping (checks.py)
-                    grad_pieces = rank_model.grads.grad_pieces()
+                if run.return_params:  # every step's reduced gradients, before clipping: the reference replays them
+                    grad_pieces.append(rank_model.grads.grad_pieces())
                 with meters.phase("optimizer"), meters.span("opt"):
                     norm = rank_model.grads.step()
                     update_expert_bias(modules, tokens_group)  # DeepSeek-V3's aux-loss-free bias, if any
@@ -109,6 +117,8 @@ def run_rank(spec: dict) -> dict:
     if run.return_params:
         report["pieces"] = rank_model.grads.param_pieces()
         report["grad_pieces"] = grad_pieces
+        if routes is not None:
+            report["routes"] = routes.report()
         report["compute_pieces"] = rank_model.grads.compute_pieces()
         report["buffer_pieces"] = [piece(buffers[id(b)], b.shape, b) for m in modules for b in m.buffers(False)]
     return report

@@ -165,7 +165,7 @@ def as_loss(value, step: int):
 def verify_rank(blob: bytes, spec: dict) -> dict:
     """Lab.verify's body on every rank: build, parallelize on a DeviceMesh of spec['mesh'], then
     spec['steps'] steps (the rank step's forward and backward, then optimizer.step()); returns
-    plain data: the weights after parallelize, the first step's gradients, the final weights,
+    plain data: the weights after parallelize, every step's gradients, the final weights,
     each step's loss, the plan's warnings."""
     import cloudpickle
     import torch
@@ -208,8 +208,8 @@ def verify_rank(blob: bytes, spec: dict) -> dict:
     for s in range(spec["steps"]):
         runtime.check_cancelled()
         loss = as_loss(step(model, fns["batch"](s), ctx), s)
-        if s == 0:
-            grads, _ = read_tensors(model, names, rt.rank, grads=True)
+        # every step's: the reference replays them (labkit/oracle/replay.py says why)
+        grads.append(read_tensors(model, names, rt.rank, grads=True)[0])
         opt.step()
         opt.zero_grad()
         losses.append(loss)

@@ -19,7 +19,7 @@ import pytest
 from conftest import TINY
 
 from labkit import OptimConfig, ParallelConfig, reference
-from labkit.oracle.checks import mismatches
+from labkit.oracle.checks import margins, mismatches
 
 STEPS = 2
 MOE = TINY.replace(experts=4, top_k=2)
@@ -309,7 +309,7 @@ MUTATIONS = [
     Mutation("a DDP bucket never reduced", DDP4, (E + "ddp", "DDP", "_launch_ready"), bucket_never_reduced,
              "gradients", SKIPPED),
     Mutation("gradients summed, not averaged", DDP4, (E + "ddp", "DDP", "finish"), summed_not_averaged,
-             "gradients", ("the first step's reduced gradient is 3 (relative",)),
+             "gradients", ("step 0's reduced gradient is 3 (relative",)),
     Mutation("TP's row-parallel all-reduce skipped", ParallelConfig(tp=2, dp=2),
              (E + "tensor", "RowParallelLinear", "forward"), row_parallel_not_reduced, "losses", ("step 0",)),
     Mutation("SP's all-gather skipped", ParallelConfig(tp=2, dp=2, sequence_parallel=True),
@@ -375,12 +375,14 @@ def test_every_mutation_is_caught_and_named(lab, oracle):
         found = mismatches(res, ref)
         expected = [f.message for f in found if f.check == m.check]
         named = expected if all(any(w in x for x in expected) for w in m.names) else []
-        rows.append((m, found, named))
-    print(f"\n{'mutation':<58} {'caught':<7} by (then the expected check's first messages)")
-    for m, found, named in rows:
+        rows.append((m, found, named, margins(res, ref)))
+    print(f"\n{'mutation':<58} {'caught':<7} {'margin':>9}  by (then the expected check's first messages)")
+    for m, found, named, over in rows:
         checks = list(dict.fromkeys(f.check for f in found))
-        print(f"{m.name:<58} {'yes' if named else 'NO':<7} {', '.join(checks) or '-'}")
+        # how far past its bound the worst bounded check sits (replicas, finite, padding, routing: exact checks)
+        worst = max((v for k, v in over.items() if k != "flips"), default=float("nan"))
+        print(f"{m.name:<58} {'yes' if named else 'NO':<7} {worst:>9.3g}  {', '.join(checks) or '-'}")
         for x in (named or [f"{f}" for f in found])[:4]:
             print(f"{'':<6}{x[:160]}")
     assert {k: v for k, v in honest.items() if v} == {}, "an unmutated layout does not match"
-    assert [m.name for m, _, named in rows if not named] == [], "mutations not caught (or not named)"
+    assert [m.name for m, _, named, _ in rows if not named] == [], "mutations not caught (or not named)"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import pytest
 from test_verify import BUGS, batch, build, loss
 
-from labkit.oracle import verify as verify_module
 from labkit.oracle import verify_checks as vc
 from labkit.oracle.assembly import assemble
 from labkit.oracle.bounds import tensor_errors
@@ -48,15 +47,15 @@ MUTATIONS = {
 def recorded(lab):
     """Each bug's judge() arguments, recorded while lab.verify runs it."""
     out = {}
-    real = verify_module.judge
+    real = vc.judge
     for bug in {m[2] for m in MUTATIONS.values()}:
         parallelize, mesh, options, _ = BUGS[bug]
         seen = []
-        verify_module.judge = lambda *args, seen=seen: seen.append(args) or real(*args)
+        vc.judge = lambda *args, seen=seen: seen.append(args) or real(*args)
         try:
             lab.verify(build, parallelize, mesh, batch, loss, **options)
         finally:
-            verify_module.judge = real
+            vc.judge = real
         out[bug] = (seen[0], mesh)
     return out
 

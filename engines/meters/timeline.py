@@ -25,6 +25,9 @@ class Timeline:
         self.device = device
         self.check = check  # called while waiting for the GPU (runtime.check_cancelled raises)
         self.events: list[dict] = []
+        self.open: list[dict] = []
+        """The spans entered and not yet left, innermost last (engines/routes.py reads which
+        microbatch a forward belongs to)."""
         self.step = -1
         self._cuda = device is not None and device.type == "cuda"
         self._pending: list[tuple[dict, object, object]] = []
@@ -42,6 +45,13 @@ class Timeline:
     def span(self, kind: str, microbatch: int | None = None, chunk: int | None = None, **extra):
         """Record one event of `kind` ('F', 'B', 'W', 'send', 'recv', 'opt', 'step', ...)."""
         ev = {"kind": kind, "microbatch": microbatch, "chunk": chunk, "step": self.step, **extra}
+        self.open.append(ev)
+        try:
+            yield from self._timed(ev)
+        finally:
+            self.open.pop()
+
+    def _timed(self, ev: dict):
         if self._cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()

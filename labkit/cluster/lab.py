@@ -31,6 +31,7 @@ from labkit.cluster.arguments import run_problems, timeout_problems
 from labkit.cluster.gpus import gpu_problems
 from labkit.cluster.jobs import JobRunner
 from labkit.cluster.shipping import by_value as _by_value
+from labkit.cluster.verify_run import verify
 from labkit.cluster.world import backend_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.config.choices import Data, trains_on_text
@@ -39,7 +40,6 @@ from labkit.config.validation import data_problems, optim_problems, validate
 from labkit.engines import runtime
 from labkit.engines.measure import measure_rank
 from labkit.layout.mesh import MeshLayout
-from labkit.oracle.verify import verify
 from labkit.oracle.verify_report import VerifyReport
 from labkit.results.measurement import Measurement
 from labkit.results.run import RunResult

@@ -24,6 +24,13 @@ def chunk_owner(chunk: int, cp: int) -> int:
     return chunk if chunk < cp else 2 * cp - 1 - chunk
 
 
+def zigzag_positions(seq: int, cp: int, rank: int) -> list[int]:
+    """The sequence positions cp rank `rank` holds, in its local order: chunk rank, then chunk 2cp-1-rank
+    (engines/parallel/context.py `zigzag_index`, the same as a tensor)."""
+    c = seq // (2 * cp)
+    return [i for k in (rank, 2 * cp - 1 - rank) for i in range(k * c, (k + 1) * c)]
+
+
 def local_start(chunk: int, cp: int) -> int:
     """Where chunk `chunk` starts in its owner's local rows, in chunks (0: its first, 1: its second)."""
     return 0 if chunk < cp else 1

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.config.choices import numerics
+from labkit.oracle.rounding import depths
 
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
 """u: the largest relative error of one round-to-nearest (Higham, "Accuracy and Stability of
@@ -31,10 +32,17 @@ class Bounds:
     """Each step's global mean loss."""
     grad_norms: float
     """Each step's global gradient norm, before clipping, on every rank."""
-    grads: float
-    """Each parameter tensor's first-step reduced gradient, relative with the floor above."""
+    grads: float | dict[str, float]
+    """Each parameter tensor's reduced gradient at every step, relative with the floor above: one number,
+    or one per tensor (bf16: its chain's roundings)."""
+
+    def grad(self, name: str) -> float:
+        """The gradient bound of tensor `name`."""
+        return self.grads[name] if isinstance(self.grads, dict) else self.grads
+
     params: float
-    """The whole model's final parameters (the masters), relative L2."""
+    """The whole model's final parameters (the masters), relative L2, against the reference replayed along
+    the run (labkit/oracle/replay.py): the same AdamW on the same gradients, in fp32 in every precision."""
 
 
 FP32 = Bounds(losses=1e-5, grad_norms=1e-5, grads=1e-5, params=1e-5)
@@ -44,20 +52,61 @@ for the b·s = 128 token rows of a weight gradient; measured: 2.5e-7 to 5e-7 per
 float64, 1e-7 to 3e-6 on the final parameters. Bugs move a tensor's gradient by O(1)."""
 
 
-def bounds(precision: str, layers: int) -> Bounds:
-    """The bounds of `precision` for a model of `layers` blocks (DERIVATIONS.md derives them)."""
+def bounds(precision: str, paths: dict[str, int] | None = None) -> Bounds:
+    """The bounds of `precision` (DERIVATIONS.md derives them). bf16: each tensor's gradient within
+    paths[t]·u, paths[t] the roundings on the longest chain to it (`paths`, counted on the computation
+    by labkit/oracle/rounding.py); the norm within the largest."""
     kind = numerics(precision)
     if not kind.mixed:
         return FP32
     # fp8 is the theory's only: the engines refuse it (validation.not_built_yet), so no bound is derived
     if kind.fp8:
         raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
-    # one bf16 rounding per tensor on the longest backward path: the embedding, two per block
-    # (attention and MLP), the head and the loss's input, and the gradient's own rounding
-    path = (2 * layers + 4) * UNIT_ROUNDOFF["bf16"]
-    # losses 1e-3 (128 tokens' roundings average down), the whole model 2e-2 (AdamW moves an element
-    # whose gradient sign bf16 flips by 2·lr): DERIVATIONS.md, "The oracle's bounds"
-    return Bounds(losses=1e-3, grad_norms=path, grads=path, params=2e-2)
+    if not paths:
+        raise ValueError("bf16's bounds need each tensor's roundings (labkit/oracle/bounds.py `paths`)")
+    u = UNIT_ROUNDOFF["bf16"]
+    grads = {name: n * u for name, n in paths.items()}
+    # losses 1e-3 (the tokens' roundings average down); the parameters are the fp32 masters updated by
+    # the replay's AdamW from the run's own gradients, as fp32 runs': DERIVATIONS.md, "The oracle's bounds"
+    return Bounds(losses=1e-3, grad_norms=max(grads.values()), grads=grads, params=FP32.params)
+
+
+def paths(model, layout=None) -> dict[str, int]:
+    """Per parameter: the roundings on the longest chain to its bf16 gradient — those of one process
+    (`one_process`, counted on its computation) and those a layout adds (`layout_roundings`)."""
+    extra = layout_roundings(layout, model.layers) if layout is not None else 0
+    return {name: n + extra for name, n in one_process(model).items()}
+
+
+def layout_roundings(cfg, layers: int) -> int:
+    """Roundings a layout adds on a gradient's chain over one process's, each a bf16 rounding one process
+    does not make: the data-parallel reduction's result rounded back into the bf16 gradients (1, engines/
+    precision.py); accumulation over M microbatches in the compute dtype (up to M - 1); a tied embedding's
+    two pipeline copies summed (1); and tensor parallelism's partial sums, each bf16 and summed in bf16 by
+    the all-reduce or reduce-scatter, where one process rounds the whole product once: tp - 1 more per
+    row-parallel output in forward (attention's and the MLP's, 2 a block) and per column-parallel input
+    gradient in backward (2 a block)."""
+    return 1 + (cfg.microbatches - 1) + int(cfg.pp > 1) + 4 * layers * (cfg.tp - 1)
+
+
+_ONE_PROCESS: dict = {}
+
+
+def one_process(model) -> dict[str, int]:
+    """{parameter: roundings on the longest chain to its gradient} in one process's bf16 forward and
+    backward of `model` (labkit/oracle/rounding.py), counted once per model config."""
+    if model not in _ONE_PROCESS:
+        from labkit.engines import data as batches  # torch: counted where the reference trains
+        from labkit.engines.model import build_model
+        from labkit.engines.precision import compute_copy
+
+        compute = compute_copy(build_model(model, 0), "bf16")
+        # two rows are enough: the chain's length is the model's depth, not the batch's
+        tokens, targets = batches.batch("synthetic", 0, 0, 2, model)
+        counted = depths(compute.module, lambda m: m(tokens, targets).backward())
+        # the master parameters' names (the compute copy's are the same module tree)
+        _ONE_PROCESS[model] = counted
+    return _ONE_PROCESS[model]
 
 
 def tensor_errors(grads: dict, ref: dict) -> dict[str, tuple[float, float]]:

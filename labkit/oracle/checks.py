@@ -6,50 +6,49 @@ naming the step, rank or tensor; `assert_matches` raises if anything is. The che
 
   finite           every loss, gradient norm, parameter, gradient and working-weight element
   steps            as many steps as the reference, on every rank
-  replicas         every rank holding an element holds the same bits (labkit/oracle/assembly.py)
+  replicas         every rank holding an element holds the same bits (labkit/oracle/assembly.py),
+                   every tp rank routing a token sends it to the same experts
   working weights  the weights forward reads are the masters rounded to the compute dtype
   padding          a padded vocabulary's padding rows: zero parameters, zero gradients (never in the loss)
-  gradients        the first step's reduced gradient of every tensor (before clipping)
+  routing          every token the run sent to other experts than the reference is a tie within the
+                   arithmetic's error (labkit/oracle/replay.py)
+  gradients        every step's reduced gradient of every tensor (before clipping)
   losses           each step's global loss
   grad norms       each step's global gradient norm, on every rank
   parameters       the final masters, whole model (relative L2)
+  buffers          the MoE routers' aux-loss-free biases
 
-Gradient parity per tensor is where an unreduced bucket, a missing division or a shifted shard
-shows; the later steps are held by the losses, the norms and the whole model, because AdamW
-(which divides each gradient element by its own RMS) turns the rounding of a near-zero gradient
-into an update of ~lr: one process that merely splits its batch in two moves a zero-initialised
-LayerNorm bias by 2.7e-4 of its own norm after 2 steps, while the whole model moves by 5e-7.
-The bounds (labkit/oracle/bounds.py) are against the fp32 reference in both precisions.
+A run that brought its parameters back (return_params=True) brings every step's reduced gradients
+too, and is held against the reference replayed along it (labkit/oracle/replay.py): one process
+that computes each step's loss, norm and gradients itself but updates with the run's gradients,
+so every step is one step's arithmetic, held by one step's bounds (labkit/oracle/bounds.py), and
+what AdamW does with a rounding — it divides each element by its own RMS + ε, so a near-zero
+element's rounding becomes an update of up to lr — is the optimizer's, the same on both sides.
+A run without its gradients is held on what the first step alone can hold: its loss and norm.
+The bounds are against the fp32 reference in every precision.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from labkit.config.choices import numerics
-from labkit.oracle.bounds import Bounds, bounds, round_to, tensor_errors
-
-# the whole model's bounds (DERIVATIONS.md, "The oracle's bounds"): fp32's ~20x above what reordered
-# sums do (model_error); bf16's over the 3.5e-3 to 1.12e-2 its layouts measured after 3 steps
-FP32_RTOL = 1e-5
-BF16_RTOL = 2e-2
+from labkit.oracle.bounds import Bounds, bounds, paths, round_to, tensor_errors
+from labkit.oracle.replay import replay
 
 
 @dataclass(frozen=True)
 class Mismatch:
     check: str
-    """finite | steps | replicas | working weights | padding | gradients | losses | grad norms | parameters"""
+    """finite | steps | replicas | working weights | padding | routing | gradients | losses | grad norms |
+    parameters | buffers"""
     message: str
 
     def __str__(self) -> str:
         return f"[{self.check}] {self.message}"
-
-
-def rtol_for(precision: str) -> float:
-    """The whole-model parameter bound of `precision` (bounds.Bounds.params)."""
-    return BF16_RTOL if numerics(precision).mixed else FP32_RTOL
 
 
 def loss_errors(losses, ref_losses) -> list[float]:
@@ -144,27 +143,34 @@ def working_weights(result) -> list[Mismatch]:
     return out
 
 
-def gradients(result, ref, bound: float, show: int = 6) -> list[Mismatch]:
-    """The first step's reduced gradient of every tensor against the reference's (bounds.py)."""
-    if result.grads is None or not ref.first_grads:
-        return []
-    missing = sorted(set(ref.first_grads) - set(result.grads))
-    if missing:
-        return [Mismatch("gradients", f"first-step gradients missing from the run: {missing}")]
-    errs = tensor_errors(result.grads, ref.first_grads)
-    # error over its floored scale (bounds.tensor_errors): a zero scale is exact with no error, else inf
-    ratio = {n: e / scale if scale else (0.0 if e == 0 else np.inf) for n, (e, scale) in errs.items()}
-    bad = [n for n, (e, scale) in errs.items() if _over(e, bound * scale)]
-    # the worst first, NaN worst of all: the `show` listed are the ones that matter most
-    bad.sort(key=lambda n: -np.nan_to_num(ratio[n], nan=np.inf))
-    return [
-        Mismatch(
-            "gradients",
-            f"{n}: the first step's reduced gradient is {ratio[n]:.3g} (relative, floored) "
-            f"from the reference's > {bound:.3g}",
+def gradients(result, held, within: Bounds, show: int = 6) -> list[Mismatch]:
+    """Every step's reduced gradient of every tensor against the replayed reference's (the first step's
+    alone against a plain reference: `judged`), by bounds.py's per-tensor bound."""
+    out: list[Mismatch] = []
+    for step, (run, own) in enumerate(_gradient_pairs(result, held)):
+        missing = sorted(set(own) - set(run))
+        if missing:
+            return [Mismatch("gradients", f"step {step}'s gradients missing from the run: {missing}")]
+        # error over its floored scale, over its own bound: > 1 fails (NaN too)
+        over = {n: _ratio(e, scale) / within.grad(n) for n, (e, scale) in tensor_errors(run, own).items()}
+        bad = [n for n, x in over.items() if _over(x, 1.0)]
+        # the worst first, NaN worst of all: the `show` listed are the ones that matter most
+        bad.sort(key=lambda n: -np.nan_to_num(over[n], nan=np.inf))
+        out += [
+            Mismatch(
+                "gradients",
+                f"{n}: step {step}'s reduced gradient is {over[n] * within.grad(n):.3g} (relative, floored) "
+                f"from the reference's > {within.grad(n):.3g}",
+            )
+            for n in bad[:show]
+        ] + (
+            [Mismatch("gradients", f"... and {len(bad) - show} more tensor(s) at step {step}")]
+            if len(bad) > show
+            else []
         )
-        for n in bad[:show]
-    ] + ([Mismatch("gradients", f"... and {len(bad) - show} more tensor(s)")] if len(bad) > show else [])
+        if bad:  # the first step a gradient goes wrong is where to look; later ones follow from it
+            return out
+    return out
 
 
 def padding(result) -> list[Mismatch]:
@@ -185,8 +191,15 @@ def padding(result) -> list[Mismatch]:
     return out
 
 
-def losses(result, ref, bound: float) -> list[Mismatch]:
-    errs = loss_errors(result.losses, ref.losses)
+def _held_steps(result, held) -> int:
+    """How many steps' losses and norms are held: every step under a replay, the first alone against a
+    plain reference (after one update the optimizer has amplified a rounding: replay.py)."""
+    return len(held.losses) if held.replayed is not None else min(1, len(held.losses))
+
+
+def losses(result, held, bound: float) -> list[Mismatch]:
+    n = _held_steps(result, held)
+    errs = loss_errors(result.losses[:n], held.losses[:n])
     if not any(_over(e, bound) for e in errs):
         return []
     return [
@@ -194,37 +207,41 @@ def losses(result, ref, bound: float) -> list[Mismatch]:
             "losses",
             f"the loss differs from the reference's beyond {bound:g} at "
             + _steps(errs, lambda s: _over(errs[s], bound))
-            + f" (run {result.losses}, reference {ref.losses})",
+            + f" (run {result.losses}, reference {held.losses})",
         )
     ]
 
 
-def grad_norms(result, ref, bound: float) -> list[Mismatch]:
+def grad_norms(result, held, bound: float) -> list[Mismatch]:
     """On every rank: AdamW is nearly blind to the scale of its gradients, so a missing average
     or a doubled shard shows here and in clipping, hardly in the parameters."""
+    n = _held_steps(result, held)
     out = []
     for rk in result.ranks:
         # every rank computes the global norm after its reduction: each must agree with the reference's
-        errs = loss_errors(rk.grad_norms, ref.grad_norms)
+        errs = loss_errors(rk.grad_norms[:n], held.grad_norms[:n])
         if any(_over(e, bound) for e in errs):
             out.append(
                 Mismatch(
                     "grad norms",
                     f"rank {rk.rank}'s gradient norm differs from the reference's beyond {bound:g} at "
                     + _steps(errs, lambda s, errs=errs: _over(errs[s], bound))
-                    + f" (rank {rk.grad_norms}, reference {ref.grad_norms})",
+                    + f" (rank {rk.grad_norms}, reference {held.grad_norms})",
                 )
             )
     return out
 
 
-def parameters(result, ref, bound: float) -> list[Mismatch]:
-    if result.params is None:
+def parameters(result, held, bound: float) -> list[Mismatch]:
+    """The final masters against the replayed reference's: the same AdamW on the same gradients, so
+    they differ by the optimizer's own rounding alone (bounds.py). Not held against a plain
+    reference: after an update the optimizer has amplified a rounding (replay.py)."""
+    if result.params is None or held.replayed is None:
         return []
-    err = model_error(result.params, ref.params)
+    err = model_error(result.params, held.params)
     if not _over(err, bound):
         return []
-    perr = param_errors(result.params, ref.params)
+    perr = param_errors(result.params, held.params)
     # the three tensors furthest off, NaN first: where to look
     worst = sorted(perr, key=lambda k: -perr[k] if np.isfinite(perr[k]) else -np.inf)[:3]
     return [
@@ -236,19 +253,17 @@ def parameters(result, ref, bound: float) -> list[Mismatch]:
     ]
 
 
-def buffers(result, ref, bound: float) -> list[Mismatch]:
-    """Each buffer training changes (an MoE router's aux-loss-free bias) against the reference's, by
-    its own relative L2: a bias updated from one rank's loads rather than the global batch's lands
-    some γ off (tests/test_moe_fine.py feeds it one). fp32 runs only: the bias is a step function of
-    the routing (a top-k), and bf16's rounding moves some tokens to other experts than the fp32
-    reference's, so no bound derived from rounding holds it; a bf16 run's copies are still held equal
-    across ranks (the replicas check), which a bias updated from one rank's loads fails."""
-    if result.buffers is None or not ref.buffers or numerics(result.config.precision).mixed:
+def buffers(result, held, bound: float) -> list[Mismatch]:
+    """Each buffer training changes (an MoE router's aux-loss-free bias) against the replayed reference's,
+    by its own relative L2: a bias updated from one rank's loads rather than the global batch's lands
+    some γ off (tests/test_moe_fine.py feeds it one). The bias is a step function of the routing, and the
+    replay routes as the run routed where the two tie: bf16 runs are held as fp32 ones."""
+    if result.buffers is None or not held.buffers or held.replayed is None:
         return []
-    missing = sorted(set(ref.buffers) - set(result.buffers))
+    missing = sorted(set(held.buffers) - set(result.buffers))
     if missing:
         return [Mismatch("buffers", f"buffers missing from the run: {missing}")]
-    errs = param_errors(result.buffers, ref.buffers)
+    errs = param_errors(result.buffers, held.buffers)
     return [
         Mismatch("buffers", f"{n}: {e:.3g} (relative L2) from the reference's > {bound:g}")
         for n, e in errs.items()
@@ -256,45 +271,111 @@ def buffers(result, ref, bound: float) -> list[Mismatch]:
     ]
 
 
-def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
-    """Everything in which `result` does not train like `ref`, the fp32 reference of the same
-    model, seed, steps and global batch (bf16 runs too: labkit/oracle/bounds.py). A run without
-    return_params is checked on what it returned: losses, norms, finiteness, steps."""
+def replayed(result):
+    """The reference replayed along `result` (labkit/oracle/replay.py), once per result: None where the run
+    brought back no gradients of its later steps (return_params=False, or a result read from a file)."""
+    if not result.step_grads or len(result.step_grads) != result.steps:
+        return None
+    key = id(result)
+    if key not in _REPLAYS:
+        _REPLAYS[key] = replay(result)
+        weakref.finalize(result, _REPLAYS.pop, key, None)  # gone with the result
+    return _REPLAYS[key]
+
+
+_REPLAYS: dict[int, object] = {}
+
+
+def judged(result, ref, within: Bounds | None = None):
+    """(the reference the run is held to, its bounds): the replay where the run brought its gradients back,
+    with one step's bounds at every step; else the plain reference, whose steps after the first are held
+    by nothing (the optimizer's amplification of a rounding, replay.py), and `ref`'s first step alone."""
     if numerics(ref.precision).mixed:
         raise ValueError(
             f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
             "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"
         )
-    # by precision and depth: bf16's bounds grow with the layers a gradient passes through, (2L + 4)·u
-    b = within or bounds(result.config.precision, result.model.layers)
+    if (ref.model, len(ref.losses)) != (result.model, result.steps):
+        raise ValueError(
+            f"the reference trained {len(ref.losses)} step(s) of another model or as many steps as the run "
+            f"({result.steps}): give reference(...) the run's model, steps, seed and global batch"
+        )
+    # bf16's bounds grow with the roundings on each gradient's chain, counted on the computation (bounds.paths)
+    mixed = numerics(result.config.precision).mixed
+    b = within or bounds(result.config.precision, paths(result.model, result.config) if mixed else None)
+    rep = replayed(result)
+    return (rep if rep is not None else ref), b
+
+
+def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
+    """Everything in which `result` does not train like `ref`, the fp32 reference of the same
+    model, seed, steps and global batch (bf16 runs too: labkit/oracle/bounds.py). A run with its
+    parameters back (return_params=True) is held at every step against the reference replayed along
+    it (labkit/oracle/replay.py); one without, on its losses, norms, finiteness and steps, the steps
+    after the first only where ... (`judged`)."""
+    held, b = judged(result, ref, within)
     # in the module docstring's order: the most basic failure is named first
     found = finite(result) + steps(result, ref)
     found += [Mismatch("replicas", str(i)) for i in result.piece_issues if i.kind == "differs"]
-    found += working_weights(result) + padding(result)
-    found += gradients(result, ref, b.grads)
-    found += losses(result, ref, b.losses) + grad_norms(result, ref, b.grad_norms)
-    return found + parameters(result, ref, b.params) + buffers(result, ref, b.params)
+    found += working_weights(result) + padding(result) + routing(held)
+    found += gradients(result, held, b)
+    found += losses(result, held, b.losses) + grad_norms(result, held, b.grad_norms)
+    return found + parameters(result, held, b.params) + buffers(result, held, b.params)
+
+
+def routing(held) -> list[Mismatch]:
+    """Tokens the run sent to experts that the arithmetic's error cannot explain (replay.py `legitimate`)."""
+    refused = getattr(held.replayed, "refused", None) or []
+    if not refused:
+        return []
+    worst = max(refused, key=lambda t: t["excess"])
+    return [
+        Mismatch(
+            "routing",
+            f"{len(refused)} token(s) went to other experts than the reference's beyond the error of the "
+            f"logits; the worst: step {worst['step']}, layer {worst['layer']}, row {worst['row']}, position "
+            f"{worst['position']}: run {worst['run']}, reference {worst['own']}, "
+            f"{worst['excess']:.3g} error bounds apart",
+        )
+    ]
 
 
 def margins(result, ref, within: Bounds | None = None) -> dict[str, float]:
     """How close `result` comes to each bound: the worst error over its bound, per check that
     has a bound (losses, grad norms, gradients, parameters); <= 1 passes, NaN fails. What a
     benchmark reports beside pass/fail, e.g. how far GPU arithmetic sits inside the CPU-derived
-    bounds (benchmarks/gpu_layouts.py)."""
-    b = within or bounds(result.config.precision, result.model.layers)
+    bounds (benchmarks/gpu_layouts.py). 'flips': the tokens routed as the run routed (ties)."""
+    held, b = judged(result, ref, within)
     # NaN is the worst margin of all: it fails
     worst = lambda xs: float(max(xs, key=lambda x: np.inf if np.isnan(x) else x)) if xs else 0.0
+    n = _held_steps(result, held)
     out = {
-        "losses": worst(loss_errors(result.losses, ref.losses)) / b.losses,
-        "grad norms": worst([e for rk in result.ranks for e in loss_errors(rk.grad_norms, ref.grad_norms)])
+        "losses": worst(loss_errors(result.losses[:n], held.losses[:n])) / b.losses,
+        "grad norms": worst([e for rk in result.ranks for e in loss_errors(rk.grad_norms[:n], held.grad_norms[:n])])
         / b.grad_norms,
     }
-    if result.grads is not None and ref.first_grads:
-        errs = tensor_errors(result.grads, ref.first_grads).values()
-        out["gradients"] = worst([e / scale if scale else (0.0 if e == 0 else np.inf) for e, scale in errs]) / b.grads
-    if result.params is not None:
-        out["parameters"] = model_error(result.params, ref.params) / b.params
+    pairs = _gradient_pairs(result, held)
+    if pairs:
+        out["gradients"] = worst(
+            [_ratio(e, scale) / b.grad(n) for run, own in pairs for n, (e, scale) in tensor_errors(run, own).items()]
+        )
+    if result.params is not None and held.replayed is not None:
+        out["parameters"] = model_error(result.params, held.params) / b.params
+    if held.replayed is not None:
+        out["flips"] = sum(sum(f.values()) for f in held.replayed.flips)
     return out
+
+
+def _ratio(e: float, scale: float) -> float:
+    # error over its floored scale (bounds.tensor_errors): a zero scale is exact with no error, else inf
+    return e / scale if scale else (0.0 if e == 0 else np.inf)
+
+
+def _gradient_pairs(result, held) -> list[tuple[dict, dict]]:
+    """(run's, reference's) gradients of every step held: all of them under a replay, the first alone else."""
+    if held.step_grads and result.step_grads and len(held.step_grads) == len(result.step_grads):
+        return list(zip(result.step_grads, held.step_grads))
+    return [(result.grads, held.first_grads)] if result.grads is not None and held.first_grads else []
 
 
 def assert_matches(result, ref, within: Bounds | None = None) -> None:

@@ -41,6 +41,12 @@ class Reference:
     buffers: dict[str, np.ndarray] = field(default_factory=dict, repr=False)
     """Final buffers that training changes, by name (fp32): the MoE routers' aux-loss-free biases
     (engines/moe.py `update_expert_bias`), updated from the whole batch's expert loads."""
+    step_grads: list[dict[str, np.ndarray]] = field(default_factory=list, repr=False)
+    """A replayed reference's gradient at every step (labkit/oracle/replay.py: computed at the parameters
+    the run's own gradients led to); a plain reference keeps the first alone (first_grads)."""
+    replayed: object = field(default=None, repr=False)
+    """A replay's record (labkit/oracle/replay.py `Replayed`: the routing flips it followed and those
+    it refused); None for a plain reference."""
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
         """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
@@ -98,6 +104,15 @@ def reference(
         finally:
             torch.set_num_threads(before)
 
+    return train(model or ModelConfig(), steps, seed, global_batch, precision, optim or OptimConfig(), shards, data)
+
+
+def train(model, steps, seed, global_batch, precision, optim, shards, data, follow=None) -> Reference:
+    """reference()'s loop. `follow` (labkit/oracle/replay.py `Follow`): each step's gradients are
+    still computed here, but the update applies the run's (follow.grads), and MoE layers route as the
+    run routed where the two tie (follow.install)."""
+    import torch
+
     from labkit.engines import data as batches
     from labkit.engines.evaluate import reference_validation_loss
     from labkit.engines.model import build_model
@@ -105,16 +120,16 @@ def reference(
     from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
     from labkit.engines.precision import compute_copy
 
-    model = model or ModelConfig()
-    optim = optim or OptimConfig()
     torch.manual_seed(seed)  # nothing random is drawn from it; set for any future dropout
     net = build_model(model, seed)
     # registration order; weight decay on matrices only, decided as the engines decide it (nanoGPT's rule)
     names, params = zip(*net.named_parameters())
     opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
     compute = compute_copy(net, precision)  # the module that runs forward/backward
-    losses, norms, first = [], [], {}
+    losses, norms, every = [], [], []
     for step in range(steps):
+        if follow is not None:
+            follow.install(compute.module, step)
         tokens, targets = batches.batch(data, step, seed, global_batch, model)
         loss, grads = 0.0, None
         for i in range(shards):
@@ -130,10 +145,13 @@ def reference(
         if shards > 1:
             loss, grads = loss / shards, [g / shards for g in grads]
         norm = grad_norm(grads)
-        if step == 0:
-            first = {n: g.detach().float().numpy().copy() for n, g in zip(names, grads)}
+        if step == 0 or follow is not None:  # a plain reference keeps the first alone: a long run's would not fit
+            every.append({n: g.detach().float().numpy().copy() for n, g in zip(names, grads)})
+        # the run's own gradients where the reference replays it: what a difference in them does
+        # through AdamW is the optimizer's, not the layout's (DERIVATIONS.md, "The oracle's bounds")
+        applied = grads if follow is None else follow.grads(step, names, grads)
         # clipped by the global norm, before the update, as every layout does
-        opt.step(grads, clip_coefficient(norm, optim.clip))
+        opt.step(applied, clip_coefficient(grad_norm(applied) if follow is not None else norm, optim.clip))
         update_expert_bias(compute.module.modules())  # the whole global batch's loads, on one process
         # the compute copy taken again from the updated masters (bf16: rounded)
         compute.after_step()
@@ -142,4 +160,6 @@ def reference(
     validation = reference_validation_loss(compute.module, model, global_batch) if trains_on_text(data) else None
     final = {n: p.detach().float().numpy().copy() for n, p in net.named_parameters()}
     buffers = {n: b.detach().float().numpy().copy() for n, b in compute.module.named_buffers()}
-    return Reference(losses, norms, final, first, precision, model, data, validation, buffers)
+    first = every[0] if every else {}
+    record = follow.record if follow is not None else None
+    return Reference(losses, norms, final, first, precision, model, data, validation, buffers, every, record)

@@ -16,23 +16,22 @@ the mean loss of this rank's share (None on ranks that compute none, e.g. early 
 
 The checks (labkit/oracle/verify_checks.py) and the report (labkit/oracle/verify_report.py) follow
 labkit's own oracle (checks.py): the parameters right after parallelize, exactly; every copy bit
-for bit; the first step's gradient of each tensor and each step's loss within bounds.py's
-bounds; the final parameters, whole model.
+for bit; every step's gradient of each tensor and each step's loss within bounds.py's bounds,
+against the reference replayed along the run (each step's update applies the run's own gradients:
+labkit/oracle/replay.py says why); the final parameters, whole model. The Lab's side of it (the
+ranks' job, the reports) is labkit/cluster/verify_run.py.
 """
 
 from __future__ import annotations
 
+import copy
 from math import prod
 
-from labkit.cluster.arguments import timeout_problems
-from labkit.cluster.shipping import by_value
 from labkit.config import ConfigError
 from labkit.config.choices import PRECISIONS, numerics
-from labkit.engines import runtime
-from labkit.engines.verify import as_loss, canonical_names, default_optimizer, fingerprints, read_tensors
-from labkit.oracle.bounds import bounds
-from labkit.oracle.verify_checks import judge
-from labkit.oracle.verify_report import VerifyReport
+from labkit.engines.verify import as_loss, canonical_names, fingerprints, read_tensors
+from labkit.oracle.bounds import Bounds, bounds
+from labkit.oracle.rounding import depths
 
 DATA_DIMS = ("dp", "dp_replicate", "dp_shard", "fsdp", "ddp", "hsdp")
 """Mesh dims that split the batch when `data_dims` is not given (torchtitan's names and labkit's)."""
@@ -70,9 +69,9 @@ def problems(world, build, parallelize, mesh, batch, loss, optimizer, steps, ste
     return bad
 
 
-def reference_steps(fns: dict, steps: int, seed: int) -> dict:
-    """build() alone in this process, `steps` plain steps on each whole global batch: the weights
-    it starts from, the first step's gradients, the losses and the final weights, by name."""
+def reference_build(fns: dict, seed: int) -> dict:
+    """build() alone in this process, twice under one seed (it must be deterministic): the model, its
+    weights by name, and their fingerprints (what every rank's build() must give too)."""
     import torch
 
     torch.manual_seed(seed)
@@ -94,66 +93,64 @@ def reference_steps(fns: dict, steps: int, seed: int) -> dict:
         )
     names = canonical_names(model)
     initial = {p["name"]: p["values"] for p in read_tensors(model, names, -1)[0]}
+    with torch.no_grad():  # a loss that is not a scalar is refused here, before any rank starts
+        _scalar(fns["loss"](model, fns["batch"](0)), 0)
+    return {"model": model, "names": names, "initial": initial, "prints": prints}
+
+
+def _scalar(value, step: int) -> None:
+    import torch
+
+    if not isinstance(value, torch.Tensor) or value.numel() != 1:
+        shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise ConfigError(
+            [f"loss(model, batch) gave {shape} at step {step}; it must be a scalar tensor (e.g. .mean())"]
+        )
+
+
+def reference_steps(built: dict, fns: dict, steps: int, run_grads: list[dict]) -> dict:
+    """`steps` plain steps of build()'s model on each whole global batch, replayed along the run
+    (labkit/oracle/replay.py): each step's loss and gradients are this process's own, the update applies
+    the run's gradients of that step (`run_grads`, full tensors by name; a tensor no rank has a gradient
+    for is zero, as an optimizer steps it). Returns the losses, every step's gradients, the final weights."""
+    import torch
+
+    model, names, initial = built["model"], built["names"], built["initial"]
+    params = dict(model.named_parameters())
+    by_canon = {canon: params[name] for name, canon in names.items() if name in params}
     opt = fns["optimizer"](list(model.parameters()))
-    losses, grads = [], {}
+    losses, grads = [], []
     for s in range(steps):
         value = fns["loss"](model, fns["batch"](s))
-        if not isinstance(value, torch.Tensor) or value.numel() != 1:
-            shape = tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
-            raise ConfigError(
-                [f"loss(model, batch) gave {shape} at step {s}; it must be a scalar tensor (e.g. .mean())"]
-            )
+        _scalar(value, s)
         value.backward()
-        if s == 0:
-            got = {p["name"]: p["values"] for p in read_tensors(model, names, -1, grads=True)[0]}
-            # a parameter backward never reached has no gradient: zero, as an optimizer treats it
-            grads = {n: got.get(n, 0 * v) for n, v in initial.items()}
+        got = {p["name"]: p["values"] for p in read_tensors(model, names, -1, grads=True)[0]}
+        # a parameter backward never reached has no gradient: zero, as an optimizer treats it
+        grads.append({n: got.get(n, 0 * v) for n, v in initial.items()})
+        for n, p in by_canon.items():  # the run's gradient is what this step's update applies
+            run = run_grads[s].get(n) if s < len(run_grads) else None
+            p.grad = torch.zeros_like(p) if run is None else torch.from_numpy(run.copy()).to(p.dtype).reshape(p.shape)
         opt.step()
         opt.zero_grad()
         losses.append(as_loss(value, s))
     final = {p["name"]: p["values"] for p in read_tensors(model, names, -1)[0]}
-    # depth for bf16's bounds ((2L + 4)·u): the longest ModuleList, the usual stack of blocks
-    depth = max((len(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), default=1)
-    return {"initial": initial, "grads": grads, "losses": losses, "final": final, "prints": prints, "depth": depth}
+    return {**built, "grads": grads, "losses": losses, "final": final}
 
 
-def verify(
-    lab,
-    build,
-    parallelize,
-    mesh: dict,
-    batch,
-    loss,
-    optimizer=None,
-    steps: int = 2,
-    step=None,
-    precision: str = "fp32",
-    data_dims=None,
-    seed: int = 0,
-    timeout: float | None = None,
-) -> VerifyReport:
-    """Lab.verify's body (its docstring says what each argument is)."""
-    bad = problems(lab.world, build, parallelize, mesh, batch, loss, optimizer, steps, step, precision, data_dims, seed)
-    bad += timeout_problems(timeout)
-    if bad:
-        raise ConfigError(bad)
-    data_dims = tuple(d for d in mesh if d in DATA_DIMS) if data_dims is None else tuple(data_dims)
-    fns = dict(build=build, parallelize=parallelize, batch=batch, loss=loss, step=step)
-    fns["optimizer"] = optimizer or default_optimizer  # engines/verify.py's: it travels by name
-    ref = reference_steps(fns, steps, seed)
-    spec = dict(mesh=dict(mesh), data_dims=data_dims, steps=steps, seed=seed, fingerprints=ref["prints"])
-    # named, not imported: engines/verify.py runs on the ranks; the Lab's job machinery bounds it
-    target = ("labkit.engines.verify:verify_rank", by_value(fns), spec)
-    reports = lab._execute(runtime.call_named, target, {}, timeout, lab.progress, steps, "verify")
-    differ = sorted({n for r in reports for n in r.get("build_differs", [])})
-    if differ:
-        ranks = [r["rank"] for r in reports if r.get("build_differs")]
-        raise ConfigError(
-            [
-                f"build() gave rank(s) {ranks} other weights than this process under the same seed, for "
-                f"{differ[:3]}{' ...' if len(differ) > 3 else ''}: it must not depend on the rank, the host or the time"
-            ]
-        )
-    dp_size = prod(mesh[d] for d in data_dims)
-    within = bounds(precision, ref["depth"])
-    return VerifyReport(judge(ref, reports, within, dp_size), dict(mesh), steps, precision, within)
+def verify_bounds(precision: str, built: dict, fns: dict, mesh: dict, data_dims: tuple) -> Bounds:
+    """The bounds the user's run is held to: fp32's; bf16's with each tensor's roundings counted on
+    build()'s own fp32 computation, every op that computes counted as one (labkit/oracle/rounding.py:
+    the user's parallelize may run any of them in bf16), plus what the mesh adds (bounds.layout_roundings
+    with every dim that does not split the batch taken as tensor-parallel, which adds the most)."""
+    if not numerics(precision).mixed:
+        return bounds(precision)
+    import torch
+
+    model = copy.deepcopy(built["model"])
+    torch.manual_seed(0)
+    counted = depths(model, lambda m: fns["loss"](m, fns["batch"](0)).backward(), every_op=True)
+    names = built["names"]
+    layers = max((len(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), default=1)
+    split = prod(mesh[d] for d in mesh if d not in data_dims)
+    extra = 1 + 4 * layers * (split - 1)  # the data reduction's rounding; the other dims' partial sums
+    return bounds(precision, {names[n]: d + extra for n, d in counted.items() if n in names})

@@ -7,8 +7,9 @@ In the order a bug shows first (`CHECKS`), so the report can lead with the earli
   finite              no NaN or inf in any tensor any rank sent
   initial replicas    right after parallelize, every copy of an element holds the same bits (assembly.py)
   initial             ... and the whole tensor equals build()'s exactly (a per-rank init shows here)
-  gradient replicas   the first step's gradients: every copy the same bits
-  gradients           each tensor's first-step gradient within bounds.py's per-tensor bound
+  gradient replicas   every step's gradients: every copy the same bits
+  gradients           each tensor's gradient at every step within bounds.py's per-tensor bound, against
+                      the reference replayed along the run (verify.py)
   loss replicas       the ranks of one data slice report the same loss
   losses              each step's loss (the mean over data slices) within the loss bound
   parameter replicas  the final parameters: every copy the same bits
@@ -125,17 +126,19 @@ def _issue(i) -> str:
     return f"{i.elements} non-finite element(s) on rank {i.ranks[0]} ({i.what})"
 
 
-def gathered(reports: list[dict], what: str, label: str) -> tuple[dict, dict, list[Finding]]:
-    """Every rank's copies of `what` assembled by name: (full tensors, dtypes, findings)."""
-    pieces = [p for r in reports for p in r[what]]
+def gathered(reports: list[dict], what: str, label: str, step: int | None = None) -> tuple[dict, dict, list[Finding]]:
+    """Every rank's copies of `what` assembled by name: (full tensors, dtypes, findings); 'grads' at `step`."""
+    pieces = [p for r in reports for p in (r[what] if step is None else r[what][step])]
     full, issues = assemble(pieces, label)
     dtypes = {p["name"]: p["dtype"] for p in pieces}
     check = {"initial": "initial replicas", "grads": "gradient replicas", "final": "parameter replicas"}[what]
-    found = [
-        Finding(check if i.kind == "differs" else "finite", i.name, _issue(i), 0 if what == "grads" else None, i.ranks)
-        for i in issues
-    ]
+    found = [Finding(check if i.kind == "differs" else "finite", i.name, _issue(i), step, i.ranks) for i in issues]
     return full, dtypes, found
+
+
+def step_gradients(reports: list[dict], steps: int) -> list[dict]:
+    """The run's gradients of every step, full tensors by name (what the reference replays)."""
+    return [gathered(reports, "grads", "gradients", s)[0] for s in range(steps)]
 
 
 def repeated(value: np.ndarray, world: int) -> str:
@@ -178,39 +181,44 @@ def initial(full: dict, dtypes: dict, ref: dict, world: int) -> tuple[dict, list
 
 
 def holders(reports: list[dict], what: str) -> dict[str, tuple[int, ...]]:
-    """The ranks that sent each tensor."""
+    """The ranks that sent each tensor (the first step's, for 'grads')."""
     out: dict[str, set[int]] = {}
     for r in reports:
-        for p in r[what]:
+        for p in r[what][0] if what == "grads" else r[what]:
             out.setdefault(p["name"], set()).add(r["rank"])
     return {n: tuple(sorted(rs)) for n, rs in out.items()}
 
 
-def gradients(full: dict, ref: dict, bound: float, held: dict | None = None) -> tuple[dict, list[Finding]]:
-    """Each tensor's first-step gradient against the reference's (bounds.tensor_errors: relative,
-    floored by the whole gradient's scale); `held`: the ranks holding each, named in a finding."""
+def gradients(steps: list[dict], ref: dict, within: Bounds, held: dict | None = None) -> tuple[dict, list[Finding]]:
+    """Each tensor's gradient at every step against the replayed reference's (bounds.tensor_errors:
+    relative, floored by the whole gradient's scale); `held`: the ranks holding each, named in a finding.
+    Returns each tensor's worst error over its floored scale, and the findings of the first step that has any."""
     held = held or {}
-    want = ref["grads"]
-    out = []
-    # a tensor no rank has a gradient for: zero, as an optimizer steps it; wrong unless the reference's is
-    got = {n: full.get(n, np.zeros_like(w)) for n, w in want.items()}
-    for n in want:
-        if n not in full and np.any(want[n]):
-            out.append(Finding("gradients", n, "no rank has a gradient for it after the first step", 0))
-    ratio = {}
-    for n, (e, scale) in tensor_errors(got, want).items():
-        ratio[n] = e / scale if scale else (0.0 if e == 0 else np.inf)
-        if not ratio[n] <= bound and n in full:  # NaN is over every bound
-            msg = f"the first step's gradient is {ratio[n]:.3g} (relative, floored) from the reference's > {bound:.3g}"
-            out.append(Finding("gradients", n, msg, 0, held.get(n, ()), ratio[n], bound))
-    out.sort(key=lambda f: -np.nan_to_num(f.error, nan=np.inf))  # the worst first
-    return ratio, out
+    worst: dict[str, float] = {}
+    for s, (full, want) in enumerate(zip(steps, ref["grads"])):
+        out = []
+        # a tensor no rank has a gradient for: zero, as an optimizer steps it; wrong unless the reference's is
+        got = {n: full.get(n, np.zeros_like(w)) for n, w in want.items()}
+        for n in want:
+            if n not in full and np.any(want[n]):
+                out.append(Finding("gradients", n, f"no rank has a gradient for it at step {s}", s))
+        for n, (e, scale) in tensor_errors(got, want).items():
+            ratio = e / scale if scale else (0.0 if e == 0 else np.inf)
+            worst[n] = max(worst.get(n, 0.0), ratio, key=lambda x: np.nan_to_num(x, nan=np.inf))
+            bound = within.grad(n)
+            if not ratio <= bound and n in full:  # NaN is over every bound
+                msg = f"step {s}'s gradient is {ratio:.3g} (relative, floored) from the reference's > {bound:.3g}"
+                out.append(Finding("gradients", n, msg, s, held.get(n, ()), ratio, bound))
+        if out:  # the first step a gradient goes wrong is where to look; later ones follow from it
+            out.sort(key=lambda f: -np.nan_to_num(f.error, nan=np.inf))  # the worst first
+            return worst, out
+    return worst, []
 
 
 def uniform_factor(full: dict, ref: dict, bound: float) -> float | None:
-    """c where every tensor's gradient is c·g_ref (|c - 1| beyond the bound), else None."""
+    """c where every tensor's first-step gradient is c·g_ref (|c - 1| beyond the bound), else None."""
     factors = []
-    for n, r in ref["grads"].items():
+    for n, r in ref["grads"][0].items():
         r = r.astype(np.float64).reshape(-1)
         rr = float(r @ r)
         if rr == 0:
@@ -276,14 +284,18 @@ def parameters(full: dict, ref: dict, bound: float) -> tuple[dict, list[Finding]
 
 
 def judge(ref: dict, reports: list[dict], within: Bounds, dp_size: int) -> dict:
-    """Every check of the ranks' reports against the reference: findings in CHECKS order, a row
-    per tensor, a row per step's loss, and the uniform factor (or None)."""
+    """Every check of the ranks' reports against the reference (replayed along them: verify.py): findings
+    in CHECKS order, a row per tensor, a row per step's loss, and the uniform factor (or None)."""
     found = coverage(ref, reports) + plan(reports)
     start, dtypes, f0 = gathered(reports, "initial", "parameters")
-    grads, _, f1 = gathered(reports, "grads", "gradients")
+    grads, f1 = [], []
+    for s in range(len(ref["grads"])):
+        full, _, more = gathered(reports, "grads", "gradients", s)
+        grads.append(full)
+        f1 += more
     final, _, f2 = gathered(reports, "final", "parameters")
     init_err, f3 = initial(start, dtypes, ref, len(reports))
-    grad_err, f4 = gradients(grads, ref, within.grads, holders(reports, "grads"))
+    grad_err, f4 = gradients(grads, ref, within, holders(reports, "grads"))
     loss_rows, f5 = losses(reports, ref, within.losses, dp_size)
     final_err, f6 = parameters(final, ref, within.params)
     found += f0 + f1 + f2 + f3 + f4 + f5 + f6
@@ -297,10 +309,11 @@ def judge(ref: dict, reports: list[dict], within: Bounds, dp_size: int) -> dict:
             "shape": tuple(w.shape),
             "initial error": init_err.get(n, float("nan")),
             "gradient error": grad_err.get(n, float("nan")),
-            "gradient bound": within.grads,
+            "gradient bound": within.grad(n),
             "final error": final_err.get(n, float("nan")),
             "status": bad.get(n, "ok"),
         }
         for n, w in ref["initial"].items()
     ]
-    return {"findings": found, "rows": rows, "losses": loss_rows, "factor": uniform_factor(grads, ref, within.grads)}
+    factor = uniform_factor(grads[0], ref, max(within.grad(n) for n in ref["initial"])) if grads else None
+    return {"findings": found, "rows": rows, "losses": loss_rows, "factor": factor}

@@ -54,7 +54,7 @@ class VerifyReport:
         if self.ok:
             return (
                 f"verify OK on {where}: {len(self.rows)} tensors, {self.steps} step(s), {self.precision} "
-                f"(initial weights exact; gradients within {self.bounds.grads:g}, losses {self.bounds.losses:g}, "
+                f"(initial weights exact; gradients within {self.bounds.grad_norms:g}, losses {self.bounds.losses:g}, "
                 f"final weights {self.bounds.params:g})"
             )
         f = self.findings[0]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -12,6 +12,7 @@ from labkit.config.choices import Data
 from labkit.config.table import Rows, card
 from labkit.layout.mesh import MeshLayout
 from labkit.oracle.assembly import PieceIssue, assemble
+from labkit.oracle.routes import place
 from labkit.results.views import RankViews
 
 
@@ -120,6 +121,13 @@ def _arrays(lists: dict) -> dict:
     return {k: np.asarray(v["values"], dtype=np.float32).reshape(v["shape"]) for k, v in lists.items()}
 
 
+def _assembled(reports: list[dict], pieces_of, what: str) -> tuple[dict | None, list[PieceIssue]]:
+    """The full tensors of one kind of piece (pieces_of(report)), each piece tagged with its sender so
+    that a copy that differs names its rank; (None, []) where no rank sent any."""
+    mine = [{**pc, "rank": r["rank"]} for r in reports for pc in pieces_of(r) or []]
+    return assemble(mine, what) if mine else (None, [])
+
+
 VOCAB_TABLES = ("embed.tok.weight", "head.proj.weight")
 """The tensors whose rows are the vocabulary: the ones a padded vocabulary pads."""
 
@@ -157,7 +165,13 @@ class RunResult(RankViews):
     or data='text')."""
     audit: list[dict] | None = field(default=None, repr=False)
     grads: dict[str, np.ndarray] | None = field(default=None, repr=False)
-    """The first step's reduced gradients, before clipping (return_params=True)."""
+    """The first step's reduced gradients, before clipping (return_params=True): step_grads[0]."""
+    step_grads: list[dict[str, np.ndarray]] | None = field(default=None, repr=False)
+    """Every step's reduced gradients, before clipping (return_params=True): what the oracle's
+    reference replays (labkit/oracle/replay.py), and holds tensor by tensor at every step."""
+    routes: dict[int, np.ndarray] | None = field(default=None, repr=False)
+    """MoE runs with return_params: the experts each token went to, {layer: (steps, B, S, k)}
+    (labkit/oracle/routes.py), which the reference follows where the two arithmetics tie."""
     compute: dict[str, np.ndarray] | None = field(default=None, repr=False)
     """The final weights forward reads, where they are not the masters (return_params=True;
     GradSync.compute_pieces)."""
@@ -204,15 +218,23 @@ class RunResult(RankViews):
         issues: list[PieceIssue] = []
         for key, what in (
             ("pieces", "parameters"),
-            ("grad_pieces", "gradients"),
             ("compute_pieces", "working weights"),
             ("buffer_pieces", "buffers"),
         ):
-            # each piece tagged with its sender, so that a copy that differs names its rank
-            mine = [{**pc, "rank": r["rank"]} for r in active for pc in r.get(key) or []]
-            found[key], more = assemble(mine, what) if mine else (None, [])
+            found[key], more = _assembled(active, lambda r, key=key: r.get(key), what)
             issues += more
-        padding = _split_padding(found, model.vocab)
+        step_grads = []
+        for s in range(max((len(r.get("grad_pieces") or []) for r in active), default=0)):
+            grads, more = _assembled(active, lambda r, s=s: (r.get("grad_pieces") or [None] * (s + 1))[s], "gradients")
+            step_grads.append(grads)
+            issues += [replace(i, what=f"step {s}'s gradients") if s else i for i in more]
+        found["grad_pieces"] = step_grads[0] if step_grads else None
+        padding = _split_padding(found, model.vocab) or {}
+        for s, grads in enumerate(step_grads[1:], 1):  # the later steps' padding rows, held at zero the same way
+            for name, rows in (_split_padding({"grad_pieces": grads}, model.vocab) or {}).get("grads", {}).items():
+                padding.setdefault(f"grads (step {s})", {})[name] = rows
+        routes, more = place(active, cfg, model.seq, steps)
+        issues += more
         audit = [r["audit"] for r in active] if any("audit" in r for r in active) else None
         validation = None
         if any("validation" in r for r in active):  # shares add up like the losses above
@@ -229,11 +251,13 @@ class RunResult(RankViews):
             found["pieces"],
             audit,
             grads=found["grad_pieces"],
+            step_grads=step_grads or None,
+            routes=routes,
             compute=found["compute_pieces"],
             piece_issues=issues,
             data=data,
             validation_loss=validation,
-            padding=padding,
+            padding=padding or None,
             buffers=found["buffer_pieces"],
         )
 

@@ -1,0 +1,158 @@
+"""The reference replayed along a run: at every step one process computes its own loss, gradient
+norm and gradients, then updates with the *run's* reduced gradients, and routes as the run routed
+where the two arithmetics tie. Every step is then compared as the first is: one step's arithmetic,
+held by one step's bounds (labkit/oracle/bounds.py), every tensor at every step.
+
+Why (DERIVATIONS.md, "The oracle's bounds", "What the optimizer does with a rounding"): AdamW's first
+update of an element is lr·g/(|g| + ε), whose slope ε/(|g| + ε)² is 1/ε at g = 0. Two correct
+computations of one step differ in each gradient element by the rounding of reordered sums, δ;
+an element whose |g| is within a few ε of zero (a weight whose contributions cancel: 5.5e-9 with
+ε = 1e-8 in the issue's GPT-2) turns δ = 4e-10 into an update 5e-5 apart, a thousand times the
+step's own rounding, and the next step's loss and gradients move with it. No bound on a step's
+arithmetic holds what the optimizer makes of it, and a bound wide enough to would hold no bug.
+Replaying the run's gradients removes the optimizer's amplification from the comparison and
+nothing else: the replay takes from the run only its reduced gradients (and its routing, below);
+its forward, backward, reduction, norm, clipping and optimizer arithmetic are the reference's own,
+so a bug in any of them shows at the step it happens (gradients, losses and norms at every step,
+the final parameters against the same AdamW applied to the same gradients).
+
+Routing: a top-k is a step function of the router's logits. Where a token's k best experts are
+within the arithmetic's error of a tie, a bf16 run may pick others than the fp32 reference (2 to
+3 tokens of 512 per layer on the tiny MoE model), and the gradients of the experts involved move
+by a whole token's share. The reference takes the run's choice for such a token when it is one
+the arithmetic allows: the run's experts, each raised by the error bound E of its logit and every
+other lowered by its own, are the top k (`legitimate`); E = (path·u_run + (path + h)·u_fp32)·
+(|W|·|x| + |b|), path = 2l + 4 rounded tensors on the way to layer l's logits (the bound bounds.py
+uses for gradients, DERIVATIONS.md). A choice beyond that is a bug (a bias from one rank's loads, a
+router from another layer's weights) and is reported, and the reference keeps its own.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from labkit.config.choices import numerics
+from labkit.oracle.bounds import UNIT_ROUNDOFF
+from labkit.oracle.reference import Reference, train
+
+
+@dataclass
+class Replayed:
+    """What a replay followed and refused."""
+
+    flips: list[dict[int, int]] = field(default_factory=list)
+    """Per step, per MoE layer: tokens whose experts the reference took from the run (legitimate ties)."""
+    refused: list[dict] = field(default_factory=list)
+    """Tokens whose run choice is beyond the arithmetic's error: {step, layer, row, position, run,
+    own, excess} (excess > 1: by how many error bounds the swap's logits are apart)."""
+
+
+class Follow:
+    """What `reference.train` asks of the run it replays (its `follow`)."""
+
+    def __init__(self, result):
+        self.result = result
+        self.record = Replayed()
+        self.u_run = UNIT_ROUNDOFF["bf16" if numerics(result.config.precision).mixed else "fp32"]
+
+    def install(self, module, step: int) -> None:
+        """Route every MoE layer of `module` as the run routed at `step`, where the two tie."""
+        from labkit.engines.moe import MoE  # torch: the replay trains, the oracle's import does not
+
+        self.record.flips.append({})
+        routes = self.result.routes or {}
+        for m in module.modules():
+            if isinstance(m, MoE):
+                m.follow = None if m.layer not in routes else _Route(self, step, routes[m.layer][step])
+
+    def grads(self, step: int, names, own) -> list:
+        """The run's reduced gradients of `step`, as the tensors the optimizer takes (in `names`' order)."""
+        import torch
+
+        run = self.result.step_grads[step]
+        missing = [n for n in names if n not in run]
+        if missing:
+            raise AssertionError(f"step {step}'s gradients are missing from the run: {missing[:3]}")
+        return [torch.from_numpy(np.ascontiguousarray(run[n])).to(g.dtype).reshape(g.shape) for n, g in zip(names, own)]
+
+
+class _Route:
+    """One MoE layer's `follow` at one step: the run's experts (B, S, k) for the whole global batch."""
+
+    def __init__(self, follow: Follow, step: int, experts: np.ndarray):
+        self.follow, self.step, self.experts = follow, step, experts
+
+    def __call__(self, moe, x, logits, own):
+        import torch
+
+        run = torch.from_numpy(self.experts.astype(np.int64)).to(own.device)  # (B, S, k)
+        differ = (run.sort(-1)[0] != own.sort(-1)[0]).any(-1)  # (B, S)
+        if not differ.any():
+            return own
+        bound = error_bound(moe, x, self.follow.u_run)  # (B, S, E)
+        ok, excess = legitimate(moe, logits.detach(), bound, run)
+        take = differ & ok & (run >= 0).all(-1)
+        self.follow.record.flips[-1][moe.layer] = int(take.sum())
+        for row, pos in (differ & ~take).nonzero().tolist():
+            self.follow.record.refused.append(
+                {
+                    "step": self.step,
+                    "layer": moe.layer,
+                    "row": row,
+                    "position": pos,
+                    "run": run[row, pos].tolist(),
+                    "own": own[row, pos].tolist(),
+                    "excess": float(excess[row, pos]),
+                }
+            )
+        return torch.where(take.unsqueeze(-1), run, own)
+
+
+def error_bound(moe, x, u_run: float):
+    """E (b, s, E): how far the run's logits of layer `moe.layer` may sit from the reference's, each side's
+    rounding on the path to them times the size of what the router sums (Higham, section 3.1: a dot
+    product's error is relative to Σ|w_i x_i|, not to its value)."""
+    path = 2 * moe.layer + 4
+    router = moe.router
+    size = x.detach().abs().float() @ router.weight.detach().abs().float().t()  # (b, s, h) @ (h, E)
+    if router.bias is not None:
+        size = size + router.bias.detach().abs().float()
+    u32 = UNIT_ROUNDOFF["fp32"]
+    return (path * u_run + (path + x.shape[-1]) * u32) * size
+
+
+def legitimate(moe, logits, bound, run):
+    """Per token (b, s): whether the run's experts are the top k once each is raised by its error
+    bound and every other expert lowered by its own — the most the arithmetic can favour them — and
+    by how many bounds the worst swapped pair is apart (<= 1 where legitimate)."""
+    import torch
+
+    chosen = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, run.clamp(min=0), True)  # (b, s, E)
+    favoured = logits + torch.where(chosen, bound, -bound)
+    ok = (moe.choose(favoured).sort(-1)[0] == run.sort(-1)[0]).all(-1)
+    # the worst pair: an expert the run left out that still beats one it took, in units of their bounds
+    gap = logits.unsqueeze(-1) - logits.unsqueeze(-2)  # (b, s, E out, E in): z_out - z_in
+    room = bound.unsqueeze(-1) + bound.unsqueeze(-2)
+    pair = (~chosen).unsqueeze(-1) & chosen.unsqueeze(-2)
+    excess = torch.where(pair, gap / room.clamp(min=1e-30), torch.full_like(gap, -np.inf)).amax(dim=(-1, -2))
+    return ok, excess
+
+
+def replay(result) -> Reference:
+    """The fp32 reference of `result`'s model, seed, steps, global batch, optimizer and data, replayed
+    along the run (the module docstring): needs the run's gradients of every step (return_params=True)."""
+    if not result.step_grads:
+        raise ValueError("replay needs the run's gradients of every step: run it with return_params=True")
+    return train(
+        result.model,
+        result.steps,
+        result.seed,
+        result.config.global_batch,
+        "fp32",
+        result.optim,
+        1,
+        result.data,
+        follow=Follow(result),
+    )
