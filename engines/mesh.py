@@ -12,6 +12,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.config import DIMS
+from labkit.engines.meters.comm import unlogged
 from labkit.layout.mesh import COMBINED, DATA_DIMS, MeshLayout, dim_name, hybrid_combined, shard_dims
 
 
@@ -34,6 +35,7 @@ class Mesh:
         self.dim_of: dict[str, str] = {}  # process group name -> dim name (for the comm meter)
         self._sub: dict[tuple, object] = {}  # (dim, run length | 'ends') -> group (MeshLayout.subgroups)
         self._device_mesh: DeviceMesh | None = None  # device_mesh_2d's, once built
+        self._control = None  # the layout's control group (`agree`)
 
     @classmethod
     def build(cls, layout: MeshLayout, rank: int) -> Mesh:
@@ -78,6 +80,23 @@ class Mesh:
                 self._pg_cache[key] = dist.new_group(ranks)
             if self.rank in ranks:
                 self._sub[dim, kind] = self._pg_cache[key]
+        # the layout's control group: every rank of it, on gloo whatever the device (a host-side flag),
+        # created by every rank of the world like the others; `agree` is its one use
+        key = ("control", self.layout.world)
+        if key not in self._pg_cache:
+            self._pg_cache[key] = dist.new_group(list(range(self.layout.world)), backend="gloo")
+        self._control = self._pg_cache[key]
+
+    def agree(self, flag: bool) -> bool:
+        """Whether any rank of the layout says `flag` (all of them must ask): one all-reduce (max) of
+        one int on the control group, left out of the collective log and the run's comm rows — it is
+        the lab's own bookkeeping, not the layout's traffic (engines/runtime.py `stop_agreed`)."""
+        if self.layout.world == 1:
+            return flag
+        t = torch.tensor([int(flag)], dtype=torch.int32)
+        with unlogged():
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self._control)
+        return bool(t.item())
 
     def device_mesh_2d(self, device_type: str) -> DeviceMesh:
         """One (dp, tp) DeviceMesh over this layout, from this mesh's own dp and tp groups (no new

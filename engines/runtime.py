@@ -42,6 +42,12 @@ PG_MARGIN_S = 2.0
 """A job's process groups time out this much later than the Lab gives up on the job, so the Lab
 always reads the ranks' logs while they are still inside the hung op, and gloo then frees them."""
 
+LATE_S = 5.0
+"""How long a cancelled job waits for the stop its ranks agree on (the next step boundary, `stop_agreed`)
+before a rank stops on its own at the next microbatch or wait (`check_cancelled`): a step longer than
+this, or one stuck, still stops; its ranks then stop at different points and the Lab releases and
+rebuilds (labkit/cluster/faults.py)."""
+
 GIL_SWITCH_S = 1e-4
 """The engine's GIL switch interval (Python's default is 5 ms). A job thread that drops the GIL
 (in every collective: the comm meter's kernel takes it back on the dispatch path, its done-callback
@@ -75,6 +81,8 @@ class Job:
     error: str = ""
     progress: list = field(default_factory=list)
     cancel: threading.Event = field(default_factory=threading.Event)
+    cancelled_at: float | None = None  # time.monotonic() of the Lab's cancel
+    agrees: bool = False  # its ranks agree where to stop (stop_agreed): check_cancelled waits for that first
     started: float = 0.0
     timeout_s: float | None = None
     comm_meter: object = None  # the job's CommMeter: its collective log
@@ -244,7 +252,10 @@ def result():
 
 
 def cancel() -> None:
-    _state.job.cancel.set()
+    job = _state.job
+    if job.cancelled_at is None:
+        job.cancelled_at = time.monotonic()
+    job.cancel.set()
 
 
 def progress(**fields) -> None:
@@ -253,8 +264,24 @@ def progress(**fields) -> None:
 
 
 def check_cancelled() -> None:
-    """Called by engine code between steps and microbatches."""
-    if _state.job.cancel.is_set():
+    """Called by engine code between microbatches and while it waits for a device: stops this rank
+    alone, so only once the stop its ranks agree on (`stop_agreed`, at the next step boundary) is
+    LATE_S overdue — a step too long or stuck. A job with no step boundaries of its own (Lab.apply's,
+    Lab.verify's) stops here at once."""
+    job = _state.job
+    if job.cancel.is_set() and (not job.agrees or time.monotonic() - job.cancelled_at >= LATE_S):
+        raise Cancelled()
+
+
+def stop_agreed(agree) -> None:
+    """At a step boundary, on every rank of a layout: raise Cancelled on all of them together if the
+    Lab cancelled any. `agree(flag) -> bool` asks the layout's ranks whether any of them says flag
+    (engines/mesh.py `Mesh.agree`: one all-reduce of a flag, outside the collective log). A cancel
+    reaches the ranks at different moments; stopping where each first sees it left some ranks inside
+    the next step's collectives, waiting for peers that had stopped (issue 46)."""
+    job = _state.job
+    job.agrees = True
+    if agree(job.cancel.is_set()):
         raise Cancelled()
 
 

@@ -67,7 +67,7 @@ def run_rank(spec: dict) -> dict:
     losses, norms, step_times, grad_pieces = [], [], [], []  # grad_pieces: per step
     with meters, audit or nullcontext():
         for step in range(steps):
-            runtime.check_cancelled()
+            runtime.stop_agreed(mesh.agree)  # every rank stops here together, or none does
             tokens, targets = data.batch(run.data, step, seed, cfg.global_batch, model_cfg)
             tokens = data.shard(tokens, index, count).to(device)
             targets = data.shard(targets, index, count).to(device)

