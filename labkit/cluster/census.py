@@ -86,21 +86,25 @@ def watchdogs() -> list[tuple[int, str]]:
 
 
 def members(kernel: int, token: str) -> list[psutil.Process]:
-    """The Lab's processes: those tagged with its token (readable as root or as their user), and
-    the ipyparallel processes below its kernel (what anyone can see)."""
+    """The Lab's processes: those tagged with its token, and, where a process's environment cannot
+    be read (another user's, without root), the ipyparallel processes below its kernel."""
     found = {}
+    unread = set()
     for p in psutil.process_iter():
         try:
             if p.environ().get(TAG) == token:
                 found[p.pid] = p
-        except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
+        except (psutil.AccessDenied, psutil.ZombieProcess):
+            unread.add(p.pid)
+        except psutil.NoSuchProcess:
             pass
     try:
         below = psutil.Process(kernel).children(recursive=True)
     except psutil.NoSuchProcess:
         below = []
+    # a kernel may run several Labs: a readable tag says whose a process is
     for p in below:
-        if role(p) in ("engine", "controller"):
+        if p.pid in unread and role(p) in ("engine", "controller"):
             found.setdefault(p.pid, p)
     return list(found.values())
 
