@@ -182,6 +182,7 @@ class ClassroomSpawner(LocalProcessSpawner):
         5.0, config=True, help="After a stop: how long what the server started may take to end by itself"
     )
     slot = Integer(0, help="This student's slot: their /30, cores and GPUs")
+    _cores: list[int] = []  # this server's cores, for the preexec function (set by start)
     last_sweep = None
     """What the last stop's sweep saw and did ({'ended', 'killed', 'left'}), for the hub's log."""
 
@@ -219,13 +220,18 @@ class ClassroomSpawner(LocalProcessSpawner):
                 "set c.JupyterHub.hub_bind_url = 'http://0.0.0.0:8081' (classroom/jupyterhub_config.py)"
             )
         slot = self._take_slot()
-        cores, gpus = self._share(slot)
+        try:
+            cores, gpus = self._share(slot)
+            home = pwd.getpwnam(self.user.name).pw_dir
+            if self.private_home and os.path.isdir(home) and os.stat(home).st_mode & 0o077:
+                self.log.info("making %s's home %s private (0700)", self.user.name, home)
+                os.chmod(home, 0o700)
+            host, student = await asyncio.to_thread(netns_up, self.netns, slot, self.network, self.veth)
+        except BaseException:  # nothing half-made stays: the slot, the namespace
+            await asyncio.to_thread(netns_down, self.netns, slot, self.veth)
+            _slots.pop(self.user.name, None)
+            raise
         self._cores = cores
-        home = pwd.getpwnam(self.user.name).pw_dir
-        if self.private_home and os.path.isdir(home) and os.stat(home).st_mode & 0o077:
-            self.log.info("making %s's home %s private (0700)", self.user.name, home)
-            os.chmod(home, 0o700)
-        host, student = await asyncio.to_thread(netns_up, self.netns, slot, self.network, self.veth)
         # the server listens on its own end of the link; the hub answers on the host's end
         self.ip, self.port = student, self.port or 8888
         self.hub_connect_url = f"http://{host}:{self.hub.port}"
@@ -238,7 +244,7 @@ class ClassroomSpawner(LocalProcessSpawner):
 
     def make_preexec_fn(self, name):
         setuid = super().make_preexec_fn(name)
-        path, cores = self.netns_path, getattr(self, "_cores", [])
+        path, cores = self.netns_path, self._cores
 
         def preexec():
             join_netns(path)  # as root still: setuid comes last
