@@ -43,6 +43,8 @@ class StoreCatcher:
 
     def __init__(self, uid: int, seconds: float = 300.0):
         os.environ["TORCH_CPP_LOG_LEVEL"] = "FATAL"  # a ZMQ port refuses the store's handshake, loudly
+        import torch.distributed  # noqa: F401  (loaded now: the store listens for under a second)
+
         self.uid, self.seconds = uid, seconds
         self.seen_ports: set[int] = set()
         self.caught: dict[int, object] = {}

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import json
 import os
 import pathlib
@@ -68,10 +69,14 @@ class Students:
         self.tag = uuid.uuid4().hex[:5]
         self.group = f"lk{self.tag}"
         self.names = [f"lk{self.tag}{chr(ord('a') + k)}" for k in range(n)]
-        _run(["groupadd", self.group])
-        for name in self.names:
-            _run(["useradd", "-m", "-s", "/bin/bash", "-G", self.group, name])
-            os.chmod(self.home(name), 0o755)  # Debian 12's default (HOME_MODE unset, UMASK 022)
+        try:
+            _run(["groupadd", self.group])
+            for name in self.names:
+                _run(["useradd", "-m", "-s", "/bin/bash", "-G", self.group, name])
+                os.chmod(self.home(name), 0o755)  # Debian 12's default (HOME_MODE unset, UMASK 022)
+        except BaseException:
+            self.remove()
+            raise
 
     def uid(self, name: str) -> int:
         import pwd
@@ -105,7 +110,10 @@ class Students:
 
     def remove(self) -> None:
         for name in self.names:
-            self.end_processes(name)
+            try:
+                self.end_processes(name)
+            except KeyError:  # never made
+                continue
             subprocess.run(["userdel", "-r", name], capture_output=True, timeout=60)
         subprocess.run(["groupdel", self.group], capture_output=True, timeout=60)
 
@@ -191,7 +199,9 @@ class Hub:
         self.url = f"http://127.0.0.1:{self.ports['public']}"
         cmd = in_view([sys.executable, "-m", "jupyterhub", "-f", str(state / "jupyterhub_config.py")], str(state))
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen(cmd, cwd=state, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = subprocess.Popen(
+                cmd, cwd=state, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_end_with_me
+            )
         try:
             self._wait(lambda: self.api("GET", "/users") is not None, "the hub did not answer")
         except BaseException:
@@ -347,6 +357,16 @@ class Kernel:
 
 
 # -- helpers --------------------------------------------------------------------------------------
+_libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_PDEATHSIG = 1  # <sys/prctl.h>
+
+
+def _end_with_me() -> None:
+    """In the hub's process before it runs: SIGTERM when the test process dies, however it dies
+    (the hub then stops every student's server, as at a normal close)."""
+    _libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _run(cmd: list[str]) -> None:
     got = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     if got.returncode != 0:

@@ -27,7 +27,7 @@ import time
 
 import psutil
 import pytest
-from hub_tools import Hub, Students, check_students_can_run, need_hub
+from hub_tools import Hub, Kernel, Students, check_students_can_run, need_hub
 
 from labkit.cluster import census
 from labkit.cluster.footprint import by_role, footprint
@@ -143,18 +143,16 @@ def students(chp):
 
 
 def _hub(config: str, students, chp, **fill) -> Hub:
-    state = pathlib.Path(tempfile.mkdtemp(prefix="labkit-hub-"))
-    os.chmod(state, 0o755)  # the view's mount points: students pass through them to the Python
+    state = pathlib.Path(tempfile.mkdtemp(prefix="labkit-hub-"))  # 0700: the hub's database and secret
     hub = Hub(config, state, chp, group=students.group, **fill)
     hub.api("POST", "/users", {"usernames": students.names})
     return hub
 
 
-def _attack(students, a_kernel, b_kernel) -> dict:
-    """B's attacks on A's Lab (A's cell has run; B's store catcher ran through it): what B got,
-    and what A's ranks found B had done."""
-    a, b = students.names[:2]
-    info = a_kernel.info
+def _attack(students, a_kernel: Kernel, info: dict, b_kernel: Kernel) -> dict:
+    """B's attacks on A's Lab (A's cell has run and told `info`; B's store catcher ran through it):
+    what B got, and what A's ranks found B had done."""
+    a = students.names[0]
     stores = b_kernel.result("print('RESULT ' + json.dumps(catcher.report()))")
     hosts = ["127.0.0.1", *info["addrs"]]  # A's loopback, and A's own link's address where it has one
     b_kernel.run(f"listener = Listener({[*info['controller'], info['iopub']]}, {hosts})")
@@ -184,16 +182,15 @@ def _attack(students, a_kernel, b_kernel) -> dict:
     }
 
 
-def _setup_b(hub: Hub, students) -> object:
+def _setup_b(hub: Hub, students) -> Kernel:
     b_kernel = hub.kernel(students.names[1])
     b_kernel.run(ATTACKS + "\nimport json")
     b_kernel.run(f"catcher = StoreCatcher({students.uid(students.names[0])})")
     return b_kernel
 
 
-def _a_runs(kernel) -> dict:
-    kernel.info = kernel.result(LAB_WORK, timeout=400)
-    return kernel.info
+def _lab_work(kernel: Kernel) -> dict:
+    return kernel.result(LAB_WORK, timeout=400)
 
 
 @pytest.fixture(scope="module")
@@ -207,11 +204,10 @@ def before(students, chp):
         hub.start(a, b)
         b_kernel = _setup_b(hub, students)  # B watches for A's listeners before A's Lab starts
         a_kernel = hub.kernel(a)
-        _a_runs(a_kernel)
-        got = _attack(students, a_kernel, b_kernel)
+        got = _attack(students, a_kernel, _lab_work(a_kernel), b_kernel)
         got["stray"] = a_kernel.result(STRAY)
         hub.stop(a)  # the plain spawner ends the server; what of A's is left after it?
-        time.sleep(2.0)
+        time.sleep(3.0)  # as long as the classroom's sweep gives the kernel's Lab to end by itself (sweep_grace_s)
         got["left_after_stop"] = students.end_processes(a)
         got["seconds"] = time.monotonic() - t0
     finally:
@@ -251,10 +247,10 @@ def classroom(students, chp, before):
         b_kernel = _setup_b(hub, students)
         kernels = [hub.kernel(students.names[0]), b_kernel, hub.kernel(students.names[2])]
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            infos = dict(zip(students.names, pool.map(_a_runs, kernels)))
+            infos = dict(zip(students.names, pool.map(_lab_work, kernels)))
         ran = time.monotonic() - t0
         held = {name: _held(students, name, infos[name]) for name in students.names}
-        got = _attack(students, kernels[0], b_kernel)
+        got = _attack(students, kernels[0], infos[students.names[0]], b_kernel)
         yield {
             **{"hub": hub, "infos": infos, "attacks": got, "census": census.labs(), "kernels": kernels},
             **{"ran": ran, "veth": veth, "held": held},
