@@ -26,7 +26,8 @@ LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 def engine_info(toward: str | None = None) -> dict:
     """host, pid, addr (an address of this host others can reach, if it has one), addrs (all of
     its non-loopback IPv4 addresses), gpus (how many this engine sees), gpu_uuids (which physical
-    GPUs those are), nccl (its NCCL's version, '' without GPUs), cpus (this host's), python; with
+    GPUs those are), nccl (its NCCL's version, '' without GPUs), cpus (this host's), cores, cpu_quota
+    and cpu_limit (what this process may use of them: `cpu_share`), python; with
     `toward` (the controller's address) also route_addr and route_ifname, the local address and
     interface that reach it; boot_id and pid_ns (one machine, one pid namespace: the Lab can watch
     the engine's pid); launcher_rank."""
@@ -46,11 +47,45 @@ def engine_info(toward: str | None = None) -> dict:
         "gpu_uuids": [_gpu_uuid(torch, k) for k in range(gpus)],
         "nccl": _nccl(torch) if gpus else "",
         "cpus": os.cpu_count() or 1,
+        **cpu_share(),
         "python": sys.executable,
         **route(toward),
         **machine(),
         "launcher_rank": next((int(os.environ[k]) for k in LAUNCHER_RANKS if k in os.environ), None),
     }
+
+
+def cpu_share() -> dict:
+    """What of this host's CPUs this process may use (labkit/cluster/share.py states the rule that
+    reads it): cores, the CPUs its affinity allows (inherited from the kernel, which a classroom's
+    spawner pins per student); cpu_quota, the CPUs' worth of time its cgroup allows (cgroup v2
+    cpu.max, v1 cpu.cfs_quota_us), None without one; cpu_limit, JupyterHub's CPU_LIMIT (a
+    spawner's promise, enforced or not), None if unset. No torch: the Lab calls it for itself."""
+    try:
+        limit = float(os.environ["CPU_LIMIT"]) or None
+    except (KeyError, ValueError):
+        limit = None
+    return {"cores": sorted(os.sched_getaffinity(0)), "cpu_quota": _cgroup_quota(), "cpu_limit": limit}
+
+
+def _cgroup_quota() -> float | None:
+    """CPUs' worth of time per period this process's cgroup allows (its own cgroup's limit; a
+    parent's tighter one is not read), None when unlimited or unknown."""
+    for line in _read("/proc/self/cgroup").splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # cgroup v2: "max 100000" or "200000 100000"
+            quota, _, period = _read(f"/sys/fs/cgroup{path}/cpu.max").partition(" ")
+        elif "cpu" in controllers.split(","):  # cgroup v1's cpu controller: -1 is unlimited
+            base = f"/sys/fs/cgroup/{controllers}{path}"
+            quota, period = _read(f"{base}/cpu.cfs_quota_us"), _read(f"{base}/cpu.cfs_period_us")
+        else:
+            continue
+        try:
+            if float(quota) > 0 and float(period) > 0:
+                return float(quota) / float(period)
+        except ValueError:  # "max", or no such file
+            pass
+    return None
 
 
 def machine() -> dict:

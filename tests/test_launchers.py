@@ -148,10 +148,23 @@ def test_auto_takes_the_gpus_with_the_most_free_memory_then_the_fewest_processes
     assert [g.index for g in pick(TABLE, 3)] == [2, 1, 3]
     with pytest.raises(LabError, match="the machine has 4"):
         pick(TABLE, 5)
-    assert visible_devices("auto", 4, None, TABLE) == "GPU-c,GPU-b,GPU-d,GPU-a"
-    assert visible_devices("auto", 4, 2, TABLE) == "GPU-c,GPU-b"  # two ranks per GPU: two GPUs
-    assert visible_devices([3, 1], 4, None, TABLE) == "3,1"
-    assert visible_devices(None, 4, None, TABLE) is None
+    assert visible_devices("auto", 4, None, TABLE, {}) == "GPU-c,GPU-b,GPU-d,GPU-a"
+    assert visible_devices("auto", 4, 2, TABLE, {}) == "GPU-c,GPU-b"  # two ranks per GPU: two GPUs
+    assert visible_devices([3, 1], 4, None, TABLE, {}) == "3,1"
+    assert visible_devices(None, 4, None, TABLE, {}) is None
+
+
+def test_a_kernel_given_some_gpus_chooses_among_those_only():
+    """A classroom's spawner gives each student's kernel its GPUs (CUDA_VISIBLE_DEVICES): 'auto' and a
+    list choose among them, and an index past them is refused with the fix (labkit/cluster/share.py)."""
+    student = {"CUDA_VISIBLE_DEVICES": "GPU-a,3"}  # by UUID and by index, as CUDA accepts both
+    assert visible_devices("auto", 2, None, TABLE, student) == "GPU-d,GPU-a"  # GPU-c is freer, not theirs
+    assert visible_devices("auto", 2, 2, TABLE, student) == "GPU-d"
+    assert visible_devices([1, 0], 2, None, TABLE, student) == "3,GPU-a"  # indices among the student's
+    with pytest.raises(LabError, match=r"sees 2 GPU\(s\) .*GPU-a,3.*indices 0\.\.1"):
+        visible_devices([2], 2, None, TABLE, student)
+    with pytest.raises(LabError, match="this kernel may use 0"):
+        visible_devices("auto", 1, None, TABLE, {"CUDA_VISIBLE_DEVICES": ""})  # none given: none to take
 
 
 def test_nvidia_smi_output_is_read_into_the_table():

@@ -11,6 +11,7 @@ import pytest
 
 from labkit import ParallelConfig
 from labkit.cluster.errors import LabError
+from labkit.cluster.share import describe, ranges, share_rows
 from labkit.cluster.world import backend_problems, forwarded_env, own_gpus, world_setup
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -128,6 +129,25 @@ def test_threads_follow_each_hosts_own_cpus():
     assert world_setup([dict(i, cpus=None) for i in infos], local=False, default_cpus=6).threads == [3, 3, 3, 3]
 
 
+def test_a_labs_engines_share_the_cores_its_kernel_may_use():
+    """The rule of labkit/cluster/share.py: a 64-CPU host, a kernel pinned to cores 4-5 (a classroom
+    spawner's share for its student): two engines get one thread each, not 32; a quota (cgroup
+    cpu.max) or JupyterHub's CPU_LIMIT narrower than the affinity caps it; the Lab's repr says which."""
+    pinned = [dict(i, cores=[4, 5], cpu_quota=None, cpu_limit=None) for i in engines({"gpu-server": 2}, cpus=64)]
+    world = world_setup(pinned)
+    assert world.threads == [1, 1]
+    assert describe(share_rows(pinned, world.threads, world.devices, None)) == (
+        "cores 4-5 (CPU affinity): 1 thread(s) x 2 engines"
+    )
+    wide = [dict(i, cores=list(range(64))) for i in pinned]
+    assert world_setup(wide).threads == [32, 32]
+    quota = [dict(i, cpu_quota=8.0) for i in wide]
+    assert world_setup(quota).threads == [4, 4]
+    assert share_rows(quota, [4, 4], ["cpu"] * 2, None)[0]["limited by"] == "cgroup quota 8"
+    assert world_setup([dict(i, cpu_limit=1.5) for i in wide]).threads == [1, 1]  # 1.5 CPUs: one thread
+    assert ranges([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
+
+
 def test_nccl_and_gloo_interface_settings_are_forwarded_to_the_engines():
     env = {
         "NCCL_SOCKET_IFNAME": "ib0",
@@ -154,8 +174,9 @@ def test_engine_info_reports_what_the_decision_reads():
     from labkit.engines.host import engine_info
 
     info = engine_info()
-    assert {"host", "addr", "addrs", "gpus", "gpu_uuids", "cpus"} <= set(info)
+    assert {"host", "addr", "addrs", "gpus", "gpu_uuids", "cpus", "cores", "cpu_quota", "cpu_limit"} <= set(info)
     assert len(info["gpu_uuids"]) == info["gpus"] and info["cpus"] >= 1
+    assert info["cores"] == sorted(os.sched_getaffinity(0))  # the CPUs this process may run on
     if info["addrs"]:  # a host with a network interface up gives one of its own, not 127.0.1.1
         assert not info["addr"].startswith("127.")
 

@@ -7,6 +7,7 @@
     labkit plan --model llama-3.1-70b --gpus 256 --hardware h100   # the best layouts, what fills a GPU
     labkit estimate --from llama3_70b.toml --gpus 64               # your job's file: torchtitan, Megatron, DeepSpeed
     labkit plan --from pretrain_405b.sh                            # the planner's layouts, your job's ranked among them
+    sudo labkit who                             # every Lab on this machine: whose, engines, cores, GPUs
 
 This is the top rung of the import ladder: the only module that imports both the Lab and the
 figures.
@@ -21,6 +22,7 @@ import sys
 import typing
 
 from labkit import reference, theory
+from labkit.cluster import census
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
 from labkit.config.jobs import read_job
 from labkit.layout.mesh import MeshLayout
@@ -290,6 +292,12 @@ def _rank_job(job, model: ModelConfig, hw, plans) -> None:
     print(f"\nyour job's layout: {own}\n  ranks {where} by predicted tokens/s/GPU")
 
 
+def cmd_who(ns: argparse.Namespace) -> int:
+    """Every Lab on this machine: whose, its engines, cores, GPUs, memory (labkit/cluster/census.py)."""
+    print(census.table(census.labs()))
+    return 0
+
+
 def _from_flags(p: argparse.ArgumentParser) -> None:
     """--from FILE and what a job file can leave open."""
     p.add_argument(
@@ -350,6 +358,8 @@ def parser() -> argparse.ArgumentParser:
     )
     _add_fields(pl, ModelConfig, "model_")
     pl.set_defaults(fn=cmd_plan)
+    who = sub.add_parser("who", help="every Lab on this machine: user, engines, cores, GPUs, memory (as root: all)")
+    who.set_defaults(fn=cmd_who)
     return p
 
 

@@ -21,7 +21,9 @@ import psutil
 
 from labkit.cluster import launchers, watchdog
 from labkit.cluster.errors import LabError
+from labkit.cluster.share import share_rows
 from labkit.cluster.world import forwarded_env, host_order, watchable, world_setup
+from labkit.config.table import Rows
 from labkit.engines import host, process_group
 
 START_TIMEOUT_S = launchers.START_TIMEOUT_S
@@ -85,6 +87,7 @@ class EngineSet:
         self.backend = ""
         self.backend_reason = ""
         self.world_env: dict[str, str] = {}
+        self.share = Rows()  # per host: the cores, threads and GPUs its engines use (labkit/cluster/share.py)
         self.port = 0
         self.runtimes: list[dict] = []  # each rank's runtime.Runtime, as a dict
         self.generation = 0  # how many times the world has been built
@@ -121,6 +124,7 @@ class EngineSet:
         )
         self.backend, self.devices, self.backend_reason = world.backend, world.devices, world.why
         self.world_env = world.env
+        self.share = share_rows(infos, world.threads, world.devices, self.gpu_memory_fraction)
         self._rendezvous(world.addr, world.threads, world.loopback, world.ifnames)
 
     def _rendezvous(self, addr: str, threads: list[int], loopback: bool, ifnames: list[str] | None = None) -> None:

@@ -4,6 +4,10 @@
     Lab(engines=4, gpus=[2, 3])      GPUs 2 and 3 only; two ranks on each (NCCL >= 2.30, else gloo)
     Lab(engines=4, gpus="auto")      four GPUs: those with the most free memory, then the fewest
                                      processes, so a new Lab goes where the others are not
+
+Where the kernel already sees some GPUs only (CUDA_VISIBLE_DEVICES, a classroom spawner's share for
+its student), every choice is among those: a list's indices count among them, 'auto' picks among
+them (labkit/cluster/share.py states the rule).
     Lab(engines=4, gpus="auto", ranks_per_gpu=2, gpu_memory_fraction=0.2)
                                      two GPUs, two ranks on each, each rank's allocator capped
                                      at 20% of its GPU (torch.cuda.set_per_process_memory_fraction)
@@ -17,6 +21,7 @@ NVML (nvidia-ml-py) or nvidia-smi; `pick` is a pure function of it, tested with 
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import subprocess
 from dataclasses import dataclass
@@ -60,17 +65,54 @@ def pick(table: list[Gpu], count: int) -> list[Gpu]:
     return sorted(table, key=lambda g: (-g.free, g.processes, g.index))[:count]
 
 
-def visible_devices(gpus, engines: int, ranks_per_gpu: int | None, table: list[Gpu] | None = None) -> str | None:
-    """What the engines' CUDA_VISIBLE_DEVICES should say (None: leave CUDA's default)."""
+def visible_devices(
+    gpus, engines: int, ranks_per_gpu: int | None, table: list[Gpu] | None = None, environ=None
+) -> str | None:
+    """What the engines' CUDA_VISIBLE_DEVICES should say (None: leave the kernel's, or CUDA's default).
+
+    environ: the kernel's environment (default os.environ), whose CUDA_VISIBLE_DEVICES a classroom's
+    spawner sets per student. The engines choose among those GPUs only (labkit/cluster/share.py): a
+    list's indices count among them, 'auto' picks among them; '' (none) leaves nothing to choose."""
+    seen = (os.environ if environ is None else environ).get("CUDA_VISIBLE_DEVICES")
+    given = [x.strip() for x in seen.split(",") if x.strip()] if seen is not None else None
     if gpus is None:
         return None
     if gpus == "auto":
         table = read_table() if table is None else table
         # as many GPUs as the ranks fill at ranks_per_gpu each, the last one perhaps part-filled
-        chosen = pick(table, math.ceil(engines / (ranks_per_gpu or 1)))
+        count = math.ceil(engines / (ranks_per_gpu or 1))
+        if given is not None:
+            table = [g for g in table if any(_names(x, g) for x in given)]
+            if count > len(table):
+                raise LabError(
+                    f"{count} GPUs wanted, and this kernel may use {len(table)} (CUDA_VISIBLE_DEVICES={seen!r}); "
+                    "ask for fewer engines or more ranks_per_gpu"
+                )
+        chosen = pick(table, count)
         # by UUID where there is one: nvidia-smi's index is PCI order, which CUDA's numbering need not follow
         return ",".join(g.uuid or str(g.index) for g in chosen)
-    return ",".join(str(g) for g in gpus)
+    if given is None:
+        return ",".join(str(g) for g in gpus)
+    # indices count among the kernel's GPUs; a UUID must be one of them
+    out = []
+    for g in gpus:
+        if isinstance(g, int) and 0 <= g < len(given):
+            out.append(given[g])
+        elif isinstance(g, str) and any(x.startswith(g) or g.startswith(x) for x in given):
+            out.append(g)
+        else:
+            raise LabError(
+                f"gpus={list(gpus)}: this kernel sees {len(given)} GPU(s) (CUDA_VISIBLE_DEVICES={seen}), and "
+                f"{g!r} is not one of them; give indices 0..{len(given) - 1} among them, or gpus='auto'"
+            )
+    return ",".join(out)
+
+
+def _names(entry: str, gpu: Gpu) -> bool:
+    """Whether a CUDA_VISIBLE_DEVICES entry (an index, a UUID or its prefix) names `gpu`."""
+    if entry.isdigit():
+        return int(entry) == gpu.index
+    return bool(gpu.uuid) and gpu.uuid.startswith(entry)
 
 
 def gpu_problems(gpus, launcher: str, ranks_per_gpu, fraction) -> list[str]:

@@ -30,6 +30,7 @@ from labkit.cluster import progress as bars
 from labkit.cluster.arguments import run_problems, timeout_problems
 from labkit.cluster.gpus import gpu_problems
 from labkit.cluster.jobs import JobRunner
+from labkit.cluster.share import describe as describe_share
 from labkit.cluster.shipping import by_value as _by_value
 from labkit.cluster.verify_run import verify
 from labkit.cluster.world import backend_problems
@@ -171,6 +172,13 @@ class Lab:
     def backend(self) -> str:
         """The process groups' backend: 'gloo' or 'nccl'."""
         return self.engines.backend
+
+    @property
+    def share(self) -> Rows:
+        """What of this machine the engines use, per host: which cores (and why those: the kernel's
+        CPU affinity, a quota), threads per engine, which GPUs and each rank's cap on them; the
+        rule that Labs sharing a machine follow is labkit/cluster/share.py's."""
+        return self.engines.share
 
     backend_reason = property(lambda self: self.engines.backend_reason, doc="Why NCCL or gloo where ranks share GPUs.")
 
@@ -347,7 +355,10 @@ class Lab:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Lab(engines={self.world}, backend={self.backend!r}, hosts={sorted(set(self.hosts))})"
+        return (
+            f"Lab(engines={self.world}, backend={self.backend!r}, hosts={sorted(set(self.hosts))}, "
+            f"share={describe_share(self.share)!r})"
+        )
 
     def _repr_html_(self) -> str:
         ranks = Rows(
@@ -359,6 +370,7 @@ class Lab:
             ("engines", f"{self.world} ranks, {self.backend} on {', '.join(sorted(set(self.devices)))}"),
             *[("backend", why) for why in [self.backend_reason] if why],
             ("hosts", ", ".join(sorted(set(self.hosts)))),
+            ("share", describe_share(self.share)),
             ("last layout", MeshLayout.of(last).describe() if last else "none run yet"),
             ("jobs", f"{self.jobs} run, {len(self.repairs)} repair(s)"),
         ]

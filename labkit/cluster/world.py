@@ -29,6 +29,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from labkit.cluster.errors import LabError
+from labkit.cluster.share import usable_cores
 from labkit.config import ParallelConfig
 
 FORWARDED_PREFIXES = ("NCCL_", "TORCH_NCCL_")
@@ -102,7 +103,7 @@ class WorldSetup:
     loopback: bool
     """Every rank on this host, local cluster: gloo's connections stay on 127.0.0.1 too."""
     threads: list[int]
-    """Per rank: intra-op threads, the host's CPUs shared among its engines."""
+    """Per rank: intra-op threads, the cores its engines may use shared among them (labkit/cluster/share.py)."""
     ifnames: list[str] | None = None
     """Per rank: the network interface its gloo (and NCCL, across hosts) sockets use; None: torch's choice."""
     env: dict[str, str] = field(default_factory=dict)
@@ -149,7 +150,7 @@ def world_setup(
     default_cpus: int = 1,
 ) -> WorldSetup:
     """The world for engines reporting `infos` (runtime/host engine_info: host, addr, gpus,
-    gpu_uuids, cpus), in rank order. Raises LabError for a choice the engines cannot honour."""
+    gpu_uuids, cpus, cores), in rank order. Raises LabError for a choice the engines cannot honour."""
     hosts = [i["host"] for i in infos]
     per_host = Counter(hosts)
     # each engine's index among its host's engines: which GPU it shares, round-robin
@@ -198,8 +199,9 @@ def world_setup(
             f"engines on {sorted(set(hosts) - {hosts[0]})} cannot reach; pass master_addr='<an address of "
             f"{hosts[0]} they reach>'" + (f", e.g. one of {others}" if others else "")
         )
-    # a host's CPUs shared among its engines, at least one thread each
-    threads = [max(1, (i.get("cpus") or default_cpus) // per_host[h]) for i, h in zip(infos, hosts)]
+    # the cores each engine may use (labkit/cluster/share.py: its affinity, capped by a quota) shared
+    # among its host's engines, at least one thread each
+    threads = [max(1, usable_cores(i, default_cpus) // per_host[h]) for i, h in zip(infos, hosts)]
     ifnames = ["lo"] * len(infos) if loopback else [i.get("route_ifname") or "" for i in infos]
     return WorldSetup(backend, devices, addr, loopback, threads, ifnames if any(ifnames) else None, env, why)
 

@@ -1,0 +1,361 @@
+"""The classroom for real (classroom/): a JupyterHub started here, with its proxy
+(configurable-http-proxy from npm) and three Unix users created here, each student's server started
+through the hub's REST API and a kernel of theirs running notebook 00's kind of Lab work.
+
+First the measurement that says why the classroom needs its spawner: the same hub with JupyterHub's
+plain LocalProcessSpawner (one Unix user per student, one shared 127.0.0.1), where student B's
+kernel reaches student A's Lab: B catches A's rendezvous store while the ranks meet and writes a
+key A's ranks then read, reads A's engines' and notebook's output off their PUB sockets, has its
+connections accepted by A's gloo listeners, and reads A's engine logs. Then the classroom as
+shipped (classroom_spawner.ClassroomSpawner: a network namespace per student, private homes):
+three Labs at once, each exact; every one of those attacks refused, judged by the same effects on
+A; the teacher's `labkit who`; a server the hub stops leaves no process of its user.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import glob
+import json
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+
+import psutil
+import pytest
+from hub_tools import Hub, Kernel, Students, check_students_can_run, need_hub
+
+from labkit.cluster import census
+from labkit.cluster.footprint import by_role, footprint
+
+pytestmark = pytest.mark.slow
+
+ATTACKS = (pathlib.Path(__file__).parent / "hub_attacks.py").read_text()
+
+COMMON = """
+load_subconfig("{classroom}/jupyterhub_config.py")
+c.JupyterHub.bind_url = "http://127.0.0.1:{public}"
+c.JupyterHub.hub_bind_url = "http://0.0.0.0:{hub}"
+c.JupyterHub.hub_connect_url = "http://127.0.0.1:{hub}"
+c.ConfigurableHTTPProxy.api_url = "http://127.0.0.1:{proxy_api}"
+c.ConfigurableHTTPProxy.command = ["{chp}"]
+c.JupyterHub.db_url = "sqlite:///{state}/jupyterhub.sqlite"
+c.JupyterHub.cookie_secret_file = "{state}/jupyterhub_cookie_secret"
+c.PAMAuthenticator.allowed_groups = {{"{group}"}}
+c.Authenticator.admin_users = set()
+c.JupyterHub.services.append({{"name": "labkit-test", "api_token": "{token}"}})
+c.JupyterHub.load_roles.append({{
+    "name": "labkit-test",
+    "scopes": ["admin:users", "admin:servers", "tokens", "access:servers", "list:users", "read:users"],
+    "services": ["labkit-test"],
+}})
+"""
+"""The classroom's own config, with this test's ports, state, students and admin service."""
+PLAIN = (
+    COMMON
+    + """
+from jupyterhub.spawner import LocalProcessSpawner
+c.JupyterHub.spawner_class = LocalProcessSpawner   # one Unix user per student, one shared 127.0.0.1
+"""
+)
+CLASSROOM = (
+    COMMON
+    + """
+c.ClassroomSpawner.network = "{network}"
+c.ClassroomSpawner.veth = "{veth}"
+c.ClassroomSpawner.cores_per_student = 1           # 2 cores, 3 students: cores 0, 1, 0
+c.ClassroomSpawner.sweep_grace_s = 3.0
+"""
+)
+
+LAB_WORK = """
+import json, os, psutil
+from ipykernel import get_connection_file
+from labkit import Lab, ModelConfig, ParallelConfig, reference, theory
+from labkit.engines import sockets
+from labkit.oracle.checks import assert_matches
+
+model = ModelConfig(layers=2, hidden=32, heads=4, ffn=128, vocab=256, seq=16)
+lab = Lab(engines=2, device="cpu", progress=False, timeout=120)
+cfg = ParallelConfig(dp=2)
+res = lab.run(cfg, model=model, steps=3, data="text")
+ref = reference(model, steps=3, global_batch=cfg.global_batch, data="text")
+assert_matches(res, ref)
+assert res.comm_table() == theory.estimate(cfg, model).comm_table()
+listening = lambda pid: sorted({c.laddr.port for c in psutil.Process(pid).net_connections("inet")
+                                if c.status == psutil.CONN_LISTEN})
+print("RESULT " + json.dumps({
+    "repr": repr(lab), "share": list(lab.share), "losses": res.losses, "reference": ref.losses,
+    "kernel": os.getpid(), "engines": lab.engines.pids, "store": lab.engines.port,
+    "gloo": sorted({p for rank in lab.apply(sockets.listening) for _, p in rank} - {lab.engines.port}),
+    "controller": listening(lab.engines.cluster.controller.pid), "controller_pid": lab.engines.cluster.controller.pid,
+    "iopub": json.load(open(get_connection_file()))["iopub_port"], "connection_file": get_connection_file(),
+    "profile": lab.engines.cluster.profile_dir, "cluster_id": lab.engines.cluster.cluster_id,
+    "netns": os.readlink("/proc/self/ns/net"), "cores": sorted(os.sched_getaffinity(0)),
+    "addrs": [a.address for n, found in psutil.net_if_addrs().items() for a in found
+              if a.family == 2 and not a.address.startswith("127.")],
+}))
+"""
+"""A's cell: notebook 00's kind of work (a Lab, a run on text, checked against the one-process
+reference and the theory), then where its Lab listens and keeps its files."""
+
+STRAY = """
+import subprocess
+stray = subprocess.Popen(["sleep", "600"], start_new_session=True)  # a student's job, detached
+print("RESULT " + json.dumps(stray.pid))
+"""
+"""A's own process, detached from the kernel (as `nohup python train.py &` from a terminal is)."""
+
+PROBE = """
+def _probe(written, ports_of_b):
+    import psutil
+    from labkit.engines import process_group, sockets
+    mine = {p for _, p in sockets.listening()}
+    held = [c for c in psutil.Process().net_connections("inet") if c.status == psutil.CONN_ESTABLISHED
+            and c.laddr.port in mine and c.raddr and c.raddr.port in ports_of_b]
+    return {"store_has_b_key": bool(process_group._store.check([written])), "connections_from_b": len(held)}
+print("RESULT " + json.dumps(lab.apply(_probe, WRITTEN, set(PORTS_OF_B))))
+"""
+"""A's ranks look at what B left: B's key in their rendezvous store, B's connections to their gloo listeners."""
+
+
+@pytest.fixture(scope="module")
+def chp():
+    return need_hub()
+
+
+@pytest.fixture(scope="module")
+def students(chp):
+    """Three Unix users (a, b, c) who can run this Python and labkit; removed afterwards with
+    whatever processes they still have."""
+    made = Students(3)
+    scratch = tempfile.mkdtemp(prefix="labkit-hub-")
+    try:
+        check_students_can_run(made.names[0], scratch)
+        yield made
+    finally:
+        made.remove()
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _hub(config: str, students, chp, **fill) -> Hub:
+    state = pathlib.Path(tempfile.mkdtemp(prefix="labkit-hub-"))  # 0700: the hub's database and secret
+    hub = Hub(config, state, chp, group=students.group, **fill)
+    hub.api("POST", "/users", {"usernames": students.names})
+    return hub
+
+
+def _attack(students, a_kernel: Kernel, info: dict, b_kernel: Kernel) -> dict:
+    """B's attacks on A's Lab (A's cell has run and told `info`; B's store catcher ran through it):
+    what B got, and what A's ranks found B had done."""
+    a = students.names[0]
+    stores = b_kernel.result("print('RESULT ' + json.dumps(catcher.report()))")
+    hosts = ["127.0.0.1", *info["addrs"]]  # A's loopback, and A's own link's address where it has one
+    b_kernel.run(f"listener = Listener({[*info['controller'], info['iopub']]}, {hosts})")
+    time.sleep(1.0)  # ZMQ subscriptions take a moment to reach the publisher
+    marker = f"secret-of-{a}-{time.time_ns()}"
+    a_kernel.run(f"lab.apply(print, {marker!r}); print({marker!r})")
+    heard = b_kernel.result(f"print('RESULT ' + json.dumps(listener.heard({marker!r}, 2.0)))")
+    knocked = b_kernel.result(f"print('RESULT ' + json.dumps(knock({[info['store'], *info['gloo']]}, {hosts})))")
+    ports_of_b = [v for v in knocked.values() if isinstance(v, int)]
+    effects = a_kernel.result(f"WRITTEN = {'written-by-student-b'!r}; PORTS_OF_B = {ports_of_b}\n" + PROBE)
+    logs = sorted(glob.glob(f"{info['profile']}/log/*.log"))
+    files = [info["connection_file"], f"{info['profile']}/security", f"{info['profile']}/log", *logs]
+    read = b_kernel.result(f"print('RESULT ' + json.dumps(read({files})))")
+    return {
+        "a_listens": sorted({info["store"], *info["gloo"], *info["controller"], info["iopub"]}),
+        "b_saw_ports": stores["ports_seen"],
+        "b_caught_store": info["store"] in stores["stores"],
+        "store_keys_b_read": stores["keys"].get(str(info["store"]), []),
+        "a_store_has_b_key": any(e["store_has_b_key"] for e in effects),
+        "b_heard_a_engines": any(k.endswith(f":{p}") for k in heard["carried_marker"] for p in info["controller"]),
+        "b_heard_a_notebook": any(k.endswith(f":{info['iopub']}") for k in heard["carried_marker"]),
+        "a_gloo_accepted_b": sum(e["connections_from_b"] for e in effects),
+        "knocks": knocked,
+        "b_read": {path: got for path, got in read.items() if got.startswith(("read", "listed"))},
+        "b_refused": {path: got for path, got in read.items() if not got.startswith(("read", "listed"))},
+        "logs": logs,
+    }
+
+
+def _setup_b(hub: Hub, students) -> Kernel:
+    b_kernel = hub.kernel(students.names[1])
+    b_kernel.run(ATTACKS + "\nimport json")
+    b_kernel.run(f"catcher = StoreCatcher({students.uid(students.names[0])})")
+    return b_kernel
+
+
+def _lab_work(kernel: Kernel) -> dict:
+    return kernel.result(LAB_WORK, timeout=400)
+
+
+@pytest.fixture(scope="module")
+def before(students, chp):
+    """The measurement on JupyterHub's plain LocalProcessSpawner: what B's kernel does to A's Lab.
+    That hub and what its students ran are gone before the classroom's starts."""
+    hub = _hub(PLAIN, students, chp)
+    a, b = students.names[:2]
+    try:
+        t0 = time.monotonic()
+        hub.start(a, b)
+        b_kernel = _setup_b(hub, students)  # B watches for A's listeners before A's Lab starts
+        a_kernel = hub.kernel(a)
+        got = _attack(students, a_kernel, _lab_work(a_kernel), b_kernel)
+        got["stray"] = a_kernel.result(STRAY)
+        hub.stop(a)  # the plain spawner ends the server; what of A's is left after it?
+        time.sleep(3.0)  # as long as the classroom's sweep gives the kernel's Lab to end by itself (sweep_grace_s)
+        got["left_after_stop"] = students.end_processes(a)
+        got["seconds"] = time.monotonic() - t0
+    finally:
+        hub.close()
+        for name in students.names:
+            students.end_processes(name)
+    return got
+
+
+def test_on_a_plain_local_process_spawner_student_b_reaches_student_a(before):
+    print(f"\nbefore (LocalProcessSpawner), {before['seconds']:.0f} s: " + json.dumps(before, indent=1))
+    assert before["b_saw_ports"], "B saw none of A's listening ports in /proc/net/tcp"
+    assert before["b_caught_store"], "B did not catch A's rendezvous store while the ranks met"
+    assert before["a_store_has_b_key"], "A's ranks did not find the key B wrote"
+    assert [k for k in before["store_keys_b_read"] if "cpu" in k], "B did not read A's gloo addresses from the store"
+    assert before["b_heard_a_engines"], "B did not hear A's engines' output on the controller's PUB socket"
+    assert before["b_heard_a_notebook"], "B did not hear A's notebook's output on its kernel's iopub"
+    assert before["a_gloo_accepted_b"] >= 1, "A's gloo listeners accepted none of B's connections"
+    assert [p for p in before["b_read"] if p.endswith(".log")], "B read none of A's engine logs"
+    # what ipyparallel and Jupyter already held before the classroom: their keys, 0600 in a 0700 directory
+    assert set(before["b_refused"]) >= {before["logs"][0].rsplit("/log/", 1)[0] + "/security"}
+    assert [p for p in before["b_refused"] if p.endswith(".json")], "B read A's kernel connection file"
+    # a stop ends the server, its kernel and its Lab (labkit's watchdog), but not A's own detached job
+    assert [line for line in before["left_after_stop"] if line.startswith(f"{before['stray']} ")]
+
+
+@pytest.fixture(scope="module")
+def classroom(students, chp, before):
+    """The classroom as shipped (a network namespace per student, private homes, a core each),
+    after the plain hub is gone: the three students' Labs at once, then B's attacks on A."""
+    net = f"10.44.{int(students.tag, 16) % 250}.0/24"
+    veth = f"lk{students.tag[:4]}"
+    hub = _hub(CLASSROOM, students, chp, network=net, veth=veth)
+    try:
+        t0 = time.monotonic()
+        hub.start(*students.names)
+        b_kernel = _setup_b(hub, students)
+        kernels = [hub.kernel(students.names[0]), b_kernel, hub.kernel(students.names[2])]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            infos = dict(zip(students.names, pool.map(_lab_work, kernels)))
+        ran = time.monotonic() - t0
+        held = {name: _held(students, name, infos[name]) for name in students.names}
+        got = _attack(students, kernels[0], infos[students.names[0]], b_kernel)
+        yield {
+            **{"hub": hub, "infos": infos, "attacks": got, "census": census.labs(), "kernels": kernels},
+            **{"ran": ran, "veth": veth, "held": held},
+        }
+    finally:
+        hub.close()
+
+
+def test_three_students_labs_run_at_once_each_exact_on_its_share(classroom, students):
+    infos = classroom["infos"]
+    print(f"\nthree Labs at once through the hub, {classroom['ran']:.0f} s from the first server's start")
+    hub_cores = sorted(os.sched_getaffinity(0))
+    netns = set()
+    slots = _slots(classroom["hub"])
+    assert sorted(slots[n] for n in students.names) == [1, 2, 3]
+    for name in students.names:
+        slot, info = slots[name], infos[name]
+        print(f"  {name}: {info['repr']}")
+        assert info["losses"] == pytest.approx(info["reference"], rel=1e-5)  # assert_matches held in the kernel too
+        want = [hub_cores[(slot - 1) % len(hub_cores)]]  # cores_per_student = 1, handed out by slot
+        assert info["cores"] == want
+        (share,) = info["share"]
+        assert share["cores"] == str(want[0]) and share["threads per engine"] == 1 and share["engines"] == 2
+        assert f"share='cores {want[0]} (CPU affinity): 1 thread(s) x 2 engines'" in info["repr"]
+        netns.add(info["netns"])
+    assert len(netns) == 3 and os.readlink("/proc/self/ns/net") not in netns  # a namespace each, none the host's
+
+
+def test_every_attack_of_student_b_on_student_a_is_refused(classroom, before):
+    after = classroom["attacks"]
+    rows = [
+        ("A's listening ports B sees in /proc/net/tcp", len(before["b_saw_ports"]), len(after["b_saw_ports"])),
+        ("B caught A's rendezvous store", before["b_caught_store"], after["b_caught_store"]),
+        ("A's ranks read the key B wrote", before["a_store_has_b_key"], after["a_store_has_b_key"]),
+        ("B heard A's engines (ipyparallel iopub)", before["b_heard_a_engines"], after["b_heard_a_engines"]),
+        ("B heard A's notebook (kernel iopub)", before["b_heard_a_notebook"], after["b_heard_a_notebook"]),
+        ("B's connections A's gloo listeners accepted", before["a_gloo_accepted_b"], after["a_gloo_accepted_b"]),
+        ("A's files B read (logs)", len(before["b_read"]), len(after["b_read"])),
+    ]
+    print("\n" + "\n".join(f"  {what:48s} before {b!s:6s} after {a}" for what, b, a in rows))
+    print("  B's knocks after: " + json.dumps(after["knocks"]))
+    assert after["b_saw_ports"] == []  # B's /proc/net/tcp is B's namespace's: none of A's sockets
+    assert not after["b_caught_store"] and not after["a_store_has_b_key"]
+    assert not after["b_heard_a_engines"] and not after["b_heard_a_notebook"]
+    assert after["a_gloo_accepted_b"] == 0
+    a_link = [k for k in after["knocks"] if not k.startswith("127.")]
+    assert a_link and all("unreachable" in str(after["knocks"][k]) for k in a_link)  # no route to A's link
+    assert after["b_read"] == {} and after["logs"]  # A's logs exist; B reads none of them
+    for before_value, after_value in [(b, a) for _, b, a in rows]:
+        assert before_value and not after_value  # each attack worked before, and none after
+
+
+def test_the_teacher_sees_who_holds_which_engines_and_cores(classroom, students):
+    rows = {r["user"]: r for r in classroom["census"]}
+    print("\n" + census.table(classroom["census"]))
+    for name in students.names:
+        info = classroom["infos"][name]
+        row = rows[name]
+        assert row["kernel"] == info["kernel"] and row["engines"] == 2
+        assert sorted(map(int, row["engine pids"].split())) == sorted(info["engines"])
+        assert row["cores"] == ",".join(map(str, info["cores"])) and row["netns"] == info["netns"]
+        assert row["memory is"] == "PSS" and row["memory MiB"] > 100  # a kernel with torch, two engines
+        print(f"  {name} holds, MiB by role: {classroom['held'][name]}")
+
+
+def _held(students, name: str, info: dict) -> dict:
+    """What a student's processes hold (server, kernel, Lab): by role, MiB of RSS, USS and PSS."""
+    pids = [p.pid for p in students.processes(name)]
+    rows = footprint(pids, info["engines"], controller=info["controller_pid"], kernel=info["kernel"])
+    return {
+        role: {k: v if k == "count" else round(v / 2**20) for k, v in acc.items()}
+        for role, acc in by_role(rows).items()
+    }
+
+
+def test_a_server_the_hub_stops_leaves_no_process_of_its_student(classroom, students):
+    hub, (a, b, _) = classroom["hub"], students.names
+    culler = [
+        p for p in psutil.Process(hub.proc.pid).children(recursive=True) if "jupyterhub_idle_culler" in p.cmdline()
+    ]
+    assert culler, "the idle culler (a service of classroom/jupyterhub_config.py) is not running under the hub"
+    stray = classroom["kernels"][0].result(STRAY)
+    assert stray in [p.pid for p in students.processes(a)]
+    namespaces = f"/proc/{hub.proc.pid}/root/run/netns"  # the hub's view: it may have a mount namespace of its own
+    link = f"{classroom['veth']}{_slots(hub)[a]}h"  # A's end of its link, on the host
+    assert f"labkit-{a}" in os.listdir(namespaces) and _has_link(link)
+    hub.stop(a)  # the admin's stop button; the idle culler's request is the same
+    left = students.processes(a)
+    swept = [line for line in hub.log(60000).splitlines() if f"{a} stopped:" in line]
+    print(f"\n{a}'s stop, the spawner's sweep: {swept[-1].split('stopped:', 1)[1] if swept else '(none logged)'}")
+    assert left == [], [p.cmdline() for p in left]
+    assert swept and f"'{stray} " in swept[-1]  # the detached job was the sweep's to end
+    assert f"labkit-{a}" not in os.listdir(namespaces) and not _has_link(link)
+    # the others' Labs go on: B's runs again, exact
+    again = classroom["kernels"][1].result(
+        "res = lab.run(cfg, model=model, steps=3, data='text'); assert_matches(res, ref)\n"
+        "print('RESULT ' + json.dumps(res.losses))"
+    )
+    assert again == pytest.approx(classroom["infos"][b]["losses"], rel=1e-6)
+
+
+def _slots(hub: Hub) -> dict[str, int]:
+    """user -> slot, as the classroom's spawner logged them ('NAME: slot N, netns ...')."""
+    return {m[1]: int(m[2]) for m in re.finditer(r"(\S+): slot (\d+), netns", hub.log(10**7))}
+
+
+def _has_link(name: str) -> bool:
+    return subprocess.run(["ip", "link", "show", name], capture_output=True).returncode == 0
