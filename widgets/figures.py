@@ -6,7 +6,9 @@ gloo runs reduce-scatter as an all-reduce underneath, and the figures show the a
 gloo's own traffic.
 
 The mesh view (`mesh_figure`) is a pure function of a MeshLayout, so it draws any layout
-without a cluster.
+without a cluster. The newer lessons' figures are re-exported from their own files: a verify report
+(verify_figure.py), expert load (experts_figure.py), the planner's links, alternatives and node
+crossings (planner_figures.py), the cp kinds (context_figure.py).
 """
 
 from __future__ import annotations

@@ -116,7 +116,7 @@ def alternatives_figure(plans, own, own_label: str = "your layout") -> go.Figure
     fig.update_yaxes(categoryorder="array", categoryarray=labels, autorange="reversed", automargin=True)
     fig.update_xaxes(title="predicted tokens/s/GPU", gridcolor=GRID)
     title = (
-        f"{own_label[:1].upper() + own_label[1:]} ranks #{place} of {len(entries)} by predicted tokens/s/GPU"
+        f"{own_label} ranks #{place} of {len(entries)} by predicted tokens/s/GPU"
         f"<br><sup>on {own.hardware.split(' (')[0]}: {own.tokens_per_second_per_gpu:,.0f} against the best's "
         f"{entries[0][0].tokens_per_second_per_gpu:,.0f}</sup>"
     )
