@@ -55,6 +55,7 @@ def describe(cfg: ParallelConfig) -> str:
     parts = [MeshLayout.of(cfg).describe()]
     for f in (
         "sharding",
+        "dp_replicate",
         "microbatches",
         "schedule",
         "virtual_stages",
