@@ -136,6 +136,11 @@ def test_the_scale_explorer_shows_the_chosen_layouts_links():
     x.wait()
     assert {t.name for t in x.figures["links"].data} == {r["dim"] for r in x.view.plan.links() if r["dim"] != "total"}
     assert x.figures["links"].data[0].y[0][0] == x.view.plan.layout()
+    total = next(r for r in x.view.plan.links() if r["dim"] == "total")
+    assert (
+        f"{total['GB across nodes']:,.3g} of the {total['GB sent']:,.3g} GB it sends"
+        in x.figures["links"].layout.title.text
+    )
 
 
 def _luminance(color: str) -> float:

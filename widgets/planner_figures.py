@@ -76,10 +76,14 @@ def links_figure(candidates: dict, unit: str = "GB") -> go.Figure:
     least = min(across, key=across.get)
     fig.update_yaxes(autorange="reversed", automargin=True)
     fig.update_xaxes(title=f"{unit} sent per step by the busiest rank", gridcolor=GRID)
-    title = (
-        f"What crosses nodes: {unit} per step, inside a node and across, by dim"
-        f"<br><sup>least across nodes: {least} ({across[least]:,.3g} {unit})</sup>"
+    sent = {name: sum(r["GB sent"] for r in rs) * scale for name, rs in rows.items()}
+    # one layout (the ScaleExplorer's): how much of what it sends crosses; several: which crosses least
+    why = (
+        f"{least}: {across[least]:,.3g} of the {sent[least]:,.3g} {unit} it sends cross nodes"
+        if len(rows) == 1
+        else f"least across nodes: {least} ({across[least]:,.3g} {unit})"
     )
+    title = f"What crosses nodes: {unit} per step, inside a node and across, by dim<br><sup>{why}</sup>"
     return _layout(
         fig,
         title,
