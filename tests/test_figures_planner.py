@@ -69,7 +69,7 @@ def test_alternatives_rank_the_jobs_own_layout_among_the_plans():
     place = 1 + sum(p.tokens_per_second_per_gpu > own.tokens_per_second_per_gpu for p in plans)
     mine = bar(fig, "flat FSDP")
     assert list(mine.x) == [own.tokens_per_second_per_gpu]
-    assert mine.y[0].startswith(f"#{place} ▶ flat FSDP: {own.layout()}")
+    assert mine.y[0].replace("<br>", " · ").startswith(f"#{place} ▶ flat FSDP: {own.layout()}")
     assert list(bar(fig, "the planner's alternatives").x) == [p.tokens_per_second_per_gpu for p in plans]
     assert f"ranks #{place} of {len(plans) + 1}" in fig.layout.title.text
     # the y axis lists every entry best first

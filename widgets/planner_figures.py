@@ -94,6 +94,18 @@ def links_figure(candidates: dict, unit: str = "GB") -> go.Figure:
     )
 
 
+def _wrapped(text: str, width: int = 44) -> str:
+    """A layout's line broken at its ' · ' into lines of about `width` characters: the bars keep the
+    cell's width instead of the labels taking most of it."""
+    lines = [""]
+    for part in text.split(" · "):
+        if lines[-1] and len(lines[-1]) + 3 + len(part) > width:
+            lines.append(part)
+        else:
+            lines[-1] = f"{lines[-1]} · {part}" if lines[-1] else part
+    return "<br>".join(lines)
+
+
 def alternatives_figure(plans, own, own_label: str = "your layout") -> go.Figure:
     """The planner's alternatives (theory.plan's list, best first) and a job's own layout (a Plan,
     theory.evaluate) as one ranked bar chart of predicted tokens/s/GPU, the job's bar marked."""
@@ -101,7 +113,10 @@ def alternatives_figure(plans, own, own_label: str = "your layout") -> go.Figure
     # ranked by tokens/s/GPU; the planner's list is already in that order, the job's plan joins where it falls
     entries.sort(key=lambda e: -e[0].tokens_per_second_per_gpu)
     place = next(i for i, (_, mine) in enumerate(entries, 1) if mine)
-    labels = [f"#{i} {'▶ ' + own_label + ': ' if mine else ''}{p.layout()}" for i, (p, mine) in enumerate(entries, 1)]
+    labels = [
+        _wrapped(f"#{i} {'▶ ' + own_label + ': ' if mine else ''}{p.layout()}")
+        for i, (p, mine) in enumerate(entries, 1)
+    ]
     fig = _figure()
     colors = Palette()
     for mine, name, color in ((False, "the planner's alternatives", "#9DB4CC"), (True, own_label, "#D55E00")):
@@ -128,7 +143,7 @@ def alternatives_figure(plans, own, own_label: str = "your layout") -> go.Figure
         fig,
         title,
         barmode="overlay",
-        height=140 + 34 * len(entries),
+        height=140 + 52 * len(entries),
         margin=dict(l=60, r=20, t=110, b=50),
         legend=dict(orientation="h", yanchor="bottom", y=1.0, x=0),
     )
