@@ -4,10 +4,13 @@ driven by Playwright, each notebook with a figure run in the page as a new user 
 
 Every figure is scrolled into view, as a person would, and must have drawn its traces (not an
 empty set of axes), fit its cell (title included) and no control label may be cut short; the
-notebooks show DataFrames and progress bars. The tour (00) also moves the dashboard's dp slider
-with the keyboard and sees the timeline redrawn. Screenshots go to artifacts/browser/
-(git-ignored). Playwright's own browser download is not available here, so chromium comes from
-apt (`apt-get install chromium`), as in .ci/run.
+notebooks show progress bars, and those whose results are tables show DataFrames. In 13, 14 and
+15 one number drawn in each of their figures is read from the page's plotly data and held to the
+run it came from, asked of the notebook's own kernel. The tour (00) also moves the dashboard's dp
+slider with the keyboard and sees the timeline redrawn, then changes dp_replicate and cp_kind
+through the page's controls and sees the communication and memory figures redrawn. Screenshots go
+to artifacts/browser/ (git-ignored). Playwright's own browser download is not available here, so
+chromium comes from apt (`apt-get install chromium`), as in .ci/run.
 """
 
 from __future__ import annotations
@@ -15,9 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
@@ -26,70 +27,94 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from browser_tools import (
+    ARTIFACTS,
+    CHROMIUM_ARGS,
+    COMM,
+    FIGURE_DATA,
+    REQUIRED,
+    TEARDOWN,
+    TIMELINE,
+    check_drawn_numbers,
+    check_figures,
+    choose,
+    chromium_path,
+    finish,
+    free_port,
+    missing,
+    notch,
+    open_and_run,
+    settle,
+    until,
+    wait_ran,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 NOTEBOOKS = ROOT / "notebooks"
 TOUR = "00_tour.ipynb"
+WORST = "__import__('labkit.widgets.verify_figure', fromlist=['worst_ratios']).worst_ratios"
 WITH_FIGURES = {  # notebook -> how many plotly figures it shows at least
     "05_pipeline.ipynb": 6,
     "08_4d_mesh.ipynb": 3,
     "10_at_scale.ipynb": 4,
     "12_your_own_model.ipynb": 4,
+    "13_is_my_plan_right.ipynb": 6,
+    "14_your_job.ipynb": 4,
+    "15_fine_grained_moe.ipynb": 3,
 }
-TEARDOWN = "teardown"
-"""Tag of the cells that close the Lab; the page runs every other cell, the test runs these last."""
-ARTIFACTS = ROOT / "artifacts" / "browser"
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]  # ARCHITECTURE.md
-SLOW = 300  # seconds for a notebook's cluster to start and its cells to run on a loaded CI machine
-VIEWPORT = {"width": 1280, "height": 900}
-"""An ordinary laptop window: the figures and controls must fit it."""
-
-
-def chromium_path() -> str | None:
-    for name in ("chromium", "chromium-browser"):
-        found = shutil.which(name)
-        if found:
-            return found
-    return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-REQUIRED = os.environ.get("LABKIT_REQUIRE_BROWSER") == "1"
-"""Set by .ci/run: CI must run this test, so a missing chromium or Playwright fails it there
-instead of skipping it."""
-
-
-def missing() -> str | None:
-    """Why the test cannot run here, or None."""
-    if chromium_path() is None:
-        return "no chromium on PATH: apt-get install -y chromium (Playwright's own browser download is not used)"
-    try:
-        import playwright.sync_api  # noqa: F401
-    except ImportError:
-        return "playwright is not installed (pip install playwright)"
-    return None
-
+NUMBERS = {  # notebook -> (a figure's title, what it draws, the same number from the run, in the kernel)
+    "13_is_my_plan_right.ipynb": [
+        (
+            "verify OK on dp=2, tp=2",
+            ("gradients", "x", 0),
+            "right.rows[0]['gradient error'] / right.rows[0]['gradient bound']",
+        ),
+        (
+            "verify FAILED on dp=2, tp=2<br><sup>first failure: [gradient replicas]",
+            ("replicas per rank", "z-sum", "gradient replicas"),
+            "sum(f.check == 'gradient replicas' for f in no_sp_norms.findings)",
+        ),
+        (
+            "verify FAILED on dp=2, tp=2<br><sup>first failure: [plan] nrom",
+            ("gradients", "x@y", "model.norm.weight"),
+            "next(r['gradient error'] / r['gradient bound'] for r in typo_report.rows"
+            " if r['tensor'] == 'model.norm.weight')",
+        ),
+        ("3 of 3 plans fail", ("gradients", "y@x", "summed"), f"{WORST}(summed)['gradients']"),
+        ("verify FAILED on dp=4", ("parameters", "x", 0), "repeated.rows[0]['final error'] / repeated.bounds.params"),
+        ("All 4 plans pass", ("gradients", "y@x", "FSDP2"), f"{WORST}(fixed['FSDP2'])['gradients']"),
+    ],
+    "14_your_job.ipynb": [
+        (
+            "llama3_70b.toml's layout ranks",
+            ("llama3_70b.toml's layout", "x", 0),
+            "full['titan'][2].tokens_per_second_per_gpu",
+        ),
+        (
+            "megatron_llama31_405b.sh's layout ranks",
+            ("megatron_llama31_405b.sh's layout", "x", 0),
+            "full['megatron'][2].tokens_per_second_per_gpu",
+        ),
+        ("Which dims cross nodes", ("pp across nodes", "x", 0), "len(layout.spans_hosts(['pp'], hosts))"),
+    ],
+    "15_fine_grained_moe.ipynb": [
+        (
+            "Tokens that leave their node",
+            ("unlimited: tokens reaching 2+ nodes", "y", 0),
+            "crossing(free[0])['tokens reaching 2+ nodes']",
+        ),
+        # step 0, block 1, rank 0: the rows the one-process routing (counts) sends to rank 0's two experts
+        ("Rows each rank's experts receive", ("bias moving (γ = 0.05)", "z", (0, 0)), "sum(counts[0][:per_rank])"),
+    ],
+}
+"""Each new figure of 13, 14 and 15: one number it draws, and the expression that gives the same number
+from the run (or the reference routing) in the notebook's kernel."""
+WITH_TABLES = {"05_pipeline.ipynb", "08_4d_mesh.ipynb", "10_at_scale.ipynb", "12_your_own_model.ipynb"}
+"""The notebooks whose results include a table; 13, 14 and 15 draw theirs (issue 43)."""
 
 pytestmark = [pytest.mark.browser]
 if missing() and not REQUIRED:
     pytestmark.append(pytest.mark.skip(reason=missing()))
-
-
-def teardown_code(name: str) -> str:
-    nb = json.loads((NOTEBOOKS / name).read_text())
-    return "\n".join("".join(c["source"]) for c in nb["cells"] if TEARDOWN in c.get("metadata", {}).get("tags", []))
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +130,8 @@ def jupyter(tmp_path_factory):
         nb = json.loads((NOTEBOOKS / name).read_text())
         nb["cells"] = [c for c in nb["cells"] if TEARDOWN not in c.get("metadata", {}).get("tags", [])]
         (root / name).write_text(json.dumps(nb))
+    # the notebooks read their data where the repository keeps it, beside them: 14's jobs are ../tests/data/jobs
+    (tmp / "tests").symlink_to(NOTEBOOKS.parent / "tests")
     data = tmp / "data"
     spec = data / "kernels" / "python3"
     spec.mkdir(parents=True)
@@ -196,172 +223,84 @@ def browser():
             b.close()
 
 
-CONSOLE: list[str] = []
-"""The page's console errors and warnings, shown when a wait fails."""
-STATUS = "() => (document.querySelector('.labkit-status') || {}).textContent || ''"
-FIGURES = """() => [...document.querySelectorAll('.js-plotly-plot')].map(g => {
-  const full = g._fullLayout, out = g.closest('.jp-OutputArea-output') || g.parentElement;
-  const title = g.querySelector('.gtitle');
-  return {title: String(g.layout && g.layout.title && (g.layout.title.text || g.layout.title) || ''),
-          traces: (g.data || []).length,
-          drawn: g.querySelectorAll('.trace, .hm, .point').length,
-          notes: [...g.querySelectorAll('.annotation-text')].filter(a => a.textContent.trim()).length,
-          width: full ? full.width : 0, cell: out.clientWidth,
-          titleRight: title ? title.getBoundingClientRect().right - g.getBoundingClientRect().left : 0};
-})"""
-"""Each plotly figure in the page: its title, traces given and drawn, notes drawn, width against its cell's."""
-DRAWN = "(f) => f && ((f.traces > 0 && f.drawn > 0) || (f.traces === 0 && f.notes > 0))"
-"""A figure drew its traces, or, when it has none on purpose (a panel with nothing to show, e.g. a
-measurement's loss), the note that says so: either is plotly's drawing of the synced figure."""
-CUT_LABELS = """() => [...document.querySelectorAll(
-    '.widget-label, .widget-toggle-button, .widget-button, .widget-checkbox label, .widget-readout')]
-  .filter(e => e.offsetParent !== null && e.scrollWidth > e.clientWidth + 1)
-  .map(e => (e.textContent || '').trim())"""
-"""Visible control labels whose text does not fit (shown with an ellipsis, or cut)."""
-
-
-def until(page, js: str, what: str, seconds: float, arg=None) -> None:
-    """Wait for a JS predicate; on timeout fail with what the page shows, its console errors
-    and a screenshot."""
-    try:
-        page.wait_for_function(js, arg=arg, timeout=seconds * 1000)
-    except Exception as e:  # playwright's TimeoutError
-        shot = ARTIFACTS / "failure.png"
-        page.screenshot(path=str(shot), full_page=True)
-        raise AssertionError(
-            f"{what}: not within {seconds} s ({type(e).__name__}); status {page.evaluate(STATUS)!r}, "
-            f"figures {page.evaluate(FIGURES)}; see {shot}; console: {CONSOLE[-12:]}"
-        ) from None
-
-
-def open_and_run(browser, jupyter, name: str):
-    """A page with `name` open, its cells run (all but the teardown) until the kernel is idle."""
-    base, token = jupyter
-    page = browser.new_page(viewport=VIEWPORT)
-    page.on(
-        "console",
-        lambda m: CONSOLE.append(f"{m.type}: {m.text}"[:400]) if m.type in ("error", "warning") else None,
-    )
-    page.on("pageerror", lambda e: CONSOLE.append(f"pageerror: {e}"[:400]))
-    # ?reset: a fresh workspace, else JupyterLab reopens the previous page's notebooks beside this
-    # one (each with a kernel) and run-all can land on whichever of them is current at that moment
-    page.goto(f"{base}/lab/tree/{name}?reset&token={token}")
-    page.wait_for_function(
-        "(name) => window.jupyterapp && window.jupyterapp.shell.currentWidget "
-        "&& window.jupyterapp.shell.currentWidget.sessionContext "
-        "&& window.jupyterapp.shell.currentWidget.context.path === name",
-        arg=name,
-        timeout=SLOW * 1000,
-    )
-    page.evaluate(
-        "async () => { const w = window.jupyterapp.shell.currentWidget;"
-        " await w.context.ready; await w.sessionContext.ready; }"
-    )
-    page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    return page
-
-
-RAN = """() => { const w = window.jupyterapp.shell.currentWidget;
-  const cells = [...w.content.widgets].filter(c => c.model.type === 'code');
-  const failed = cells.find(c => c.model.outputs.toJSON().some(o => o.output_type === 'error'));
-  if (failed) return 'error';
-  return w.sessionContext.session.kernel.status === 'idle' && cells.every(c => c.model.executionCount) ? 'done' : '';
-}"""
-ERRORS = """() => [...window.jupyterapp.shell.currentWidget.content.widgets]
-  .flatMap(c => c.model.type === 'code' ? c.model.outputs.toJSON() : [])
-  .filter(o => o.output_type === 'error').map(o => o.ename + ': ' + o.evalue)"""
-
-
-def wait_ran(page, name: str) -> None:
-    until(page, f"() => ({RAN})() !== ''", f"{name}: every cell run", SLOW)
-    errors = page.evaluate(ERRORS)
-    assert not errors, f"{name}: a cell failed in the browser: {errors}"
-
-
-def check_figures(page, name: str, at_least: int) -> list[dict]:
-    """Scroll each figure into view and wait for it to draw its traces; then every figure fits
-    its cell (its title too) and no control label is cut. Screenshots under artifacts/."""
-    stem = Path(name).stem
-    plots = page.locator(".js-plotly-plot")
-    count = plots.count()
-    assert count >= at_least, f"{name}: {count} figures in the page, expected at least {at_least}"
-    for i in range(count):
-        plots.nth(i).scroll_into_view_if_needed()
-        until(
-            page,
-            f"(i) => ({DRAWN})(({FIGURES})()[i])",
-            f"{name}: figure {i} drawn",
-            30,
-            arg=i,
-        )
-        plots.nth(i).screenshot(path=str(ARTIFACTS / f"{stem}-figure{i}.png"))
-    figs = page.evaluate(FIGURES)
-    for f in figs:
-        assert (f["traces"] > 0 and f["drawn"] > 0) or (f["traces"] == 0 and f["notes"] > 0), (name, f)
-        assert f["width"] <= f["cell"] + 1, f"{name}: {f['title']!r} is {f['width']} px wide in a {f['cell']} px cell"
-        assert f["titleRight"] <= f["width"] + 1, f"{name}: the title of {f['title']!r} is cut"
-    cut = page.evaluate(CUT_LABELS)
-    assert not cut, f"{name}: control labels cut short: {cut}"
-    page.screenshot(path=str(ARTIFACTS / f"{stem}.png"), full_page=True)
-    return figs
-
-
-def finish(page, name: str) -> None:
-    """Run the notebook's teardown in its own kernel (it closes the Lab), then stop the kernel."""
-    page.evaluate(
-        "async (code) => { const k = window.jupyterapp.shell.currentWidget.sessionContext.session.kernel;"
-        " await k.requestExecute({code}).done; }",
-        teardown_code(name),
-    )
-    page.evaluate("async () => { await window.jupyterapp.shell.currentWidget.sessionContext.shutdown(); }")
-    page.close()
-
-
-TIMELINE = """() => {
-  const gd = [...document.querySelectorAll('.js-plotly-plot')]
-    .find(g => g.layout && g.layout.title && String(g.layout.title.text || '').startsWith('Timeline'));
-  return gd ? JSON.stringify({title: gd.layout.title.text, data: gd.data.map(t => [t.name, t.y, t.x])}) : null;
-}"""
-
-
-def test_the_tour_draws_and_redraws_the_dashboard(browser, jupyter):
+@pytest.fixture(scope="module")
+def tour(browser, jupyter):
+    """The tour's page, every cell run and its dashboard's two layouts drawn (dp4, then dp2 x tp2); the
+    tests below go on from one another's last layout; its Lab closes at the end."""
     page = open_and_run(browser, jupyter, TOUR)
     try:
         wait_ran(page, TOUR)
-        until(
-            page,
-            f"() => ({STATUS})().startsWith('dp2 x tp2') && ({STATUS})().includes('done')",
-            "the tour's runs (dp4, then dp2 x tp2)",
-            SLOW,
-        )
-        figs = check_figures(page, TOUR, 6)
-        for title in ("Memory per rank", "Communication per rank", "Traffic", "Timeline", "Mesh", "Loss"):
-            assert any(f["title"].startswith(title) for f in figs), (title, figs)
-        assert page.locator("table.dataframe").count() >= 2, "the tour's tables show as DataFrames"
-        assert page.locator(".labkit-progress").count() >= 2, "the Lab's start and its run show progress bars"
-        raw = page.evaluate(TIMELINE)
-        before = json.loads(raw)
-        assert before["title"].startswith("Timeline") and before["data"]
-
-        # move the dp slider one notch with the keyboard: dp 2 -> 1 (tp2 on ranks 0, 1), a re-run, a new timeline
-        handle = page.locator(".labkit-dp .noUi-handle")
-        handle.scroll_into_view_if_needed()
-        handle.focus()
-        page.keyboard.press("ArrowLeft")
-        until(
-            page,
-            f"() => ({STATUS})().startsWith('tp2') && ({STATUS})().includes('done')",
-            "the run after the slider moved",
-            SLOW,
-        )
-        until(page, f"(old) => ({TIMELINE})() !== old", "the timeline redrawn", 60, arg=raw)
-        after = json.loads(page.evaluate(TIMELINE))
-        rows = {y for _, ys, _ in after["data"] for y in ys}
-        assert rows and not any(y.startswith(("rank 2", "rank 3")) for y in rows)  # two ranks left
-        page.locator(".labkit-dashboard").scroll_into_view_if_needed()
-        page.screenshot(path=str(ARTIFACTS / "dashboard-dp1.png"))
+        settle(page, "dp2 x tp2", "the tour's runs (dp4, then dp2 x tp2)")
+        yield page
     finally:
         finish(page, TOUR)
+
+
+def test_the_tour_draws_and_redraws_the_dashboard(tour):
+    page = tour
+    figs = check_figures(page, TOUR, 6)
+    for title in ("Memory per rank", "Communication per rank", "Traffic", "Timeline", "Mesh", "Loss"):
+        assert any(f["title"].startswith(title) for f in figs), (title, figs)
+    assert page.locator("table.dataframe").count() >= 2, "the tour's tables show as DataFrames"
+    assert page.locator(".labkit-progress").count() >= 2, "the Lab's start and its run show progress bars"
+    raw = page.evaluate(TIMELINE)
+    before = json.loads(raw)
+    assert before["title"].startswith("Timeline") and before["data"]
+
+    # move the dp slider one notch with the keyboard: dp 2 -> 1 (tp2 on ranks 0, 1), a re-run, a new timeline
+    notch(page, "dp", "ArrowLeft")
+    settle(page, "tp2", "the run after the slider moved")
+    until(page, f"(old) => ({TIMELINE})() !== old", "the timeline redrawn", 60, arg=raw)
+    after = json.loads(page.evaluate(TIMELINE))
+    rows = {y for _, ys, _ in after["data"] for y in ys}
+    assert rows and not any(y.startswith(("rank 2", "rank 3")) for y in rows)  # two ranks left
+    page.locator(".labkit-dashboard").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "dashboard-dp1.png"))
+
+
+def test_the_dashboard_redraws_for_hsdp_and_a_cp_kind(tour):
+    """Through the page's own controls, from the last layout (tp2 on two ranks): dp over the four
+    engines sharded by FSDP, then HSDP (dp_replicate=2: the comm figure's dp splits into dp_shard and
+    dp_replicate, and each rank holds twice FSDP's parameters), then cp=2, the ring's sends becoming an
+    all-gather on cp when cp_kind changes."""
+    page = tour
+    notch(page, "tp", "ArrowLeft")
+    settle(page, "1 rank", "tp back to 1")
+    notch(page, "dp", "ArrowRight", times=2)  # dp 1 -> 2 -> 4
+    settle(page, "dp4:", "dp over the four engines")
+    choose(page, "sharding", "fsdp")
+    settle(page, "dp4, sharding=fsdp:", "FSDP")
+    assert "all_gather [dp]" in page.evaluate(COMM)
+    memory = page.evaluate(FIGURE_DATA, "Memory per rank")
+    notch(page, "dp_replicate", "ArrowRight")
+    settle(page, "dp4, sharding=fsdp, dp_replicate=2:", "HSDP")
+    until(page, f"() => ({COMM})().some(n => n.endsWith('[dp_replicate]'))", "the comm figure with HSDP", 60)
+    names = page.evaluate(COMM)
+    assert "all_reduce [dp_replicate]" in names and "all_gather [dp_shard]" in names, names
+    assert not [n for n in names if n.endswith("[dp]")], names
+    # the memory figure redrawn too: a rank of a shard group of 2 holds more than FSDP's over 4 (about twice)
+    params = lambda traces: next(t for t in traces if t["name"] == "params")["y"]  # noqa: E731
+    hsdp = params(page.evaluate(FIGURE_DATA, "Memory per rank"))
+    assert len(hsdp) == 4 and all(1.5 * b < a for a, b in zip(hsdp, params(memory))), (hsdp, params(memory))
+    page.screenshot(path=str(ARTIFACTS / "dashboard-hsdp.png"))
+
+    notch(page, "dp_replicate", "ArrowLeft")
+    settle(page, "dp4, sharding=fsdp:", "HSDP off again")
+    notch(page, "dp", "ArrowLeft")
+    settle(page, "dp2, sharding=fsdp:", "dp 2")
+    notch(page, "cp", "ArrowRight")
+    settle(page, "dp2 x cp2, sharding=fsdp:", "cp 2, the ring")
+    until(page, f"() => ({COMM})().includes('send [cp]')", "the ring's sends drawn", 60)
+    choose(page, "cp_kind", "allgather")
+    settle(page, "dp2 x cp2, sharding=fsdp, cp_kind=allgather:", "the all-gather kind")
+    until(
+        page,
+        f"() => ({COMM})().includes('all_gather [cp]') && !({COMM})().includes('send [cp]')",
+        "the comm figure with the all-gather on cp",
+        60,
+    )
+    page.locator(".labkit-dashboard").scroll_into_view_if_needed()
+    page.screenshot(path=str(ARTIFACTS / "dashboard-allgather.png"))
 
 
 @pytest.mark.parametrize("name", sorted(WITH_FIGURES), ids=lambda n: Path(n).stem)
@@ -371,10 +310,13 @@ def test_every_figure_draws(browser, jupyter, name):
     page = open_and_run(browser, jupyter, name)
     try:
         wait_ran(page, name)
-        check_figures(page, name, WITH_FIGURES[name])
+        figs = check_figures(page, name, WITH_FIGURES[name])
         if name != "10_at_scale.ipynb":  # 10 shows the theory's plans, no run of its own to speak of
             assert page.locator(".labkit-progress").count() >= 1, f"{name}: no progress bar"
-        assert page.locator("table.dataframe").count() >= 1, f"{name}: no table shown as a DataFrame"
+        if name in WITH_TABLES:
+            assert page.locator("table.dataframe").count() >= 1, f"{name}: no table shown as a DataFrame"
+        checked = check_drawn_numbers(page, name, NUMBERS.get(name, []))
     finally:
         finish(page, name)
-    print(f"\n{name}: screenshots in {ARTIFACTS}")
+    print(f"\n{name}: {len(figs)} figures drawn; numbers checked against the run: {checked}")
+    print(f"screenshots in {ARTIFACTS}")

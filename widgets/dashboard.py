@@ -55,6 +55,7 @@ def describe(cfg: ParallelConfig) -> str:
     parts = [MeshLayout.of(cfg).describe()]
     for f in (
         "sharding",
+        "dp_replicate",
         "microbatches",
         "schedule",
         "virtual_stages",
@@ -121,6 +122,8 @@ class Dashboard:
         self.progress = W.IntProgress(value=0, min=0, max=steps, description="step", layout=W.Layout(width="260px"))
         self.cancel_button = W.Button(description="cancel", icon="stop", disabled=True, button_style="warning")
         self.error_box = W.HTML().add_class("labkit-error")
+        # the panel a VerifyReport is drawn in (show(..., verified=)): empty, and taking no room, until then
+        self.verified = W.VBox([]).add_class("labkit-verified")
         self.result = None
         self.reference = None
         self.error: Exception | None = None
@@ -145,7 +148,7 @@ class Dashboard:
         knobs = W.HBox(
             layout=W.Layout(flex_flow="row wrap"),
             children=[
-                col(*(c[d] for d in DEGREES)),
+                col(*(c[d] for d in DEGREES), c["dp_replicate"]),
                 col(c["microbatches"], c["virtual_stages"], c["global_batch"], c["cp_a2a"], c["bucket_mb"], c["steps"]),
                 col(c["schedule"], c["sharding"], c["impl"], c["precision"], c["cp_kind"], c["order"]),
                 col(c["sequence_parallel"], c["checkpoint_activations"], c["reshard_after_forward"]),
@@ -166,7 +169,7 @@ class Dashboard:
             ]
         )
         return W.VBox(
-            [head, knobs, W.HBox([self.status, self.progress, self.cancel_button]), self.error_box, grid]
+            [head, knobs, W.HBox([self.status, self.progress, self.cancel_button]), self.error_box, self.verified, grid]
         ).add_class("labkit-dashboard")
 
     def _repr_mimebundle_(self, **kwargs):
@@ -319,12 +322,18 @@ class Dashboard:
     def show(self, result, verified=None) -> None:
         """Draw `result` in the panels: a RunResult, or a Measurement of your own code
         (Lab.measure: memory, communication, traffic and timeline; no loss). `verified`: a
-        VerifyReport of the same code (Lab.verify), its verdict in the status line and its card
-        below, so that one view says both whether the code is right and what it moves."""
+        VerifyReport of the same code (Lab.verify), its verdict in the status line, its figure
+        (figures.verify_figure: every tensor's error over its bound, the replicas per rank) in the
+        verified panel and its card below, so that one view says both whether the code is right and
+        what it moves."""
         self._draw(result)
         if verified is not None:
             self._say(verified.summary())
             self._set(self.error_box, value=verified._repr_html_())
+            if "verified" not in self.figures:
+                self.figures["verified"] = figure_widget(figures.empty_figure("verify"))
+                self._set(self.verified, children=(self.figures["verified"],))
+            self.ui.call(refresh, self.figures["verified"], figures.verify_figure(verified))
         if self.ui.here:
             self.ui.flush()
 

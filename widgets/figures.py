@@ -6,7 +6,9 @@ gloo runs reduce-scatter as an all-reduce underneath, and the figures show the a
 gloo's own traffic.
 
 The mesh view (`mesh_figure`) is a pure function of a MeshLayout, so it draws any layout
-without a cluster.
+without a cluster. The newer lessons' figures are re-exported from their own files: a verify report
+(verify_figure.py), expert load (experts_figure.py), the planner's links, alternatives and node
+crossings (planner_figures.py), the cp kinds (context_figure.py).
 """
 
 from __future__ import annotations
@@ -14,7 +16,14 @@ from __future__ import annotations
 import numpy as np
 import plotly.graph_objects as go
 
+from labkit.widgets.context_figure import context_kinds_figure, context_scale_figure  # noqa: F401  (re-exported)
+from labkit.widgets.experts_figure import expert_load_figure, token_crossing_figure  # noqa: F401
 from labkit.widgets.mesh_figure import mesh_figure  # noqa: F401  (re-exported)
+from labkit.widgets.planner_figures import (  # noqa: F401  (re-exported)
+    alternatives_figure,
+    group_crossings_figure,
+    links_figure,
+)
 from labkit.widgets.style import (
     CATEGORIES,
     CATEGORY_COLORS,
@@ -30,6 +39,7 @@ from labkit.widgets.timeline import (
     timeline_comparison_figure,
     timeline_figure,
 )
+from labkit.widgets.verify_figure import verifies_figure, verify_figure  # noqa: F401  (re-exported)
 
 
 def _rank_label(rk) -> str:
@@ -284,4 +294,13 @@ __all__ = [
     "report_figures",
     "simulated_timeline_figure",
     "timeline_comparison_figure",
+    "verify_figure",
+    "verifies_figure",
+    "expert_load_figure",
+    "token_crossing_figure",
+    "links_figure",
+    "alternatives_figure",
+    "group_crossings_figure",
+    "context_scale_figure",
+    "context_kinds_figure",
 ]

@@ -39,7 +39,9 @@ from labkit.theory.presets import PRESETS
 from labkit.widgets import theory_figures as TF
 from labkit.widgets.at_scale import AtScale, at_scale, comm_at_scale, comm_cached, comm_work
 from labkit.widgets.controls import button_width
+from labkit.widgets.figures import empty_figure
 from labkit.widgets.live import UI, figure_widget, refresh
+from labkit.widgets.planner_figures import links_figure
 from labkit.widgets.plans import PlanPanel, gpu_memory_figure
 
 SYNC_WORK = 400_000
@@ -153,7 +155,8 @@ class ScaleExplorer:
         """Uneven pipeline stages, set when a plan that has them is opened (no control of its own)."""
         self._degree_options(tp=tp, pp=pp)
         self.ui = UI()
-        self.figures = {n: figure_widget(go.Figure(), height=340) for n in ("memory", "zero", "comm", "bubble", "gpu")}
+        names = ("memory", "zero", "comm", "bubble", "gpu", "links")
+        self.figures = {n: figure_widget(go.Figure(), height=340) for n in names}
         self.plans = PlanPanel(self._question, self.open_plan)
         self.status = W.HTML().add_class("labkit-scale-status")
         self.error_box = W.HTML()
@@ -195,6 +198,7 @@ class ScaleExplorer:
                     ]
                 ),
                 f["gpu"],
+                f["links"],
             ]
         ).add_class("labkit-scale")
         self.update()
@@ -313,19 +317,28 @@ class ScaleExplorer:
             self.view = view
         self._draw(view)
         self.timings = {"update": time.perf_counter() - t0, "update_cpu": time.thread_time() - c0}
-        if not now:
-            # daemon: a walk left running never holds up the kernel's exit
-            self._comm_thread = threading.Thread(target=self._comm_later, args=(view, self._stale), daemon=True)
-            self._comm_thread.start()
+        # the links (Plan.links(): the exact theory's comm rows with the layout's own buckets) and, when
+        # large, the comm rows follow from a thread; daemon: a walk left running never holds up the exit
+        self._comm_thread = threading.Thread(target=self._comm_later, args=(view, self._stale, not now), daemon=True)
+        self._comm_thread.start()
 
-    def _comm_later(self, view: AtScale, stale: threading.Event) -> None:
-        comm = comm_at_scale(view.config, view.model, stale)
+    def _comm_later(self, view: AtScale, stale: threading.Event, comm_too: bool) -> None:
+        if comm_too:
+            comm = comm_at_scale(view.config, view.model, stale)
+            with self._lock:
+                if comm is None or self.view is not view:
+                    return  # the controls moved on; their own update draws
+                view.comm, view.comm_pending = comm, False
+            # widget state goes out on the kernel's thread only (live.UI): this runs on the comm thread
+            self.ui.call(refresh, self.figures["comm"], TF.stage_comm_figure(view), height=340)
+        try:
+            links = links_figure({view.plan.layout(): view.plan})
+        except Exception as e:  # noqa: BLE001 — a thread has no caller to raise to: the panel says why
+            links = empty_figure("What crosses nodes", f"{type(e).__name__}: {e}")
         with self._lock:
-            if comm is None or self.view is not view:
-                return  # the controls moved on; their own update draws
-            view.comm, view.comm_pending = comm, False
-        # widget state goes out on the kernel's thread only (live.UI): this runs on the comm thread
-        self.ui.call(refresh, self.figures["comm"], TF.stage_comm_figure(view), height=340)
+            if self.view is not view:
+                return
+        self.ui.call(refresh, self.figures["links"], links)
 
     def _draw(self, view: AtScale) -> None:
         cap = CAPACITIES[self.controls["capacity"].value]

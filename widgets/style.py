@@ -1,6 +1,6 @@
-"""labkit's figure style, shared by the pure figure builders (figures.py, timeline.py,
-mesh_figure.py, theory_figures.py): colours per category, op and microbatch, and a plotly
-layout that skips the default template."""
+"""labkit's figure style, shared by every pure figure builder of widgets/: colours per category, op,
+microbatch, mesh dim, rank and cp kind, and a plotly layout that skips the default template and
+carries its own paper and ink, so a figure reads the same in JupyterLab's light and dark themes."""
 
 from __future__ import annotations
 
@@ -42,6 +42,34 @@ KIND_COLORS = {"sync": "#8E8E8E", "opt": "#7B4F2C", "send": "#2E8B57", "recv": "
 """Spans outside any microbatch: waiting for the gradient reduction, the optimizer step, ...;
 a user's own regions (lab.measure) start from REGION_COLOR."""
 REGION_COLOR = "#9E9AC8"
+DIM_COLORS = {
+    "dp": "#0072B2",
+    "dp_shard": "#56B4E9",
+    "dp_replicate": "#003F63",
+    "tp": "#E69F00",
+    "pp": "#009E73",
+    "cp": "#CC79A7",
+    "ep": "#D55E00",
+    "world": "#4D4D4D",
+}
+"""One colour per mesh dim in every figure that tells dims apart (Okabe and Ito's colour-blind-safe
+set; HSDP's two halves of dp in dp's blue, lighter inside a node and darker across)."""
+CP_KIND_COLORS = {"ring": "#CC79A7", "allgather": "#7F7F7F", "ulysses": "#0072B2", "hierarchical": "#D55E00"}
+"""The context-parallel kinds (ParallelConfig.cp_kind): the ring in cp's own colour."""
+
+
+def dim_color(name: str) -> str:
+    """The colour of a comm dim as reports name it: a mesh dim ('tp'), a combined one ('dp-cp', in a
+    shade of its first dim's colour) or a part of one ('cp ring', 'cp all-to-all': cp's)."""
+    first = name.split()[0]
+    parts = first.split("-")
+    base = DIM_COLORS.get(parts[0], DIM_COLORS["world"])
+    return base if len(parts) == 1 else shade(base, len(parts))
+
+
+def rank_color(rank: int) -> str:
+    """One colour per rank, the same in every figure: the microbatch palette's ten, then their shades."""
+    return shade(MICROBATCH_COLORS[rank % len(MICROBATCH_COLORS)], rank // len(MICROBATCH_COLORS))
 
 
 def shade(color: str, k: int) -> str:
@@ -81,13 +109,19 @@ class Palette:
 KIB = 1024
 
 
+PAPER = "#FFFFFF"
+"""The figures' own background, opaque: under JupyterLab's dark theme a transparent one would show the
+page's near-black behind dark text (plotly's renderer switches only figures without a template)."""
+INK = "#2A2A2A"
+"""Text and axis lines: 14.4:1 against PAPER (WCAG 2.1 asks 7:1 of small text, level AAA)."""
+GRID = "#EBF0F8"
 STYLE = dict(
     template="none",
-    paper_bgcolor="white",
-    plot_bgcolor="white",
-    font=dict(family="sans-serif", size=12),
-    xaxis=dict(gridcolor="#EBF0F8", zerolinecolor="#EBF0F8", automargin=True),
-    yaxis=dict(gridcolor="#EBF0F8", zerolinecolor="#EBF0F8", automargin=True),
+    paper_bgcolor=PAPER,
+    plot_bgcolor=PAPER,
+    font=dict(family="sans-serif", size=12, color=INK),
+    xaxis=dict(gridcolor=GRID, zerolinecolor=GRID, automargin=True),
+    yaxis=dict(gridcolor=GRID, zerolinecolor=GRID, automargin=True),
     hoverlabel=dict(align="left"),
 )
 """plotly_white's look without its template: a template is copied and validated into every
@@ -105,13 +139,13 @@ def _figure(data=None) -> go.Figure:
 
 def _layout(fig: go.Figure, title: str, **kw) -> go.Figure:
     """Title and the figure's own layout settings (and labkit's style, for a figure made elsewhere)."""
-    if fig.layout.paper_bgcolor != "white":
+    if fig.layout.paper_bgcolor != PAPER:
         fig.update_layout(BASE)
     fig.update_layout(title=title, **kw)
     return fig
 
 
-def _level(fig: go.Figure, y: float, text: str, color: str = "black") -> None:
+def _level(fig: go.Figure, y: float, text: str, color: str = INK) -> None:
     """A dashed horizontal line across the plot with a label: add_hline's look, a fraction of its cost."""
     fig.add_shape(type="line", xref="paper", x0=0, x1=1, y0=y, y1=y, line=dict(dash="dash", color=color))
     fig.add_annotation(

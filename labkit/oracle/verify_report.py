@@ -78,6 +78,16 @@ class VerifyReport:
             more = f"\n  ... and {len(self.findings) - 20} more" if len(self.findings) > 20 else ""
             raise AssertionError(f"{self.summary()}\n{lines}{more}")
 
+    def figure(self):
+        """This report drawn (labkit.widgets.verify_figure): every tensor's error over its bound at
+        each check on a log scale, the bound at 1, the first failure marked and named, a strip per
+        replica check with a cell per rank."""
+        # deferred, and the ladder's one upward import (tests/test_layers.py UPWARD): plotly loads only
+        # when a report is drawn, and the figure's style lives with every other figure's, in widgets/
+        from labkit.widgets.verify_figure import verify_figure
+
+        return verify_figure(self)
+
     def __repr__(self) -> str:
         return self.summary()
 

@@ -3,7 +3,7 @@ between nodes (issue 30's question for HSDP and the cp kinds: what crosses the s
 
 The bytes are the exact theory's (theory.estimate's comm rows: ring-model wire bytes a rank sends
 per step, DERIVATIONS.md "The ring model"), for the rank that sends the most; of them, the part
-that crosses nodes (`_crossing`: a ring's m of n hops, an all-to-all's share of far ranks); the
+that crosses nodes (`crossing`: a ring's m of n hops, an all-to-all's share of far ranks); the
 rest stays on NVLink. The link speed is the planner's
 (overlap.link_of). Torch-free, like the rest of the planner.
 """
@@ -30,7 +30,7 @@ def link_name(cfg: ParallelConfig, name: str, hw: Hardware) -> str:
     return NVLINK if link_of(cfg, _dims(name), hw) == hw.intra else NETWORK
 
 
-def _crossing(op: str, group: list[int], rank: int, per_node: int) -> float:
+def crossing(op: str, group: list[int], rank: int, per_node: int) -> float:
     """The fraction of a collective's wire bytes that leave the node: an all-to-all sends an equal
     part to each other rank, so the share of them on other nodes; a ring (all-reduce, all-gather,
     reduce-scatter, and the point-to-point hops of a ring or a pipeline) crosses at m of its n hops
@@ -80,7 +80,7 @@ def link_traffic(cfg: ParallelConfig, model: ModelConfig, hardware: str | Hardwa
         name, group = _level(cfg, layout, rank, r)
         acc = per_dim.setdefault(name, [0.0, 0.0])
         acc[0] += r["wire_bytes"]
-        acc[1] += r["wire_bytes"] * _crossing(r["op"], group, rank, hw.gpus_per_node)
+        acc[1] += r["wire_bytes"] * crossing(r["op"], group, rank, hw.gpus_per_node)
         groups[name] = group
     out, total = [], {NVLINK: 0.0, NETWORK: 0.0}
     for name, (wire, across) in sorted(per_dim.items(), key=lambda kv: -kv[1][0]):
