@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.config.choices import numerics
+from labkit.oracle.bounds_fp8 import cast_exact, fp8_bounds
 
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
 """u: the largest relative error of one round-to-nearest (Higham, "Accuracy and Stability of
@@ -44,14 +45,15 @@ for the b·s = 128 token rows of a weight gradient; measured: 2.5e-7 to 5e-7 per
 float64, 1e-7 to 3e-6 on the final parameters. Bugs move a tensor's gradient by O(1)."""
 
 
-def bounds(precision: str, layers: int) -> Bounds:
-    """The bounds of `precision` for a model of `layers` blocks (DERIVATIONS.md derives them)."""
+def bounds(precision: str, layers: int, layout=None) -> Bounds:
+    """The bounds of `precision` for a model of `layers` blocks (DERIVATIONS.md derives them); fp8's
+    are bf16's with fp8's terms added (bounds_fp8.py), tighter on the first step's gradients where
+    `layout` (a ParallelConfig) shares every fp8 cast with the reference (`cast_exact`)."""
     kind = numerics(precision)
     if not kind.mixed:
         return FP32
-    # fp8 is the theory's only: the engines refuse it (validation.not_built_yet), so no bound is derived
     if kind.fp8:
-        raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
+        return fp8_bounds(bounds("bf16", layers), layers, layout is not None and cast_exact(layout))
     # one bf16 rounding per tensor on the longest backward path: the embedding, two per block
     # (attention and MLP), the head and the loss's input, and the gradient's own rounding
     path = (2 * layers + 4) * UNIT_ROUNDOFF["bf16"]

@@ -19,7 +19,8 @@ shows; the later steps are held by the losses, the norms and the whole model, be
 (which divides each gradient element by its own RMS) turns the rounding of a near-zero gradient
 into an update of ~lr: one process that merely splits its batch in two moves a zero-initialised
 LayerNorm bias by 2.7e-4 of its own norm after 2 steps, while the whole model moves by 5e-7.
-The bounds (labkit/oracle/bounds.py) are against the fp32 reference in both precisions.
+The bounds (labkit/oracle/bounds.py) are against the fp32 reference in both precisions; an fp8
+layout's are against the fp8 reference that splits its batch as it does (bounds_fp8.py).
 """
 
 from __future__ import annotations
@@ -29,7 +30,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.config.choices import numerics
+from labkit.layout.float8 import float8_weights, fp8_weight
 from labkit.oracle.bounds import Bounds, bounds, round_to, tensor_errors
+from labkit.oracle.bounds_fp8 import reference_problems
 
 # the whole model's bounds (DERIVATIONS.md, "The oracle's bounds"): fp32's ~20x above what reordered
 # sums do (model_error); bf16's over the 3.5e-3 to 1.12e-2 its layouts measured after 3 steps
@@ -128,8 +131,11 @@ def working_weights(result) -> list[Mismatch]:
     if result.compute is None or result.params is None:
         return []
     out = []
+    gathered8 = fp8_gathered(result)
     for name, w in result.compute.items():
         want = round_to(result.params[name], result.config.precision)
+        if name in gathered8:  # FSDP's float8 all-gather: fp8(w·s) / s, s from the whole bf16 tensor
+            want = fp8_weight(want)
         # compared as bits: identical NaNs are equal, +0 and -0 are not; the copy must be exactly the rounding
         differ = int(np.count_nonzero(w.view(np.uint32) != want.view(np.uint32)))
         if differ:
@@ -142,6 +148,15 @@ def working_weights(result) -> list[Mismatch]:
                 )
             )
     return out
+
+
+def fp8_gathered(result) -> set[str]:
+    """The weights a run gathers in fp8 (our ZeRO-3 / FSDP units under fp8, tensorwise: layout/flat.py
+    FlatLayout.fp8), whose working copies are their fp8 casts."""
+    cfg = result.config
+    if not (numerics(cfg.precision).fp8 and cfg.fp8_scaling.gathers_fp8 and cfg.sharded.params):
+        return set()
+    return set(float8_weights((n, v.shape) for n, v in result.params.items()))
 
 
 def gradients(result, ref, bound: float, show: int = 6) -> list[Mismatch]:
@@ -260,13 +275,17 @@ def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     """Everything in which `result` does not train like `ref`, the fp32 reference of the same
     model, seed, steps and global batch (bf16 runs too: labkit/oracle/bounds.py). A run without
     return_params is checked on what it returned: losses, norms, finiteness, steps."""
-    if numerics(ref.precision).mixed:
+    if numerics(result.config.precision).fp8:
+        wrong = reference_problems(result.config, ref)
+        if wrong:
+            raise ValueError(wrong[0])
+    elif numerics(ref.precision).mixed:
         raise ValueError(
             f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
             "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"
         )
     # by precision and depth: bf16's bounds grow with the layers a gradient passes through, (2L + 4)·u
-    b = within or bounds(result.config.precision, result.model.layers)
+    b = within or bounds(result.config.precision, result.model.layers, result.config)
     # in the module docstring's order: the most basic failure is named first
     found = finite(result) + steps(result, ref)
     found += [Mismatch("replicas", str(i)) for i in result.piece_issues if i.kind == "differs"]
@@ -281,7 +300,7 @@ def margins(result, ref, within: Bounds | None = None) -> dict[str, float]:
     has a bound (losses, grad norms, gradients, parameters); <= 1 passes, NaN fails. What a
     benchmark reports beside pass/fail, e.g. how far GPU arithmetic sits inside the CPU-derived
     bounds (benchmarks/gpu_layouts.py)."""
-    b = within or bounds(result.config.precision, result.model.layers)
+    b = within or bounds(result.config.precision, result.model.layers, result.config)
     # NaN is the worst margin of all: it fails
     worst = lambda xs: float(max(xs, key=lambda x: np.inf if np.isnan(x) else x)) if xs else 0.0
     out = {
