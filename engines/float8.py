@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from labkit.config.choices import float8_scaling
+from labkit.config.float8 import float8_scaling
 from labkit.layout.float8 import EPS, MAX, converts
 
 

@@ -39,6 +39,7 @@ import torch
 import torch.nn as nn
 
 from labkit.config.choices import numerics
+from labkit.engines.float8 import convert_torchao
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 """The compute dtype of each precision: fp8's tensors outside its matmuls are bf16."""
@@ -122,7 +123,5 @@ def compute_copy(module: nn.Module, precision: str, fp8_recipe: str = "tensorwis
         return Compute(module, module)
     work = copy.deepcopy(module).to(torch.bfloat16)
     if kind.fp8:
-        from labkit.engines.float8 import convert_torchao  # torchao: loaded by fp8 references only
-
         convert_torchao(work, fp8_recipe)
     return Compute(module, work)

@@ -183,6 +183,7 @@ HEAVY = (
     "nbclient",
     "playwright",
     "transformers",
+    "torchao",
     "pandas",
     "traitlets",
     "zmq",

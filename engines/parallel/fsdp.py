@@ -26,6 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.config import OptimConfig
+from labkit.engines.float8 import torchao_float8
 from labkit.engines.meters.memory import plain, unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import ParamMetas, piece
@@ -116,16 +117,18 @@ class TorchFSDP:
         all-reduce (MAX) of every fp8 weight's amax of its fp32 shard (torchtitan calls it after each
         optimizer step; here the first step's scales are precomputed too, so every step is alike)."""
         if self.stale:
-            from labkit.engines.float8 import torchao_float8  # fp8 runs only
-
             torchao_float8()[4].precompute_float8_dynamic_scale_for_fsdp(module)
             self.stale = False
 
     def _exclude_unsharded(self, module, args) -> None:
         """Every parameter the unit now shows is a parameter, not an activation: plain tensors with
         FSDP2 alone, DTensors on the tp mesh under FSDP x TP (their local storage is what autograd
-        saves; excluding an already excluded sharded one changes nothing)."""
-        self.meters.memory.exclude(module.parameters())
+        saves; excluding an already excluded sharded one changes nothing). Of torchao's fp8 weights
+        only the values (the first inner tensor: the fp8 bytes of a gathered Float8TrainingTensor, the
+        fp32 shard of a WeightWithDynamicFloat8CastTensor; their scale comes after): the scale is the
+        step's precomputed one, a new tensor every step, and the meter knows storages by address,
+        which a freed storage hands on to the next (an activation then went uncounted)."""
+        self.meters.memory.exclude(plain(p)[0] for p in module.parameters())
 
     def _track_gathered(self, unit: nn.Module) -> None:
         """Count the unit's unsharded parameters while FSDP2 holds them (its param group's private

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from labkit.engines.float8 import cast, torchao_float8
 from labkit.engines.loss import row_chunks, softmax_grad
 
 
@@ -87,8 +88,6 @@ class GatherFloat8(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, group, mm):
-        from labkit.engines.float8 import cast, torchao_float8  # torchao: fp8 runs only
-
         ctx.group = group
         x8 = cast(x, "e4m3", "INPUT", mm, group=group)  # (b, s/t, h) e4m3, the scale of all s rows
         data = all_gather_seq(x8._data.view(torch.uint8), group).view(x8._data.dtype)  # (b, s/t, h) -> (b, s, h)

@@ -12,8 +12,6 @@ from labkit.config.choices import (
     Checkpointing,
     ContextComm,
     ContextKind,
-    Float8Scaling,
-    Fp8Recipe,
     Impl,
     Numerics,
     PipelineShape,
@@ -24,6 +22,7 @@ from labkit.config.choices import (
     Sharded,
     Sharding,
 )
+from labkit.config.float8 import Float8Scaling, Fp8Recipe, float8_scaling
 from labkit.config.validation import check_fields
 
 
@@ -132,7 +131,7 @@ class ParallelConfig(_Dict):
     @property
     def fp8_scaling(self) -> Float8Scaling:
         """What `fp8_recipe` scales by: .rowwise, .gathers_fp8 (FSDP's float8 all-gather), .not_built."""
-        return choices.float8_scaling(self.fp8_recipe)
+        return float8_scaling(self.fp8_recipe)
 
     @property
     def recomputation(self) -> Recomputation:

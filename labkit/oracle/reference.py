@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, OptimConfig
-from labkit.config.choices import Data, Fp8Recipe, Precision, float8_scaling, numerics, trains_on_text
+from labkit.config.choices import Data, Precision, numerics, trains_on_text
+from labkit.config.float8 import Fp8Recipe, float8_scaling
 from labkit.config.validation import data_problems
 
 

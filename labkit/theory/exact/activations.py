@@ -240,9 +240,10 @@ def peak(
     received: {(microbatch, chunk): [R of each MoE layer of the chunk]}, rows each layer's experts
     got (routing dependent under ep; read off a run's combine all-to-alls) for the exact value;
     default the balanced R = N."""
+    held = float8.fsdp2_saved_scales(cfg, model)  # FSDP2's fp8 weights, saved, hold the step's scales
     if received is None:
-        return _peak(cfg, model, pp_rank, cp_rank)
-    return _walk(cfg, model, pp_rank, received, cp_rank)
+        return _peak(cfg, model, pp_rank, cp_rank) + held
+    return _walk(cfg, model, pp_rank, received, cp_rank) + held
 
 
 # frozen configs hash: estimate and the planner ask for the same (layout, rank) many times over;

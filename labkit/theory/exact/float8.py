@@ -19,6 +19,7 @@ The terms, per rank and step:
                         byte an element (torchao's PrepareFloat8ModuleInput)
   activations (TP)      a row-parallel layer saves its input in fp8 (1 byte + its 4-byte scale), and
                         under SP the gathered inputs of the attention and the MLP are fp8 too
+  activations (FSDP2)   the step's precomputed scales (4 bytes a weight), held by the saved fp8 weights
 """
 
 from __future__ import annotations
@@ -58,6 +59,13 @@ def amax_rows(buffers, layout) -> list[tuple]:
         if p.fp8:
             groups[p.dims] = groups.get(p.dims, 0) + len(p.names)
     return [(layout.label(*dims), "all_reduce", AMAX * k, layout.size(*dims), 1) for dims, k in groups.items()]
+
+
+def fsdp2_saved_scales(cfg: ParallelConfig, model: ModelConfig) -> int:
+    """FSDP2 gathering in fp8: the weights its matmuls save are Float8TrainingTensors whose scales are
+    views of the step's one (k,) fp32 tensor of precomputed scales, kept with them from the first
+    forward to the last backward; their bytes are parameters, its 4k bytes are not."""
+    return SCALE_BYTES * len(gathered_fp8(cfg, model)) if cfg.torch_impl else 0
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------
