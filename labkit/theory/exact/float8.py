@@ -24,6 +24,8 @@ The terms, per rank and step:
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.float8 import SCALE_BYTES, float8_weights
 from labkit.layout.precision import ELEM, GATHER
@@ -39,6 +41,7 @@ def tensorwise(cfg: ParallelConfig) -> bool:
     return cfg.numerics.fp8 and cfg.fp8_scaling.gathers_fp8
 
 
+@lru_cache(maxsize=1024)
 def gathered_fp8(cfg: ParallelConfig, model: ModelConfig) -> frozenset[str]:
     """The weights ZeRO-3 / FSDP gather in fp8 (ours and FSDP2's): every fp8 layer's, tensorwise."""
     if not (tensorwise(cfg) and cfg.sharded.params):
@@ -69,12 +72,14 @@ def fsdp2_saved_scales(cfg: ParallelConfig, model: ModelConfig) -> int:
 
 
 # -- tensor parallelism ---------------------------------------------------------------------------
+@lru_cache(maxsize=1024)
 def tp_block(cfg: ParallelConfig, model: ModelConfig) -> dict[str, dict]:
     """One block's TP styles under fp8 (tensorwise; layout/tensor.py marks the fp8 layers and the SP
-    inputs gathered in fp8), by the name inside the block; {} where TP carries no fp8."""
+    inputs gathered in fp8), by the name inside the block; {} where TP carries no fp8. Every dense
+    block is styled alike: block 0's, of a one-block model (the planner asks at scale)."""
     if not (tensorwise(cfg) and cfg.tp > 1):
         return {}
-    styles = tp_styles(model, cfg.sequence_parallel, cfg.tp, fp8=True)
+    styles = tp_styles(model.replace(layers=1), cfg.sequence_parallel, cfg.tp, fp8=True)
     return {n.removeprefix("blocks.0."): s for n, s in styles.items() if n.startswith("blocks.0.")}
 
 
