@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from functools import cache
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -36,8 +37,18 @@ from labkit.config.float8 import float8_scaling
 from labkit.layout.float8 import EPS, MAX, converts
 
 
+class Torchao(NamedTuple):
+    """torchao's float8 modules labkit uses."""
+
+    float8: object  # torchao.float8: Float8LinearConfig, convert_to_float8_training
+    linear: object  # float8_linear: Float8Linear, matmul_with_hp_or_float8_args
+    tensor: object  # float8_training_tensor: Float8TrainingTensor, hp_tensor_and_scale_to_float8
+    fsdp: object  # fsdp_utils: precompute_float8_dynamic_scale_for_fsdp
+    tp: object  # float8_tensor_parallel: Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+
+
 @cache
-def torchao_float8():
+def torchao_float8() -> Torchao:
     """torchao's float8 package, imported once per process (~3 s: only fp8 runs pay it). torchao's
     import logs a warning per CUDA kernel library it cannot load on a CPU build, and torch one about
     an Enum it registers: both quieted, they say nothing about float8 training."""
@@ -47,16 +58,16 @@ def torchao_float8():
         q.setLevel(logging.ERROR)
     try:
         import torchao.float8 as ao
-        from torchao.float8 import float8_linear, float8_training_tensor, float8_utils, fsdp_utils
+        from torchao.float8 import float8_linear, float8_tensor_parallel, float8_training_tensor, fsdp_utils
     finally:
         for q, level in zip(quiet, levels):
             q.setLevel(level)
-    return ao, float8_linear, float8_training_tensor, float8_utils, fsdp_utils
+    return Torchao(ao, float8_linear, float8_training_tensor, fsdp_utils, float8_tensor_parallel)
 
 
 def torchao_config(recipe: str, fsdp_all_gather: bool = False):
     """torchao's Float8LinearConfig of `recipe` (from_recipe_name), as torchtitan builds it."""
-    ao = torchao_float8()[0]
+    ao = torchao_float8().float8
     config = ao.Float8LinearConfig.from_recipe_name(recipe)
     if fsdp_all_gather:  # torchtitan: dataclasses.replace(config, enable_fsdp_float8_all_gather=...)
         config = ao.Float8LinearConfig(**{**config.__dict__, "enable_fsdp_float8_all_gather": True})
@@ -70,7 +81,7 @@ def _filter(module: nn.Module, fqn: str) -> bool:
 def convert_torchao(model: nn.Module, recipe: str, fsdp_all_gather: bool = False) -> list[str]:
     """Swap the linear layers that convert for torchao's Float8Linear (convert_to_float8_training
     with torchtitan's filter), in place; returns their names."""
-    ao = torchao_float8()[0]
+    ao = torchao_float8().float8
     names = [n for n, m in model.named_modules() if _filter(m, n)]
     ao.convert_to_float8_training(model, module_filter_fn=_filter, config=torchao_config(recipe, fsdp_all_gather))
     return names
@@ -96,13 +107,13 @@ DTYPE = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 def cast(x: torch.Tensor, fmt: str, role: str, mm, scale: torch.Tensor | None = None, group=None):
     """x as a torchao Float8TrainingTensor (differentiable: the gradient passes through to x), with
     `scale`, or its own dynamic one (its amax over `group`)."""
-    _, _, tt, _, _ = torchao_float8()
+    tt = torchao_float8().tensor
     s = to_scale(_amax(x, group), fmt) if scale is None else scale
     return tt.hp_tensor_and_scale_to_float8(x, s, DTYPE[fmt], mm, tt.GemmInputRole[role])
 
 
 def is_fp8(x: torch.Tensor) -> bool:
-    return isinstance(x, torchao_float8()[2].Float8TrainingTensor)
+    return isinstance(x, torchao_float8().tensor.Float8TrainingTensor)
 
 
 @dataclass(eq=False)
@@ -174,7 +185,7 @@ def _weight_t(w: torch.Tensor, ops: Operands) -> torch.Tensor:
 def mm_config(config):
     """torchao's LinearMMConfig of a Float8LinearConfig, as its Float8Linear builds it: per matmul
     (output, input gradient, weight gradient) emulate, fast accumulation, fp8 output, padding."""
-    tt = torchao_float8()[2]
+    tt = torchao_float8().tensor
     gemms = (config.gemm_config_output, config.gemm_config_grad_input, config.gemm_config_grad_weight)
     per_gemm = [tt.ScaledMMConfig(config.emulate, g.use_fast_accum, False, config.pad_inner_dim) for g in gemms]
     return tt.LinearMMConfig(*per_gemm)
@@ -196,7 +207,8 @@ class Float8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.rowwise:  # nothing is split under rowwise (labkit.config): torchao's own matmul
-            y = torchao_float8()[1].matmul_with_hp_or_float8_args.apply(x, self.weight.t(), self.ops.mm, self.config)
+            matmul = torchao_float8().linear.matmul_with_hp_or_float8_args
+            y = matmul.apply(x, self.weight.t(), self.ops.mm, self.config)
         else:
             y = float8_linear(x, self.weight, self.ops)
         return y if self.bias is None else y + self.bias.to(y.dtype)

@@ -110,7 +110,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         from labkit.engines.parallel.tensor_torch import apply_tp_torch, in_loss_parallel, tp_device_mesh
 
         tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharded.fsdp)
-        model, info["tp_styles"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
+        tensorwise = cfg.numerics.fp8 and cfg.fp8_scaling.gathers_fp8  # torchao's float8 TP styles
+        model, info["tp_styles"] = apply_tp_torch(
+            model, tp_mesh, sequence_parallel=cfg.sequence_parallel, fp8=tensorwise
+        )
         schedule = in_loss_parallel(schedule)
     elif cfg.tp > 1:
         model, info["tp_styles"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel, float8=float8)

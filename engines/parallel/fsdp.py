@@ -117,7 +117,7 @@ class TorchFSDP:
         all-reduce (MAX) of every fp8 weight's amax of its fp32 shard (torchtitan calls it after each
         optimizer step; here the first step's scales are precomputed too, so every step is alike)."""
         if self.stale:
-            torchao_float8()[4].precompute_float8_dynamic_scale_for_fsdp(module)
+            torchao_float8().fsdp.precompute_float8_dynamic_scale_for_fsdp(module)
             self.stale = False
 
     def _exclude_unsharded(self, module, args) -> None:

@@ -91,7 +91,7 @@ class GatherFloat8(torch.autograd.Function):
         ctx.group = group
         x8 = cast(x, "e4m3", "INPUT", mm, group=group)  # (b, s/t, h) e4m3, the scale of all s rows
         data = all_gather_seq(x8._data.view(torch.uint8), group).view(x8._data.dtype)  # (b, s/t, h) -> (b, s, h)
-        tt = torchao_float8()[2]
+        tt = torchao_float8().tensor
         return tt.Float8TrainingTensor(data, x8._scale, x.dtype, mm, tt.GemmInputRole.INPUT)
 
     @staticmethod

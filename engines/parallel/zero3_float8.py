@@ -80,7 +80,7 @@ def _cast_shard(u, names: list[str], scales: torch.Tensor, mm, new: torch.Tensor
 
 def _weight(u, lo: int, hi: int, shape, scale: torch.Tensor, mm):
     """The weight's gathered bytes as torchao's Float8TrainingTensor (out, in), bf16 to the matmul."""
-    tt = torchao_float8()[2]
+    tt = torchao_float8().tensor
     data = u.full[lo:hi].view(torch.float8_e4m3fn).view(shape)
     return tt.Float8TrainingTensor(data, scale, torch.bfloat16, mm, tt.GemmInputRole.WEIGHT)
 
