@@ -25,7 +25,7 @@ input that arrives in fp8 (sequence parallelism's fp8 all-gather) is saved in fp
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import NamedTuple
 
@@ -69,9 +69,7 @@ def torchao_config(recipe: str, fsdp_all_gather: bool = False):
     """torchao's Float8LinearConfig of `recipe` (from_recipe_name), as torchtitan builds it."""
     ao = torchao_float8().float8
     config = ao.Float8LinearConfig.from_recipe_name(recipe)
-    if fsdp_all_gather:  # torchtitan: dataclasses.replace(config, enable_fsdp_float8_all_gather=...)
-        config = ao.Float8LinearConfig(**{**config.__dict__, "enable_fsdp_float8_all_gather": True})
-    return config
+    return replace(config, enable_fsdp_float8_all_gather=True) if fsdp_all_gather else config
 
 
 def _filter(module: nn.Module, fqn: str) -> bool:
