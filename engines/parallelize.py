@@ -4,6 +4,7 @@ The order is the one torchtitan documents (parallelize_llama): strategies that c
 module computes come first, those that decide where its pieces live and how its gradients
 are reduced come last, because they wrap whatever the earlier ones left.
 
+  0. float8 (precision='fp8')                       swaps the blocks' Linear for fp8 ones
   1. tensor parallelism (+ sequence parallelism)   swaps Linear / Embedding / loss   [tp]
   2. context parallelism                            swaps the attention kernel        [cp]
   3. expert parallelism                             keeps E/ep experts, all-to-all    [ep]
@@ -11,6 +12,8 @@ are reduced come last, because they wrap whatever the earlier ones left.
   4. activation checkpointing                       recomputes blocks in backward
   5. pipeline parallelism                           keeps this stage's chunks         [pp]
   6. precision                                      bf16 compute, fp32 masters (a policy)
+     (0 comes first as torchtitan converts at model build: TP then slices fp8 layers, and they and
+     FSDP share the weights' per-step scales, `WeightScales`)
   7. data parallelism: DDP / ZeRO / FSDP            reduces gradients, owns the update [dp]
 
 A strategy gets what it uses, never the ParallelConfig: the model, the mesh whose groups it
@@ -47,6 +50,7 @@ import torch.nn as nn
 
 from labkit.config import OptimConfig, ParallelConfig
 from labkit.engines.accumulate import accumulate
+from labkit.engines.float8 import WeightScales, convert, convert_torchao
 from labkit.engines.mesh import Mesh
 from labkit.engines.parallel.checkpoint import apply_ac
 from labkit.engines.parallel.common import GradSync, ParamMetas, on_device
@@ -91,16 +95,28 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     schedule, inputs, info = accumulate, whole_sequence, {}
     metas = ParamMetas()  # what 1, 3 and 5 say of the parameters they change, for 7
 
+    # 0. float8: engines/float8.py; PyTorch's strategies run torchao's own layers (FSDP2's fp8 all-gather)
+    float8 = None
+    if cfg.numerics.fp8 and cfg.torch_impl:
+        info["float8"] = convert_torchao(model, cfg.fp8_recipe, fsdp_all_gather=cfg.fp8_scaling.gathers_fp8)
+    elif cfg.numerics.fp8:
+        info["float8"] = convert(model, cfg.fp8_recipe)
+        # the scales of weights a strategy splits (TP's slices, FSDP's shards): tensorwise only
+        float8 = None if cfg.fp8_scaling.rowwise else WeightScales()
+
     # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py, or DTensor's
     if cfg.tp > 1 and cfg.torch_impl:
         # DTensor's package holds ~45 MB per process: only runs with impl='torch' load it
         from labkit.engines.parallel.tensor_torch import apply_tp_torch, in_loss_parallel, tp_device_mesh
 
         tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharded.fsdp)
-        model, info["tp_styles"] = apply_tp_torch(model, tp_mesh, sequence_parallel=cfg.sequence_parallel)
+        tensorwise = cfg.numerics.fp8 and cfg.fp8_scaling.gathers_fp8  # torchao's float8 TP styles
+        model, info["tp_styles"] = apply_tp_torch(
+            model, tp_mesh, sequence_parallel=cfg.sequence_parallel, fp8=tensorwise
+        )
         schedule = in_loss_parallel(schedule)
     elif cfg.tp > 1:
-        model, info["tp_styles"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel)
+        model, info["tp_styles"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel, float8=float8)
 
     # 2. context parallelism: engines/parallel/context.py (the ring), context_kinds.py (all-gather, Ulysses)
     if cfg.cp > 1:
@@ -144,12 +160,15 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
 
     # 6. precision: engines/precision.py (the data-parallel strategy casts to it and keeps the masters)
     pol = policy(cfg.precision)
+    fp8_gather = cfg.numerics.fp8 and cfg.fp8_scaling.gathers_fp8  # FSDP's float8 all-gather
 
     # 7. data parallelism: DDP (ddp.py), ZeRO (zero.py), FSDP (fsdp.py); PyTorch's own with impl='torch'
     loss_shards = mesh.size(*DATA_DIMS)
     bucket_bytes = int(cfg.bucket_mb * 2**20)
     if cfg.sharded.fsdp and cfg.torch_impl:
-        sync = apply_fsdp_torch(chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim, meters=meters)
+        sync = apply_fsdp_torch(
+            chunks[0], mesh, reshard=cfg.reshard_after_forward, pol=pol, optim=optim, meters=meters, float8=fp8_gather
+        )
     elif cfg.sharded.fsdp:
         sync = apply_fsdp(
             chunks,
@@ -160,6 +179,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
             optim=optim,
             meters=meters,
             loss_shards=loss_shards,
+            float8=float8,
         )
     elif cfg.sharded.stage:  # ZeRO-1, 2 or 3
         sync = apply_zero(
@@ -172,6 +192,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
             optim=optim,
             meters=meters,
             loss_shards=loss_shards,
+            float8=float8,
         )
     elif cfg.torch_impl and mesh.size("pp") > 1:
         sync = TorchStageGrads(chunks, mesh, metas, cfg.bucket_mb, optim)  # PyTorch's DDP per stage chunk

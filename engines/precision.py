@@ -19,9 +19,15 @@ so every rank gets the reference's gradient up to one final rounding. Parameters
 all-gathered in bf16 (a copy, no arithmetic): the ZeRO paper's volumes (2Ψ, 3Ψ elements) hold,
 with 4 bytes per reduced gradient element and 2 per gathered parameter element.
 
+fp8 (torchao's float8 training, engines/float8.py) is bf16 mixed precision whose blocks' linear
+layers compute in fp8: every tensor a strategy holds, reduces or passes between stages is bf16 as
+above (the fp8 operands exist inside the matmuls; FSDP's fp8 all-gather and SP's are the two
+collectives that carry them), so its policy is bf16's.
+
 `Policy` is what the strategies read (slot 6 of parallelize); `compute_copy` is the reference's
-way to the same arithmetic with no strategy involved: a bf16 copy of the model whose gradients
-are handed to the optimizer as fp32 and whose weights are refreshed from the fp32 masters.
+way to the same arithmetic with no strategy involved: a bf16 copy of the model (its linear layers
+torchao's Float8Linear under fp8) whose gradients are handed to the optimizer as fp32 and whose
+weights are refreshed from the fp32 masters.
 """
 
 from __future__ import annotations
@@ -33,8 +39,10 @@ import torch
 import torch.nn as nn
 
 from labkit.config.choices import numerics
+from labkit.engines.float8 import convert_torchao
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+"""The compute dtype of each precision: fp8's tensors outside its matmuls are bf16."""
 
 
 @dataclass(frozen=True)
@@ -56,7 +64,7 @@ class Policy:
 
 def policy(precision: str) -> Policy:
     if precision not in DTYPES:
-        raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
+        raise ValueError(f"precision={precision!r}: use 'fp32', 'bf16' or 'fp8'")
     return Policy(compute=DTYPES[precision], reduce=torch.float32)
 
 
@@ -106,11 +114,14 @@ class Compute:
                     p.copy_(m)
 
 
-def compute_copy(module: nn.Module, precision: str) -> Compute:
-    """The reference's mixed precision: `module` keeps the fp32 masters, a bf16 deep copy computes."""
+def compute_copy(module: nn.Module, precision: str, fp8_recipe: str = "tensorwise") -> Compute:
+    """The reference's mixed precision: `module` keeps the fp32 masters, a bf16 deep copy computes;
+    under fp8 that copy's linear layers are torchao's Float8Linear, converted as torchtitan converts
+    them (engines/float8.py `convert_torchao`), none of labkit's float8 code involved."""
     kind = numerics(precision)
     if not kind.mixed:
         return Compute(module, module)
+    work = copy.deepcopy(module).to(torch.bfloat16)
     if kind.fp8:
-        raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
-    return Compute(module, copy.deepcopy(module).to(torch.bfloat16))
+        convert_torchao(work, fp8_recipe)
+    return Compute(module, work)

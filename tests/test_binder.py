@@ -62,11 +62,12 @@ def test_torch_is_a_cpu_build_that_pyproject_accepts():
 
 
 def test_postbuild_installs_the_project_with_what_the_notebooks_need():
-    """The project itself, with the [hf] extra (notebooks/12 builds a Hugging Face model), an
-    extra that pyproject.toml declares."""
+    """The project itself, with the [hf] extra (notebooks/12 builds a Hugging Face model) and the
+    [fp8] extra (notebooks/16 trains with torchao), extras that pyproject.toml declares."""
     post = BINDER / "postBuild"
     assert os.access(post, os.X_OK), "binder/postBuild must be executable"
     commands = [line.strip() for line in post.read_text().splitlines() if line.strip() and not line.startswith("#")]
-    assert any("pip install" in c and c.endswith('-e ".[hf]"') for c in commands), commands
+    assert any("pip install" in c and c.endswith('-e ".[hf,fp8]"') for c in commands), commands
     extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
     assert any(canonicalize_name(Requirement(r).name) == "transformers" for r in extras["hf"])
+    assert any(canonicalize_name(Requirement(r).name) == "torchao" for r in extras["fp8"])

@@ -22,13 +22,14 @@ from labkit.theory.planner import search
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = ("labkit", "engines", "widgets")
-DECODE = ROOT / "labkit" / "config" / "choices.py"
-"""The one module where the choices' names are compared (matched): their decode."""
+DECODES = (ROOT / "labkit" / "config" / "choices.py", ROOT / "labkit" / "config" / "float8.py")
+"""The modules where the choices' names are compared (matched): their decode (fp8's recipe apart)."""
 CHOICE_FIELDS = {
     "sharding",
     "schedule",
     "impl",
     "precision",
+    "fp8_recipe",
     "checkpoint_activations",
     "recompute",
     "arch",
@@ -83,7 +84,7 @@ def test_no_choice_is_compared_with_a_string_outside_its_decode():
     wrong = []
     for folder in FOLDERS:
         for path in sorted((ROOT / folder).rglob("*.py")):
-            if path == DECODE:
+            if path in DECODES:
                 continue
             for line, code in string_comparisons(path.read_text()):
                 wrong.append(f"{path.relative_to(ROOT)}:{line}: {code}")
@@ -119,8 +120,9 @@ def test_the_reader_lets_decoded_and_other_comparisons_be(snippet):
 
 
 def test_the_decode_module_is_the_one_that_matches():
-    # 10: sigmoid_router joined them (issue 35)
-    assert len([n for n in ast.walk(ast.parse(DECODE.read_text())) if isinstance(n, ast.Match)]) == 10
+    # 10: sigmoid_router joined them (issue 35); 11: float8_scaling (issue 42)
+    matches = [n for path in DECODES for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Match)]
+    assert len(matches) == 11
 
 
 # -- the types -------------------------------------------------------------------------------------

@@ -30,6 +30,8 @@ def test_built_strategies_are_not_refused():
     for cfg, model in [
         (ParallelConfig(sharding="zero1"), M),
         (ParallelConfig(precision="bf16"), M),
+        (ParallelConfig(precision="fp8"), M),
+        (ParallelConfig(precision="fp8", fp8_recipe="rowwise"), M),
         (ParallelConfig(checkpoint_activations=True), M),
         (ParallelConfig(tp=2), M),
         (ParallelConfig(cp=2), M),
@@ -137,10 +139,11 @@ def test_unknown_names(field, value):
 
 
 def test_the_engines_refuse_what_only_the_theory_predicts():
-    """fp8 and torchtitan's per-op checkpointing: valid layouts (the theory prices them), refused
-    by the engines before any work, each with its reason."""
+    """MXFP8, delayed scaling and torchtitan's per-op checkpointing: valid layouts (the theory prices
+    them), refused by the engines before any work, each by name with its reason."""
     for cfg, reason in (
-        (ParallelConfig(precision="fp8"), "fp8 matmuls need"),
+        (ParallelConfig(precision="fp8", fp8_recipe="mxfp8"), "MX block scales"),
+        (ParallelConfig(precision="fp8", fp8_recipe="delayed"), "delayed scaling"),
         (ParallelConfig(checkpoint_activations="op"), "per-op selective policy"),
     ):
         assert problems(cfg, M) == []

@@ -197,6 +197,7 @@ HEAVY = (
     "nbclient",
     "playwright",
     "transformers",
+    "torchao",
     "pandas",
     "traitlets",
     "zmq",

@@ -106,6 +106,8 @@ ADDED_AT_DEFAULT = {
     "rope_local_theta": None,
     "rope_linear_factor": 1.0,
     "query_pre_attn_scalar": None,
+    # issue 42, fp8 executed
+    "fp8_recipe": "tensorwise",
 }
 """Config fields added after the snapshot was recorded, with the default that keeps the old
 behaviour: left out of a plan's config while they hold it, so a new choice proves it moved nothing."""

@@ -6,7 +6,9 @@ is counted once, and a parameter that is a view of a bigger buffer counts the wh
 `torch.autograd.graph.saved_tensors_hooks`: live bytes rise at each save and fall when the
 graph releases the saved tensor, and the peak over the step is kept — so GPipe's m
 microbatches in flight and 1F1B's at most p show up. Saved tensors that are parameters (a
-Linear saves its weight) are not activations and are skipped.
+Linear saves its weight) are not activations and are skipped. A tensor subclass is counted by the
+plain tensors inside it (`plain`): an fp8 tensor's one-byte values and its scale, not the size
+its wrapper reports in its nominal dtype.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import sys
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -22,6 +25,17 @@ def local(t: torch.Tensor) -> torch.Tensor:
     # strategies); while it is not loaded, no tensor is a DTensor
     dtensor = sys.modules.get("torch.distributed.tensor")
     return t._local_tensor if dtensor is not None and isinstance(t, dtensor.DTensor) else t
+
+
+def plain(t: torch.Tensor) -> list[torch.Tensor]:
+    """The plain tensors that hold `t`'s values: a DTensor's local shard, a wrapper subclass's inner
+    tensors (torchao's Float8TrainingTensor: its fp8 bytes and its fp32 scale; its FSDP weight
+    wrapper: the weight), else `t`. A wrapper's own storage has its nominal dtype's size, not theirs."""
+    t = local(t)
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [x for n in names for x in plain(getattr(t, n))]
+    return [t]
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -37,20 +51,22 @@ def unique_bytes(tensors) -> int:
     for t in tensors:
         if t is None:
             continue
-        seen[storage_key(t)] = local(t).untyped_storage().nbytes()
+        for x in plain(t):
+            seen[storage_key(x)] = x.untyped_storage().nbytes()
     return sum(seen.values())
 
 
 class _Saved:
     """What the pack hook hands to autograd: holds the tensor; releasing it lowers the count."""
 
-    __slots__ = ("tensor", "meter", "key")
+    __slots__ = ("tensor", "meter", "keys")
 
-    def __init__(self, tensor, meter, key):
-        self.tensor, self.meter, self.key = tensor, meter, key
+    def __init__(self, tensor, meter, keys):
+        self.tensor, self.meter, self.keys = tensor, meter, keys
 
     def __del__(self):
-        self.meter._release(self.key)
+        for key in self.keys:
+            self.meter._release(key)
 
 
 class MemoryMeter:
@@ -74,7 +90,7 @@ class MemoryMeter:
         """Add storages that are not activations (parameters, their flat buffers). Keyed by the
         storage object, not its address: ZeRO-3 and FSDP free a gathered parameter buffer after use
         and re-allocate it in place (storage.resize_), and it must stay a parameter."""
-        self._exclude |= {storage_key(t) for t in tensors if t is not None}
+        self._exclude |= {storage_key(x) for t in tensors if t is not None for x in plain(t)}
 
     def set_states(self, nbytes: int) -> None:
         self.states = nbytes
@@ -98,22 +114,25 @@ class MemoryMeter:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, t: torch.Tensor):
-        key = storage_key(t)
-        nbytes = local(t).untyped_storage().nbytes()
-        if key in self._exclude or nbytes == 0:
+        keys = []
+        for x in plain(t):
+            key, nbytes = storage_key(x), x.untyped_storage().nbytes()
+            if key in self._exclude or nbytes == 0:
+                continue
+            keys.append(key)
+            ref = self._refs.get(key)
+            if ref is None:
+                self._refs[key] = [nbytes, 1]
+                self.track("activations", nbytes)
+            else:
+                ref[1] += 1
+        if not keys:
             return t
-        key = storage_key(t)
-        ref = self._refs.get(key)
-        if ref is None:
-            self._refs[key] = [nbytes, 1]
-            self.track("activations", nbytes)
-        else:
-            ref[1] += 1
         # detached: a node that saves its own output would otherwise hold, through this object, the
         # tensor whose grad_fn is that node; a cycle through C++ that Python's collector cannot see,
         # broken only when backward releases the node's variables, never under retain_graph (a
         # split backward's B keeps the graph for W: engines/parallel/split_backward.py)
-        return _Saved(t.detach(), self, key)
+        return _Saved(t.detach(), self, keys)
 
     @staticmethod
     def _unpack(saved):

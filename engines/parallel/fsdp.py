@@ -26,7 +26,8 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from labkit.config import OptimConfig
-from labkit.engines.meters.memory import unique_bytes
+from labkit.engines.float8 import torchao_float8
+from labkit.engines.meters.memory import plain, unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import ParamMetas, piece
 from labkit.engines.parallel.zero3 import ZeRO3
@@ -45,17 +46,22 @@ def apply_fsdp(
     optim: OptimConfig,
     meters,
     loss_shards: int,
+    float8=None,
 ) -> ZeRO3:
     """sharding='fsdp', impl='lab': our units (a ZeRO-3 per block plus the root) over this rank's
     pipeline chunks, as its GradSync; with a pipeline each unit stays gathered over the step and is
     reduced once, whatever `reshard` says (zero3.py)."""
-    return ZeRO3(chunks, mesh, metas, "fsdp", reshard, pol, optim, meters, loss_shards, keep=mesh.size("pp") > 1)
+    keep = mesh.size("pp") > 1
+    return ZeRO3(chunks, mesh, metas, "fsdp", reshard, pol, optim, meters, loss_shards, keep=keep, float8=float8)
 
 
-def apply_fsdp_torch(model: nn.Module, mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters) -> TorchFSDP:
+def apply_fsdp_torch(
+    model: nn.Module, mesh, *, reshard: bool, pol: Policy, optim: OptimConfig, meters, float8: bool = False
+) -> TorchFSDP:
     """sharding='fsdp', impl='torch': FSDP2's fully_shard, as this rank's GradSync (FSDP2 averages the
-    gradients over its own mesh, so it needs no loss_shards)."""
-    return TorchFSDP(model, mesh, reshard, pol, optim, meters)
+    gradients over its own mesh, so it needs no loss_shards). `float8`: the model's torchao Float8Linear
+    weights are gathered in fp8 (enable_fsdp_float8_all_gather), their scales precomputed per step."""
+    return TorchFSDP(model, mesh, reshard, pol, optim, meters, float8)
 
 
 class TorchFSDP:
@@ -68,7 +74,9 @@ class TorchFSDP:
     unsharded is tracked as 'gathered' (FSDP2's flat all-gather buffer, briefly alive beside it,
     is not counted)."""
 
-    def __init__(self, model: nn.Module, mesh, reshard: bool, pol: Policy, optim: OptimConfig, meters):
+    def __init__(
+        self, model: nn.Module, mesh, reshard: bool, pol: Policy, optim: OptimConfig, meters, float8: bool = False
+    ):
         # Deferred to FSDP2 runs: once torch.distributed.fsdp is imported (it pulls in torch.distributed.nn
         # and _shard), a rank whose peer died keeps its gloo groups past destroy_process_group, so the
         # Lab's repair replaces every engine instead of the dead one (measured: tests/test_soak.py's kill).
@@ -95,16 +103,32 @@ class TorchFSDP:
             unit.register_forward_pre_hook(self._exclude_unsharded)
             self._track_gathered(unit)
         self.modules = [model]
+        self.float8 = self.stale = float8  # the fp8 weights' scales, once per step (torchtitan: after the optimizer)
+        if float8:
+            # before FSDP2's own pre-forward, whose all-gather casts each weight with its scale
+            model.register_forward_pre_hook(self._precompute_scales, prepend=True)
         self.names = [n for n, _ in model.named_parameters()]
         self.params = [p for _, p in model.named_parameters()]
         self.clip = optim.clip
         self.opt = torch_adamw(self.names, self.params, optim)
 
+    def _precompute_scales(self, module, args) -> None:
+        """torchao's precompute_float8_dynamic_scale_for_fsdp, at the step's first forward: one
+        all-reduce (MAX) of every fp8 weight's amax of its fp32 shard (torchtitan calls it after each
+        optimizer step; here the first step's scales are precomputed too, so every step is alike)."""
+        if self.stale:
+            torchao_float8().fsdp.precompute_float8_dynamic_scale_for_fsdp(module)
+            self.stale = False
+
     def _exclude_unsharded(self, module, args) -> None:
         """Every parameter the unit now shows is a parameter, not an activation: plain tensors with
         FSDP2 alone, DTensors on the tp mesh under FSDP x TP (their local storage is what autograd
-        saves; excluding an already excluded sharded one changes nothing)."""
-        self.meters.memory.exclude(module.parameters())
+        saves; excluding an already excluded sharded one changes nothing). Of torchao's fp8 weights
+        only the values (the first inner tensor: the fp8 bytes of a gathered Float8TrainingTensor, the
+        fp32 shard of a WeightWithDynamicFloat8CastTensor; their scale comes after): the scale is the
+        step's precomputed one, a new tensor every step, and the meter knows storages by address,
+        which a freed storage hands on to the next (an activation then went uncounted)."""
+        self.meters.memory.exclude(plain(p)[0] for p in module.parameters())
 
     def _track_gathered(self, unit: nn.Module) -> None:
         """Count the unit's unsharded parameters while FSDP2 holds them (its param group's private
@@ -141,6 +165,7 @@ class TorchFSDP:
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.clip if self.clip else float("inf"))
         self.opt.step()
         self.opt.zero_grad(set_to_none=False)
+        self.stale = self.float8  # the weights moved: their scales again at the next forward
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     @torch.no_grad()
@@ -158,7 +183,8 @@ class TorchFSDP:
         (FSDP2's Shard(0) over dp); `grads`: their gradients instead, sharded alike."""
         out = []
         for name, p in zip(self.names, self.params):
-            local = (p.grad if grads else p).to_local()
+            # torchao's fp8 weights are a wrapper (WeightWithDynamicFloat8CastTensor) around the fp32 shard
+            (local,) = plain((p.grad if grads else p).to_local())
             if local.shape[0] == 0:
                 continue
             box = [list(b) for b in self.tp_box[name]]

@@ -31,6 +31,12 @@ v): a column-parallel bias is split with its rows, a row-parallel one added once
 sum. Grouped-query attention: wk and wv split by KV heads when tp <= kv_heads; when tp >
 kv_heads each KV head is held by the tp/kv_heads ranks that read it (`SharedKVLinear`).
 
+Under fp8 (tensorwise) the layers the styles mark "fp8" are engines/float8.py's Float8Linear or a
+RowParallelLinear computing in fp8, as torchtitan's float8 TP plan (torchao's Float8ColwiseParallel,
+Float8RowwiseParallel) has them: an operand split over tp takes its amax over tp (a rowwise layer's
+input, a colwise layer's output gradient; each weight's once per step, `WeightScales`), so every
+rank casts with the one-process model's scales; under SP their modules gather their input in fp8.
+
 The operators are in engines/parallel/tensor_ops.py; the styles (layout/tensor.py) are data;
 `apply_tp` walks it.
 """
@@ -42,12 +48,14 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from labkit.config.choices import fused_loss
+from labkit.engines.float8 import Float8Linear, Operands, WeightScales, float8_linear
 from labkit.engines.layers import scaled
 from labkit.engines.loss import mask_padding
 from labkit.engines.parallel.common import ParamMetas
 from labkit.engines.parallel.tensor_ops import (
     Copy,
     Gather,
+    GatherFloat8,
     GatherReplicated,
     Reduce,
     ReduceGrad,
@@ -63,17 +71,19 @@ from labkit.layout.tensor import local_param, param_style, tp_styles
 class RowParallelLinear(nn.Module):
     """Y = sum_i X_i B_i (+ b): input features split over tp; `leave` sums the partial products
     (all-reduce, or reduce-scatter along the sequence under SP); the bias, replicated, is added
-    once, after the sum (to this rank's s/t rows under SP)."""
+    once, after the sum (to this rank's s/t rows under SP). `ops`: in fp8 (engines/float8.py)."""
 
-    def __init__(self, weight: torch.Tensor, leave, bias: torch.Tensor | None = None):
+    def __init__(self, weight: torch.Tensor, leave, bias: torch.Tensor | None = None, ops: Operands | None = None):
         super().__init__()
         self.weight = nn.Parameter(weight)
         self.bias = None if bias is None else nn.Parameter(bias)
-        self.leave = leave
+        self.leave, self.ops = leave, ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.leave(F.linear(x, self.weight))  # (b, s, in/t) -> (b, s, out) partial -> summed
-        return y if self.bias is None else y + self.bias
+        # (b, s, in/t) -> (b, s, out) partial -> summed
+        y = F.linear(x, self.weight) if self.ops is None else float8_linear(x, self.weight, self.ops)
+        y = self.leave(y)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class SharedKVLinear(nn.Module):
@@ -139,18 +149,23 @@ def _sliced(weight: torch.Tensor, box) -> nn.Parameter:
     return nn.Parameter(weight.detach()[tuple(slice(a, b) for a, b in box)].clone())
 
 
-def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
+def apply_tp(
+    model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bool, float8: WeightScales | None = None
+) -> tuple[nn.Module, dict]:
     """Slice the full, seeded `model` for this tp rank as the styles say (on the mesh's tp group);
-    returns (model, the styles as data for the report).
+    returns (model, the styles as data for the report). `float8`: the model's fp8 layers (tensorwise)
+    keep their split weights' scales there.
 
     In `metas`, sliced parameters get `full_shape` / `box`; replicated ones `replicas=('tp',)`,
     and under SP `reduce` gains 'tp' (each rank saw s/t positions: partial gradients). A KV
     head shared by k = tp/kv_heads ranks is counted in the norm on one of them (`tp_share = k`)."""
     group, t, r = mesh.group("tp"), mesh.size("tp"), mesh.coord("tp")
-    styles = tp_styles(model.cfg, sequence_parallel, t)
+    styles = tp_styles(model.cfg, sequence_parallel, t, fp8=float8 is not None)
+    fp8_mm = next((m.ops.mm for m in model.modules() if isinstance(m, Float8Linear)), None)  # their one config
     ops = {
         "copy": lambda x: Copy.apply(x, group),
         "all-gather": lambda x: Gather.apply(x, group),
+        "all-gather-fp8": lambda x: GatherFloat8.apply(x, group, fp8_mm),
         "all-reduce": lambda x: Reduce.apply(x, group),
         "reduce-scatter": lambda x: Scatter.apply(x, group),
         "all-gather-replicated": lambda x: GatherReplicated.apply(x, group),
@@ -174,8 +189,17 @@ def apply_tp(model: nn.Module, mesh, metas: ParamMetas, *, sequence_parallel: bo
             setattr(parent, attr, SharedKVLinear(weight, bias, share))
         elif kind == "colwise":
             module.weight, module.bias, module.out_features = weight, bias, weight.shape[0]
+            if style.get("fp8"):  # the output's features split: its gradient's amax over tp
+                module.ops.grad_group = group
+                module.ops.weight_scale, module.ops.scales = float8.track(module.weight, group), float8
         elif kind == "rowwise":
-            setattr(parent, attr, RowParallelLinear(weight, ops[style["output"]], bias))
+            f8 = None
+            if style.get("fp8"):  # the input's features split: its amax over tp
+                f8 = Operands(mm=module.ops.mm, input_group=group, scales=float8)
+            row = RowParallelLinear(weight, ops[style["output"]], bias, f8)
+            if f8 is not None:
+                f8.weight_scale = float8.track(row.weight, group)
+            setattr(parent, attr, row)
         elif kind == "vocab" and isinstance(module, nn.Embedding):
             module.weight, module.num_embeddings = weight, weight.shape[0]
             sp = styles.get(parent_name + ".pos", {}).get("style") == "sequence"

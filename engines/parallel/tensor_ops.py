@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from labkit.engines.float8 import cast, torchao_float8
 from labkit.engines.loss import row_chunks, softmax_grad
 
 
@@ -77,6 +78,25 @@ class Gather(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return reduce_scatter_seq(grad, ctx.group), None  # (b, s, h) -> (b, s/t, h)
+
+
+class GatherFloat8(torch.autograd.Function):
+    """SP's entry in fp8 (torchao's PrepareFloat8ModuleInput, as torchtitan's float8 TP plan uses it):
+    forward, the (b, s/t, h) shard cast to e4m3 with the whole sequence's scale (its amax all-reduced,
+    MAX) and all-gathered at one byte an element, handed to the colwise layers as an fp8 tensor they
+    use and save as is; backward, the bf16 gradient reduce-scattered, as Gather's."""
+
+    @staticmethod
+    def forward(ctx, x, group, mm):
+        ctx.group = group
+        x8 = cast(x, "e4m3", "INPUT", mm, group=group)  # (b, s/t, h) e4m3, the scale of all s rows
+        data = all_gather_seq(x8._data.view(torch.uint8), group).view(x8._data.dtype)  # (b, s/t, h) -> (b, s, h)
+        tt = torchao_float8().tensor
+        return tt.Float8TrainingTensor(data, x8._scale, x.dtype, mm, tt.GemmInputRole.INPUT)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_seq(grad, ctx.group), None, None  # (b, s, h) -> (b, s/t, h)
 
 
 class Scatter(torch.autograd.Function):

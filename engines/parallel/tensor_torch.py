@@ -45,6 +45,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from labkit.config import OptimConfig
+from labkit.engines.float8 import torchao_float8
 from labkit.engines.meters.memory import local, unique_bytes
 from labkit.engines.optim import torch_adamw
 from labkit.engines.parallel.common import piece
@@ -52,19 +53,26 @@ from labkit.layout.tensor import shard_box, tp_styles
 
 
 def torch_styles(styles: dict[str, dict], sequence_parallel: bool) -> dict:
-    """labkit's styles in DTensor's ParallelStyles (modules outside them are replicated)."""
+    """labkit's styles in DTensor's ParallelStyles (modules outside them are replicated); under fp8
+    the layers the styles mark fp8 take torchao's float8 styles, as torchtitan's float8 TP plan does
+    (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput: their operands cast on
+    DTensors, whose amax is the whole tensor's, and SP's inputs gathered in fp8)."""
     between = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream (b, s, h)
+    f8 = torchao_float8().tp if any(s.get("fp8") for s in styles.values()) else None  # torchao: fp8 runs only
+    colwise = lambda s: f8.Float8ColwiseParallel() if s.get("fp8") else ColwiseParallel()
+    rowwise = lambda s: (f8.Float8RowwiseParallel if s.get("fp8") else RowwiseParallel)(output_layouts=between)
     out = {}
     for name, style in styles.items():
         kind = style["style"]
+        prepare = f8.PrepareFloat8ModuleInput if style.get("input") == "all-gather-fp8" else PrepareModuleInput
         if kind == "colwise":
-            out[name] = ColwiseParallel()
+            out[name] = colwise(style)
         elif kind == "rowwise":
-            out[name] = RowwiseParallel(output_layouts=between)
+            out[name] = rowwise(style)
         elif kind == "input" and name.endswith("attn"):  # attention also takes the rotary tables (or None)
-            out[name] = PrepareModuleInput(input_layouts=(between, None), desired_input_layouts=(Replicate(), None))
+            out[name] = prepare(input_layouts=(between, None), desired_input_layouts=(Replicate(), None))
         elif kind == "input":
-            out[name] = PrepareModuleInput(input_layouts=(between,), desired_input_layouts=(Replicate(),))
+            out[name] = prepare(input_layouts=(between,), desired_input_layouts=(Replicate(),))
         elif kind == "sequence" and not name.endswith("pos"):
             out[name] = SequenceParallel()
         elif kind == "vocab" and name == "head.proj":
@@ -104,10 +112,13 @@ def tp_device_mesh(mesh, device_type: str, *, with_fsdp: bool) -> DeviceMesh:
     return DeviceMesh.from_group(mesh.group("tp"), device_type)
 
 
-def apply_tp_torch(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> tuple[nn.Module, dict]:
+def apply_tp_torch(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool, fp8: bool = False
+) -> tuple[nn.Module, dict]:
     """parallelize_module on `tp_mesh`; returns (model, the styles as data for the report). Its loss is
-    vocab-parallel: run the step's schedule inside `in_loss_parallel`."""
-    styles = tp_styles(model.cfg, sequence_parallel, tp_mesh.size())
+    vocab-parallel: run the step's schedule inside `in_loss_parallel`. `fp8`: the model's layers are
+    torchao's Float8Linear (tensorwise), parallelized with its float8 styles."""
+    styles = tp_styles(model.cfg, sequence_parallel, tp_mesh.size(), fp8=fp8)
     parallelize_module(model, tp_mesh, torch_styles(styles, sequence_parallel))
     if model.cfg.tied:  # each style distributed its own copy; both are Shard(0) of one weight: one again
         model.head.proj.weight = model.embed.tok.weight

@@ -270,6 +270,7 @@ def apply_zero(
     optim: OptimConfig,
     meters,
     loss_shards: int,
+    float8=None,
 ):
     """ZeRO stage 1, 2 or 3 (impl='lab'): this rank's GradSync over every pipeline chunk's parameters;
     with a pipeline (pp > 1) stages 2 and 3 reduce once per step (module docstring). ZeRO-3
@@ -277,5 +278,5 @@ def apply_zero(
     pipeline = mesh.size("pp") > 1
     if stage == 3:
         kind = unit_kind(per_module=True, tied=chunks[0].cfg.tied)
-        return ZeRO3(chunks, mesh, metas, kind, True, pol, optim, meters, loss_shards, keep=pipeline)
+        return ZeRO3(chunks, mesh, metas, kind, True, pol, optim, meters, loss_shards, keep=pipeline, float8=float8)
     return ZeRO12(chunks, mesh, metas, stage, pol, bucket_bytes, optim, meters, loss_shards, once=pipeline)

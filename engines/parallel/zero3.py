@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from labkit.config import OptimConfig
+from labkit.engines.float8 import WeightScales
 from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.parallel.common import (
     ParamMetas,
@@ -39,6 +40,7 @@ from labkit.engines.parallel.shards import (
     layout_group,
     replica_group,
 )
+from labkit.engines.parallel.zero3_float8 import dequantized, fp8_names, to_fp8_buffers
 from labkit.engines.precision import Policy
 from labkit.layout.flat import FlatLayout, unit_layouts
 
@@ -85,7 +87,8 @@ class ZeRO3:
     one unit per group, each sharded over its own group (layout/flat.py). `chunks`: this rank's
     pipeline chunks (one module without a pipeline); with several stages' microbatches in
     flight (`keep`, pp > 1) a unit stays gathered over the step and is reduced once (module
-    docstring)."""
+    docstring). `float8`: under fp8 (tensorwise) the fp8 linears' weights are gathered in fp8, their
+    scales kept there (zero3_float8.py)."""
 
     def __init__(
         self,
@@ -99,13 +102,19 @@ class ZeRO3:
         meters,
         loss_shards: int,
         keep: bool = False,
+        float8: WeightScales | None = None,
     ):
         self.modules = chunks
         named = [(n, p) for c in chunks for n, p in c.named_parameters()]
         params = {metas[p].full_name(n): p for n, p in named}
         self.pol, self.reshard, self.meters, self.loss_shards, self.keep = pol, reshard, meters, loss_shards, keep
-        self.layouts = unit_layouts(entries(named, metas, mesh), group_sizes(mesh, named, metas), kind)
+        fp8 = fp8_names(chunks, metas) if float8 is not None else frozenset()
+        self.layouts = unit_layouts(entries(named, metas, mesh), group_sizes(mesh, named, metas), kind, fp8)
         self.units = [_Unit(p, _unit_modules(chunks, p.unit), params, mesh, pol) for p in self.layouts]
+        self.float8 = float8
+        for u in self.units:
+            if u.layout.fp8:
+                to_fp8_buffers(u, chunks, float8)
         self.tied_group, self.tied = tied_params(list(params.values()), metas, mesh)
         self.count = 1  # microbatches per step (microbatch())
         for u in self.units:
@@ -125,6 +134,8 @@ class ZeRO3:
     def _gather(self, u: _Unit) -> None:
         if u.gathered:
             return
+        if u.layout.fp8:
+            self.float8.refresh()  # this step's scales and fp8 shards (an all-reduce, once per step)
         u.full.untyped_storage().resize_(u.nbytes)
         self.meters.memory.track("gathered", u.nbytes)
         if u.n > 1:  # (shard,) from every rank -> (padded,)
@@ -239,7 +250,7 @@ class ZeRO3:
     def step(self) -> float:
         norm = self.optimizer.step([u.grad for u in self.units])
         for u in self.units:
-            if self.pol.mixed:
+            if self.pol.mixed and not u.layout.fp8:  # (an fp8 shard is cast at the next gather)
                 u.shard.copy_(u.master)  # round the updated masters into the bf16 slice
             u.grad.zero_()
         return norm
@@ -266,7 +277,7 @@ class ZeRO3:
         for u in self.units:
             was = u.gathered
             self._gather(u)
-            out += self.optimizer.whole_pieces(u.layout, u.full)
+            out += self.optimizer.whole_pieces(u.layout, dequantized(u) if u.layout.fp8 else u.full)
             if not was:
                 self._free(u)
         return out

@@ -22,6 +22,7 @@ from labkit.config.choices import (
     Sharded,
     Sharding,
 )
+from labkit.config.float8 import Float8Scaling, Fp8Recipe, float8_scaling
 from labkit.config.validation import check_fields
 
 
@@ -61,8 +62,12 @@ class ParallelConfig(_Dict):
     """'lab' runs labkit's readable implementations; 'torch' runs PyTorch's own (DDP, FSDP2, DTensor, pipelining)."""
     precision: Precision = "fp32"
     """'fp32'; 'bf16': bf16 compute with fp32 master weights and optimizer state; 'fp8': as bf16,
-    with the linear layers' matmuls in fp8 (per-tensor scales, torchao's float8 training) and
-    FSDP's all-gather in fp8 (the theory only: the engines refuse it, validation says why)."""
+    with the blocks' linear layers' matmuls in fp8 (torchao's float8 training, as torchtitan
+    converts them: engines/float8.py) and, per tensor, FSDP's all-gather of their weights in fp8."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """precision='fp8': 'tensorwise' (one dynamic scale per tensor; torchao's default, the one that
+    gathers FSDP's weights and shards TP's activations in fp8) or 'rowwise' (a power-of-two scale
+    per row; collectives stay bf16). 'mxfp8' and 'delayed' are refused by name (not built)."""
     checkpoint_activations: Checkpointing = False
     """Recompute in backward instead of keeping: False; True or 'full' (each block keeps its input
     only, Chen et al. 2016); 'selective' (the attention core only, Korthikanti et al. 2022, section
@@ -122,6 +127,11 @@ class ParallelConfig(_Dict):
     def numerics(self) -> Numerics:
         """What `precision` computes in: .mixed (low-precision compute, fp32 masters), .fp8 (fp8 matmuls)."""
         return choices.numerics(self.precision)
+
+    @property
+    def fp8_scaling(self) -> Float8Scaling:
+        """What `fp8_recipe` scales by: .rowwise, .gathers_fp8 (FSDP's float8 all-gather), .not_built."""
+        return float8_scaling(self.fp8_recipe)
 
     @property
     def recomputation(self) -> Recomputation:

@@ -119,3 +119,66 @@ def schedule_problems(cfg: ParallelConfig) -> list[str]:
 
 
 # What PyTorch offers for each ZeRO stage (impl='torch'), or why nothing: the reason in the refusal.
+
+
+def float8_not_built(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
+    """What precision='fp8' does not run on the engines (the theory prices it all): each named, with a
+    fix. Built: dense models' blocks in fp8 under DDP, ZeRO-1/2/3 and FSDP (ours, and FSDP2 with its
+    float8 all-gather), TP + SP (ours, tensorwise), FSDP2 with torchao's float8 TP styles (without SP)
+    and the pipeline schedules (ours)."""
+    if not cfg.numerics.fp8:
+        return []
+    scaling, out = cfg.fp8_scaling, []
+    if scaling.not_built:
+        out.append(scaling.not_built)
+    if model.experts:
+        out.append(
+            "precision='fp8' with an MoE model is not built: torchtitan converts the experts' grouped matmuls "
+            "with its Float8GroupedExpertsConverter (CUDA kernels only); use experts=0 or precision='bf16'"
+        )
+    if model.family.latent_attention:
+        out.append(
+            "precision='fp8' with multi-head latent attention (deepseek_v3) is not built: its latents' "
+            "projections and norms are not the blocks' dense layers labkit converts; use precision='bf16'"
+        )
+    if cfg.cp > 1:
+        out.append(
+            f"precision='fp8' with cp={cfg.cp} is not built: each cp rank would cast its own s/cp positions "
+            "with their own amax, a split no one-process fp8 reference shares; use cp=1 or precision='bf16'"
+        )
+    if cfg.compile:
+        out.append("precision='fp8' with compile=True is not built; use compile=False")
+    if cfg.dp_replicate > 1:
+        out.append("precision='fp8' with HSDP (dp_replicate > 1) is not built; use dp_replicate=1")
+    if cfg.recomputation.recomputes:
+        out.append("precision='fp8' with checkpoint_activations is not built; use checkpoint_activations=False")
+    if cfg.torch_impl and (cfg.pp > 1 or not cfg.sharded.fsdp):
+        out.append(
+            "precision='fp8' with impl='torch' runs FSDP2 (sharding='fsdp', pp=1: torchao's float8 all-gather; "
+            "with tp > 1 torchao's float8 TP styles, torchtitan's 2-D); use impl='lab' for DDP, ZeRO and "
+            "the pipeline in fp8"
+        )
+    if cfg.torch_impl and cfg.sequence_parallel and not scaling.rowwise:
+        out.append(
+            "precision='fp8' with impl='torch' and sequence_parallel=True is not built: torchao's float8 SP "
+            "(PrepareFloat8ModuleInput) all-gathers float8_e4m3fn DTensors, a dtype gloo's all-gather refuses "
+            "('Invalid scalar type'); use impl='lab' (its fp8 gather moves the same bytes as uint8) or "
+            "sequence_parallel=False"
+        )
+    if cfg.tp > 1 and scaling.rowwise:
+        out.append(
+            "fp8_recipe='rowwise' with tp > 1 is not built: torchtitan's float8 TP (torchao's Float8ColwiseParallel, "
+            "Float8RowwiseParallel) is tensorwise only; use fp8_recipe='tensorwise' or tp=1"
+        )
+    if cfg.tp > 1 and cfg.sharded.params and not scaling.rowwise and not cfg.torch_impl:
+        out.append(
+            f"precision='fp8' with tp={cfg.tp} and sharding={cfg.sharding!r} is not built: a shard's weight amax "
+            "would need the MAX over both the unit's dp group and tp (DTensor does it for FSDP2: impl='torch'); "
+            "use sharding='none', 'zero1' or 'zero2'"
+        )
+    if cfg.tp > model.n_kv_heads:
+        out.append(
+            f"precision='fp8' with tp={cfg.tp} > kv_heads={model.n_kv_heads} is not built: each rank would cast "
+            "its partial gradient of a shared KV head to e5m2 before their sum; use tp <= kv_heads"
+        )
+    return out

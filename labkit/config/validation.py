@@ -26,7 +26,7 @@ from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unkno
 from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
 from labkit.config.moe import moe_layout_problems, moe_problems
-from labkit.config.strategy_problems import context_problems, hybrid_problems, schedule_problems
+from labkit.config.strategy_problems import context_problems, float8_not_built, hybrid_problems, schedule_problems
 
 if TYPE_CHECKING:
     from labkit.config import ModelConfig, OptimConfig, ParallelConfig
@@ -338,14 +338,7 @@ def _sharding_problems(cfg: ParallelConfig) -> list[str]:
 
 def not_built_yet(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     """Layouts the engines do not run (each goes when its strategy lands); the theory predicts them all."""
-    out = []
-    if cfg.numerics.fp8:
-        out.append(
-            "precision='fp8' is predicted by the theory but not run by the engines: fp8 matmuls need "
-            "an H100-class GPU (torch._scaled_mm, compute capability >= 8.9), and an emulation on the "
-            "CPU (quantize, dequantize, bf16 matmul) would measure bf16's memory and time, not fp8's; "
-            "use precision='bf16' on the engines, theory.evaluate(...) for fp8"
-        )
+    out = float8_not_built(cfg, model)
     if cfg.recomputation.per_op:
         out.append(
             "checkpoint_activations='op' (torchtitan's per-op selective policy) is predicted by the "

@@ -8,7 +8,8 @@ it is cut into N equal shards, rank i holding the i-th. Pure Python: the engines
 Matrices come first in a buffer, vectors after, so a shard's weight-decay mask is two runs.
 Two groupings: `bucket_layouts` (ZeRO-1/2, DDP's buckets) and `unit_layouts` (ZeRO-3 / FSDP, one
 buffer per module gathered as a whole). A buffer only holds parameters reduced over the same
-dims and is sharded over exactly that group (`FlatLayout.dims`); DERIVATIONS.md, "Flat buffers", says why.
+dims and is sharded over exactly that group (`FlatLayout.dims`), and under fp8 a unit's weights that
+are gathered in fp8 get a buffer of their own (`FlatLayout.fp8`); DERIVATIONS.md, "Flat buffers", says why.
 Entries are (name, shape) — whole-model data parallelism, dims dp-ep-cp — or
 (name, shape, dims) or (name, shape, dims, chunk); `n` is one group size or {dims: size}.
 """
@@ -43,11 +44,14 @@ class FlatLayout:
     n: int
     dims: tuple[str, ...] = DATA_DIMS
     """Mesh dims of the n ranks that share the buffer, shard it and reduce its gradients."""
+    fp8: bool = False
+    """Gathered in fp8, one byte an element (FSDP's float8 all-gather: its tensors are fp8 linears'
+    weights, each rank's shard cast with the tensors' scales of the step); else in the compute dtype."""
 
     @classmethod
-    def of(cls, unit: str, named_shapes, n: int, dims: tuple[str, ...] = DATA_DIMS) -> FlatLayout:
+    def of(cls, unit: str, named_shapes, n: int, dims: tuple[str, ...] = DATA_DIMS, fp8: bool = False) -> FlatLayout:
         ordered = [x for x in named_shapes if is_matrix(x[1])] + [x for x in named_shapes if not is_matrix(x[1])]
-        return cls(unit, tuple(a for a, _ in ordered), tuple(tuple(s) for _, s in ordered), n, tuple(dims))
+        return cls(unit, tuple(a for a, _ in ordered), tuple(tuple(s) for _, s in ordered), n, tuple(dims), fp8)
 
     @property
     def numels(self) -> list[int]:
@@ -145,13 +149,14 @@ def unit_of(name: str, kind: str) -> str:
     return parts[0] if kind == "zero3" else ""
 
 
-def unit_layouts(named, n, kind: str) -> list[FlatLayout]:
+def unit_layouts(named, n, kind: str, fp8: frozenset[str] = frozenset()) -> list[FlatLayout]:
     """ZeRO-3 / FSDP units in forward order: zero3 embed, blocks.0.., head; fsdp the root (''),
     then blocks.0.. (the root's hooks run around the whole forward). A module whose parameters
-    are reduced over different dims gets one buffer per group, in registration order."""
+    are reduced over different dims gets one buffer per group, and one for the weights it gathers
+    in fp8 (`fp8`: their names), in registration order."""
     units: dict[tuple, list] = {}
     for name, shape, dims, _ in _entries(named):
-        units.setdefault((unit_of(name, kind), dims), []).append((name, shape))
+        units.setdefault((unit_of(name, kind), dims, name in fp8), []).append((name, shape))
     first = {key: i for i, key in enumerate(units)}
     order = sorted(
         units,
@@ -163,4 +168,4 @@ def unit_layouts(named, n, kind: str) -> list[FlatLayout]:
             first[k],
         ),
     )
-    return [FlatLayout.of(u, units[u, dims], _size(n, dims), dims) for u, dims in order]
+    return [FlatLayout.of(u, units[u, dims, f], _size(n, dims), dims, f) for u, dims, f in order]

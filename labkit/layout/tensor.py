@@ -9,9 +9,10 @@ kv_heads, is in DERIVATIONS.md.
 from __future__ import annotations
 
 from labkit.config import ModelConfig
+from labkit.layout.float8 import block_linears, converts
 
 
-def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) -> dict[str, dict]:
+def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1, fp8: bool = False) -> dict[str, dict]:
     """Module name -> style dict for the model (engines/model.py, every family). Styles:
       colwise    weight rows (output features) split over tp: Y_i = X A_i, no communication; a
                  bias is split with its rows. `kv_groups`: wk / wv when tp > kv_heads — the rows
@@ -40,7 +41,14 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
                  q_layernorm / k_layernorm gradients over TP, finalize_model_grads)
     `output` of a rowwise / vocab embedding: 'all-reduce' (the paper's g) or 'reduce-scatter'
     (SP: the sum lands sequence-sharded); the LM head's is the vocab-parallel cross-entropy, whose
-    two small all-reduces (max, then sum-exp with the target logit) replace gathering (b, s, V)."""
+    two small all-reduces (max, then sum-exp with the target logit) replace gathering (b, s, V).
+
+    `fp8` (precision='fp8', tensorwise): a colwise or rowwise layer that converts (layout/float8.py)
+    is marked "fp8": True — its split operands take their amax over tp (a rowwise layer's input, a
+    colwise layer's output gradient, either weight) — and under SP a module whose colwise layers all
+    convert gathers its input in fp8, 'all-gather-fp8' (the shard cast with the whole sequence's
+    amax, then all-gathered at one byte an element: torchao's PrepareFloat8ModuleInput, as
+    torchtitan's float8 TP plan uses it)."""
     enter = {"style": "input", "input": "all-gather" if sequence_parallel else "copy"}
     leave = "reduce-scatter" if sequence_parallel else "all-reduce"
     norm = {"style": "sequence" if sequence_parallel else "replicate"}
@@ -99,7 +107,24 @@ def tp_styles(model: ModelConfig, sequence_parallel: bool = False, tp: int = 1) 
     }
     if model.tied:
         styles["head.proj"]["tied"] = "embed.tok"
+    if fp8:
+        _float8(styles, model)
     return styles
+
+
+def _float8(styles: dict[str, dict], model: ModelConfig) -> None:
+    """Mark the layers that compute in fp8, and the SP inputs gathered in fp8 (tp_styles, `fp8`)."""
+    shapes = block_linears(model)
+    for name, style in styles.items():
+        block, _, rest = name.partition(".")
+        local = rest.partition(".")[2]  # 'attn.wq' of 'blocks.0.attn.wq'
+        if block == "blocks" and local in shapes and converts(name, *shapes[local]):
+            style["fp8"] = True
+    for name, style in styles.items():
+        if style.get("input") == "all-gather" and style["style"] == "input":
+            layers = [s for n, s in styles.items() if n.startswith(name + ".") and s["style"] == "colwise"]
+            if layers and all(s.get("fp8") for s in layers):
+                style["input"] = "all-gather-fp8"
 
 
 def param_style(styles: dict[str, dict], param_name: str) -> dict:

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.config.choices import numerics
+from labkit.oracle.bounds_fp8 import cast_exact, fp8_bounds
 from labkit.oracle.rounding import depths
 
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
@@ -52,16 +53,17 @@ for the b·s = 128 token rows of a weight gradient; measured: 2.5e-7 to 5e-7 per
 float64, 1e-7 to 3e-6 on the final parameters. Bugs move a tensor's gradient by O(1)."""
 
 
-def bounds(precision: str, paths: dict[str, int] | None = None) -> Bounds:
+def bounds(precision: str, paths: dict[str, int] | None = None, layout=None, layers: int = 0) -> Bounds:
     """The bounds of `precision` (DERIVATIONS.md derives them). bf16: each tensor's gradient within
     paths[t]·u, paths[t] the roundings on the longest chain to it (`paths`, counted on the computation
-    by labkit/oracle/rounding.py); the norm within the largest."""
+    by labkit/oracle/rounding.py); the norm within the largest. fp8: bf16's with fp8's terms added
+    (bounds_fp8.py: `layers` blocks of fp8 casts), none on the gradients where `layout` (a ParallelConfig)
+    shares every fp8 cast with the reference (`cast_exact`)."""
     kind = numerics(precision)
     if not kind.mixed:
         return FP32
-    # fp8 is the theory's only: the engines refuse it (validation.not_built_yet), so no bound is derived
     if kind.fp8:
-        raise ValueError(f"precision={precision!r}: use 'fp32' or 'bf16'")
+        return fp8_bounds(bounds("bf16", paths), layers, layout is not None and cast_exact(layout))
     if not paths:
         raise ValueError("bf16's bounds need each tensor's roundings (labkit/oracle/bounds.py `paths`)")
     u = UNIT_ROUNDOFF["bf16"]

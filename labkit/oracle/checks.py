@@ -25,7 +25,8 @@ so every step is one step's arithmetic, held by one step's bounds (labkit/oracle
 what AdamW does with a rounding — it divides each element by its own RMS + ε, so a near-zero
 element's rounding becomes an update of up to lr — is the optimizer's, the same on both sides.
 A run without its gradients is held on what the first step alone can hold: its loss and norm.
-The bounds are against the fp32 reference in every precision.
+The bounds are against the fp32 reference in bf16 and fp32; an fp8 layout's are against the fp8
+reference that splits its batch as it does (bounds_fp8.py), replayed the same way.
 """
 
 from __future__ import annotations
@@ -36,7 +37,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.config.choices import numerics
+from labkit.layout.float8 import float8_weights, fp8_weight
 from labkit.oracle.bounds import Bounds, bounds, paths, round_to, tensor_errors
+from labkit.oracle.bounds_fp8 import reference_problems
 from labkit.oracle.replay import replay
 
 
@@ -127,8 +130,11 @@ def working_weights(result) -> list[Mismatch]:
     if result.compute is None or result.params is None:
         return []
     out = []
+    gathered8 = fp8_gathered(result)
     for name, w in result.compute.items():
         want = round_to(result.params[name], result.config.precision)
+        if name in gathered8:  # FSDP's float8 all-gather: fp8(w·s) / s, s from the whole bf16 tensor
+            want = fp8_weight(want)
         # compared as bits: identical NaNs are equal, +0 and -0 are not; the copy must be exactly the rounding
         differ = int(np.count_nonzero(w.view(np.uint32) != want.view(np.uint32)))
         if differ:
@@ -141,6 +147,15 @@ def working_weights(result) -> list[Mismatch]:
                 )
             )
     return out
+
+
+def fp8_gathered(result) -> set[str]:
+    """The weights a run gathers in fp8 (our ZeRO-3 / FSDP units under fp8, tensorwise: layout/flat.py
+    FlatLayout.fp8), whose working copies are their fp8 casts."""
+    cfg = result.config
+    if not (numerics(cfg.precision).fp8 and cfg.fp8_scaling.gathers_fp8 and cfg.sharded.params):
+        return set()
+    return set(float8_weights((n, v.shape) for n, v in result.params.items()))
 
 
 def gradients(result, held, within: Bounds, show: int = 6) -> list[Mismatch]:
@@ -290,7 +305,11 @@ def judged(result, ref, within: Bounds | None = None):
     """(the reference the run is held to, its bounds): the replay where the run brought its gradients back,
     with one step's bounds at every step; else the plain reference, whose steps after the first are held
     by nothing (the optimizer's amplification of a rounding, replay.py), and `ref`'s first step alone."""
-    if numerics(ref.precision).mixed:
+    if numerics(result.config.precision).fp8:
+        wrong = reference_problems(result.config, ref)
+        if wrong:
+            raise ValueError(wrong[0])
+    elif numerics(ref.precision).mixed:
         raise ValueError(
             f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
             "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"
@@ -302,7 +321,12 @@ def judged(result, ref, within: Bounds | None = None):
         )
     # bf16's bounds grow with the roundings on each gradient's chain, counted on the computation (bounds.paths)
     mixed = numerics(result.config.precision).mixed
-    b = within or bounds(result.config.precision, paths(result.model, result.config) if mixed else None)
+    b = within or bounds(
+        result.config.precision,
+        paths(result.model, result.config) if mixed else None,
+        result.config,
+        result.model.layers,
+    )
     rep = replayed(result)
     return (rep if rep is not None else ref), b
 

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from labkit.config import ConfigError, ModelConfig, OptimConfig
-from labkit.config.choices import Data, Precision, trains_on_text
+from labkit.config.choices import Data, Precision, numerics, trains_on_text
+from labkit.config.float8 import Fp8Recipe, float8_scaling
 from labkit.config.validation import data_problems
 
 
@@ -47,6 +48,10 @@ class Reference:
     replayed: object = field(default=None, repr=False)
     """A replay's record (labkit/oracle/replay.py `Replayed`: the routing flips it followed and those
     it refused); None for a plain reference."""
+    fp8_recipe: Fp8Recipe = "tensorwise"
+    """precision='fp8': how its linear layers scaled (torchao's recipe)."""
+    shards: int = 1
+    """Parts each step's batch was split into, each with its own forward and backward."""
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
         """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
@@ -66,6 +71,7 @@ def reference(
     shards: int = 1,
     threads: int | None = None,
     data: Data = "synthetic",
+    fp8_recipe: Fp8Recipe = "tensorwise",
 ) -> Reference:
     """Train `steps` steps of `model` on one process and return losses and final parameters.
 
@@ -88,8 +94,15 @@ def reference(
     threads: intra-op threads for this run (default: leave torch's setting). bf16 results depend
     on how a kernel splits its work: the same bf16 run on 1 and on 2 threads differs by ~1e-2 in
     that LayerNorm bias. Give the engines' count to compute exactly their arithmetic.
+
+    precision='fp8' computes on that bf16 copy with its blocks' linear layers converted to torchao's
+    Float8Linear (`fp8_recipe`, torchtitan's filter: engines/float8.py) — the oracle of fp8 layouts,
+    with `shards` as the layout splits its batch, since an activation's scale is the amax of the rows
+    a forward sees (labkit/oracle/bounds_fp8.py says why and what it bounds).
     """
     found = data_problems(data, model or ModelConfig())
+    if numerics(precision).fp8 and float8_scaling(fp8_recipe).not_built:
+        found.append(float8_scaling(fp8_recipe).not_built)
     if found:
         raise ConfigError(found)
     # torch when the reference trains, not when the oracle is imported (the kernel never loads it else)
@@ -99,15 +112,20 @@ def reference(
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            return reference(model, steps, seed, global_batch, precision, optim, shards, data=data)
+            return reference(
+                model, steps, seed, global_batch, precision, optim, shards, data=data, fp8_recipe=fp8_recipe
+            )
         # the notebook's own thread count comes back, whatever the reference did
         finally:
             torch.set_num_threads(before)
 
-    return train(model or ModelConfig(), steps, seed, global_batch, precision, optim or OptimConfig(), shards, data)
+    model, optim = model or ModelConfig(), optim or OptimConfig()
+    return train(model, steps, seed, global_batch, precision, optim, shards, data, fp8_recipe=fp8_recipe)
 
 
-def train(model, steps, seed, global_batch, precision, optim, shards, data, follow=None) -> Reference:
+def train(
+    model, steps, seed, global_batch, precision, optim, shards, data, follow=None, fp8_recipe: Fp8Recipe = "tensorwise"
+) -> Reference:
     """reference()'s loop. `follow` (labkit/oracle/replay.py `Follow`): each step's gradients are
     still computed here, but the update applies the run's (follow.grads), and MoE layers route as the
     run routed where the two tie (follow.install)."""
@@ -125,7 +143,7 @@ def train(model, steps, seed, global_batch, precision, optim, shards, data, foll
     # registration order; weight decay on matrices only, decided as the engines decide it (nanoGPT's rule)
     names, params = zip(*net.named_parameters())
     opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
-    compute = compute_copy(net, precision)  # the module that runs forward/backward
+    compute = compute_copy(net, precision, fp8_recipe)  # the module that runs forward/backward
     losses, norms, every = [], [], []
     for step in range(steps):
         if follow is not None:
@@ -162,4 +180,6 @@ def train(model, steps, seed, global_batch, precision, optim, shards, data, foll
     buffers = {n: b.detach().float().numpy().copy() for n, b in compute.module.named_buffers()}
     first = every[0] if every else {}
     record = follow.record if follow is not None else None
-    return Reference(losses, norms, final, first, precision, model, data, validation, buffers, every, record)
+    return Reference(
+        losses, norms, final, first, precision, model, data, validation, buffers, every, record, fp8_recipe, shards
+    )

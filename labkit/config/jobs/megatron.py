@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from labkit.config import ModelConfig, OptimConfig, ParallelConfig, RopeScaling
 from labkit.config.choices import ConfigError, family
+from labkit.config.float8 import FP8_RECIPES
 from labkit.config.jobs.job import Job, need_world, world_problem
 from labkit.config.jobs.megatron_args import Args, parse, split, stages_of
 
@@ -216,6 +217,7 @@ def read(
             microbatches=glob // (micro * dp),
             global_batch=glob,
             precision=_precision(a, notes),
+            fp8_recipe=_fp8_recipe(a, notes),
             checkpoint_activations=_recompute(a, notes),
         ),
         model,
@@ -246,6 +248,20 @@ def _precision(a: Args, notes: list[str]) -> str:
         notes.append(f"--fp8-format {fp8}: labkit's fp8 is per-tensor e4m3 forward, e5m2 gradients (torchao's)")
         return "fp8"
     return "bf16" if bf16 or fp16 else "fp32"
+
+
+def _fp8_recipe(a: Args, notes: list[str]) -> str:
+    """--fp8-recipe (Megatron-Core's default 'delayed': Transformer Engine's amax history), refused by the
+    engines by name where labkit has no such recipe; fp8 attention noted (labkit's attention is bf16)."""
+    for flag in ("fp8-dot-product-attention", "fp8-multi-head-attention"):
+        if a.flag(flag):
+            notes.append(f"--{flag}: fp8 attention is not built; labkit prices and runs attention in bf16")
+    if a.get("fp8-format") is None:
+        return "tensorwise"
+    recipe = a.get("fp8-recipe", str, "delayed")
+    if recipe not in FP8_RECIPES:
+        raise ConfigError([f"--fp8-recipe {recipe} is not one labkit knows; it knows {list(FP8_RECIPES)}"])
+    return recipe
 
 
 def _recompute(a: Args, notes: list[str]):

@@ -6,8 +6,9 @@ recomputation, the precision, the model's family (GQA, experts, tied head, RoPE 
 vocabulary). What shrinks, each said in `Shrunk.shrunk`: every degree above 1 to 2 (model-parallel
 dims first: tp, cp, pp, ep, then dp; one that does not fit in the engines goes to 1), the model to
 a few tiny blocks, the batch to a few microbatches of one sequence, and what the engines do not run
-to its nearest that they do (fp8 -> bf16, torchtitan's per-op recompute -> 'selective', impl='torch'
--> 'lab' where PyTorch's building blocks are not wired for the layout).
+to its nearest that they do (torchtitan's per-op recompute -> 'selective', impl='torch' -> 'lab'
+where PyTorch's building blocks are not wired for the layout, fp8 -> bf16 where the shrunk layout
+has no fp8 engine: strategy_problems.py `float8_not_built`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.config.choices import ConfigError
 from labkit.config.jobs.job import Job
+from labkit.config.strategy_problems import float8_not_built
 from labkit.config.validation import not_built_yet, problems
 
 KEEP_FIRST = ("tp", "cp", "pp", "ep", "dp")
@@ -93,7 +95,6 @@ def shrink(job: Job, engines: int) -> Shrunk:
     cfg = p.replace(
         **deg, stage_layers=sl, microbatches=micro, global_batch=deg["dp"] * deg["ep"] * micro,
         sequence_parallel=p.sequence_parallel and deg["tp"] > 1,
-        precision="bf16" if p.numerics.fp8 else p.precision,
         checkpoint_activations="selective" if p.recomputation.per_op else p.checkpoint_activations,
         virtual_stages=p.virtual_stages if deg["pp"] > 1 else 1,
         schedule=p.schedule if deg["pp"] > 1 else "1f1b",
@@ -102,6 +103,8 @@ def shrink(job: Job, engines: int) -> Shrunk:
     # implementations run the same arithmetic (its oracle holds both to one process)
     if cfg.torch_impl and not_built_yet(cfg, model):
         cfg = cfg.replace(impl="lab")
+    if float8_not_built(cfg, model):  # fp8 that the engines do not run for this layout: its bf16 arithmetic
+        cfg = cfg.replace(precision="bf16", fp8_recipe="tensorwise")
     found = problems(cfg, model, engines) + not_built_yet(cfg, model)
     if found:
         raise ConfigError([f"the job shrunk to {engines} engines does not run here: {f}" for f in found])
@@ -116,6 +119,7 @@ def shrink(job: Job, engines: int) -> Shrunk:
         "global_batch",
         "sequence_parallel",
         "precision",
+        "fp8_recipe",
         "checkpoint_activations",
         "impl",
     ):

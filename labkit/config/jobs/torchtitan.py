@@ -173,7 +173,9 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
     model = flavor_model(mdl.take("name", str, "llama3"), mdl.take("flavor", str, "debugmodel"), seq or seq_len)
     # a list in the current JobConfig; a comma-separated string in older configs
     converters = mdl.take("converters", (list, str), [])
-    fp8 = "float8" in ([converters] if isinstance(converters, str) else converters)
+    converters = [converters] if isinstance(converters, str) else converters
+    # torchtitan's MX converter ("mx", its [mx] section) trains MXFP8: priced as fp8, refused by the engines
+    fp8 = "float8" in converters or "mx" in converters
 
     rep = par.take("data_parallel_replicate_degree", int, 1)
     shard = par.take("data_parallel_shard_degree", int, -1)
@@ -242,6 +244,8 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
     param_dtype = tr.take("mixed_precision_param", str, "bfloat16")
     # FSDP2's MixedPrecisionPolicy computes in mixed_precision_param with fp32 masters: labkit's bf16
     precision = "fp8" if fp8 else ("bf16" if param_dtype == "bfloat16" else "fp32")
+    # [float8] recipe_name: None (tensorwise) in torchtitan's older JobConfig
+    recipe = "mxfp8" if "mx" in converters else (sec["float8"].take("recipe_name", str) if fp8 else None)
     if cp > 1 and shard > 1:
         notes.append(
             f"[parallelism] context_parallel_degree = {cp}: torchtitan's FSDP shards over "
@@ -262,6 +266,7 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
         microbatches=glob // (dp * micro),
         global_batch=glob,
         precision=precision,
+        fp8_recipe=recipe or "tensorwise",
         checkpoint_activations=recompute,
         # 'default' keeps the gathered weights for backward under a pipeline (torchtitan's parallelize)
         reshard_after_forward={"always": True, "never": False}.get(reshard, pp == 1),

@@ -13,7 +13,7 @@ from functools import lru_cache
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM
 from labkit.layout.schedules import chunk_layers, schedule_table, stage_of, style
-from labkit.theory.exact import latent, memory, tensor
+from labkit.theory.exact import float8, latent, memory, tensor
 from labkit.theory.exact.batch import microbatch_rows, stream_rows
 from labkit.theory.exact.context import window_activation_bytes
 from labkit.theory.exact.experts import layer_activation_bytes
@@ -51,6 +51,7 @@ def _bytes(
         return plain + heads
     # tensor.activation_bytes reads the block count off the model and takes the sequence apart: under SP
     # the stream holds s/(cp·tp) rows of it while the gathered inputs, q, k, v and MoE layers keep all s/cp
+    heads += layers * float8.tp_activation_delta(cfg, model, b, seq)  # fp8's inputs kept in fp8 (0 otherwise)
     return heads + tensor.activation_bytes(
         model.replace(layers=layers), b, cfg.tp, cfg.sequence_parallel, seq, act, head=head, embed=embed, tables=tables
     )
@@ -239,9 +240,10 @@ def peak(
     received: {(microbatch, chunk): [R of each MoE layer of the chunk]}, rows each layer's experts
     got (routing dependent under ep; read off a run's combine all-to-alls) for the exact value;
     default the balanced R = N."""
+    held = float8.fsdp2_saved_scales(cfg, model)  # FSDP2's fp8 weights, saved, hold the step's scales
     if received is None:
-        return _peak(cfg, model, pp_rank, cp_rank)
-    return _walk(cfg, model, pp_rank, received, cp_rank)
+        return _peak(cfg, model, pp_rank, cp_rank) + held
+    return _walk(cfg, model, pp_rank, received, cp_rank) + held
 
 
 # frozen configs hash: estimate and the planner ask for the same (layout, rank) many times over;

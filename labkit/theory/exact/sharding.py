@@ -21,6 +21,7 @@ from labkit.layout.flat import FlatLayout, bucket_layouts, unit_kind, unit_layou
 from labkit.layout.mesh import DATA_DIMS, shard_dims
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.layout.schedules import schedule_table, stage_of, style
+from labkit.theory.exact.float8 import amax_rows, gather_elem, gathered_fp8
 from labkit.theory.exact.params import chunk_local_params, rank_entries
 
 
@@ -48,7 +49,8 @@ def _flat_buffers(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_ran
     sizes = n if n is not None else {d: group_size(cfg, d) for _, _, d, _ in entries}
     if cfg.sharded.optimizer and not cfg.sharded.params:  # ZeRO-1 / 2: DDP's buckets, flat
         return tuple(bucket_layouts(entries, sizes, int(cfg.bucket_mb * 2**20), ELEM[cfg.precision]))
-    return tuple(unit_layouts(entries, sizes, unit_kind(cfg.sharded.per_module_units, model.tied)))
+    kind = unit_kind(cfg.sharded.per_module_units, model.tied)
+    return tuple(unit_layouts(entries, sizes, kind, gathered_fp8(cfg, model)))
 
 
 def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
@@ -79,30 +81,39 @@ def state_bytes(
         return {"params": 4 * padded_local, "grads": 4 * padded_local, "optimizer": 8 * held}
     ps = flat_buffers(cfg, model, n, pp_rank)
     P, S = sum(p.padded for p in ps), sum(p.shard for p in ps)
-    return {
-        "params": e * (S if cfg.sharded.params else P),
+    return {  # a shard gathered in fp8 is held in fp8 (engines/parallel/zero3_float8.py)
+        "params": sum(p.shard * gather_elem(cfg, p.fp8) for p in ps) if cfg.sharded.params else e * P,
         "grads": e * (S if cfg.sharded.grads else P),
         "optimizer": k * S,
     }
 
 
-def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, int]:
-    """Elements of each unit's gathered (padded) buffers, in forward order (a module with
-    buffers for several reduce groups counts them together: they are gathered together)."""
+def unit_sizes(cfg: ParallelConfig, model: ModelConfig, n: int | None = None, pp_rank: int = 0) -> dict[str, list]:
+    """(gathered bytes, reduce-buffer bytes) of each unit's parts, units in forward order, a unit's
+    parts in the order their reductions go. A module's buffers are gathered together; its fp8
+    weights' buffer is reduced first, when its last gradient is in (the block's first layer, a norm,
+    is in the other), then the rest, counted as one part (with several reduce groups, an upper bound
+    on its reduce buffers: the engines reduce each buffer as soon as its own gradients are in).
+    FSDP2: one part per unit."""
     if not cfg.torch_impl:
-        out: dict[str, int] = {}
+        out: dict[str, list] = {}
         for p in flat_buffers(cfg, model, n, pp_rank):
-            out[p.unit] = out.get(p.unit, 0) + p.padded
-        return out
+            parts = out.setdefault(p.unit, [[0, 0], [0, 0]])  # [fp8 weights, the rest]
+            part = parts[0 if p.fp8 else 1]
+            part[0] += p.padded * gather_elem(cfg, p.fp8)
+            part[1] += p.padded * REDUCE
+        return {u: [tuple(x) for x in parts if x[0]] for u, parts in out.items()}
     n_dp = n if n is not None else dp_shard(cfg)
-    sizes: dict[str, int] = {}
+    fp8 = gathered_fp8(cfg, model)
+    sizes: dict[str, list] = {}
     for name, shape, _, _ in rank_entries(cfg, model, pp_rank):  # FSDP2: each parameter padded on dim 0
-        unit = unit_of(name, "fsdp")
-        sizes[unit] = sizes.get(unit, 0) + fsdp2_rows(shape[0], n_dp, 0)[0] * n_dp * prod(shape[1:])
-    return {u: sizes[u] for u in sorted(sizes, key=lambda u: (u != "", len(u), u))}
+        numel = fsdp2_rows(shape[0], n_dp, 0)[0] * n_dp * prod(shape[1:])
+        g, r = sizes.setdefault(unit_of(name, "fsdp"), [[0, 0]])[0]
+        sizes[unit_of(name, "fsdp")][0] = [g + numel * gather_elem(cfg, name in fp8), r + numel * REDUCE]
+    return {u: [tuple(sizes[u][0])] for u in sorted(sizes, key=lambda u: (u != "", len(u), u))}
 
 
-def unit_peaks(size: dict[str, int], reshard: bool) -> dict[str, int]:
+def unit_peaks(size: dict[str, list], reshard: bool) -> dict[str, int]:
     """Peak bytes of gathered parameters and of unsharded gradient buffers for units, replaying
     the order in which ZeRO3's hooks act (engines/parallel/zero.py):
       forward   a unit is gathered just before it runs and freed after it (reshard) or kept;
@@ -112,31 +123,33 @@ def unit_peaks(size: dict[str, int], reshard: bool) -> dict[str, int]:
                 parameters are freed and its reduce-scatter launched, after waiting for the one
                 still in flight, whose buffer is then freed (one reduce-scatter in flight).
                 The root's hook fires first (on the loss) and its gradients complete last.
-    `size`: elements of each unit, in forward order (root first); returns elements."""
+                A unit of several buffers: each is freed and reduced in turn (`unit_sizes`).
+    `size`: (gathered, reduce-buffer) bytes of each unit's buffers (unit_sizes); returns bytes."""
     blocks = [u for u in size if u != ""]
     root = [""] if "" in size else []
+    gat = {u: sum(g for g, _ in parts) for u, parts in size.items()}
     live = peak = 0
     for u in root + blocks:  # forward
-        live += size[u]
+        live += gat[u]
         peak = max(peak, live)
         if reshard and u != "":
-            live -= size[u]
+            live -= gat[u]
     if reshard:
-        live -= sum(size[u] for u in root)
+        live -= sum(gat[u] for u in root)
     grads = gpeak = 0
-    in_flight = None
+    in_flight = 0  # the reduce buffer still in flight
     for u in root + blocks[::-1]:  # backward
         if reshard:
-            live += size[u]
+            live += gat[u]
             peak = max(peak, live)
-        grads += size[u]
+        grads += sum(r for _, r in size[u])
         gpeak = max(gpeak, grads)
         if u == "":
             continue
-        live -= size[u]
-        if in_flight is not None:
-            grads -= size[in_flight]
-        in_flight = u
+        for g, r in size[u]:
+            live -= g
+            grads -= in_flight
+            in_flight = r
     return {"gathered": peak, "reduce_buffers": gpeak}
 
 
@@ -144,10 +157,8 @@ def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = Non
     """Peak bytes of the transients the engines track beside activations: 'gathered' parameters
     (ZeRO-3 / FSDP) and 'reduce_buffers', the full gradient buffers that exist for a reduction
     (ZeRO-2's buckets, ZeRO-3 / FSDP's units, and under bf16 the fp32 copies that DDP and ZeRO-1
-    reduce). FSDP2 (impl='torch') has only its gathered parameters tracked. A ZeRO-3 / FSDP module
-    with buffers for several reduce groups is replayed as one unit (an upper bound on its
-    reduce buffers: the engines reduce each buffer as soon as its own gradients are in)."""
-    e = ELEM[cfg.precision]
+    reduce). FSDP2 (impl='torch') has only its gathered parameters tracked. A ZeRO-3 / FSDP module's
+    buffers are replayed as `unit_sizes` says."""
     if not cfg.sharded.optimizer:
         if not cfg.numerics.mixed or cfg.torch_impl:
             return {}
@@ -180,12 +191,12 @@ def transient_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None = Non
     else:
         peaks = unit_peaks(unit_sizes(cfg, model, n, pp_rank), cfg.reshards)
     if cfg.torch_impl:
-        return {"gathered": peaks["gathered"] * e}
-    return {"gathered": peaks["gathered"] * e, "reduce_buffers": peaks["reduce_buffers"] * REDUCE}
+        return {"gathered": peaks["gathered"]}
+    return peaks
 
 
 def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: int) -> dict[str, int]:
-    """Peak elements of gathered parameters and of gradient buffers of our ZeRO-3 / FSDP under a
+    """Peak bytes of gathered parameters and of gradient buffers of our ZeRO-3 / FSDP under a
     pipeline, replaying the rank's schedule as engines/parallel/zero3.py (`keep`) acts:
       F of a chunk    gathers each of its units not gathered yet (the root: once for all its chunks);
       a backward      (B, or W when backward is split) delivers a chunk's units' gradients, in
@@ -210,9 +221,9 @@ def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: 
     def reduce(k: int) -> None:
         nonlocal live, grads, in_flight
         gathered.discard(k)
-        live -= units[k].padded
+        live -= units[k].padded * gather_elem(cfg, units[k].fp8)
         if in_flight is not None:
-            grads -= units[in_flight].padded
+            grads -= units[in_flight].padded * REDUCE
         in_flight = k
 
     for a in schedule_table(cfg.schedule, p, m, v).actions[pp_rank]:
@@ -221,14 +232,14 @@ def keep_peaks(cfg: ParallelConfig, model: ModelConfig, n: int | None, pp_rank: 
             for k in mine:
                 if k not in gathered:
                     gathered.add(k)
-                    live += units[k].padded
+                    live += units[k].padded * gather_elem(cfg, units[k].fp8)
                     top = max(top, live)
         elif a.op == ("W" if split else "B"):
             has_input = stage_of(pp_rank, a.chunk, p, placement) > 0
             for k in sorted(mine, key=lambda k: first[k], reverse=not (split and has_input)):
                 if k not in buffers:
                     buffers.add(k)
-                    grads += units[k].padded
+                    grads += units[k].padded * REDUCE
                     gtop = max(gtop, grads)
                 arrived[k][a.chunk] += 1
                 if all(x == m for x in arrived[k].values()) and not tied[k]:
@@ -298,14 +309,18 @@ def ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int) -> list[t
     once = cfg.pp > 1  # under a pipeline: gathered once, reduced once per step (zero.py, zero3.py)
     out = []
     replicas = layout.label("dp_replicate"), cfg.dp_replicate  # HSDP's all-reduce across the shard groups
-    for p in flat_buffers(cfg, model, None, pp_rank):
+    buffers = flat_buffers(cfg, model, None, pp_rank)
+    # under fp8 the fp8 buffers' amaxes, at the step's first gather: before any of its collectives
+    out = amax_rows(buffers, layout)
+    for p in buffers:
         dim = layout.label(*p.dims)
         if not cfg.sharded.params:  # ZeRO-1 / 2
             scatters = m if cfg.sharded.grads and not once else 1
             out.append((dim, "all_gather", p.padded * e, p.n, 1))
-        else:  # gathered before its forward, and again before its backward unless kept
+        else:  # gathered before its forward, and again before its backward unless kept (fp8: one byte)
             scatters = 1 if once else m
-            out.append((dim, "all_gather", p.padded * e, p.n, 1 if once else (2 if cfg.reshards else 1) * m))
+            calls = 1 if once else (2 if cfg.reshards else 1) * m
+            out.append((dim, "all_gather", p.padded * gather_elem(cfg, p.fp8), p.n, calls))
         out.append((dim, "reduce_scatter", p.padded * REDUCE, p.n, scatters))
         if cfg.dp_replicate > 1:  # HSDP: each reduced shard (fp32) summed over the replicas (all_reduce_replicas)
             out.append((replicas[0], "all_reduce", p.shard * REDUCE, replicas[1], scatters))
@@ -319,11 +334,12 @@ def torch_fsdp_ops(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int
     Partial DTensor; stacking them and taking the norm reduces them together)."""
     n, dim = dp_shard(cfg), layout.label("dp_shard" if cfg.dp_replicate > 1 else "dp")
     calls = (2 if cfg.reshard_after_forward else 1) * cfg.microbatches
-    out = []
-    for size in unit_sizes(cfg, model, n, pp_rank).values():
-        out.append((dim, "all_gather", size * ELEM[cfg.precision], n, calls))
-        out.append((dim, "reduce_scatter", size * REDUCE, n, cfg.microbatches))
+    fp8 = gathered_fp8(cfg, model)  # their amaxes: one all-reduce a step (precompute_float8_dynamic_scale_for_fsdp)
+    out = [(dim, "all_reduce", 4 * len(fp8), n, 1)] if fp8 else []
+    for ((gathered, reduced),) in unit_sizes(cfg, model, n, pp_rank).values():
+        out.append((dim, "all_gather", gathered, n, calls))  # an fp8 weight's rows at one byte each
+        out.append((dim, "reduce_scatter", reduced, n, cfg.microbatches))
         if cfg.dp_replicate > 1:  # HSDP: FSDP2 all-reduces the reduce-scattered shard over its replicate mesh dim
-            shard = size // n * REDUCE
+            shard = reduced // n
             out.append((layout.label("dp_replicate"), "all_reduce", shard, cfg.dp_replicate, cfg.microbatches))
     return out + [(dim, "all_reduce", 4 * len(rank_entries(cfg, model, pp_rank)), n, 1)]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from labkit.config import ModelConfig, ParallelConfig
 from labkit.layout.precision import ELEM, REDUCE
-from labkit.theory.exact import latent
+from labkit.theory.exact import float8, latent
 from labkit.theory.exact.batch import microbatch_rows
 from labkit.theory.exact.experts import layer_activation_bytes, moe_layers_held
 from labkit.theory.exact.memory import gemma_norm_bytes, qk_norm_bytes, rotary_bytes
@@ -89,11 +89,14 @@ def collectives(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> li
     b = microbatch_rows(cfg)
     B = ELEM[cfg.precision] * b * (model.seq // cfg.cp) * model.hidden
     moe = moe_layers_held(cfg, model, pp_rank)  # an MoE layer (replicated over tp) has no g of its own
+    fp8 = float8.tp_layers(cfg, model)  # fp8 (tensorwise): the layers whose split operands agree on an amax
     if cfg.sequence_parallel:  # per layer forward (+ backward): attention AG, RS (+ RS, AG); MLP the same,
         gather = L * (2 * again + 2) + ends  # MoE AG (+ AG of its output's gradient)
         scatter = (2 * L - moe) * (again + 1) + ends
+        in_fp8 = L * fp8["gathered"] * again  # fp8: the forward's gathers into column-parallel regions, 1 byte
         rows = [
-            ("all_gather", B, gather * m, "into column-parallel / MoE regions (fwd), out of row-parallel (bwd)"),
+            ("all_gather", B, (gather - in_fp8) * m, "into column-parallel / MoE regions (fwd), out of row-parallel"),
+            ("all_gather", B // ELEM[cfg.precision], in_fp8 * m, "fp8: into column-parallel regions, cast first"),
             ("reduce_scatter", B, scatter * m, "out of row-parallel regions (fwd), into column-parallel (bwd)"),
         ]
     else:  # per layer: g after wo (and fc2) forward, f before attention (and MLP) backward
@@ -104,6 +107,11 @@ def collectives(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> li
         rows += [
             ("all_reduce", 4 * b * s, m, "vocab-parallel loss: max logit"),
             ("all_reduce", 8 * b * s, m, "vocab-parallel loss: sum of exponentials, target logit"),
+        ]
+    if fp8["rowwise"] or fp8["colwise"]:  # theory/exact/float8.py: the amaxes, fp32 each
+        rows += [
+            ("all_reduce", float8.AMAX * float8.tp_weight_amaxes(cfg, model, L), 1, "fp8: the split weights' amaxes"),
+            ("all_reduce", float8.AMAX, L * sum(fp8.values()) * m, "fp8: a split input's, output gradient's amax"),
         ]
     # the squared gradient norm's all-reduce is theory/exact/sharding.py grad_norm (over every splitting dim)
     return rows
