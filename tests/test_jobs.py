@@ -51,7 +51,6 @@ def test_torchtitan_configs_read_to_the_published_models_and_layouts():
     for field in (
         "[checkpoint] enable_checkpoint",
         "[training] dataset",
-        "[training] compile",
         "[model] tokenizer_path",
         "[float8] enable_fsdp_float8_all_gather",
         "[lr_scheduler] warmup_steps",
@@ -59,6 +58,8 @@ def test_torchtitan_configs_read_to_the_published_models_and_layouts():
     ):
         assert any(field in n or (field.split()[0] in n and field.split()[1] in n) for n in j70.notes), field
     assert theory.estimate(p, j70.model).world == 64
+    # compile = false, read (not a note): the eager stack, its reason quoting the file
+    assert (p.compile, j70.stack) == (False, "eager") and "no torch.compile" in j70.stack_reason
 
 
 def test_torchtitan_gpu_count_and_contradictions(tmp_path):
