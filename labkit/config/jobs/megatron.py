@@ -155,7 +155,21 @@ def read(
         _optim(a, notes),
         tuple(notes + a.rest()),
         gpus_per_node=int(per_node) if per_node is not None else None,
+        **_stack(a),
     )
+
+
+def _stack(a: Args) -> dict:
+    """The stack a Megatron-Core job runs on: Transformer Engine's fused kernels unless told 'local'."""
+    impl = a.get("transformer-impl", str, "transformer_engine")  # core_v0.14.0's default
+    if impl == "local":
+        return {"stack": "eager", "stack_reason": "--transformer-impl local: Megatron-Core's PyTorch modules, eager"}
+    said = f"--transformer-impl {impl}" if "transformer-impl" in a.args else f"{impl}, core_v0.14.0's default"
+    return {
+        "stack": "te",
+        "stack_reason": f"{said}: Transformer Engine's fused kernels, priced at the compile stack's measured "
+        "pace until measured on a GPU",
+    }
 
 
 def _sharding(a: Args) -> str:
