@@ -1,6 +1,7 @@
 """torchtitan's own Llama 3 and its own parallelize_llama, on the Lab's CPU engines (notebook 14,
 tests/test_torchtitan.py): `build` is `Lab.verify`'s build, `parallelize` its parallelize, `step` its
-rank step, `train` a function for `Lab.measure`. Needs the torchtitan extra (README: `pip install
+rank step, `train` a function for `Lab.measure`; FSDP x TP + SP, and FSDP x PP through its own
+pipeline_llm and a one-stage schedule (1F1B, GPipe). Needs the torchtitan extra (README: `pip install
 --no-deps torchtitan==0.3.0 && pip install -e .[torchtitan]`).
 
 The model is torchtitan 0.3.0's registry entry (`llama3_configs[flavor]`, models/llama3/__init__.py),
@@ -27,13 +28,17 @@ because a call of torchtitan's fails there otherwise:
      the summed loss by the global token count), which FSDP2 sends as ReduceOp.PREMUL_SUM(1.0); gloo
      raises "Cannot use ReduceOp.PREMUL_SUM with Gloo". set_force_sum_reduction_for_comms(True): SUM,
      then a divide by 1.0, the same numbers.
-The loss is torchtitan's (components/loss.py cross_entropy_loss: summed, vocab-parallel on tp's
-sharded logits), divided by the global batch's tokens as its trainer does.
+Context parallelism does not run on a CPU: torchtitan's apply_cp_to_forward hands SDPA q, k and v
+as sequence-sharded DTensors, and on a CPU SDPA is aten._scaled_dot_product_flash_attention_for_cpu,
+for which DTensor has no sharding strategy (NotImplementedError; the CP dispatcher covers the CUDA
+flash, efficient and cuDNN kernels). The loss is torchtitan's (components/loss.py cross_entropy_loss:
+summed, vocab-parallel on tp's sharded logits), divided by the global batch's tokens as its trainer does.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import tempfile
 
 import torch
@@ -45,6 +50,7 @@ from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
 from torchtitan.distributed import ParallelDims
 from torchtitan.distributed import utils as titan_utils
 from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+from torchtitan.distributed.pipeline_parallel import pipeline_llm
 from torchtitan.models.common.attention import ScaledDotProductAttention
 from torchtitan.models.llama3 import llama3_configs, parallelize_llama
 from torchtitan.models.llama3.sharding import set_llama3_sharding_config
@@ -54,6 +60,9 @@ from labkit.engines.tracking import track
 
 BACKEND = "partial_dtensor"
 """torchtitan's SPMD backend that torch 2.13.0's FSDP2 runs (module docstring, 2)."""
+SCHEDULES = {"1f1b": "1F1B", "gpipe": "GPipe"}
+"""labkit's schedule names -> torchtitan's, for the schedules of one stage per rank (one model part,
+named as build() named it, so Lab.verify reads it whole)."""
 
 
 def model_config(flavor: str, seq: int, sequence_parallel: bool):
@@ -79,41 +88,85 @@ def build(flavor: str, seq: int, sequence_parallel: bool) -> torch.nn.Module:
 
 def titan_configs(cfg: ParallelConfig) -> tuple[ParallelDims, ParallelismConfig, TrainingConfig, object]:
     """A labkit layout as torchtitan's configs: the inverse of labkit/config/jobs/torchtitan.py."""
-    if cfg.pp > 1 or cfg.ep > 1 or cfg.dp_replicate > 1:
-        raise ConfigError(["pp > 1, ep > 1 and HSDP are not wired to torchtitan here; FSDP x TP (+ SP) x CP are"])
+    if cfg.cp > 1:
+        raise ConfigError(
+            [f"cp={cfg.cp}: torchtitan's context parallelism runs SDPA on sequence-sharded DTensors, and on a CPU "
+             "that is aten._scaled_dot_product_flash_attention_for_cpu, which has no DTensor sharding strategy"]
+        )  # fmt: skip
+    if cfg.ep > 1 or cfg.dp_replicate > 1 or (cfg.pp > 1 and cfg.schedule not in SCHEDULES):
+        raise ConfigError(
+            [f"schedule {cfg.schedule!r}, ep={cfg.ep}, dp_replicate={cfg.dp_replicate}: wired here are FSDP x TP "
+             f"(+ SP) and FSDP x PP with a schedule of one stage per rank {sorted(SCHEDULES)}"]
+        )  # fmt: skip
+    local = cfg.global_batch // cfg.dp  # a data rank's rows per step: the pipeline's microbatches split them
     par = ParallelismConfig(
         data_parallel_shard_degree=cfg.dp,
         tensor_parallel_degree=cfg.tp,
-        context_parallel_degree=cfg.cp,
+        pipeline_parallel_degree=cfg.pp,
+        pipeline_parallel_schedule=SCHEDULES.get(cfg.schedule, "1F1B"),
+        pipeline_parallel_microbatch_size=local // cfg.microbatches,
         enable_sequence_parallel=cfg.sequence_parallel,
         fsdp_reshard_after_forward="default" if cfg.reshard_after_forward else "never",
         spmd_backend=BACKEND,
     )
     dtype = {"fp32": "float32", "bf16": "bfloat16"}[cfg.precision]
-    training = TrainingConfig(mixed_precision_param=dtype, mixed_precision_reduce="float32")
-    ac = {"full": FullAC.Config(), "op": SelectiveAC.Config(), "none": None}.get(cfg.recompute)
+    training = TrainingConfig(local_batch_size=local, mixed_precision_param=dtype, mixed_precision_reduce="float32")
     if cfg.recompute not in ("full", "op", "none"):
         raise ConfigError([f"recompute {cfg.recompute!r}: torchtitan checkpoints whole blocks ('full') or per op"])
+    ac = {"full": FullAC.Config(), "op": SelectiveAC.Config(), "none": None}[cfg.recompute]
     dims = ParallelDims.from_config(par, dist.get_world_size())
     return dims, par, training, ac
 
 
 def parallelize(model: torch.nn.Module, mesh, cfg: dict) -> torch.nn.Module:
-    """torchtitan's parallelize_llama on this rank, the layout `cfg` (a ParallelConfig's dict); the
+    """torchtitan's parallelize_llama on this rank (under a pipeline: its pipeline_llm, which splits the
+    model into this rank's stage and parallelizes it), the layout `cfg` (a ParallelConfig's dict); the
     labkit `mesh` Lab.verify made is not used: ParallelDims builds torchtitan's own."""
     titan_dims.device_type = "cpu"  # (1)
     titan_utils.set_spmd_backend(BACKEND)  # the loss reads it, as the trainer sets it
-    dims, par, training, ac = titan_configs(ParallelConfig.from_dict(cfg))
+    layout = ParallelConfig.from_dict(cfg)
+    dims, par, training, ac = titan_configs(layout)
     dims.build_mesh()
-    model = parallelize_llama(
-        model, parallel_dims=dims, training=training, parallelism=par, compile_config=CompileConfig(),
-        ac_config=ac, dump_folder=tempfile.gettempdir(),
-    )  # fmt: skip
+    common = dict(parallel_dims=dims, training=training, parallelism=par, compile_config=CompileConfig(),
+                  ac_config=ac, dump_folder=tempfile.gettempdir())  # fmt: skip
+    schedule = None
+    if layout.pp > 1:
+        loss_fn = functools.partial(_microbatch_loss, rows=layout.global_batch)
+        schedule, parts, _, _ = pipeline_llm(
+            model, device=torch.device("cpu"), model_config=model.config, parallelize_fn=parallelize_llama,
+            loss_fn=loss_fn, **common,
+        )  # fmt: skip
+        (model,) = parts  # one stage per rank: its modules keep build()'s names
+    else:
+        model = parallelize_llama(model, **common)
     for m in model.modules():  # (4)
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
-    model.parallel_dims = dims  # train() names the collectives by its meshes
+    model.parallel_dims, model.pp_schedule = dims, schedule  # for the rank step and train()
     return model
+
+
+def _microbatch_loss(pred, labels, rows: int):
+    """A pipeline microbatch's loss as torchtitan's trainer gives it: summed, over the global batch's tokens."""
+    return cross_entropy_loss(pred, labels) / (rows * labels.shape[1]), {}
+
+
+def forward_backward(model, inputs, labels, rows: int):
+    """This rank's forward and backward on its rows, as torchtitan's trainer runs them; the mean loss of its
+    rows, or None on a pipeline stage that computes none."""
+    if model.pp_schedule is None:
+        total = cross_entropy_loss(model(inputs), labels)
+        (total / (rows * labels.shape[1])).backward()
+        return total.detach() / labels.numel()
+    dims, losses = model.parallel_dims, []
+    pp = dims.get_mesh("pp")
+    first, last = pp.get_local_rank() == 0, pp.get_local_rank() == pp.size() - 1
+    if first:
+        model.pp_schedule.step(inputs, target=labels if last else None, losses=losses)
+    else:
+        model.pp_schedule.step(target=labels if last else None, losses=losses)
+    # each microbatch's loss is over the global batch's tokens: back to this rank's rows' mean
+    return torch.stack(losses).sum().detach() * rows / labels.shape[0] if last else None
 
 
 def batch(step: int, rows: int, seq: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +176,7 @@ def batch(step: int, rows: int, seq: int, vocab: int) -> tuple[torch.Tensor, tor
     return tokens[:, :-1], tokens[:, 1:]
 
 
-def loss(model, data) -> torch.Tensor:
+def loss(model, data) -> torch.Tensor:  # the reference's: the whole batch in one process
     """The mean token loss of `data`: torchtitan's summed cross-entropy over its tokens."""
     inputs, labels = data
     return cross_entropy_loss(model(inputs), labels) / labels.numel()
@@ -133,29 +186,28 @@ def step(model, data, ctx):
     """Lab.verify's rank step as torchtitan's trainer takes it: this rank's slice, its summed loss over the
     global batch's tokens (FSDP sums the gradients, 4), backward; returns the slice's mean loss."""
     inputs, labels = ctx.shard(data)
-    total = cross_entropy_loss(model(inputs), labels)
-    (total / data[1].numel()).backward()
-    return total.detach() / labels.numel()
+    return forward_backward(model, inputs, labels, data[1].shape[0])
 
 
-def train(cfg: dict, flavor: str, seq: int, rows: int, steps: int, clip: float, lr: float) -> int:
+def train(cfg: dict, flavor: str, seq: int, steps: int, clip: float, lr: float) -> int:
     """For Lab.measure: build, parallelize, then `steps` steps of AdamW (torchtitan's default_adamw's betas,
     eps and decay) with torchtitan's gradient clipping; returns the parameter count."""
+    layout = ParallelConfig.from_dict(cfg)
     torch.manual_seed(0)
-    model = build(flavor, seq, ParallelConfig.from_dict(cfg).sequence_parallel)
-    model = parallelize(model, None, cfg)
+    model = parallelize(build(flavor, seq, layout.sequence_parallel), None, cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     dims = model.parallel_dims
-    track(model, opt, dims.get_mesh(["fsdp", "tp"]) if dims.tp_enabled else dims.get_mesh("fsdp"))
-    vocab = model.config.vocab_size
-    per = rows // dims.dp_shard
+    names = [d for d, on in (("pp", dims.pp_enabled), ("fsdp", True), ("tp", dims.tp_enabled)) if on]
+    track(model, opt, dims.get_mesh(names))  # the collectives named by torchtitan's mesh dims
+    rows, per = layout.global_batch, layout.global_batch // layout.dp
     coord = dims.get_mesh("fsdp").get_local_rank()
     for s in range(steps):
-        inputs, labels = batch(s, rows, seq, vocab)
+        inputs, labels = batch(s, rows, seq, model.config.vocab_size)
         mine = slice(coord * per, (coord + 1) * per)
-        total = cross_entropy_loss(model(inputs[mine]), labels[mine])
-        (total / labels.numel()).backward()
-        titan_utils.clip_grad_norm_(list(model.parameters()), clip, foreach=True)
+        forward_backward(model, inputs[mine], labels[mine], rows)
+        titan_utils.clip_grad_norm_(
+            list(model.parameters()), clip, foreach=True, pp_mesh=dims.get_mesh("pp") if dims.pp_enabled else None
+        )
         opt.step()
         opt.zero_grad()
     return sum(p.numel() for p in model.parameters())

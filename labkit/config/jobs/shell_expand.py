@@ -74,6 +74,13 @@ class Expander:
             self.fail(line, f"${{{text}}} is not an expansion labkit reads; write the value")
         name, index, op = m.groups()
         v = self.value(name, line)
+        cut = re.fullmatch(r":\s*(-?\w+)(?::\s*(\w+))?", op or "")
+        if cut and (name in "@*" or index in ("@", "*")):  # ${@:2}, ${A[@]:1:3}: a slice of the elements
+            items = ([self.name] + self.args) if name in "@*" else (v if isinstance(v, list) else [])
+            start = int(arithmetic(cut.group(1), self.number, line, self.fail))
+            n = None if cut.group(2) is None else int(arithmetic(cut.group(2), self.number, line, self.fail))
+            items = items[start:] if n is None else items[start : start + n]
+            return items if not quoted or (name == "@" or index == "@") else " ".join(items)
         if index is not None:
             items = v if isinstance(v, list) else ([] if v is None else [v])
             if index in ("@", "*"):
@@ -142,7 +149,10 @@ class Expander:
         if p.kind == "param":
             return self.param(p.text, line, p.quoted)
         if p.kind == "arith":  # parameters expand first, then the arithmetic (bash's order)
-            return str(arithmetic(self.dollars(p.text, line), self.number, line, self.fail))
+            text = self.dollars(p.text, line)
+            if self.why(text):
+                self.fail(line, f"$(( {p.text.strip()} )) uses the output of {self.why(text)}; write the value")
+            return str(arithmetic(text, self.number, line, self.fail))
         return self.unknown(f"`{p.text.strip()}` (line {line}), a command labkit never runs")
 
     def word_text(self, text: str, line: int) -> str:

@@ -213,6 +213,7 @@ class Parser(Scanner):
             return None
         self.i = j + len(op)
         if self.peek() == "(":  # an array: words up to ')', over lines, comments inside
+            opened = self.i
             self.i += 1
             items = []
             while True:
@@ -222,7 +223,7 @@ class Parser(Scanner):
                     return (name, index, op, items)
                 w = self.word()
                 if w is None:
-                    self.fail(f"{name}=( ... ) is not closed by ')'")
+                    self.fail(f"{name}=( ... ) is not closed by ')'", opened)
                 items.append(w)
         return (name, index, op, self.word() or ())
 
