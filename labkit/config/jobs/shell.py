@@ -5,10 +5,12 @@
     found.words    # ['torchrun', '--nproc_per_node', '8', ..., 'pretrain_gpt.py', '--num-layers', '32', ...]
 
 Why a small evaluator and not a library: Python's standard library has `shlex`, which splits words
-and knows nothing of variables, arrays, arithmetic or `if`; the maintained parsers of bash for Python
-(bashlex, a port of bash's own parser, GPL-3.0 against labkit's Apache-2.0, and without arrays) parse
-and never evaluate, and the config rung imports the standard library alone (ARCHITECTURE.md). What a
-launch needs is the values of its words: the grammar of shell_parse.py, and bash's expansions here.
+and knows nothing of variables, arrays, arithmetic or `if`. The maintained parser of bash for Python,
+bashlex (0.18, a port of bash's own parser), is GPL-3.0-or-later against labkit's Apache-2.0, parses
+without evaluating, and refuses what these scripts are written with (`A=(a b)` and `[[ $X == y ]]`:
+ParsingError; `$((1+2))`, `case`: NotImplementedError); and the config rung imports the standard
+library alone (ARCHITECTURE.md). What a launch needs is the values of its words: the grammar of
+shell_parse.py, bash's expansions in shell_expand.py, its tests in shell_cond.py, and the running here.
 
 What it evaluates, as bash does (GNU Bash manual, "Shell Expansions", "Bash Conditional Expressions"):
   variables, positional arguments ($1.., $#, $@, $*: `args`, empty when not given, as a user running
@@ -21,7 +23,9 @@ What it evaluates, as bash does (GNU Bash manual, "Shell Expansions", "Bash Cond
   false on entry (it never runs).
 What it never does: run a command (no mkdir, no torchrun, no $( ) or ``, no `source`), look at the
 file system (a file test is unknown), expand a pathname pattern (bash leaves one that matches no
-file as written; the scripts' patterns are arguments such as --moe-layer-freq [0]*3+[1]*58).
+file as written; the scripts' patterns are arguments such as --moe-layer-freq [0]*3+[1]*58). A
+command it does not run is taken to succeed (`mkdir -p x || exit 1` goes on), as on the machine the
+script was written for; an `exit` under a test it cannot decide is taken not to happen.
 What it cannot know becomes unknown; unknown is refused, with the line, only where the launch would
 depend on it: a value from a command substitution in the launch's words, a variable set inside an
 `if` whose test it cannot decide or inside a loop that runs.

@@ -1,7 +1,7 @@
 """Bash's expansions over a launch script's variables (labkit/config/jobs/shell.py runs the script):
 parameters and their operators, arrays, arithmetic, word splitting and quote removal, assignments
 (GNU Bash manual, "Shell Parameter Expansion", "Word Splitting", "Arrays"). A command substitution
-is never run: its value is Unknown, which says where it came from."""
+is never run: its value is a marker (MARK) that says where it came from, wherever the text goes."""
 
 from __future__ import annotations
 

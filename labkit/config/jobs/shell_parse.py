@@ -5,8 +5,8 @@ scripts are written with: comments, line continuations, quotes ('', "", $''), pa
 and command substitutions (kept as text, never run), simple commands with their assignments
 (NAME=w, NAME+=w, NAME=(words), NAME+=(words)) and redirections (here-documents read past), pipelines,
 && and || lists, if / while / until / for / case, { } groups, ( ) subshells, [[ ]] and (( )), function
-definitions. Not parsed (a ConfigError with the line): `select`, coprocesses, process substitution
-<( ), brace expansion is left as written (like a word bash finds no braces to expand in).
+definitions. Refused with the line: `select` and `coproc`; process substitution <( ) is not read.
+Brace expansion ({a,b}) is left as written.
 """
 
 from __future__ import annotations
