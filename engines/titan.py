@@ -109,7 +109,9 @@ def titan_configs(cfg: ParallelConfig) -> tuple[ParallelDims, ParallelismConfig,
         fsdp_reshard_after_forward="default" if cfg.reshard_after_forward else "never",
         spmd_backend=BACKEND,
     )
-    dtype = {"fp32": "float32", "bf16": "bfloat16"}[cfg.precision]
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}.get(cfg.precision)
+    if dtype is None:  # torchtitan's float8 converter is torchao's CUDA kernels
+        raise ConfigError([f"precision {cfg.precision!r}: on the CPU engines torchtitan trains in fp32 or bf16"])
     training = TrainingConfig(local_batch_size=local, mixed_precision_param=dtype, mixed_precision_reduce="float32")
     if cfg.recompute not in ("full", "op", "none"):
         raise ConfigError([f"recompute {cfg.recompute!r}: torchtitan checkpoints whole blocks ('full') or per op"])
@@ -127,6 +129,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: dict) -> torch.nn.Module:
     layout = ParallelConfig.from_dict(cfg)
     dims, par, training, ac = titan_configs(layout)
     dims.build_mesh()
+    # never compiled here: the lab measures what is held and sent, which torch.compile does not change
     common = dict(parallel_dims=dims, training=training, parallelism=par, compile_config=CompileConfig(),
                   ac_config=ac, dump_folder=tempfile.gettempdir())  # fmt: skip
     schedule = None
