@@ -129,7 +129,7 @@ def parallelize(model: torch.nn.Module, mesh, cfg: dict) -> torch.nn.Module:
     layout = ParallelConfig.from_dict(cfg)
     dims, par, training, ac = titan_configs(layout)
     dims.build_mesh()
-    # never compiled here: the lab measures what is held and sent, which torch.compile does not change
+    # never compiled here: compile changes the activations held, not the weights, gradients or collectives
     common = dict(parallel_dims=dims, training=training, parallelism=par, compile_config=CompileConfig(),
                   ac_config=ac, dump_folder=tempfile.gettempdir())  # fmt: skip
     schedule = None
