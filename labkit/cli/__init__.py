@@ -8,6 +8,7 @@
     labkit estimate --from llama3_70b.toml --gpus 64               # your job's file: torchtitan, Megatron, DeepSpeed
     labkit plan --from pretrain_405b.sh                            # the planner's layouts, your job's ranked among them
     sudo labkit who                             # every Lab on this machine: whose, engines, cores, GPUs
+    labkit plan --from train_mixtral.sh --vocab 32000 --env SLURM_NNODES=4 --stack compile
 
 This is the top rung of the import ladder: the only module that imports both the Lab and the
 figures.
@@ -22,14 +23,15 @@ import sys
 import typing
 
 from labkit import reference, theory
+from labkit.cli.jobs import from_flags, job_of, rank_job, stack_of
 from labkit.cluster import census
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.config.jobs import read_job
 from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import loss_errors, mismatches
 from labkit.theory.planner.evaluate import describe
 from labkit.theory.planner.gpu_memory import TERMS
 from labkit.theory.planner.hardware import HARDWARE
+from labkit.theory.planner.stacks import with_stack
 from labkit.theory.presets import PRESETS, preset
 
 DEMO = {"dp": 4}
@@ -145,21 +147,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _job(ns: argparse.Namespace):
-    """The job of --from FILE (labkit/config/jobs), its layout and model overridden by the flags given."""
-    given = {k: getattr(ns, k) for k in ("seq", "micro_batch", "grad_accum", "config") if getattr(ns, k, None)}
-    if ns.from_file.lower().endswith(".json") and ns.precision:  # DeepSpeed's "auto" precision; else an override
-        given["precision"] = ns.precision
-    job = read_job(ns.from_file, hf=ns.hf, gpus=ns.gpus, **given)
-    print(job.describe())
-    return job
-
-
 def cmd_estimate(ns: argparse.Namespace) -> int:
     """The theory for a layout: memory of the fullest rank, its wire bytes per dim and op, the
     bubble, and the time model's step on the chosen hardware (which dim dominates)."""
+    job = None
     if ns.from_file:
-        job = _job(ns)
+        job = job_of(ns)
         cfg, model = (
             job.parallel.replace(**_pick(ns, ParallelConfig)),
             job.model.replace(**_pick(ns, ModelConfig, "model_")),
@@ -170,6 +163,8 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
         model = _preset(ns.model).replace(**_pick(ns, ModelConfig, "model_"))
     est = theory.estimate(cfg, model, world=ns.world)
     hw = HARDWARE[ns.gpu]
+    if job is not None or ns.stack:  # the job's stack (or the one given); a bare layout at the roofline, as before
+        hw = with_stack(hw, stack_of(ns, job))
     print(
         f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters; {est.world:,} ranks "
         f"({MeshLayout.of(cfg).describe()}, {cfg.order})"
@@ -221,7 +216,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     one's memory term by term and its time, and what was rejected and why."""
     job = None
     if ns.from_file:  # the job's model, GPU count, batch and precision; its own layout ranked below
-        job = _job(ns)
+        job = job_of(ns)
         model, ns.model = job.model.replace(**_pick(ns, ModelConfig, "model_")), pathlib.Path(ns.from_file).name
         ns.gpus, ns.global_batch = job.world, ns.global_batch or job.parallel.global_batch
         ns.precision = ns.precision or (job.parallel.precision if job.parallel.numerics.mixed else None)
@@ -231,9 +226,11 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         model = _preset(ns.model).replace(**_pick(ns, ModelConfig, "model_"))
     hw = HARDWARE[ns.hardware]
     fixed = dict(_held(text) for text in ns.fix or ())
+    stack = stack_of(ns, job)  # one stack for the job's own layout and every alternative
     plans = theory.plan(
-        model, ns.gpus, hardware=hw, global_batch=ns.global_batch, top=ns.top, precision=ns.precision, fixed=fixed
-    )
+        model, ns.gpus, hardware=hw, global_batch=ns.global_batch, top=ns.top, precision=ns.precision, fixed=fixed,
+        stack=stack,
+    )  # fmt: skip
     print(
         f"{ns.model or 'model'}: Ψ = {theory.num_params(model):,} parameters on {ns.gpus:,} x {hw.name}; "
         f"{plans.considered:,} layouts priced, {plans.timed:,} timed"
@@ -269,7 +266,7 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         )
         print("time of #1, s: " + ", ".join(f"{k} {v:,.3f}" for k, v in best.breakdown["time"].items()))
     if job is not None:
-        _rank_job(job, model, hw, plans)
+        rank_job(job, model, hw, plans, stack)
     if plans.counts:
         print("\nrejected:")
         for reason, n in sorted(plans.counts.items(), key=lambda x: -x[1]):
@@ -279,39 +276,10 @@ def cmd_plan(ns: argparse.Namespace) -> int:
     return 0
 
 
-def _rank_job(job, model: ModelConfig, hw, plans) -> None:
-    """The job's own layout, predicted on the same hardware, and where it falls among the plans."""
-    cfg = job.parallel
-    if cfg.pp > 1:
-        # the planner keeps an FSDP stage gathered under a pipeline whatever the flag says (planner/overlap.py),
-        # and its arithmetic check (evaluate.layout_problems) refuses the flag's False once it reads FSDP as ZeRO-1
-        cfg = cfg.replace(reshard_after_forward=True)
-    own = theory.evaluate(cfg, model, hw)
-    place = sum(p.tokens_per_second_per_gpu > own.tokens_per_second_per_gpu for p in plans) + 1
-    where = f"#{place} of these {len(plans)}" if place <= len(plans) else f"below these {len(plans)}"
-    print(f"\nyour job's layout: {own}\n  ranks {where} by predicted tokens/s/GPU")
-
-
 def cmd_who(ns: argparse.Namespace) -> int:
     """Every Lab on this machine: whose, its engines, cores, GPUs, memory (labkit/cluster/census.py)."""
     print(census.table(census.labs()))
     return 0
-
-
-def _from_flags(p: argparse.ArgumentParser) -> None:
-    """--from FILE and what a job file can leave open."""
-    p.add_argument(
-        "--from",
-        dest="from_file",
-        default=None,
-        metavar="FILE",
-        help="a job: torchtitan .toml, Megatron launch script or arguments, DeepSpeed .json (with --hf)",
-    )
-    p.add_argument("--hf", default=None, metavar="CONFIG_JSON", help="the model's config.json beside a DeepSpeed JSON")
-    p.add_argument("--seq", type=int, default=None, help="the training sequence where the file leaves it open")
-    p.add_argument("--config", default=None, metavar="NAME", help="which config of a torchtitan Python file")
-    p.add_argument("--micro-batch", dest="micro_batch", type=int, default=None, help="a DeepSpeed 'auto' micro batch")
-    p.add_argument("--grad-accum", dest="grad_accum", type=int, default=None, help="a DeepSpeed 'auto' accumulation")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -337,14 +305,14 @@ def parser() -> argparse.ArgumentParser:
     )
     est.add_argument("--gpu", default="h100", choices=list(HARDWARE), help="hardware of the time model")
     est.add_argument("--gpus", type=int, default=None, help="with --from: the GPU count where the file leaves it open")
-    _from_flags(est)
+    from_flags(est)
     _add_fields(est, ParallelConfig)
     _add_fields(est, ModelConfig, "model_")
     est.set_defaults(fn=cmd_estimate)
     pl = sub.add_parser("plan", help="the best layouts of a model on a number of GPUs (the planner, no cluster)")
     pl.add_argument("--model", default=None, help=f"a preset: {', '.join(PRESETS)}; --model-* flags override it")
     pl.add_argument("--gpus", type=int, default=None, help="GPUs (with --from: where the file leaves it open)")
-    _from_flags(pl)
+    from_flags(pl)
     pl.add_argument("--hardware", default="h100", choices=list(HARDWARE))
     pl.add_argument("--global-batch", dest="global_batch", type=int, default=None, help="sequences per step")
     pl.add_argument("--precision", default=None, choices=["bf16", "fp8"], help="default: both where the GPU has fp8")

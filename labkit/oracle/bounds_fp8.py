@@ -78,25 +78,20 @@ def reference_shards(layout) -> int:
 
 
 def fp8_bounds(base, layers: int, exact: bool):
-    """The bounds of an fp8 layout: `base`, the bf16 bounds of the same depth (bounds.Bounds), plus fp8's.
+    """The bounds of an fp8 layout: `base`, the bf16 bounds of the same model (bounds.Bounds, per tensor),
+    plus fp8's. The oracle replays the run (labkit/oracle/replay.py): at every step the reference computes
+    at the parameters the run's own gradients led to, so what holds the first step holds every step.
 
-    exact: the layout's every fp8 cast of the first step sees the reference's very input and scale
-    (data-parallel and pipeline splits, which the reference's shards and microbatches share; FSDP's fp8
-    all-gather with the whole tensor's amax): its first-step gradients keep base's bound, fp8 adding
-    nothing there. Otherwise (TP's partial sums rounded per rank before a cast; FSDP2 casting its fp32
-    shard where the reference casts bf16) every cast may round independently: `path`.
+    exact: the layout's every fp8 cast sees the reference's very input and scale (data-parallel and
+    pipeline splits, which the reference's shards and microbatches share; FSDP's fp8 all-gather with the
+    whole tensor's amax): its gradients and norms keep base's bounds, fp8 adding nothing there. Otherwise
+    (TP's partial sums rounded per rank before a cast; FSDP2 casting its fp32 shard where the reference
+    casts bf16) every cast may round independently: `path` on each.
     losses: CE moves by at most 2·max|δz| per token (bounds.py's argument), δz <= path(forward)·|z|,
     averaged down over the tokens: 2·path·|z| / (sqrt(b·s)·ln V), on top of base's.
-    params: AdamW moves an element whose gradient sign flips by 2·lr the other way, and the share of
-    flipped elements grows with the gradient's relative error, so the whole model's error grows as its
-    square root: base.params · sqrt(grads / base.grads) with the later steps' gradients (path's)."""
-    later = base.grads + path(layers)  # after the first update no cast is shared any more
-    first = base.grads if exact else later
+    params: the replay's AdamW takes the run's own gradients, so the masters differ by the optimizer's
+    rounding alone, as in every precision: base's."""
+    add = 0.0 if exact else path(layers)
+    grads = {n: g + add for n, g in base.grads.items()} if isinstance(base.grads, dict) else base.grads + add
     loss = 2 * path(layers, forward_only=True) * LOGIT / (math.sqrt(TOKENS) * LOG_VOCAB)
-    return replace(
-        base,
-        losses=base.losses + loss,
-        grad_norms=base.grad_norms + path(layers),
-        grads=first,
-        params=base.params * math.sqrt(later / base.grads),
-    )
+    return replace(base, losses=base.losses + loss, grad_norms=base.grad_norms + add, grads=grads)

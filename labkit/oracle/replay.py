@@ -35,6 +35,7 @@ import numpy as np
 
 from labkit.config.choices import numerics
 from labkit.oracle.bounds import UNIT_ROUNDOFF
+from labkit.oracle.bounds_fp8 import reference_shards
 from labkit.oracle.reference import Reference, train
 
 
@@ -145,14 +146,19 @@ def replay(result) -> Reference:
     along the run (the module docstring): needs the run's gradients of every step (return_params=True)."""
     if not result.step_grads:
         raise ValueError("replay needs the run's gradients of every step: run it with return_params=True")
+    cfg = result.config
+    # fp8's oracle is the fp8 reference that splits its batch as the layout does (bounds_fp8.py); else fp32's
+    fp8 = numerics(cfg.precision).fp8
+    precision, shards = ("fp8", reference_shards(cfg)) if fp8 else ("fp32", 1)
     return train(
         result.model,
         result.steps,
         result.seed,
-        result.config.global_batch,
-        "fp32",
+        cfg.global_batch,
+        precision,
         result.optim,
-        1,
+        shards,
         result.data,
         follow=Follow(result),
+        fp8_recipe=cfg.fp8_recipe,
     )

@@ -6,11 +6,14 @@ quotes the fields from the user's file.
 
     read_job("llama3_8b.toml", gpus=64)                # torchtitan: dp_shard=-1 takes the GPUs left
     read_job("pretrain_405b.sh")                       # Megatron: the world from torchrun's flags
+    read_job("train_mixtral.sh", vocab=32000, env={"SLURM_NNODES": "4"}, script_args=["/ckpt"])
     read_job("ds_zero3.json", hf="config.json", gpus=8, seq=4096, micro_batch=1)
 
 Each reader names the version of the project it follows (the file and commit it read) at its
-top: torchtitan.py, megatron.py, deepspeed.py. Plain Python (tomllib, json, shlex) at the config
-rung: no torch, nothing of the project it reads is imported or run.
+top: torchtitan.py, megatron.py, deepspeed.py. Plain Python (tomllib, json, ast, and shell.py's
+evaluator of a launch script) at the config rung: no torch, nothing of the project it reads is
+imported or run, no command of a script is run. Each Job names the software stack it runs on (eager,
+compile, Megatron-Core's Transformer Engine) and why, which the planner prices it at.
 
 Where the projects' layouts meet labkit's mesh: torchtitan's FSDP over data_parallel_shard_degree
 is labkit's sharding='fsdp' over dp (impl='torch', PyTorch's FSDP2 and DTensor, as torchtitan
@@ -35,7 +38,8 @@ def read_job(path, *, hf=None, gpus: int | None = None, **given) -> Job:
     config.json), anything else a Megatron launch script or arguments file. `gpus`: the GPU count
     where the file leaves it open (torchtitan's dp_shard=-1, a Megatron argument list without
     torchrun, DeepSpeed); must agree with the file where the file says. `given`: the reader's
-    other keywords (DeepSpeed's values of "auto" fields, the training `seq`)."""
+    other keywords (DeepSpeed's values of "auto" fields, the training `seq`; a Megatron script's
+    positional arguments `script_args` and its environment `env`, as the user would run it)."""
     p = pathlib.Path(path)
     if not p.is_file():
         raise ConfigError(
@@ -46,7 +50,7 @@ def read_job(path, *, hf=None, gpus: int | None = None, **given) -> Job:
         )
     suffix = p.suffix.lower()
     takes = {".toml": {"seq"}, ".py": {"seq", "config"}, ".json": {"seq", "micro_batch", "grad_accum", "precision"}}
-    takes = takes.get(suffix, {"seq", "vocab"})
+    takes = takes.get(suffix, {"seq", "vocab", "script_args", "env"})
     if set(given) - takes:
         raise ConfigError([f"{sorted(set(given) - takes)} do not apply to {p.name}; its reader takes {sorted(takes)}"])
     if suffix in (".toml", ".py"):  # torchtitan's TOML, or its newer Python train config (read, never run)

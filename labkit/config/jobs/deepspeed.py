@@ -240,4 +240,6 @@ def read(path, hf, gpus: int | None = None, seq: int | None = None, **given) -> 
     )
     # labkit's per-GPU micro batch is implied: global_batch / (dp x microbatches) = the file's micro batch
     assert glob // (cfg.dp * cfg.microbatches) == micro
-    return Job(cfg, model, str(path), READER, optim, tuple(notes))
+    # DeepSpeed runs the Hugging Face model's own PyTorch modules
+    why = "DeepSpeed trains the Hugging Face model's PyTorch modules: eager"
+    return Job(cfg, model, str(path), READER, optim, tuple(notes), stack="eager", stack_reason=why)

@@ -27,6 +27,11 @@ class Job:
     """Every field of the file labkit does not represent, by name, with what that means for the estimate."""
     gpus_per_node: int | None = None
     """From the launch where it says (torchrun's --nproc-per-node); None: not in the file."""
+    stack: str = "eager"
+    """The software stack the job runs on (theory/planner/stacks.py): its kernels' pace, which the
+    planner prices the job's layout and its alternatives at alike; a caller may override it."""
+    stack_reason: str = "the file names no stack: eager PyTorch"
+    """Why the reader chose `stack`, quoting the file."""
 
     @property
     def world(self) -> int:
@@ -43,6 +48,7 @@ class Job:
             f"{p.precision}, recompute={p.recompute}",
             f"  model: {m.arch}, {m.layers} layers, hidden {m.hidden}, {m.heads} heads ({m.n_kv_heads} KV), "
             f"ffn {m.ffn}, vocab {m.vocab:,}, seq {m.seq}; {m.num_params():,} parameters",
+            f"  stack: {self.stack} ({self.stack_reason})",
         ]
         if m.vocab_divisible_by:
             lines.append(f"  vocabulary padded to {m.padded_vocab(p.tp):,} rows at tp={p.tp} (vocab_divisible_by)")

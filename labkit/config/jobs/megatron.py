@@ -5,8 +5,9 @@ defaults and derived values of the arguments below (validate_args: --ffn-hidden-
 4h, or int(8h/3 / 64) * 64 with --swiglu; --global-batch-size to micro * DP; --moe-ffn-hidden-size
 to --ffn-hidden-size; --make-vocab-size-divisible-by 128), and its launch: torchrun's --nnodes x
 --nproc-per-node ranks before the script, its arguments after. The input is an argument list or a
-launch script's text: comments dropped, continuation lines joined, `NAME=value` assignments
-substituted for $NAME / ${NAME}, then split as the shell would (shlex).
+launch script's text, evaluated as bash would evaluate it without running any of it (shell.py: its
+variables, arrays, arithmetic and tests; the caller's positional arguments and environment); the
+model's arguments are read in megatron_model.py (MLA, shared experts, --moe-layer-freq patterns).
 
 Megatron counts its ranks as world = TP * PP * CP * DP, expert parallelism inside DP (EP | DP),
 in the order tp-cp-ep-dp-pp: labkit lays that out as dp = DP / EP and ep = EP in the same order.
@@ -16,100 +17,16 @@ express is refused by name, what it does not represent listed in Job.notes.
 
 from __future__ import annotations
 
-from labkit.config import ModelConfig, OptimConfig, ParallelConfig, RopeScaling
-from labkit.config.choices import ConfigError, family
+from labkit.config import OptimConfig, ParallelConfig
+from labkit.config.choices import ConfigError
 from labkit.config.float8 import FP8_RECIPES
 from labkit.config.jobs.job import Job, need_world, world_problem
-from labkit.config.jobs.megatron_args import Args, parse, split, stages_of
+from labkit.config.jobs.megatron_args import Args, parse, stages_of
+from labkit.config.jobs.megatron_model import model_of
+from labkit.config.jobs.shell import launch
 
 READER = "Megatron-LM arguments (core_v0.14.0, arguments.py @ 23e00ed0)"
 SHARDING = {"no_shard": "none", "optim": "zero1", "optim_grads": "zero2", "optim_grads_params": "zero3"}
-
-
-def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
-    notes = []
-    need = {n: a.get(n, int) for n in ("num-layers", "hidden-size", "num-attention-heads", "seq-length")}
-    vocab = a.get("vocab-size", int, vocab)
-    missing = [f"--{n}" for n, v in {**need, "vocab-size": vocab}.items() if v is None]
-    if missing:
-        raise ConfigError(
-            [
-                f"the arguments have no {', '.join(missing)}, which the model needs (labkit reads no "
-                "tokenizer: give --vocab-size, or vocab= to the reader)"
-            ]
-        )
-    layers, h, heads, seq = need.values()
-    swiglu, norm = a.flag("swiglu"), a.get("normalization", str, "LayerNorm")
-    pos = a.get("position-embedding-type", str, "learned_absolute")
-    # the three arguments that make a GPT a Llama; labkit builds the two families whole, not a mix
-    llama = (swiglu, norm, pos) == (True, "RMSNorm", "rope")
-    if not llama and (swiglu, norm, pos) != (False, "LayerNorm", "learned_absolute"):
-        raise ConfigError(
-            [
-                f"--swiglu {'on' if swiglu else 'off'}, --normalization {norm}, --position-embedding-type "
-                f"{pos}: labkit builds llama (--swiglu, RMSNorm, rope) or gpt2 (GELU, LayerNorm, "
-                "learned_absolute), not this mix"
-            ]
-        )
-    no_bias = a.flag("disable-bias-linear")
-    if llama and not no_bias:
-        raise ConfigError(
-            [
-                "--swiglu with RMSNorm and rope but without --disable-bias-linear: Megatron adds biases to "
-                "every linear, which labkit's llama does not have; add --disable-bias-linear"
-            ]
-        )
-    if not llama and no_bias:
-        raise ConfigError(["--disable-bias-linear on a GELU/LayerNorm model: labkit's gpt2 has biases; remove it"])
-    # validate_args' defaults: SwiGLU's two up-projections at 2/3 of 4h keep the parameters of a 4h MLP
-    ffn = a.get("ffn-hidden-size", int, int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
-    experts = a.get("num-experts", int, 0) or 0
-    if experts:
-        ffn = a.get("moe-ffn-hidden-size", int, ffn)  # labkit's experts are its MLPs: every layer MoE
-        freq = a.get("moe-layer-freq", str, "1")
-        if freq != "1":
-            raise ConfigError([f"--moe-layer-freq {freq}: labkit's MoE models have experts in every layer; use 1"])
-    rope = None
-    # Megatron's llama 3.x scaling has low 1, high 4 and an original context of 8192 fixed in
-    # rotary_pos_embedding.py; only the factor is an argument
-    if a.flag("use-rope-scaling"):
-        rope = RopeScaling(
-            factor=a.get("rope-scaling-factor", float, 8.0),
-            low_freq_factor=1.0,
-            high_freq_factor=4.0,
-            original_max_position=8192,
-        )
-    positions = a.get("max-position-embeddings", int, seq)
-    # a rope model has no position table; a learned one is sized by max-position-embeddings in Megatron
-    if not llama and positions != seq:
-        notes.append(
-            f"--max-position-embeddings {positions}: labkit's learned position table has --seq-length "
-            f"{seq} rows, {(positions - seq) * h:,} parameters fewer than the job's"
-        )
-    gqa = a.flag("group-query-attention")
-    tied = not a.flag("untie-embeddings-and-output-weights")  # Megatron ties unless told
-    arch = "llama" if llama else "gpt2"
-    model = ModelConfig(
-        arch=arch,
-        layers=layers,
-        hidden=h,
-        heads=heads,
-        ffn=ffn,
-        vocab=vocab,
-        seq=seq,
-        # --num-query-groups counts only with --group-query-attention (its default 1 is otherwise unused)
-        kv_heads=a.get("num-query-groups", int, 1) if gqa else None,
-        experts=experts,
-        top_k=a.get("moe-router-topk", int, 2) if experts else 1,
-        tie_embeddings=None if tied == family(arch).ties else tied,
-        qkv_bias=a.flag("add-qkv-bias"),
-        norm_eps=a.get("norm-epsilon", float, 1e-5),
-        rope_theta=float(a.get("rotary-base", int, 10000)),
-        rope_scaling=rope,
-        # Megatron always pads (default 128 x TP); the published count stays the unpadded one
-        vocab_divisible_by=a.get("make-vocab-size-divisible-by", int, 128),
-    )
-    return model, notes
 
 
 def read(
@@ -120,19 +37,32 @@ def read(
     gpus: int | None = None,
     vocab: int | None = None,
     seq: int | None = None,
+    script_args: list[str] | None = None,
+    env: dict[str, str] | None = None,
 ) -> Job:
     """The Job of a launch script (`path` or its `text`) or an argument list (`args`). `gpus`: the
     world size where no torchrun flags give it; `vocab` where no --vocab-size does; `seq` in place
-    of --seq-length (a note says so)."""
+    of --seq-length (a note says so); `script_args`: the script's positional arguments ($1 ...) and
+    `env` its environment (${SLURM_NNODES:-1}), as the user would run it; none given, a bare run."""
+    notes: list[str] = []
     if args is None:
         text = path.read_text() if text is None else text
-        words = split(text)
+        found = launch(text, script_args, env, name=getattr(path, "name", "the script"))
+        words = found.words
+        if found.via:
+            notes.append(
+                f"the launch is the value of {found.via} (line {found.line}), a command the script hands to "
+                "another (sbatch, srun, bash -c); read as bash -c would read it"
+            )
+        notes += [f"shell: {n}" for n in found.notes]
     else:
+        if script_args is not None or env is not None:
+            raise ConfigError(["script_args= and env= apply to a launch script, not to an argument list (args=)"])
         words = list(args)
     launcher, raw = parse(words)
     a = Args(raw)
     source = "<arguments>" if path is None else str(path)
-    notes = [
+    notes += [
         f"--{k} (torchrun): not represented"
         for k in launcher
         if k not in ("nnodes", "nproc_per_node", "nproc-per-node")
@@ -208,7 +138,8 @@ def read(
             cp=cp,
             ep=ep,
             sharding=_sharding(a),
-            sequence_parallel=a.flag("sequence-parallel"),
+            # validate_args turns sequence parallelism off at TP 1 (it would only change the numerics)
+            sequence_parallel=a.flag("sequence-parallel") and tp > 1,
             # Megatron's rank order (initialize.py: initialize_model_parallel's order), labkit's spelling
             order="tp-cp-ep-pp-dp" if a.flag("use-tp-pp-dp-mapping") else "tp-cp-ep-dp-pp",
             schedule="interleaved" if vp > 1 else "1f1b",
@@ -226,18 +157,33 @@ def read(
         _optim(a, notes),
         tuple(notes + a.rest()),
         gpus_per_node=int(per_node) if per_node is not None else None,
+        **_stack(a),
     )
+
+
+def _stack(a: Args) -> dict:
+    """The stack a Megatron-Core job runs on: Transformer Engine's fused kernels unless told 'local'."""
+    impl = a.get("transformer-impl", str, "transformer_engine")  # core_v0.14.0's default
+    if impl == "local":
+        return {"stack": "eager", "stack_reason": "--transformer-impl local: Megatron-Core's PyTorch modules, eager"}
+    said = f"--transformer-impl {impl}" if "transformer-impl" in a.args else f"{impl}, core_v0.14.0's default"
+    return {
+        "stack": "te",
+        "stack_reason": f"{said}: Transformer Engine's fused kernels, priced at the compile stack's measured "
+        "pace until measured on a GPU",
+    }
 
 
 def _sharding(a: Args) -> str:
     # Megatron FSDP shards as --data-parallel-sharding-strategy says (default no_shard in core_v0.14.0);
     # without it the distributed optimizer shards the optimizer's state alone: ZeRO-1
+    optimizer = a.flag("use-distributed-optimizer")  # Megatron FSDP requires it: read either way
     if a.flag("use-megatron-fsdp") or a.flag("use-custom-fsdp"):
         strategy = a.get("data-parallel-sharding-strategy", str, "no_shard")
         if strategy not in SHARDING:
             raise ConfigError([f"--data-parallel-sharding-strategy {strategy} is not one of {sorted(SHARDING)}"])
         return SHARDING[strategy]
-    return "zero1" if a.flag("use-distributed-optimizer") else "none"
+    return "zero1" if optimizer else "none"
 
 
 def _precision(a: Args, notes: list[str]) -> str:

@@ -1,12 +1,11 @@
-"""Megatron-LM's launch read as words (labkit/config/jobs/megatron.py): a script split as the shell
-would, torchrun's flags apart from the training script's, the arguments taken one by one (the rest
+"""Megatron-LM's launch read as words (labkit/config/jobs/megatron.py; shell.py evaluates a script into
+them): torchrun's flags apart from the training script's, the arguments taken one by one (the rest
 become Job.notes), and the pipeline split of core_v0.14.0 (--pipeline-model-parallel-layout, the
 virtual stages, --account-for-embedding/loss-in-pipeline-split, --decoder-first/last-pipeline-num-layers)."""
 
 from __future__ import annotations
 
 import re
-import shlex
 
 from labkit.config.choices import ConfigError
 
@@ -27,27 +26,15 @@ FLAGS = {
     "use-megatron-fsdp",
     "use-custom-fsdp",
     "use-tp-pp-dp-mapping",
+    "multi-latent-attention",
+    "qk-layernorm",
+    "moe-router-pre-softmax",
+    "moe-router-enable-expert-bias",
+    "moe-shared-expert-gate",
+    "apply-layernorm-1p",
+    "no-position-embedding",
 }
 """Arguments that take no value (store_true / store_false)."""
-
-
-def split(text: str) -> list[str]:
-    """A launch script's words as the shell would split them: comments dropped, continuations
-    joined, NAME=value assignments substituted (only those; another $X stays and is refused where used)."""
-    # a backslash at a line's end continues the command: one logical line, as bash reads it
-    text = text.replace("\\\n", " ")
-    env = {}
-    for line in text.splitlines():
-        m = re.fullmatch(r"\s*(?:export\s+)?([A-Za-z_]\w*)=(\S*)\s*(?:#.*)?", line)
-        if m:
-            env[m.group(1)] = m.group(2).strip("\"'")
-    # longest names first, so $TP_SIZE is not read as $TP followed by _SIZE
-    for name in sorted(env, key=len, reverse=True):
-        text = text.replace("${" + name + "}", env[name]).replace("$" + name, env[name])
-    try:
-        return shlex.split(text, comments=True)
-    except ValueError as e:
-        raise ConfigError([f"the launch script cannot be split into arguments ({e}); check its quotes"]) from None
 
 
 def parse(words: list[str]) -> tuple[dict, dict]:

@@ -3,12 +3,11 @@
 Follows torchtitan's JobConfig as of commit 000204a4 (torchtitan/config/job_config.py: the
 [training], [parallelism], [activation_checkpoint], [float8] fields and their defaults) and reads
 the older spelling its published train_configs use (llama3_8b.toml / llama3_70b.toml at commit
-f3534d77: [training] batch_size for local_batch_size). The model flavors are torchtitan's own
-(torchtitan/models/llama3/__init__.py at commit 8c6bf93e, `llama3_configs`), their FFN width
-computed as its FeedForward does (2/3 of 4*dim, times ffn_dim_multiplier, rounded up to
-multiple_of), the vocabulary its Llama 3 tiktoken tokenizer's (128,000 + 256 special tokens); the
-result equals labkit's presets of Llama 3.1 (tests/test_jobs.py). Its newer Python train configs
-are read the same way, parsed and never run (torchtitan_registry.py).
+f3534d77: [training] batch_size for local_batch_size) and the newer [compile] section (enable,
+components; job_config.py at commit 08b8b244). The models are torchtitan 0.3.0's registry, every
+family labkit builds and every flavor (torchtitan_flavors.py); Llama 3's equal labkit's presets of
+Llama 3.1 (tests/test_jobs.py). Its newer Python train configs are read the same way, parsed and
+never run (torchtitan_registry.py).
 
 How torchtitan runs the layout, and so what labkit sets:
   data_parallel_shard_degree > 1    FSDP2 over those ranks: sharding='fsdp', impl='torch'
@@ -18,6 +17,8 @@ How torchtitan runs the layout, and so what labkit sets:
                                     ones two stages per rank unless layers_per_stage or split points say
   [activation_checkpoint] mode      none, full, selective with selective_ac_option 'op' (its per-op policy)
   [model] converters float8         fp8 matmuls (torchao), bf16 otherwise (mixed_precision_param)
+  expert_parallel_degree            experts split over ep ranks inside data_parallel_shard (its MoE flavors)
+  [training] compile, [compile]     torch.compile per block (ParallelConfig.compile), the stack 'compile'
 """
 
 from __future__ import annotations
@@ -32,23 +33,16 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10: the package tomllib was 
     except ModuleNotFoundError:
         tomllib = None
 
-from labkit.config import ModelConfig, OptimConfig, ParallelConfig, RopeScaling
+from labkit.config import OptimConfig, ParallelConfig
 from labkit.config.choices import ConfigError
 from labkit.config.jobs import torchtitan_registry
 from labkit.config.jobs.fields import Fields
 from labkit.config.jobs.job import Job, need_world, world_problem
+from labkit.config.jobs.torchtitan_flavors import flavor_model
 
 READER = "torchtitan TOML (job_config.py @ 000204a4)"
 READER_PY = "torchtitan Python config, read with ast (train_configs/llama3_8b.py @ da236a8b; job_config.py @ 000204a4)"
 
-FLAVORS = {
-    # name: (dim, n_layers, n_heads, n_kv_heads, ffn_dim_multiplier, multiple_of): llama3_configs @ 8c6bf93e
-    "8B": (4096, 32, 32, 8, 1.3, 1024),
-    "70B": (8192, 80, 64, 8, 1.3, 4096),
-    "405B": (16384, 126, 128, 8, 1.2, 4096),
-}
-LLAMA3_VOCAB = 128_256
-"""torchtitan's Llama 3 tokenizer: tiktoken's 128,000 tokens and 256 reserved special ones."""
 SCHEDULES = {
     "1F1B": "1f1b",
     "GPipe": "gpipe",
@@ -59,39 +53,6 @@ SCHEDULES = {
 LOOPED = {"Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"}
 """Multi-stage schedules: torchtitan puts two stages on each rank unless told otherwise."""
 NOT_LAID_OUT = "not part of the layout (labkit's estimate and runs do not use it)"
-
-
-def ffn_width(dim: int, multiplier: float | None, multiple_of: int) -> int:
-    """torchtitan's FeedForward hidden width (torchtitan/models/llama3/model.py)."""
-    hidden = int(2 * 4 * dim / 3)
-    if multiplier is not None:
-        hidden = int(multiplier * hidden)
-    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
-
-
-def flavor_model(name: str, flavor: str, seq: int) -> ModelConfig:
-    if name != "llama3" or flavor not in FLAVORS:
-        raise ConfigError(
-            [
-                f"[model] name = {name!r}, flavor = {flavor!r}: labkit reads torchtitan's llama3 flavors "
-                f"{sorted(FLAVORS)}; for another model give its Hugging Face config.json to ModelConfig.from_hf"
-            ]
-        )
-    dim, layers, heads, kv, mult, multiple_of = FLAVORS[flavor]
-    return ModelConfig(
-        arch="llama",
-        layers=layers,
-        hidden=dim,
-        heads=heads,
-        kv_heads=kv,
-        ffn=ffn_width(dim, mult, multiple_of),
-        vocab=LLAMA3_VOCAB,
-        seq=seq,
-        rope_theta=500000.0,
-        norm_eps=1e-5,
-        # torchtitan's llama3 RoPE scaling (Llama 3.1's factors): the architecture labkit's preset has
-        rope_scaling=RopeScaling(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position=8192),
-    )
 
 
 def _load(path) -> dict:
@@ -166,25 +127,27 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
     notes: list[str] = []
     sec = {
         s: Fields(doc.get(s, {}), f"[{s}]")
-        for s in ("model", "training", "parallelism", "activation_checkpoint", "float8", "optimizer")
+        for s in ("model", "training", "parallelism", "activation_checkpoint", "float8", "optimizer", "compile")
     }
     mdl, tr, par = sec["model"], sec["training"], sec["parallelism"]
     seq_len = tr.take("seq_len", int, 2048)
-    model = flavor_model(mdl.take("name", str, "llama3"), mdl.take("flavor", str, "debugmodel"), seq or seq_len)
+    model, more = flavor_model(mdl.take("name", str, "llama3"), mdl.take("flavor", str, "debugmodel"), seq or seq_len)
+    notes += more
     # a list in the current JobConfig; a comma-separated string in older configs
     converters = mdl.take("converters", (list, str), [])
     converters = [converters] if isinstance(converters, str) else converters
     # torchtitan's MX converter ("mx", its [mx] section) trains MXFP8: priced as fp8, refused by the engines
     fp8 = "float8" in converters or "mx" in converters
+    compiled, stack_reason = _compiled(tr, sec["compile"])
 
     rep = par.take("data_parallel_replicate_degree", int, 1)
     shard = par.take("data_parallel_shard_degree", int, -1)
     tp, pp = par.take("tensor_parallel_degree", int, 1), par.take("pipeline_parallel_degree", int, 1)
     cp, ep = par.take("context_parallel_degree", int, 1), par.take("expert_parallel_degree", int, 1)
-    if ep > 1:  # torchtitan's llama3 flavors are dense; its MoE models are other TrainSpecs
+    if ep > 1 and not model.experts:
         raise ConfigError(
             [
-                f"[parallelism] expert_parallel_degree = {ep} on {model.num_params():,}-parameter llama3 "
+                f"[parallelism] expert_parallel_degree = {ep} on {model.num_params():,}-parameter "
                 f"flavor {mdl.data.get('flavor')!r}, which has no experts; set it to 1"
             ]
         )
@@ -207,6 +170,8 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
             raise ConfigError(found)
     # HSDP (replicate > 1 and shard > 1): labkit's dp_replicate x dp_shard; else one of them is 1
     dp, hybrid = rep * shard, rep if rep > 1 and shard > 1 else 1
+    if ep > 1:
+        _experts(ep, rep, shard, notes)
 
     schedule_name = par.take("pipeline_parallel_schedule", str, "1F1B")
     if schedule_name not in SCHEDULES:
@@ -230,7 +195,7 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
                 f"pipeline_parallel_microbatch_size = {micro}"
             ]
         )
-    if glob % (local * dp):
+    if glob % (local * dp):  # dp here counts every data rank, the expert ranks among them
         raise ConfigError(
             [
                 f"[training] global_batch_size = {glob} is not divisible by local_batch_size ({local}) * "
@@ -252,8 +217,10 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
             "data_parallel_shard x context_parallel ranks; labkit's over dp alone"
         )
     cfg = ParallelConfig(
-        dp=dp,
+        dp=dp // ep,  # the data-parallel ranks hold the expert ranks (_experts)
+        ep=ep,
         dp_replicate=hybrid,
+        compile=compiled,
         tp=tp,
         pp=pp,
         cp=cp,
@@ -299,4 +266,37 @@ def read(path, gpus: int | None = None, seq: int | None = None, config: str | No
         notes += s.rest(NOT_LAID_OUT if s.where != "[float8]" or fp8 else "float8 is off ([model] converters)")
     for s in sorted(set(doc) - set(sec)):
         notes.append(f"[{s}] {', '.join(doc[s]) if isinstance(doc[s], dict) else repr(doc[s])}: {NOT_LAID_OUT}")
-    return Job(cfg, model, str(path), READER_PY if path.suffix == ".py" else READER, optim, tuple(notes))
+    stack = "compile" if compiled else "eager"
+    return Job(
+        cfg, model, str(path), READER_PY if path.suffix == ".py" else READER, optim, tuple(notes),
+        stack=stack, stack_reason=stack_reason,
+    )  # fmt: skip
+
+
+def _compiled(tr: Fields, comp: Fields) -> tuple[bool, str]:
+    """(whether the blocks run through torch.compile, the stack's reason): [training] compile
+    (job_config.py @ 000204a4) or [compile] enable with 'model' in its components (@ 08b8b244)."""
+    old = tr.take("compile", bool, False)
+    enable, parts = comp.take("enable", bool, False), comp.take("components", list, ["model", "loss"])
+    if old:
+        return True, "[training] compile = true: torch.compile per block, the compile stack's measured pace"
+    if enable and "model" in parts:
+        return True, f"[compile] enable = true, components = {parts}: the compile stack's measured pace"
+    why = "[compile] compiles the loss alone" if enable else "no torch.compile in the file"
+    return False, f"{why}: eager PyTorch, the eager stack's measured pace"
+
+
+def _experts(ep: int, rep: int, shard: int, notes: list[str]) -> None:
+    """torchtitan's expert ranks as labkit lays them out: inside the data-parallel ranks (Megatron's EP | DP)."""
+    if shard % ep or rep > 1:
+        raise ConfigError(
+            [
+                f"[parallelism] expert_parallel_degree = {ep} with data_parallel_shard_degree = {shard} and "
+                f"data_parallel_replicate_degree = {rep}: labkit lays experts inside the shard ranks, so ep must "
+                "divide data_parallel_shard_degree, without replicas (torchtitan may also borrow tensor-parallel ranks)"
+            ]
+        )
+    notes.append(
+        f"[parallelism] expert_parallel_degree = {ep}: torchtitan shards the experts over data_parallel_shard / "
+        "ep ranks and every other weight over data_parallel_shard; labkit shards every weight over its dp"
+    )
