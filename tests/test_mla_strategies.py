@@ -103,14 +103,20 @@ def test_the_oracle_catches_an_mla_bug(lab, oracle, name):
     from test_mutations import mutated
 
     from labkit.cluster.shipping import register
-    from labkit.oracle.checks import mismatches
+    from labkit.oracle.checks import margins, mismatches
 
     target, make, layout = MUTATIONS[name]
     register(make)  # this module's functions travel by value
     cfg, model = LAYOUTS[layout]
     with mutated(lab, target, make):
         res = lab.run(cfg, model=model, steps=3, seed=0, return_params=True)
-    assert mismatches(res, oracle(cfg, model))
+    found = mismatches(res, oracle(cfg, model))
+    over = margins(res, oracle(cfg, model))
+    print(
+        f"\n{name}: caught by {sorted({m.check for m in found})}, margins "
+        + ", ".join(f"{k} {v:.3g}" for k, v in over.items())
+    )
+    assert found
 
 
 def test_dry_run_of_deepseek_v3_attention_at_scale_equals_the_theory():

@@ -365,12 +365,17 @@ def test_a_bias_from_one_ranks_loads_is_caught(lab, ref_cache):
     from test_mutations import mutated
 
     from labkit.cluster.shipping import register
-    from labkit.oracle.checks import mismatches
+    from labkit.oracle.checks import margins, mismatches
 
     register(_local_loads)  # this module's bug goes to the engines by value, as test_mutations' do
     cfg = ParallelConfig(ep=2, dp=2)
     with mutated(lab, ("labkit.engines.train", None, "update_expert_bias"), _local_loads):
         res = lab.run(cfg, model=DSV3, steps=3, return_params=True)
     found = mismatches(res, ref_cache(DSV3))
+    over = margins(res, ref_cache(DSV3))
+    print(
+        f"\nbias from one rank's loads: caught by {sorted({m.check for m in found})}, margins "
+        + ", ".join(f"{k} {v:.3g}" for k, v in over.items())
+    )
     assert {m.check for m in found} >= {"replicas", "buffers"}, found
     assert any("expert_bias" in str(m) for m in found if m.check == "replicas")

@@ -69,7 +69,12 @@ def test_a_weaker_verify_lets_a_bug_through(recorded, monkeypatch, name):
     attr, replacement, bug = MUTATIONS[name]
     args, mesh = recorded[bug]
     expect = BUGS[bug][3]
-    expect(judged(args, mesh))  # the control: the real checks catch it
+    control = judged(args, mesh)
+    expect(control)  # the control: the real checks catch it
+    f = control.first()
+    # the margin it is caught by: the first finding's error over its bound (exact checks have none)
+    over = f.error / f.bound if f is not None and f.bound and f.bound == f.bound else float("nan")
+    print(f"\n{bug}: caught by [{f.check if f else '-'}] {f.tensor if f else ''}, error/bound {over:.3g}")
     monkeypatch.setattr(vc, attr, replacement)
     with pytest.raises(AssertionError):
         expect(judged(args, mesh))
