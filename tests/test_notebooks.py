@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from browser_tools import IN_THE_BROWSER, REQUIRED, missing
 
 from labkit.cli.strip_notebooks import strip
 
@@ -55,6 +56,9 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_notebook_executes(path, kernel):
+    if path.name in IN_THE_BROWSER and path.name != "05_pipeline.ipynb" and (REQUIRED or not missing()):
+        # its cells, asserts included, run once in this suite: in JupyterLab (tests/test_browser.py)
+        pytest.skip(f"{path.name} runs whole in the browser test (tests/browser_tools.py IN_THE_BROWSER)")
     need = NEEDS.get(path.stem)
     if need and importlib.util.find_spec(need) is None and not os.environ.get("LABKIT_REQUIRE_TORCHTITAN"):
         install = "pip install --no-deps torchtitan==0.3.0 && pip install -e .[torchtitan]"

@@ -2,11 +2,35 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 
 from labkit.config.choices import (
     ConfigError,
 )
+
+REPLACING: contextvars.ContextVar = contextvars.ContextVar("replacing", default=None)
+"""(the config being replaced, the fields it changes) while _Dict.replace builds the new one: check_fields
+(validation.py) then tests those fields alone, the others having passed when the old one was built."""
+
+
+@contextlib.contextmanager
+def replacing(old, changes: dict):
+    token = REPLACING.set((old, changes))
+    try:
+        yield
+    finally:
+        REPLACING.reset(token)
+
+
+_NAMES: dict[type, frozenset] = {}
+
+
+def _field_names(cls) -> frozenset:
+    if cls not in _NAMES:
+        _NAMES[cls] = frozenset(f.name for f in dataclasses.fields(cls))
+    return _NAMES[cls]
 
 
 class _Dict:
@@ -33,4 +57,19 @@ class _Dict:
         return cls(**d)
 
     def replace(self, **changes):
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes`, checked as a new config is (__post_init__), `changes` alone tested again:
+        the other fields are this one's, checked when it was built. The planner's search replaces ~30,000
+        configs; dataclasses.replace rebuilt every field through __init__ (a third of its time)."""
+        unknown = set(changes) - _field_names(type(self))
+        if unknown:
+            raise TypeError(f"{type(self).__name__} has no field(s) {sorted(unknown)}")
+        new = object.__new__(type(self))
+        state = {k: v for k, v in self.__dict__.items() if k != "_hash"}  # a cached hash is the old values'
+        state.update(changes)
+        new.__dict__.update(state)
+        post = getattr(new, "__post_init__", None)
+        if post is None:  # a config with nothing to check at construction (RunSpec's parts, OptimConfig's own)
+            return dataclasses.replace(self, **changes)
+        with replacing(self, changes):
+            post()
+        return new

@@ -22,6 +22,7 @@ import operator
 import typing
 from typing import TYPE_CHECKING
 
+from labkit.config.base import REPLACING
 from labkit.config.choices import DATA, DIMS, ConfigError, trains_on_text, unknown
 from labkit.config.field_types import field_tests, type_problems, typed_fields
 from labkit.config.model_problems import divisors, family_problems, stage_problems, suggest
@@ -131,6 +132,16 @@ def _fused(fits, in_range):
     return fits if in_range is None else lambda v: fits(v) and in_range(v)
 
 
+def _names(cls) -> dict[str, int]:
+    """Field name -> its position among check_fields' tests."""
+    if cls not in _NAMES:
+        _NAMES[cls] = {f.name: i for i, (f, _, _) in enumerate(field_tests(cls))}
+    return _NAMES[cls]
+
+
+_NAMES: dict[type, dict[str, int]] = {}
+
+
 def _checks(cls) -> tuple:
     """(the fields' values in order, the test of each one's type and range, the positions of the
     tuple fields), built once per config class."""
@@ -147,6 +158,24 @@ def _checks(cls) -> tuple:
 def check_fields(obj) -> None:
     """Raise ConfigError naming each of `obj`'s wrong fields (the configs' __post_init__)."""
     values_of, tests, tuples = _checks(type(obj))
+    replaced = REPLACING.get()
+    if replaced is not None and type(replaced[0]) is type(obj):
+        REPLACING.set(None)  # this object is the one replace builds; any other config built inside is not
+        names = _names(type(obj))
+        for k in replaced[1]:
+            # the value as __post_init__ left it (a stage_layers list made a tuple), not as passed
+            v = getattr(obj, k)
+            try:  # a value seen before for this field (a pipeline's stage split: 16 ints to test) passes at once
+                key = (type(obj), k, type(v), v)
+                if key in _PASSED:
+                    continue
+            except TypeError:
+                key = None
+            if not tests[names[k]](v):
+                raise ConfigError(field_problems(obj))
+            if key is not None:
+                _PASSED.add(key)
+        return
     values = values_of(obj)
     try:  # types too, and a tuple field's items': 1 == True and (2, 3) == (2.0, 3.0) in a set
         key = (type(obj), values, tuple(map(type, values)), *(tuple(map(type, values[i])) for i in tuples))

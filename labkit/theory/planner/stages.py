@@ -32,6 +32,17 @@ class Stage:
     dense_blocks: int = 0
     """Of its blocks, those with a dense MLP in an MoE model (ModelConfig.dense_layers; 0 otherwise)."""
 
+    def __hash__(self) -> int:
+        # once: the planner's memory caches key on a stage ~300,000 times a search (ints and bools only,
+        # so the same in every process)
+        h = self.__dict__.get("_hash")
+        if h is None:
+            h = hash(
+                (self.rank, self.layers, self.chunks, self.largest_chunk, self.embed, self.head, self.dense_blocks)
+            )
+            object.__setattr__(self, "_hash", h)
+        return h
+
 
 def _layers(cfg: ParallelConfig, model: ModelConfig, rank: int, chunk: int) -> int:
     return len(chunk_layers(model.layers, cfg.pp, cfg.virtual_stages, rank, chunk, cfg.stage_layers))
