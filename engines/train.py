@@ -59,7 +59,7 @@ def run_rank(spec: dict) -> dict:
     audit = CommAudit() if run.audit else None
     moes = [m for m in modules if isinstance(m, MoE)]
     # the oracle replays a checked run's routing (labkit/oracle/replay.py): recorded only where it is checked
-    routes = RouteLog(meters.timeline) if run.return_params and moes else None
+    routes = RouteLog(meters.timeline) if run.return_grads and moes else None
     for moe in moes:
         moe.route_log = routes
 
@@ -79,7 +79,7 @@ def run_rank(spec: dict) -> dict:
                 with meters.phase("backward"), meters.span("sync"):
                     rank_model.grads.finish()
                 meters.wait_device()  # the gradients' collectives: step() reads their norm
-                if run.return_params:  # every step's reduced gradients, before clipping: the reference replays them
+                if run.return_grads or (run.return_params and step == 0):  # the reference replays every step's
                     grad_pieces.append(rank_model.grads.grad_pieces())
                 with meters.phase("optimizer"), meters.span("opt"):
                     norm = rank_model.grads.step()

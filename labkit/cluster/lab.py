@@ -259,7 +259,8 @@ class Lab:
 
         Raises ConfigError (before any engine work) for a layout, model or argument that cannot
         run here, naming each problem and a fix. timeout: seconds (default: the Lab's).
-        return_params brings back the final full parameters (res.params) for checking;
+        return_params brings back the final full parameters (res.params) and every step's reduced
+        gradients (res.step_grads), what the oracle replays to check the run (labkit/oracle/replay.py);
         audit runs a TorchDispatchMode beside the comm meter (slow; tests use it).
         data: 'synthetic' (the synthetic language) or 'text' (the Shakespeare corpus in bytes,
         labkit/layout/text.py; needs vocab >= 256): then the ranks also compute the validation loss
@@ -288,6 +289,7 @@ class Lab:
             seed=seed,
             data=data,
             return_params=return_params or trains_on_text(data),  # generate() samples from them
+            return_grads=return_params,  # what the oracle replays: a check asked for, not a text run's sampling
             audit=audit,
             comm_log=bool(_comm_log),
         ).to_dict()  # plain data crosses to the engines

@@ -51,6 +51,10 @@ class RunSpec(_Dict):
     """'synthetic' (the synthetic language) or 'text' (the corpus; the ranks also compute the validation loss)."""
     return_params: bool = False
     """Bring back every rank's part of the final parameters (res.params), to check against the reference."""
+    return_grads: bool = False
+    """Bring back every step's reduced gradients too (res.step_grads), which the oracle replays
+    (labkit/oracle/replay.py): what Lab.run's return_params=True asks; a text run's parameters alone
+    (for generate) do not, so a long run on text ships no step's gradients."""
     audit: bool = False
     """Run a TorchDispatchMode beside the comm meter and count what it sees (slow; tests use it)."""
     comm_log: bool = True
