@@ -345,7 +345,10 @@ def judged(result, ref, within: Bounds | None = None):
         result.config,
         result.model.layers,
     )
-    rep = replayed(result)
+    # a reference of another run (another seed, batch or data) is what the caller holds the run to: its
+    # first step, as given; the replay is this run's own reference and would hide that
+    same = (ref.seed, ref.global_batch, ref.data) == (result.seed, result.config.global_batch, result.data)
+    rep = replayed(result) if same else None
     return (rep if rep is not None else ref), b
 
 

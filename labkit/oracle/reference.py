@@ -52,6 +52,10 @@ class Reference:
     """precision='fp8': how its linear layers scaled (torchao's recipe)."""
     shards: int = 1
     """Parts each step's batch was split into, each with its own forward and backward."""
+    seed: int | None = None
+    """The seed it trained with (the weights and the batches); None where unknown."""
+    global_batch: int | None = None
+    """Sequences per step; None where unknown."""
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
         """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
@@ -181,5 +185,19 @@ def train(
     first = every[0] if every else {}
     record = follow.record if follow is not None else None
     return Reference(
-        losses, norms, final, first, precision, model, data, validation, buffers, every, record, fp8_recipe, shards
+        losses,
+        norms,
+        final,
+        first,
+        precision,
+        model,
+        data,
+        validation,
+        buffers,
+        every,
+        record,
+        fp8_recipe,
+        shards,
+        seed,
+        global_batch,
     )
