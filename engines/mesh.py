@@ -80,18 +80,21 @@ class Mesh:
                 self._pg_cache[key] = dist.new_group(ranks)
             if self.rank in ranks:
                 self._sub[dim, kind] = self._pg_cache[key]
-        # the layout's control group: every rank of it, on gloo whatever the device (a host-side flag),
-        # created by every rank of the world like the others; `agree` is its one use
+        # the layout's control group: every rank of it, created by every rank of the world like the others;
+        # `agree` is its one use. Its flag lives on the host: gloo under NCCL, else the world's own backend
+        # (gloo; a dry run's fake one, which builds no gloo group)
         key = ("control", self.layout.world)
         if key not in self._pg_cache:
-            self._pg_cache[key] = dist.new_group(list(range(self.layout.world)), backend="gloo")
+            backend = "gloo" if dist.get_backend() == "nccl" else None
+            self._pg_cache[key] = dist.new_group(list(range(self.layout.world)), backend=backend)
         self._control = self._pg_cache[key]
 
     def agree(self, flag: bool) -> bool:
         """Whether any rank of the layout says `flag` (all of them must ask): one all-reduce (max) of
         one int on the control group, left out of the collective log and the run's comm rows — it is
         the lab's own bookkeeping, not the layout's traffic (engines/runtime.py `stop_agreed`)."""
-        if self.layout.world == 1:
+        # one rank, or a dry run's fake world (engines/dryrun.py: one rank alone, its collectives empty)
+        if self.layout.world == 1 or dist.get_backend() == "fake":
             return flag
         t = torch.tensor([int(flag)], dtype=torch.int32)
         with unlogged():
