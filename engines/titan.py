@@ -113,9 +113,10 @@ def titan_configs(cfg: ParallelConfig) -> tuple[ParallelDims, ParallelismConfig,
     if dtype is None:  # torchtitan's float8 converter is torchao's CUDA kernels
         raise ConfigError([f"precision {cfg.precision!r}: on the CPU engines torchtitan trains in fp32 or bf16"])
     training = TrainingConfig(local_batch_size=local, mixed_precision_param=dtype, mixed_precision_reduce="float32")
-    if cfg.recompute not in ("full", "op", "none"):
+    rc = cfg.recomputation
+    if rc.attention_only:  # 'selective': the attention core alone, for which torchtitan has no policy
         raise ConfigError([f"recompute {cfg.recompute!r}: torchtitan checkpoints whole blocks ('full') or per op"])
-    ac = {"full": FullAC.Config(), "op": SelectiveAC.Config(), "none": None}[cfg.recompute]
+    ac = FullAC.Config() if rc.keeps_input_only else (SelectiveAC.Config() if rc.per_op else None)
     dims = ParallelDims.from_config(par, dist.get_world_size())
     return dims, par, training, ac
 

@@ -1,11 +1,10 @@
 """The oracle cannot be fooled: bugs injected into the real strategies on the real cluster, each of
 which `labkit.oracle.checks` must catch, with a message that names the right tensor, rank or step.
 
-A mutation replaces one function or method of a real strategy on every engine for the length of a
-`with mutated(...)` block (`lab.apply` ships the replacement by value; the original comes back at
-the end, whatever happens): nothing in the code is edited. Each replacement is the original with
-one bug, written out below beside the method it changes. The same layouts run unmutated first and
-must match (the control), so a row is caught by the bug and not by the layout.
+A mutation replaces one function or method of a real strategy on every engine for a `with mutated(...)`
+block (`lab.apply` ships it by value; the original comes back at the end, whatever happens): nothing in
+the code is edited. Each is the original with one bug, written out beside the method it changes. The
+layouts run unmutated first and must match (the control): a row is caught by the bug, not the layout.
 """
 
 from __future__ import annotations
@@ -19,7 +18,8 @@ import pytest
 from conftest import TINY
 
 from labkit import OptimConfig, ParallelConfig, reference
-from labkit.oracle.checks import margins, mismatches
+from labkit.oracle.bounds import tensor_errors
+from labkit.oracle.checks import loss_errors, margins, mismatches, model_error
 
 STEPS = 2
 MOE = TINY.replace(experts=4, top_k=2)
@@ -351,20 +351,13 @@ default max norm of 1.0."""
 
 
 def plain_margin(res, ref) -> float:
-    """The worst error over its bound as the oracle before the replay measured it (issue 40): every step's
-    loss and norm and the final model against the plain reference, the first step's gradients, all at
-    fp32's 1e-5 (these mutations run in fp32). For the table beside the new margins, not asserted."""
-    from labkit.oracle.bounds import tensor_errors
-    from labkit.oracle.checks import loss_errors, model_error
-
+    """The worst error over its bound as the oracle before the replay judged it (issue 40; printed): every
+    step's loss and norm, the first step's gradients, the final model, at fp32's 1e-5."""
     errs = loss_errors(res.losses, ref.losses) + [
         e for rk in res.ranks for e in loss_errors(rk.grad_norms, ref.grad_norms)
     ]
-    if res.grads is not None:
-        errs += [e / s if s else 0.0 for e, s in tensor_errors(res.grads, ref.first_grads).values()]
-    if res.params is not None:
-        errs.append(model_error(res.params, ref.params))
-    return max(errs, key=lambda x: float("inf") if x != x else x) / 1e-5
+    errs += [e / s if s else 0.0 for e, s in tensor_errors(res.grads, ref.first_grads).values()]
+    return max([*errs, model_error(res.params, ref.params)], key=lambda x: float("inf") if x != x else x) / 1e-5
 
 
 @pytest.fixture(scope="module")

@@ -31,16 +31,14 @@ reference that splits its batch as it does (bounds_fp8.py), replayed the same wa
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass
 
 import numpy as np
 
 from labkit.config.choices import numerics
 from labkit.layout.float8 import float8_weights, fp8_weight
-from labkit.oracle.bounds import Bounds, bounds, paths, round_to, tensor_errors
-from labkit.oracle.bounds_fp8 import reference_problems
-from labkit.oracle.replay import replay
+from labkit.oracle.bounds import Bounds, round_to, tensor_errors
+from labkit.oracle.held import gradient_pairs, held_steps, judged, ratio
 
 
 @dataclass(frozen=True)
@@ -162,12 +160,12 @@ def gradients(result, held, within: Bounds, show: int = 6) -> list[Mismatch]:
     """Every step's reduced gradient of every tensor against the replayed reference's (the first step's
     alone against a plain reference: `judged`), by bounds.py's per-tensor bound."""
     out: list[Mismatch] = []
-    for step, (run, own) in enumerate(_gradient_pairs(result, held)):
+    for step, (run, own) in enumerate(gradient_pairs(result, held)):
         missing = sorted(set(own) - set(run))
         if missing:
             return [Mismatch("gradients", f"step {step}'s gradients missing from the run: {missing}")]
         # error over its floored scale, over its own bound: > 1 fails (NaN too)
-        over = {n: _ratio(e, scale) / within.grad(n) for n, (e, scale) in tensor_errors(run, own).items()}
+        over = {n: ratio(e, scale) / within.grad(n) for n, (e, scale) in tensor_errors(run, own).items()}
         bad = [n for n, x in over.items() if _over(x, 1.0)]
         # the worst first, NaN worst of all: the `show` listed are the ones that matter most
         bad.sort(key=lambda n: -np.nan_to_num(over[n], nan=np.inf))
@@ -206,14 +204,8 @@ def padding(result) -> list[Mismatch]:
     return out
 
 
-def _held_steps(result, held) -> int:
-    """How many steps' losses and norms are held: every step under a replay, the first alone against a
-    plain reference (after one update the optimizer has amplified a rounding: replay.py)."""
-    return len(held.losses) if held.replayed is not None else min(1, len(held.losses))
-
-
 def losses(result, held, bound: float) -> list[Mismatch]:
-    n = _held_steps(result, held)
+    n = held_steps(result, held)
     errs = loss_errors(result.losses[:n], held.losses[:n])
     if not any(_over(e, bound) for e in errs):
         return []
@@ -248,7 +240,7 @@ def validation(result, held, bound: float) -> list[Mismatch]:
 def grad_norms(result, held, bound: float) -> list[Mismatch]:
     """On every rank: AdamW is nearly blind to the scale of its gradients, so a missing average
     or a doubled shard shows here and in clipping, hardly in the parameters."""
-    n = _held_steps(result, held)
+    n = held_steps(result, held)
     out = []
     for rk in result.ranks:
         # every rank computes the global norm after its reduction: each must agree with the reference's
@@ -307,51 +299,6 @@ def buffers(result, held, bound: float) -> list[Mismatch]:
     ]
 
 
-def replayed(result):
-    """The reference replayed along `result` (labkit/oracle/replay.py), once per result: None where the run
-    brought back no gradients of its later steps (return_params=False, or a result read from a file)."""
-    if not result.step_grads or len(result.step_grads) != result.steps:
-        return None
-    key = id(result)
-    if key not in _REPLAYS:
-        _REPLAYS[key] = replay(result)
-        weakref.finalize(result, _REPLAYS.pop, key, None)  # gone with the result
-    return _REPLAYS[key]
-
-
-_REPLAYS: dict[int, object] = {}
-
-
-def judged(result, ref, within: Bounds | None = None):
-    """(the reference the run is held to, its bounds): the replay where the run brought its gradients back,
-    with one step's bounds at every step; else the plain reference, whose steps after the first are held
-    by nothing (the optimizer's amplification of a rounding, replay.py), and `ref`'s first step alone."""
-    if numerics(result.config.precision).fp8:
-        wrong = reference_problems(result.config, ref)
-        if wrong:
-            raise ValueError(wrong[0])
-    elif numerics(ref.precision).mixed:
-        raise ValueError(
-            f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
-            "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"
-        )
-    if ref.model != result.model:
-        raise ValueError("the reference trained another model than the run: give reference(...) the run's model")
-    # bf16's bounds grow with the roundings on each gradient's chain, counted on the computation (bounds.paths)
-    mixed = numerics(result.config.precision).mixed
-    b = within or bounds(
-        result.config.precision,
-        paths(result.model, result.config) if mixed else None,
-        result.config,
-        result.model.layers,
-    )
-    # a reference of another run (another seed, batch or data) is what the caller holds the run to: its
-    # first step, as given; the replay is this run's own reference and would hide that
-    same = (ref.seed, ref.global_batch, ref.data) == (result.seed, result.config.global_batch, result.data)
-    rep = replayed(result) if same else None
-    return (rep if rep is not None else ref), b
-
-
 def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     """Everything in which `result` does not train like `ref`, the fp32 reference of the same
     model, seed, steps and global batch (bf16 runs too: labkit/oracle/bounds.py). A run with its
@@ -395,34 +342,22 @@ def margins(result, ref, within: Bounds | None = None) -> dict[str, float]:
     held, b = judged(result, ref, within)
     # NaN is the worst margin of all: it fails
     worst = lambda xs: float(max(xs, key=lambda x: np.inf if np.isnan(x) else x)) if xs else 0.0
-    n = _held_steps(result, held)
+    n = held_steps(result, held)
     out = {
         "losses": worst(loss_errors(result.losses[:n], held.losses[:n])) / b.losses,
         "grad norms": worst([e for rk in result.ranks for e in loss_errors(rk.grad_norms[:n], held.grad_norms[:n])])
         / b.grad_norms,
     }
-    pairs = _gradient_pairs(result, held)
+    pairs = gradient_pairs(result, held)
     if pairs:
         out["gradients"] = worst(
-            [_ratio(e, scale) / b.grad(n) for run, own in pairs for n, (e, scale) in tensor_errors(run, own).items()]
+            [ratio(e, scale) / b.grad(n) for run, own in pairs for n, (e, scale) in tensor_errors(run, own).items()]
         )
     if result.params is not None and held.replayed is not None:
         out["parameters"] = model_error(result.params, held.params) / b.params
     if held.replayed is not None:
         out["flips"] = sum(sum(f.values()) for f in held.replayed.flips)
     return out
-
-
-def _ratio(e: float, scale: float) -> float:
-    # error over its floored scale (bounds.tensor_errors): a zero scale is exact with no error, else inf
-    return e / scale if scale else (0.0 if e == 0 else np.inf)
-
-
-def _gradient_pairs(result, held) -> list[tuple[dict, dict]]:
-    """(run's, reference's) gradients of every step held: all of them under a replay, the first alone else."""
-    if held.step_grads and result.step_grads and len(held.step_grads) == len(result.step_grads):
-        return list(zip(result.step_grads, held.step_grads))
-    return [(result.grads, held.first_grads)] if result.grads is not None and held.first_grads else []
 
 
 def assert_matches(result, ref, within: Bounds | None = None) -> None:

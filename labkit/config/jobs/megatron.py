@@ -163,10 +163,10 @@ def read(
 
 def _stack(a: Args) -> dict:
     """The stack a Megatron-Core job runs on: Transformer Engine's fused kernels unless told 'local'."""
-    impl = a.get("transformer-impl", str, "transformer_engine")  # core_v0.14.0's default
-    if impl == "local":
+    te = a.get("transformer-impl", str, "transformer_engine")  # core_v0.14.0's default
+    if te == "local":
         return {"stack": "eager", "stack_reason": "--transformer-impl local: Megatron-Core's PyTorch modules, eager"}
-    said = f"--transformer-impl {impl}" if "transformer-impl" in a.args else f"{impl}, core_v0.14.0's default"
+    said = f"--transformer-impl {te}" if "transformer-impl" in a.args else f"{te}, core_v0.14.0's default"
     return {
         "stack": "te",
         "stack_reason": f"{said}: Transformer Engine's fused kernels, priced at the compile stack's measured "
