@@ -105,7 +105,7 @@ def test_a_layout_on_text_matches_the_reference_and_its_validation_loss(lab, cfg
     assert res.data == "text" and res.params is not None and len(res.step_grads) == 3  # what the replay needs
     assert_matches(res, ref)
     # the oracle held it (checks.validation), against the reference replayed along the run: asked here too
-    held = replayed(res)
+    held = replayed(res, ref)
     assert res.validation_loss is not None and held.validation_loss is not None
     assert abs(res.validation_loss - held.validation_loss) <= FP32.losses * held.validation_loss
     assert abs(ref.validation_loss - ref.losses[-1]) < 0.5  # the same model on other bytes: near its training loss

@@ -15,19 +15,21 @@ from labkit.oracle.bounds_fp8 import reference_problems
 from labkit.oracle.replay import replay
 
 
-def replayed(result):
-    """The reference replayed along `result` (labkit/oracle/replay.py), once per result: None where the run
-    brought back no gradients of its later steps (return_params=False, or a result read from a file)."""
+def replayed(result, ref):
+    """`ref` replayed along `result` (labkit/oracle/replay.py), once per pair: None where the run brought
+    back no gradients of its later steps (return_params=False, or a result read from a file)."""
     if not result.step_grads or len(result.step_grads) != result.steps:
         return None
-    key = id(result)
+    key = (id(result), id(ref))
     if key not in _REPLAYS:
-        _REPLAYS[key] = replay(result)
-        weakref.finalize(result, _REPLAYS.pop, key, None)  # gone with the result
+        _REPLAYS[key] = replay(result, ref)
+        # gone with either: an id is reused once its object is collected
+        weakref.finalize(result, _REPLAYS.pop, key, None)
+        weakref.finalize(ref, _REPLAYS.pop, key, None)
     return _REPLAYS[key]
 
 
-_REPLAYS: dict[int, object] = {}
+_REPLAYS: dict[tuple[int, int], object] = {}
 
 
 def judged(result, ref, within: Bounds | None = None):
@@ -43,8 +45,6 @@ def judged(result, ref, within: Bounds | None = None):
             f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
             "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"
         )
-    if ref.model != result.model:
-        raise ValueError("the reference trained another model than the run: give reference(...) the run's model")
     # bf16's bounds grow with the roundings on each gradient's chain, counted on the computation (bounds.paths)
     mixed = numerics(result.config.precision).mixed
     b = within or bounds(
@@ -53,10 +53,7 @@ def judged(result, ref, within: Bounds | None = None):
         result.config,
         result.model.layers,
     )
-    # a reference of another run (another seed, batch or data) is what the caller holds the run to: its
-    # first step, as given; the replay is this run's own reference and would hide that
-    same = (ref.seed, ref.global_batch, ref.data) == (result.seed, result.config.global_batch, result.data)
-    rep = replayed(result) if same else None
+    rep = replayed(result, ref)
     return (rep if rep is not None else ref), b
 
 

@@ -56,6 +56,8 @@ class Reference:
     """The seed it trained with (the weights and the batches); None where unknown."""
     global_batch: int | None = None
     """Sequences per step; None where unknown."""
+    optim: OptimConfig | None = None
+    """The optimizer it stepped with; None where unknown."""
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
         """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
@@ -200,4 +202,5 @@ def train(
         shards,
         seed,
         global_batch,
+        optim,
     )

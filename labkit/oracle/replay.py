@@ -35,7 +35,6 @@ import numpy as np
 
 from labkit.config.choices import numerics
 from labkit.oracle.bounds import UNIT_ROUNDOFF
-from labkit.oracle.bounds_fp8 import reference_shards
 from labkit.oracle.reference import Reference, train
 
 
@@ -73,9 +72,13 @@ class Follow:
         import torch
 
         run = self.result.step_grads[step]
-        missing = [n for n in names if n not in run]
-        if missing:
-            raise AssertionError(f"step {step}'s gradients are missing from the run: {missing[:3]}")
+        # the reference's tensors the run has not, or not in its shape: a reference of another model
+        wrong = [n for n, g in zip(names, own) if n not in run or tuple(run[n].shape) != tuple(g.shape)]
+        if wrong:
+            raise AssertionError(
+                f"step {step}: the run has no gradient of the reference's shape for {wrong[:3]}: "
+                "is the reference of the run's model?"
+            )
         return [torch.from_numpy(np.ascontiguousarray(run[n])).to(g.dtype).reshape(g.shape) for n, g in zip(names, own)]
 
 
@@ -141,24 +144,24 @@ def legitimate(moe, logits, bound, run):
     return ok, excess
 
 
-def replay(result) -> Reference:
-    """The fp32 reference of `result`'s model, seed, steps, global batch, optimizer and data, replayed
-    along the run (the module docstring): needs the run's gradients of every step (return_params=True)."""
+def replay(result, ref) -> Reference:
+    """`ref`, the reference the run is held to, trained again along the run (the module docstring): its
+    own model, seed, global batch, optimizer, data, precision and shards, each step's update applying the
+    run's gradients of that step instead of its own. Needs the run's gradients of every step
+    (return_params=True). A reference of another run (another seed, batch, optimizer) stays another
+    run's: its own gradients and updates show the difference from the first step on."""
     if not result.step_grads:
         raise ValueError("replay needs the run's gradients of every step: run it with return_params=True")
-    cfg = result.config
-    # fp8's oracle is the fp8 reference that splits its batch as the layout does (bounds_fp8.py); else fp32's
-    fp8 = numerics(cfg.precision).fp8
-    precision, shards = ("fp8", reference_shards(cfg)) if fp8 else ("fp32", 1)
+    known = lambda mine, run: run if mine is None else mine  # noqa: E731 - a field an older Reference lacks
     return train(
-        result.model,
+        ref.model,
         result.steps,
-        result.seed,
-        cfg.global_batch,
-        precision,
-        result.optim,
-        shards,
-        result.data,
+        known(ref.seed, result.seed),
+        known(ref.global_batch, result.config.global_batch),
+        ref.precision,
+        known(ref.optim, result.optim),
+        ref.shards,
+        ref.data,
         follow=Follow(result),
-        fp8_recipe=cfg.fp8_recipe,
+        fp8_recipe=ref.fp8_recipe,
     )
