@@ -128,40 +128,27 @@ class MoE(nn.Module):
         y = y.view(b, s, h)
         return y if self.shared is None else y + self.shared(x)  # DeepSeekMoE eq. 3: shared + routed
 
-    def route(
-        self, logits: torch.Tensor, x: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def route(self, logits: torch.Tensor, x: torch.Tensor | None = None):
         """logits (b, s, E) fp32 -> (gates (b, s, k), experts (b, s, k), the probabilities the balance loss
         averages (b, s, E)). Softmax: top-k of the softmax (Switch; Mixtral, Qwen3-MoE renormalise).
         Sigmoid (DeepSeek-V3 eqs. 13-16): chosen by s + b within the topk_group best groups, gated by s.
         `x`: the router's input, which the reference's replay (`follow`) bounds the logits' error by."""
-        expert = self.choose(logits)
-        if self.follow is not None:  # the oracle's reference, routing as a run routed (labkit/oracle/replay.py)
-            expert = self.follow(self, x, logits, expert)
-        gate, probs = self.gates(logits, expert)
-        return gate, expert, probs
-
-    def choose(self, logits: torch.Tensor) -> torch.Tensor:
-        """The k experts of each token (b, s, k), best first: a function of the logits and the bias alone."""
         cfg, k = self.cfg, self.cfg.top_k
-        if cfg.family.clamped_experts:  # GPT-OSS (GptOssTopKRouter): top-k of the logits
-            return logits.topk(k, dim=-1)[1]
-        choice = logits.softmax(dim=-1) if not cfg.sigmoid_router else logits.sigmoid() + self.expert_bias
-        if cfg.n_group > 1:  # group-limited: a group scores its best two s + b (HF DeepseekV3TopkRouter)
-            e, g = cfg.experts, cfg.n_group
-            grouped = choice.unflatten(-1, (g, e // g))  # (b, s, G, E/G)
-            best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(cfg.topk_group, dim=-1)[1]  # (b, s, topk_group)
-            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)  # (b, s, G)
-            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)  # (b, s, E)
-        return choice.topk(k, dim=-1)[1]  # (b, s, k)
-
-    def gates(self, logits: torch.Tensor, expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The gates of the chosen experts (b, s, k) and the probabilities the balance loss averages (b, s, E)."""
-        cfg = self.cfg
-        if cfg.family.clamped_experts:  # GPT-OSS: the softmax over the k chosen logits
-            return logits.gather(-1, expert).softmax(dim=-1), logits.softmax(dim=-1)
-        probs = logits.sigmoid() if cfg.sigmoid_router else logits.softmax(dim=-1)  # s_{i,t}, eq. 15; or p
-        gate = probs.gather(-1, expert)  # the chosen experts' p or s, without the bias
+        if cfg.family.clamped_experts:  # GPT-OSS (GptOssTopKRouter): top-k of the logits, softmax over those k
+            top, expert = logits.topk(k, dim=-1)  # (b, s, k) each
+            followed = self._followed(x, logits, expert)
+            if followed is not None:  # the gates of the run's experts: the same tensors, gathered
+                top, expert = logits.gather(-1, followed), followed
+            return top.softmax(dim=-1), expert, logits.softmax(dim=-1)
+        probs, choice = self._scores(logits)
+        if choice is probs:
+            gate, expert = probs.topk(k, dim=-1)  # (b, s, k) each
+        else:
+            expert = choice.topk(k, dim=-1)[1]  # (b, s, k)
+            gate = probs.gather(-1, expert)  # the chosen experts' s, without the bias
+        followed = self._followed(x, logits, expert)
+        if followed is not None:
+            gate, expert = probs.gather(-1, followed), followed
         if cfg.renormalises_gates:
             # Mixtral, Qwen3-MoE: the softmax of the top-k logits; DeepSeek-V3 eq. 13 (HF's + 1e-20)
             gate = gate / (gate.sum(dim=-1, keepdim=True) + 1e-20) if cfg.sigmoid_router else gate / gate.sum(-1, True)
@@ -169,7 +156,40 @@ class MoE(nn.Module):
             gate = gate * cfg.routed_scaling_factor
         if cfg.sigmoid_router:  # the balance loss's s' (DeepSeek-V3 eq. 19): affinities normalised over E
             probs = probs / probs.sum(dim=-1, keepdim=True)
-        return gate, probs
+        return gate, expert, probs
+
+    def _scores(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the probabilities the gates take, the scores the top-k chooses by) (b, s, E) each: the softmax
+        twice over, or the sigmoid and the sigmoid plus the bias; outside the topk_group best groups -inf."""
+        cfg = self.cfg
+        if not cfg.sigmoid_router:
+            probs = logits.softmax(dim=-1)  # (b, s, E)
+            choice = probs
+        else:
+            probs = logits.sigmoid()  # s_{i,t}, eq. 15
+            choice = probs + self.expert_bias  # s + b: for the choice only (eq. 16)
+        if cfg.n_group > 1:  # group-limited: a group scores its best two s + b (HF DeepseekV3TopkRouter)
+            e, g = cfg.experts, cfg.n_group
+            grouped = choice.unflatten(-1, (g, e // g))  # (b, s, G, E/G)
+            best = grouped.topk(2, dim=-1)[0].sum(dim=-1).topk(cfg.topk_group, dim=-1)[1]  # (b, s, topk_group)
+            keep = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(-1, best, True)  # (b, s, G)
+            choice = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).flatten(-2)  # (b, s, E)
+        return probs, choice
+
+    def choose(self, logits: torch.Tensor) -> torch.Tensor:
+        """The k experts of each token (b, s, k), best first, as `route` chooses them: a function of the
+        logits and the bias alone (the replay asks it of perturbed logits, labkit/oracle/replay.py)."""
+        if self.cfg.family.clamped_experts:
+            return logits.topk(self.cfg.top_k, dim=-1)[1]
+        return self._scores(logits)[1].topk(self.cfg.top_k, dim=-1)[1]
+
+    def _followed(self, x, logits, expert):
+        """The run's experts where the reference's replay follows them (`follow`), else None: without the
+        hook, a forward computes exactly what it did before there was one."""
+        if self.follow is None:
+            return None
+        chosen = self.follow(self, x, logits, expert)
+        return None if chosen is expert else chosen
 
     def balance_loss(self, probs: torch.Tensor, expert: torch.Tensor) -> torch.Tensor:
         """Switch Transformer's auxiliary loss (Fedus et al. 2021, eq. 4), per sequence:
