@@ -73,11 +73,12 @@ def test_the_verify_figure_draws_every_tensors_error_over_its_bound(reports):
     readable("verify", fig)
     ticks = fig.layout.xaxis.tickvals
     floor, ceiling = ticks[0], ticks[-1]
-    # every tensor's first-step gradient at its error over the bound, in build()'s order
+    # every tensor's gradient (its worst step) at its error over the bound, in build()'s order
     grads = trace(fig, "gradients")
     assert list(grads.y) == [r["tensor"] for r in report.rows]
     assert list(grads.x) == [r["gradient error"] / r["gradient bound"] for r in report.rows]
-    assert list(trace(fig, "parameters").x) == [r["final error"] / report.bounds.params for r in report.rows]
+    # the final weights: the replay's AdamW took the run's own gradients, so most are exact, drawn at the floor
+    assert list(trace(fig, "parameters").x) == [(r["final error"] / report.bounds.params) or floor for r in report.rows]
     # the initial weights must be exact, and are: every point at the floor, which reads '0 (exact)'
     assert set(trace(fig, "initial").x) == {floor} and fig.layout.xaxis.ticktext[0] == "0 (exact)"
     losses = trace(fig, "losses")
@@ -91,7 +92,8 @@ def test_the_verify_figure_draws_every_tensors_error_over_its_bound(reports):
     for check, row in zip(strips.y, strips.z):
         want = [sum(f.check == check and f.ranks[-1] == r for f in report.findings) for r in range(4)]
         assert list(row) == want, check
-    assert list(strips.z[STRIPS.index("gradient replicas")]) == [0, 1, 1, 1]  # ranks 1-3 differ from rank 0
+    # ranks 1-3 differ from rank 0, at each of the 2 steps (every step's gradients are compared)
+    assert list(strips.z[STRIPS.index("gradient replicas")]) == [0, 2, 2, 2]
     # the first failure is marked where it is drawn, and named
     first = report.first()
     assert (first.check, first.tensor) == ("gradient replicas", "1.weight")

@@ -2,7 +2,7 @@
 far past its bound, and on which ranks. Pure: a VerifyReport in, a go.Figure out.
 
 Every check is drawn as its error over its bound, on a log scale, so the bound is 1 for all of them:
-a tensor's first-step gradient (relative, floored: labkit/oracle/bounds.py), its final weights
+a tensor's gradient at its worst step (relative, floored: labkit/oracle/bounds.py), its final weights
 (relative L2, against the whole model's bound, which the check applies to the sum), each step's loss.
 The initial weights and every replica must be exact: an exact one is drawn at the axis's floor ('0'),
 one that differs at its ceiling ('≠ / NaN'), where no finite ratio would say more.
