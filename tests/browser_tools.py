@@ -57,7 +57,7 @@ IN_THE_BROWSER = (
 )
 """The notebooks tests/test_browser.py runs whole in JupyterLab (every cell but the teardown, its asserts
 included, no cell may fail); tests/test_notebooks.py leaves them to it where it runs (issue 46: each
-notebook's cluster work once per suite), 05 aside, whose timing claim holds only without a browser."""
+notebook's cluster work once per suite)."""
 
 REQUIRED = os.environ.get("LABKIT_REQUIRE_BROWSER") == "1"
 """Set by .ci/run: CI must run this test, so a missing chromium or Playwright fails it there

@@ -158,7 +158,6 @@ def jupyter(tmp_path_factory):
         os.environ,
         PATH=scripts + os.pathsep + os.environ.get("PATH", ""),  # where jupyter-lab lives
         JUPYTER_PATH=str(data),
-        LABKIT_CORES_SHARED="1",  # chromium draws on the engines' cores: 05's timing claim is test_notebooks'
         JUPYTER_CONFIG_DIR=str(tmp / "config"),
         JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
         IPYTHONDIR=str(tmp / "ipython"),

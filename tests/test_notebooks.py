@@ -56,7 +56,7 @@ def test_there_are_notebooks():
 
 @pytest.mark.parametrize("path", PATHS, ids=lambda p: p.stem)
 def test_notebook_executes(path, kernel):
-    if path.name in IN_THE_BROWSER and path.name != "05_pipeline.ipynb" and (REQUIRED or not missing()):
+    if path.name in IN_THE_BROWSER and (REQUIRED or not missing()):
         # its cells, asserts included, run once in this suite: in JupyterLab (tests/test_browser.py)
         pytest.skip(f"{path.name} runs whole in the browser test (tests/browser_tools.py IN_THE_BROWSER)")
     need = NEEDS.get(path.stem)
