@@ -80,13 +80,16 @@ class Mesh:
                 self._pg_cache[key] = dist.new_group(ranks)
             if self.rank in ranks:
                 self._sub[dim, kind] = self._pg_cache[key]
-        # the layout's control group: every rank of it, created by every rank of the world like the others;
-        # `agree` is its one use. Its flag lives on the host: gloo under NCCL, else the world's own backend
-        # (gloo; a dry run's fake one, which builds no gloo group)
-        key = ("control", self.layout.world)
+        # the layout's control group (`agree`): every rank of it, created by every rank of the world like the
+        # others. Its flag lives on the host: on gloo the layout's own group of all its ranks, which a layout
+        # along one dim has already (no group more per layout); under NCCL one of gloo's beside it
+        ranks = tuple(range(self.layout.world))
+        key = ranks if dist.get_backend() != "nccl" else ("control", *ranks)
         if key not in self._pg_cache:
-            backend = "gloo" if dist.get_backend() == "nccl" else None
-            self._pg_cache[key] = dist.new_group(list(range(self.layout.world)), backend=backend)
+            if key == ranks and self.layout.world == world:
+                self._pg_cache[key] = dist.group.WORLD
+            else:
+                self._pg_cache[key] = dist.new_group(list(ranks), backend="gloo" if key != ranks else None)
         self._control = self._pg_cache[key]
 
     def agree(self, flag: bool) -> bool:
