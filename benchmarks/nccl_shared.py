@@ -266,7 +266,12 @@ def main() -> None:
     ap.add_argument("--out", default="nccl.json")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2])
     ap.add_argument("--limit", type=float, default=40)
+    ap.add_argument("--dry-run", action="store_true", help="parse, write the file's frame, run nothing")
     ns = ap.parse_args()
+    if ns.dry_run:  # no export lines: nothing worked, nothing is exported
+        with open(ns.out, "w") as f:
+            json.dump({"dry_run": True, "tries": [], "chosen": None}, f)
+        return
     import torch
 
     from labkit.engines.host import nccl_version

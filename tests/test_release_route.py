@@ -1,8 +1,8 @@
 """Which way a rank is released (engines/release.py, issue 45): on NCCL the Lab aborts every live rank's
 communicators, its job running or not (a rank waiting in an NCCL collective waits in a GPU kernel that
 no socket reaches); on gloo it cuts the sockets of the ranks whose job is over, as before. The GPU
-proof (a skipped all-reduce, a raising rank, a killed engine on NCCL: benchmarks/gpu_layouts.py
-`faults`) runs in scripts/gpu-check.sh.
+proof (a skipped all-reduce, a raising rank, a killed engine on NCCL: benchmarks/gpu_faults.py) runs
+in scripts/gpu-check.sh.
 
 The release itself runs here in this process on a real gloo world of one rank; torch's own
 `_abort_process_group` runs on it where the rank is labelled an NCCL one (the abort route's torch calls

@@ -34,6 +34,8 @@ from labkit.theory.planner import measured
 from labkit.theory.planner.calibration import load_kernels
 from labkit.theory.planner.hardware import ALPHA_ASSUMED, CHANNELS_ASSUMED, H200, Hardware, Link
 from labkit.theory.planner.ops import block_ops, embed_ops, head_ops
+from labkit.theory.planner.overlap import DataParallel
+from labkit.theory.planner.stages import distinct
 from labkit.theory.planner.timing import op_seconds, step_time
 from labkit.theory.presets import PRESETS
 
@@ -47,11 +49,14 @@ MEASURED_AS = {"one eager": "eager", "one compiled": "compile"}
 """benchmarks/gpu_mfu.py's row names, by the stack they ran."""
 
 
+def _model(row: dict):
+    """A measured step's model: the preset at the row's sequence, cut to row['layers'] where given."""
+    return PRESETS[row["model"]].replace(seq=row["seq"], **({"layers": row["layers"]} if row.get("layers") else {}))
+
+
 def _memory_ops(row: dict):
-    """(op, how many of it) of a measured step's elementwise kernels: the row's model (cut to
-    row['layers'] where given: an 8B-shaped block), its batch and sequence, bf16."""
-    model = PRESETS[row["model"]].replace(seq=row["seq"], **({"layers": row["layers"]} if row.get("layers") else {}))
-    b = row["batch"]
+    """(op, how many of it) of a measured step's elementwise kernels: the row's model, its batch, bf16."""
+    model, b = _model(row), row["batch"]
     for ops, n in (
         (block_ops(model, 1, 1, False, b, "bf16"), model.layers),
         (head_ops(model, 1, 1, False, b, "bf16"), 1),
@@ -60,21 +65,31 @@ def _memory_ops(row: dict):
         yield from ((op, n) for op in ops if op.kind == "memory")
 
 
-def priced(row: dict) -> tuple[float, float]:
-    """(the elementwise ops' seconds, the optimizer's) the model gives a measured step on the H200's
-    profile at the roofline."""
+def priced(row: dict, hw: Hardware = H200) -> tuple[float, float]:
+    """(the elementwise ops' seconds, the optimizer's) the model gives a measured step at the roofline of
+    `hw` (the H200's: the device of the steps `slowdowns` reads; a new point's own device for its own)."""
     # forward and backward of the elementwise kernels only: matmuls and attention are the profiler's own kinds
-    memory = sum(n * (op_seconds(op, H200)[0] + op_seconds(op, H200, op.backward)[0]) for op, n in _memory_ops(row))
-    model = PRESETS[row["model"]].replace(seq=row["seq"], **({"layers": row["layers"]} if row.get("layers") else {}))
-    optimizer = step_time(ParallelConfig(dp=1, global_batch=row["batch"], precision="bf16"), model, H200).optimizer
-    return memory, optimizer
+    memory = sum(n * (op_seconds(op, hw)[0] + op_seconds(op, hw, op.backward)[0]) for op, n in _memory_ops(row))
+    cfg = ParallelConfig(dp=1, global_batch=row["batch"], precision="bf16")
+    return memory, step_time(cfg, _model(row), hw).optimizer
+
+
+def fsdp_copy_seconds(row: dict, hw: Hardware) -> float:
+    """The seconds the time model gives FSDP2's copies around its collectives (overlap.py `copy_bytes`) in a
+    measured step of row['world'] ranks, row['batch'] sequences each, at the roofline of `hw`."""
+    cfg = ParallelConfig(dp=row["world"], global_batch=row["batch"] * row["world"], precision="bf16", sharding="fsdp")
+    cfg = cfg.replace(impl="torch")
+    st = distinct(cfg, _model(row))[0]
+    return DataParallel(cfg, _model(row), hw).copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
 
 
 def kernel_bytes(row: dict) -> float:
-    """The size of a measured step's elementwise kernels, as one number: their byte-weighted mean
-    (sum of bytes² over sum of bytes, forward and backward), what a pace point is filed under."""
-    sizes = [(op.bytes, n * (1 + op.backward)) for op, n in _memory_ops(row)]
-    return sum(b * b * w for b, w in sizes) / sum(b * w for b, w in sizes)
+    """The size of a measured step's elementwise kernels, as one number, what a pace point is filed
+    under: the byte-weighted mean (sum of bytes² over sum of bytes, forward and backward) of a block's.
+    The blocks' kernels, not the loss's: those are a few kernels of b·s·V elements (10 GB for GPT-2's
+    step) that would set the mean alone; priced, each kernel still gets the pace of its own size."""
+    ops = [op for op in block_ops(_model(row), 1, 1, False, row["batch"], "bf16") if op.kind == "memory"]
+    return sum(op.bytes**2 * (1 + op.backward) for op in ops) / sum(op.bytes * (1 + op.backward) for op in ops)
 
 
 @cache
