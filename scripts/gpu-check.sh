@@ -110,7 +110,8 @@ PYTEST=($PY -m pytest -m gpu -v -rfEs -p no:cacheprovider --timeout 100 tests/te
 stage pytest 110 "${PYTEST[@]}" -k "not ($GLOO)" --junitxml="$PARTS/pytest.xml"
 
 # -- 5. compiled MFU, the Lab against the plain loop, ours against PyTorch's ---------------------------
-stage mfu 170 $PY $B/gpu_mfu.py --out "$PARTS/mfu.json" --parts lab one --kinds compiled --steps 6 $D
+stage mfu 170 $PY $B/gpu_mfu.py --out "$PARTS/mfu.json" --parts lab one --kinds compiled --steps 6 \
+    --models gpt2-124m llama3.2-1b $D # Lab GPT-2, Lab Llama, then the loop's: GPT-2 (the Lab-vs-loop pair), Llama
 stage pairs 100 $PY $B/gpu_mfu.py --out "$PARTS/pairs.json" --parts pairs --steps 6 --trace "$PARTS/trace.json" $D
 
 # -- 3. the allocator's constant, and the peak it explains ------------------------------------------

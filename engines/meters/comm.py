@@ -279,13 +279,16 @@ def _c10d_kernel(name: str):
         ev = meter.begin(our, pg, tensor, payload, peer if p2p else None, root)
         out = redispatch(below, *args, **kwargs)
         waiting = getattr(_caller, "events", None)
-        if waiting is not None and not (tensor is not None and tensor.is_cuda):
+        on_device = tensor is not None and tensor.is_cuda
+        if waiting is not None and not on_device:
             waiting.append(ev)  # a blocking Python call issued it: its return is the end (_blocking)
             return out
         work = out[-1] if isinstance(out, tuple) else out
-        on_device = tensor is not None and tensor.is_cuda
-        if work is None and on_device and not torch.cuda.is_current_stream_capturing():
-            work = StreamMark.after(tensor)  # no Work: the op ran on the caller's stream, its end is the GPU's
+        # a CUDA op with no Work (a blocking NCCL collective: it ran on this stream, stream_mark.py) ends when the
+        # GPU has run it; one with a Work may run on a side stream that this stream has not waited for yet, so
+        # a mark here could complete first: its Work is polled (`watch`)
+        if on_device and work is None and not torch.cuda.is_current_stream_capturing():
+            work = StreamMark.after(tensor)
         elif work is not None:
             work = unbox_work(work)
         meter.watch(work, ev, on_device)
