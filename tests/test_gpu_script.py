@@ -36,6 +36,7 @@ def _stages(tmp_path) -> list[dict]:
         return [json.loads(line) for line in f]
 
 
+@pytest.mark.slow  # thirteen Python processes, two of them pytest collecting: 20-40 s on two cores
 def test_the_dry_run_runs_every_stage_and_brings_back_its_files(tmp_path):
     got = _run(tmp_path)
     assert got.returncode == 0, got.stdout[-3000:]
