@@ -1,8 +1,10 @@
 """Every family of strategy at world 2 on one GPU over NCCL (two ranks sharing the card, NCCL >= 2.30),
-against the one-process fp32 reference, in fp32 and bf16; the faults on NCCL; and a one-GPU run's
-memory by category against the theory (issue 33).
+against the one-process fp32 reference, in fp32 and bf16; and a one-GPU run's memory by category against
+the theory, the cuBLAS workspaces measured apart (issues 33 and 45). The faults on NCCL are
+benchmarks/gpu_faults.py's.
 
     python benchmarks/gpu_layouts.py --out layouts.json        # on a machine with a CUDA GPU
+    python benchmarks/gpu_layouts.py --layouts ep --only layouts --out ep.json   # some layouts only
 
 Each row: the layout, its precision, whether it trains like one process (labkit.oracle.checks, the CPU
 reference and the bounds as they are, never loosened), how close it comes to each bound (error over
@@ -24,16 +26,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import sys
-import threading
 import time
 import traceback
 
 import torch
 
-from labkit import CollectiveTimeout, EngineDied, Lab, ModelConfig, ParallelConfig, RankError, reference, theory
+from labkit import Lab, ModelConfig, ParallelConfig, reference, theory
 from labkit.engines.host import nccl_version
 from labkit.oracle.checks import margins, mismatches
 
@@ -72,7 +71,6 @@ LAYOUTS = [
     ("ep", ParallelConfig(ep=2), MOE),
 ]
 PRECISIONS = ("fp32", "bf16")
-HANG_TIMEOUT = 15.0
 DEVICE = "cuda"
 """'cpu' with --cpu: the same script on gloo, to check it before a GPU minute is spent."""
 
@@ -98,9 +96,11 @@ def _theory(res, cfg, model) -> dict:
     return out
 
 
-def layouts(lab, out: dict, save) -> None:
+def layouts(lab, out: dict, save, names=None) -> None:
     cache: dict = {}
     for name, cfg, model in LAYOUTS:
+        if names and name not in names:
+            continue
         for precision in PRECISIONS:
             if precision == "bf16" and cfg.impl == "torch" and cfg.sharding != "fsdp":
                 continue  # refused (validation): PyTorch's DDP, DTensor and pipelining keep no fp32 masters
@@ -130,107 +130,25 @@ def layouts(lab, out: dict, save) -> None:
             save()
 
 
-# -- faults on NCCL, shipped to the engines by value ------------------------------------------
-def _skip_collective():
-    import torch
-    import torch.distributed as dist
+def workspaces(path: str | None) -> tuple[int | None, str]:
+    """cuBLAS's workspaces on this device (benchmarks/gpu_workspace.py): from `path` (this run's
+    measurement), else the kept one the theory reads (calibration.load_workspace); None: not measured."""
+    if path:
+        with open(path) as f:
+            got = json.load(f).get("workspace_bytes")
+        return got, path
+    from gpu_mfu import hardware_of_device
 
-    t = torch.ones(8, device="cuda" if torch.cuda.is_available() else "cpu")
-    if dist.get_rank() != 1:  # rank 1 skips the all-reduce
-        dist.all_reduce(t)
-    return float(t[0])  # float() waits for the GPU
+    from labkit.theory.planner.calibration import load_workspace
 
-
-def _rank_raises():
-    import torch
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1:
-        raise ValueError("rank 1 fails on purpose")
-    t = torch.ones(8, device="cuda" if torch.cuda.is_available() else "cpu")
-    dist.all_reduce(t)
-    return float(t[0])  # float() waits for the GPU
+    kept = load_workspace(hardware_of_device(torch.cuda.get_device_name())) if DEVICE == "cuda" else None
+    return (kept[0], kept[1]) if kept else (None, "not measured")
 
 
-def _all_reduce_forever():
-    import time as _time
-
-    import torch
-    import torch.distributed as dist
-
-    t = torch.ones(8, device="cuda" if torch.cuda.is_available() else "cpu")
-    end = _time.monotonic() + 60
-    while _time.monotonic() < end:
-        dist.all_reduce(t)
-        float(t[0])
-        _time.sleep(0.02)
-
-
-def _pid():
-    return os.getpid()
-
-
-def faults(lab, out: dict, save) -> None:
-    ref = reference(GPT, steps=2, global_batch=8)
-
-    def after() -> bool:  # the next layout runs and trains like one process
-        res = lab.run(ParallelConfig(dp=2), model=GPT, steps=2, return_params=True, timeout=60)
-        return not mismatches(res, ref)
-
-    def attempt(name, fn, check):
-        t0 = time.monotonic()
-        try:
-            fn()
-            err = None
-        except BaseException as e:  # noqa: BLE001 - the row inspects it
-            err = e
-        took = time.monotonic() - t0
-        row = {"fault": name, "error": type(err).__name__, "seconds": round(took, 2), "message": str(err)[:1500]}
-        try:
-            row["as_expected"] = bool(check(err, took))
-            t1 = time.monotonic()
-            row["next_run_matches"] = after()
-            row["next_run_seconds"] = round(time.monotonic() - t1, 2)
-        except Exception as e:  # noqa: BLE001
-            row["after_error"] = f"{type(e).__name__}: {e}"[:1500]
-        print(f"fault {name}: {json.dumps(row)[:400]}", flush=True)
-        out["faults"].append(row)
-        save()
-
-    attempt(
-        "skipped collective",
-        lambda: lab.apply(_skip_collective, timeout=HANG_TIMEOUT),
-        lambda e, took: (
-            isinstance(e, CollectiveTimeout)
-            and took < HANG_TIMEOUT + 5
-            and "rank 0 (" in str(e)
-            and "entered and never left all_reduce" in str(e)  # the diagnosis sees where rank 0 waits
-        ),
-    )
-    attempt(
-        "rank raises",
-        lambda: lab.apply(_rank_raises, timeout=30),
-        lambda e, took: isinstance(e, RankError) and set(e.failures) == {1} and took < 10,
-    )
-    victim = lab.engines.pids[1]
-
-    def kill():
-        time.sleep(1.5)
-        os.kill(victim, signal.SIGKILL)
-
-    threading.Thread(target=kill, daemon=True).start()
-    attempt(
-        "killed engine",
-        lambda: lab.apply(_all_reduce_forever, timeout=30),
-        lambda e, took: isinstance(e, EngineDied) and e.rank == 1,
-    )
-    out["faults"][-1]["replaced"] = lab.engines.pids[1] != victim and lab.apply(_pid) == lab.engines.pids
-    save()
-
-
-def memory(out: dict, save) -> None:
+def memory(out: dict, save, workspace: str | None = None) -> None:
     """A one-GPU, one-rank run (NCCL world of one): model states exact, activations and the
-    allocator's peak beside the theory's."""
+    allocator's peak beside the theory's, and beside the theory's plus cuBLAS's measured workspaces."""
+    ws, ws_source = workspaces(workspace)
     model = ModelConfig(arch="gpt2", layers=4, hidden=256, heads=4, ffn=1024, vocab=4096, seq=256)
     for precision in PRECISIONS:
         cfg = ParallelConfig(global_batch=8, precision=precision)
@@ -243,6 +161,9 @@ def memory(out: dict, save) -> None:
         row["states_equal"] = all(got[k] == est[k] for k in STATES)
         row["activations_ratio"] = got["activations"] / est["activations"] if est["activations"] else None
         row["peak_over_theory"] = got["peak"] / est["peak"] if est["peak"] else None
+        row["peak_above_theory"] = got["peak"] - est["peak"]
+        row["workspace_bytes"], row["workspace_source"] = ws, ws_source
+        row["peak_above_theory_and_workspaces"] = None if ws is None else got["peak"] - est["peak"] - ws
         print(f"memory {precision}: {json.dumps(row)[:600]}", flush=True)
         out["memory"].append(row)
         save()
@@ -263,10 +184,17 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="layouts.json")
     ap.add_argument("--engines", type=int, default=2)
-    ap.add_argument("--only", nargs="*", default=["layouts", "faults", "memory"])
+    ap.add_argument("--only", nargs="*", default=["layouts", "memory"], choices=["layouts", "memory"])
+    ap.add_argument("--layouts", nargs="*", default=None, choices=[n for n, _, _ in LAYOUTS], help="these only")
     ap.add_argument("--cpu", action="store_true", help="gloo on the CPU: checks the script runs")
     ap.add_argument("--backend", default="auto", help="the Lab's backend (gloo where NCCL cannot share the GPU)")
+    ap.add_argument("--workspace", default=None, help="this run's benchmarks/gpu_workspace.py JSON, for memory")
+    ap.add_argument("--dry-run", action="store_true", help="parse, write the file's frame, run nothing")
     ns = ap.parse_args()
+    if ns.dry_run:
+        with open(ns.out, "w") as f:
+            json.dump({"dry_run": True, "parts": ns.only, "layouts": [], "memory": []}, f)
+        return
     if ns.cpu:
         DEVICE = "cpu"
     elif not torch.cuda.is_available():
@@ -279,7 +207,6 @@ def main() -> None:
         "nccl_in_this_process": ".".join(map(str, nccl_version() or ())) if gpu else "",
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
         "layouts": [],
-        "faults": [],
         "memory": [],
     }
 
@@ -288,19 +215,15 @@ def main() -> None:
             json.dump(out, f, indent=1, default=str)
 
     t0 = time.monotonic()
-    with Lab(engines=ns.engines, device=DEVICE, backend=ns.backend, progress=False, timeout=120) as lab:
-        out.update(backend=lab.backend, backend_reason=lab.backend_reason, devices=lab.devices)
-        out["start_seconds"] = round(time.monotonic() - t0, 1)
-        print(f"Lab: {lab.backend} on {lab.devices} ({lab.backend_reason}) in {out['start_seconds']} s", flush=True)
-        save()
-        if "layouts" in ns.only:
-            guarded("layouts", lambda: layouts(lab, out, save), out, save)
-    # memory before the faults: on NCCL each fault's release and repair take 15-35 s (H200, 2026-11-26)
-    if "memory" in ns.only:
-        guarded("memory", lambda: memory(out, save), out, save)
-    if "faults" in ns.only:
+    if "layouts" in ns.only:
         with Lab(engines=ns.engines, device=DEVICE, backend=ns.backend, progress=False, timeout=120) as lab:
-            guarded("faults", lambda: faults(lab, out, save), out, save)
+            out.update(backend=lab.backend, backend_reason=lab.backend_reason, devices=lab.devices)
+            out["start_seconds"] = round(time.monotonic() - t0, 1)
+            print(f"Lab: {lab.backend} on {lab.devices} ({lab.backend_reason}) in {out['start_seconds']} s", flush=True)
+            save()
+            guarded("layouts", lambda: layouts(lab, out, save, ns.layouts), out, save)
+    if "memory" in ns.only:
+        guarded("memory", lambda: memory(out, save, ns.workspace), out, save)
     rows = out["layouts"]
     out["summary"] = {
         "layouts_ok": sum(r["ok"] for r in rows),

@@ -179,7 +179,8 @@ def theory_beside(row: dict, hardware: str) -> dict:
 
     model, batch = MODELS[row["model"]]
     compiled = "compiled" in row["what"]
-    plan = theory.evaluate(ParallelConfig(global_batch=batch, precision="bf16", compile=compiled), model, hardware)
+    precision = "fp8" if "fp8" in row["what"] else "bf16"
+    plan = theory.evaluate(ParallelConfig(global_batch=batch, precision=precision, compile=compiled), model, hardware)
     return {
         "theory_step_s": plan.step_seconds,
         "theory_error": plan.step_seconds / row["step_s"] - 1,
@@ -206,8 +207,6 @@ def main() -> None:
     if "--beside" in sys.argv:
         print_beside(sys.argv[sys.argv.index("--beside") + 1])
         return
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA GPU")
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="mfu.json")
     ap.add_argument("--trace", default=None)
@@ -215,9 +214,18 @@ def main() -> None:
     ap.add_argument("--parts", nargs="+", default=["one", "lab", "pairs"])
     ap.add_argument("--models", nargs="+", default=list(MODELS))
     ap.add_argument("--pairs", nargs="+", default=[p[0] for p in PAIRS])
+    ap.add_argument("--kinds", nargs="+", default=["compiled", "eager"], choices=["compiled", "eager"])
+    ap.add_argument("--precisions", nargs="+", default=["bf16"], choices=["bf16", "fp8"], help="the Lab's eager rows")
+    ap.add_argument("--dry-run", action="store_true", help="parse, write the file's frame, run nothing")
     ns = ap.parse_args()
+    if ns.dry_run:
+        with open(ns.out, "w") as f:
+            json.dump({"dry_run": True, "parts": ns.parts, "rows": [], "pairs": []}, f)
+        return
     from labkit import Lab, ParallelConfig
 
+    if not torch.cuda.is_available():
+        sys.exit("needs a CUDA GPU (or --dry-run)")
     out = {
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
@@ -256,14 +264,22 @@ def main() -> None:
     def compiled(batch: int):
         return ParallelConfig(dp=1, global_batch=batch, precision="bf16", compile=True)
 
-    # the compiled rows first: issue 34's targets are theirs, and a stage cut at its limit keeps them
-    for model_name in ns.models:
-        if "lab" in ns.parts:
-            with Lab(engines=1, device="cuda", progress=False, timeout=600) as lab:
+    def eager(batch: int, precision: str):
+        return ParallelConfig(dp=1, global_batch=batch, precision=precision)
+
+    # the Lab's rows first, and its compiled ones first: the targets are theirs (issues 34 and 45), and a
+    # stage cut at its limit keeps what it reached; then the plain loop's, in the models' order given
+    for model_name in ns.models if "lab" in ns.parts else ():
+        with Lab(engines=1, device="cuda", progress=False, timeout=600) as lab:
+            if "compiled" in ns.kinds:
                 row("lab compiled", model_name, lambda m, b: in_the_lab(lab, m, b, ns.steps + 2, compiled(b)))
-                row("lab eager", model_name, lambda m, b: in_the_lab(lab, m, b, ns.steps + 2))
-        if "one" in ns.parts:
+            for p in ns.precisions if "eager" in ns.kinds else ():
+                name = "lab eager" + ("" if p == "bf16" else f" {p}")  # fp8: tokens/s against bf16's row
+                row(name, model_name, lambda m, b, p=p: in_the_lab(lab, m, b, ns.steps + 2, eager(b, p)))
+    for model_name in ns.models if "one" in ns.parts else ():
+        if "compiled" in ns.kinds:
             row("one compiled", model_name, lambda m, b: one_process(m, b, ns.steps, True))
+        if "eager" in ns.kinds:
             row("one eager", model_name, lambda m, b: one_process(m, b, ns.steps, False))
     if "pairs" in ns.parts:
         model, batch = MODELS["gpt2-124m"]

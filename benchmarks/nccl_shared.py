@@ -151,10 +151,15 @@ def completion_probe(rank: int, world: int, dev) -> dict:
     return out
 
 
+POLL_S = 0.01
+"""How often the probe below looks at the log and at the GPU."""
+
+
 def _meter_probe(x) -> dict:
-    """labkit's collective log on the same blocking all-reduce behind a ~0.5 s GPU sleep: when does
-    its event get an end, against the GPU? (2026-11-26, H100: the log stamped it at once inside the
-    Lab while Work.is_completed() of an async op was right; this runs the log's own path.)"""
+    """labkit's collective log on a blocking all-reduce queued behind a ~0.5 s GPU sleep: when does
+    its event get an end, against when the GPU ran the all-reduce (an event recorded after it, polled
+    in the same loop)? The log's StreamMark (engines/meters/stream_mark.py) should stamp it then, not
+    at the call's return (2026-11-26, H100: stamped at once, issue 45). `meter_verdict` reads the row."""
     import torch
     import torch.distributed as dist
 
@@ -166,21 +171,41 @@ def _meter_probe(x) -> dict:
         t0 = time.perf_counter()
         dist.all_reduce(x)
         ret = time.perf_counter() - t0
+        done = torch.cuda.Event()
+        done.record()
         meter.sweep()
         ev = meter.events[-1]
-        row = {
-            "return_s": round(ret, 4),
-            "op": ev["op"],
-            "end_at_return": ev["end"] is not None,
-            "pending": len(meter._pending),
-        }
-        while ev["end"] is None and time.perf_counter() - t0 < 4:
+        row = {"return_s": round(ret, 4), "op": ev["op"], "end_at_return": ev["end"] is not None}
+        gpu = None
+        while (ev["end"] is None or gpu is None) and time.perf_counter() - t0 < 4:
             meter.sweep()
-            time.sleep(0.01)
-        row["end_s"] = None if ev["end"] is None else round(ev["end"] - ev["start"], 3)
+            if gpu is None and done.query():
+                gpu = time.perf_counter() - t0
+            time.sleep(POLL_S)
+        row["end_s"] = None if ev["end"] is None else round(ev["end"] - ev["start"], 4)
+        row["end_after_t0_s"] = None if ev["end"] is None else round(ev["end"] - t0, 4)
+        row["gpu_ran_s"] = None if gpu is None else round(gpu, 4)
         torch.cuda.synchronize()
         row["gpu_done_s"] = round(time.perf_counter() - t0, 3)
+    row["verdict"] = meter_verdict(row)
     return row
+
+
+def meter_verdict(row: dict) -> str:
+    """'PASS ...' when the log left the blocking all-reduce once the GPU had run it (not at the call's
+    return, no sooner than the GPU's own event said so, less two polls), else 'FAIL ...' with why."""
+    if row.get("end_at_return"):
+        return f"FAIL: the log stamped the all-reduce's end at the call's return ({row['return_s']} s), GPU still busy"
+    if row.get("end_after_t0_s") is None:
+        return f"FAIL: the log never stamped the all-reduce's end (GPU ran it at {row.get('gpu_ran_s')} s)"
+    if row.get("gpu_ran_s") is None:
+        return "FAIL: the GPU's own event after the all-reduce never completed within the probe's 4 s"
+    # the loop looks at the log, then at the event: the log's end can trail or lead the event by a poll each
+    early = row["gpu_ran_s"] - row["end_after_t0_s"]
+    if early > 2 * POLL_S:
+        return f"FAIL: the log's end ({row['end_after_t0_s']} s) came {early:.3f} s before the GPU ran the op"
+    end, ran = row["end_after_t0_s"], row["gpu_ran_s"]
+    return f"PASS: the log's end {end} s, the GPU ran it at {ran} s (the call returned at {row['return_s']} s)"
 
 
 def attempt(env: dict, ranks: int, limit: float) -> dict:
@@ -241,7 +266,12 @@ def main() -> None:
     ap.add_argument("--out", default="nccl.json")
     ap.add_argument("--ranks", type=int, nargs="+", default=[2])
     ap.add_argument("--limit", type=float, default=40)
+    ap.add_argument("--dry-run", action="store_true", help="parse, write the file's frame, run nothing")
     ns = ap.parse_args()
+    if ns.dry_run:  # no export lines: nothing worked, nothing is exported
+        with open(ns.out, "w") as f:
+            json.dump({"dry_run": True, "tries": [], "chosen": None}, f)
+        return
     import torch
 
     from labkit.engines.host import nccl_version
@@ -255,6 +285,9 @@ def main() -> None:
             row = {"ranks": ranks, "setting": name, "env": env, **attempt(env, ranks, ns.limit)}
             report["tries"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "stderr"})[:1200], file=sys.stderr, flush=True)
+            for r, got in enumerate(row.get("ranks", [])):  # issue 45's question, one line a rank
+                verdict = (got.get("completion", {}).get("meter_blocking") or {}).get("verdict", "no probe row")
+                print(f"meter verdict rank {r}: {verdict}", file=sys.stderr, flush=True)
             with open(ns.out, "w") as f:
                 json.dump(report, f, indent=1)
             if row["ok"] and env:

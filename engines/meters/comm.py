@@ -19,12 +19,12 @@ tensor), wire bytes this rank sends under the ring model (labkit/layout/wire.py)
 number per group, start/end on the run's clock, and the phase of the step. An op is 'left' when
 its Work completes: for a blocking call of torch.distributed's Python API (`dist.all_reduce(t)`
 without async_op: most of labkit's own collectives) when that call returns, its wait done
-(`_blocking`); else from a future callback, or for works without a future (gloo's reduce-scatter)
-and ops on CUDA tensors (see `watch`), when the meter next finds it completed. Entered-but-not-
-left ops are what the hang diagnosis reads. An op whose Work fails (a peer died, gloo's timeout)
-is never 'left': it keeps end None and gets an 'error'. Each event also names its process group
-('pg'): the sequence numbers count per process group, so the diagnosis compares ranks' ops only
-within one group.
+(`_blocking`); else from a future callback, or for works without a future (gloo's reduce-scatter),
+ops on CUDA tensors (see `watch`) and CUDA ops with no Work (a blocking NCCL collective:
+engines/meters/stream_mark.py), when the meter next finds it completed. Entered-but-not-left ops
+are what the hang diagnosis reads. An op whose Work fails (a peer died, gloo's timeout) is never
+'left': it keeps end None and gets an 'error'. Each event also names its process group ('pg'):
+the sequence numbers count per process group, so the diagnosis compares ranks' ops only within one group.
 
 The meter of a Lab job is the job's collective log (engines/runtime.py): on from the job's first
 line to its last. `uninstall()` takes the kernels out again (the overhead benchmark only).
@@ -43,6 +43,7 @@ import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d_api
 from torch.utils._python_dispatch import _disable_current_modes
 
+from labkit.engines.meters.stream_mark import StreamMark
 from labkit.layout.wire import WIRE
 
 
@@ -278,11 +279,19 @@ def _c10d_kernel(name: str):
         ev = meter.begin(our, pg, tensor, payload, peer if p2p else None, root)
         out = redispatch(below, *args, **kwargs)
         waiting = getattr(_caller, "events", None)
-        if waiting is not None and not (tensor is not None and tensor.is_cuda):
+        on_device = tensor is not None and tensor.is_cuda
+        if waiting is not None and not on_device:
             waiting.append(ev)  # a blocking Python call issued it: its return is the end (_blocking)
             return out
         work = out[-1] if isinstance(out, tuple) else out
-        meter.watch(unbox_work(work) if work is not None else None, ev, tensor is not None and tensor.is_cuda)
+        # a CUDA op with no Work (a blocking NCCL collective: it ran on this stream, stream_mark.py) ends when the
+        # GPU has run it; one with a Work may run on a side stream that this stream has not waited for yet, so
+        # a mark here could complete first: its Work is polled (`watch`)
+        if on_device and work is None and not torch.cuda.is_current_stream_capturing():
+            work = StreamMark.after(tensor)
+        elif work is not None:
+            work = unbox_work(work)
+        meter.watch(work, ev, on_device)
         return out
 
     return kernel

@@ -259,7 +259,8 @@ def cmd_plan(ns: argparse.Namespace) -> int:
         best = plans[0]
         mem = best.memory
         print(f"\nmemory of #1 (pipeline rank {mem['pp_rank']}, the fullest), GiB:")
-        print("  " + ", ".join(f"{k} {mem[k] / 2**30:,.2f}" for k in TERMS))
+        # cuBLAS's workspaces are a term only where the device measured them (gpu_memory.py)
+        print("  " + ", ".join(f"{k} {mem[k] / 2**30:,.2f}" for k in (*TERMS, "workspaces") if k in mem))
         print(
             f"  allocated {mem['allocated'] / 2**30:,.2f}, reserved {mem['reserved'] / 2**30:,.2f}, "
             f"peak {mem['peak'] / 2**30:,.2f}, required {mem['required'] / 2**30:,.2f} of {hw.memory / 2**30:,.1f}"

@@ -156,20 +156,23 @@ def free_stuck(engines: EngineSet) -> None:
 def release_cascade(engines: EngineSet, bound: float = RELEASE_S) -> dict:
     """Release every rank whose job is over (engines/release.py), until no rank is left waiting
     or `bound` passes: each release frees the ranks that waited on it, whose jobs then end too.
-    Returns the ranks' last states."""
+    On NCCL every live rank at once, its communicators aborted. Returns the ranks' last states."""
     end = time.monotonic() + bound
     released: set[int] = set()
     got: dict = {}
+    # on NCCL a rank waiting in a collective waits in a GPU kernel that no socket reaches: every live rank's
+    # communicators are aborted at once, its job running or not (engines/release.py `route`)
+    abort = engines.backend == "nccl"
     while True:
         live = engines.live()
         try:
             got = engines.each(runtime.poll, live, 10**9)
-            over = [r for r in live if got[r]["state"] != "running" and r not in released]
+            over = [r for r in live if (abort or got[r]["state"] != "running") and r not in released]
             if over:
                 # every engine's own listening endpoints: a release shuts its torch connections to them, since
                 # destroying the groups alone leaves gloo's open under PyTorch's DDP (ARCHITECTURE.md, "Faults")
                 peers = sorted({ep for eps in engines.each(sockets.listening, live).values() for ep in eps})
-                for r, out in engines.each(release.release, over, peers).items():
+                for r, out in engines.each(release.release, over, peers, abort).items():
                     # torch still holds its groups: a new engine at the next call, so that no port leaks
                     if out["held"]:
                         engines.taint(

@@ -22,9 +22,11 @@ from __future__ import annotations
 import csv
 import dataclasses
 import io
+import json
 import os
 from dataclasses import dataclass
 
+from labkit.theory.planner import measured
 from labkit.theory.planner.evaluate import evaluate
 from labkit.theory.planner.hardware import Hardware, Link, hardware_of
 from labkit.theory.planner.playbook import PLAYBOOK
@@ -157,3 +159,22 @@ def read_pin(path: str = PIN) -> list[RowError]:
         memory = float(row["memory_ratio"]) if row["memory_ratio"] else None
         out.append(RowError(row["run"], row["source"], row["today"] == "1", float(row["speed_ratio"]), memory))
     return out
+
+
+def judged_shapes() -> set[tuple]:
+    """(layers, hidden, vocab, sequences per data-parallel replica, seq) of every row the planner is
+    judged on: what a calibration point (theory/planner/measured.py) may never be."""
+    out = set()
+    for run in ALL:
+        m, cfg = run.model_config, run.config
+        out.add((m.layers, m.hidden, m.vocab, cfg.global_batch // cfg.dp, m.seq))
+    return out
+
+
+def calibration_problems(path: str | None = None) -> list[str]:
+    """What makes the planner's measurement file unusable (default measured.PATH), a validation row used as a
+    calibration point included."""
+    path = path or measured.PATH
+    with open(path) as f:
+        data = json.load(f)
+    return measured.problems(data, os.path.basename(path), judged_shapes())

@@ -18,6 +18,8 @@ The rules (each a statistic over the file's rows, no rounding, no hand-picked ro
   allocator        mean reserved / allocated peak - 1 over the Llama steps of the CALIBRATION file
                    (the allocator is PyTorch's, not the device's: the H200's steps calibrate it, so
                    the H100's own steps stay validation rows in benchmarks/published.py)
+  workspaces       cuBLAS's workspaces held in the allocator through a step, as measured on the device
+                   (benchmarks/gpu_workspace_<device>.json, `load_workspace`); no file: not measured, no term
 
 The files are read from the repository's benchmarks/ (labkit is installed editable from its
 checkout, as README and binder/postBuild install it).
@@ -182,3 +184,38 @@ def load_kernels(path: str = KERNELS) -> list[dict]:
     if found or not rows:
         raise ConfigError(found or [f"{name}: no row with kernel seconds"])
     return [dict(r, source=f"{name} ({data['device']}, torch {data['torch']}, CUDA {data['cuda']})") for r in rows]
+
+
+WORKSPACE_FIELDS: dict[str, type] = {"device": str, "date": str, "torch": str, "cuda": str, "workspace_bytes": int}
+"""What benchmarks/gpu_workspace.py writes and the theory reads (`load_workspace`)."""
+
+
+def workspace_path(device: str) -> str:
+    return os.path.normpath(os.path.join(BENCHMARKS, f"gpu_workspace_{device}.json"))
+
+
+def load_workspace(device: str) -> tuple[int, str] | None:
+    """(bytes, provenance) of cuBLAS's workspaces in PyTorch's allocator during a training step on
+    `device` (benchmarks/gpu_workspace_<device>.json: what torch._C._cuda_clearCublasWorkspaces frees
+    after a step; benchmarks/gpu_workspace.py), or None where the file does not exist: not measured,
+    and no number stands in for it. ConfigError naming the file for one that is not a measurement (a
+    dry run's frame included: it has no workspace_bytes)."""
+    path = workspace_path(device)
+    if not os.path.exists(path):
+        return None
+    name = os.path.relpath(path, os.path.join(BENCHMARKS, ".."))
+    with open(path) as f:
+        try:
+            data = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError([f"{name} is not JSON: {e}"]) from None
+    found = [
+        f"{name}: '{k}' must be a {kind.__name__} (benchmarks/gpu_workspace.py writes it on a GPU)"
+        for k, kind in WORKSPACE_FIELDS.items()
+        if not isinstance(data.get(k), kind) or isinstance(data.get(k), bool)
+    ]
+    if found:
+        raise ConfigError(found)
+    return data[
+        "workspace_bytes"
+    ], f"{name} ({data['device']}, torch {data['torch']}, CUDA {data['cuda']}, {data['date']})"

@@ -22,7 +22,7 @@ from labkit.theory.planner.gpu_memory import (
     allocated_at,
     allocated_bytes,
     memory_terms,
-    nccl_bytes,
+    outside_allocations,
     peak_bytes,
     required,
     required_bytes,
@@ -172,12 +172,8 @@ def fullest(cfg: ParallelConfig, model: ModelConfig, hw: Hardware) -> dict:
 
 def fullest_required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, ac) -> float:
     """The fullest rank's required bytes under checkpointing `ac` (the search's question)."""
-    # what the candidates share (the CUDA context, NCCL's buffers) once, their allocations each
-    return (
-        max(allocated_at(cfg, model, st, ac) for st in fullest_candidates(cfg, model))
-        + hw.context
-        + nccl_bytes(cfg, hw)
-    )
+    # what the candidates share (the CUDA context, NCCL's buffers, cuBLAS's workspaces) once, their allocations each
+    return max(allocated_at(cfg, model, st, ac) for st in fullest_candidates(cfg, model)) + outside_allocations(cfg, hw)
 
 
 def _evaluate(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, memory: dict | None = None) -> Plan:

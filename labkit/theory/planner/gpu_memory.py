@@ -18,6 +18,8 @@ term is modelled and named; DERIVATIONS.md ("What a GPU holds") gives the source
   cuda_context  the CUDA context and library handles, outside PyTorch's allocator
   nccl          NCCL's buffers: per communicator, 2 directions x channels x NCCL_BUFFSIZE
   allocator     reserved minus allocated in PyTorch's caching allocator (a measured fraction)
+  workspaces    cuBLAS's workspaces in the allocator, where measured on the device (Hardware.workspace);
+                not a term at all where not measured (the Hardware's assumptions say so)
 The peak counts the larger of `logits` and `recompute + temporaries` (the loss's backward comes
 before any block's), everything else together. This is the at-scale model of a CUDA GPU, in closed
 form for the search; what labkit's engines hold on one rank, to the byte, is the exact estimate's
@@ -195,17 +197,24 @@ def memory_terms(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stag
     (`ac`: the checkpointing to price, default the config's)."""
     out = {**_held(cfg, model, st), **activation_terms(cfg, model, st, ac), **transient_terms(cfg, model, st)}
     del out["total"]
-    allocated = allocated_bytes(out)
+    measured = {} if hw.workspace is None else {"workspaces": float(hw.workspace)}
+    allocated = allocated_bytes({**out, **measured})
     out["cuda_context"] = hw.context
     out["nccl"] = nccl_bytes(cfg, hw)
     # a measured fraction of the allocated peak (hardware.py: 1.19-1.29 reserved / allocated)
     out["allocator"] = hw.allocator * allocated
-    return {k: float(out[k]) for k in TERMS}
+    return {**{k: float(out[k]) for k in TERMS}, **measured}
 
 
 def required(cfg: ParallelConfig, model: ModelConfig, hw: Hardware, st: Stage, ac=None) -> float:
     """required_bytes(memory_terms(...)), as the planner's search asks it thousands of times."""
-    return allocated_at(cfg, model, st, ac) + hw.context + nccl_bytes(cfg, hw)
+    return allocated_at(cfg, model, st, ac) + outside_allocations(cfg, hw)
+
+
+def outside_allocations(cfg: ParallelConfig, hw: Hardware) -> float:
+    """What every candidate of `cfg` needs besides its tensors: the CUDA context, NCCL's buffers and,
+    where measured, cuBLAS's workspaces (0 where not: no term is invented)."""
+    return hw.context + nccl_bytes(cfg, hw) + (hw.workspace or 0.0)
 
 
 def allocated_at(cfg: ParallelConfig, model: ModelConfig, st: Stage, ac=None) -> float:
@@ -238,7 +247,7 @@ def _held_cached(model: ModelConfig, fields: tuple, uneven: tuple, st: Stage) ->
 def allocated_bytes(terms: dict[str, float]) -> float:
     """What PyTorch's allocator has handed out at the peak (torch.cuda.max_memory_allocated)."""
     transient = max(terms["logits"], terms["recompute"] + terms["temporaries"])
-    return sum(terms[k] for k in ALLOCATED) + transient
+    return sum(terms[k] for k in ALLOCATED) + transient + terms.get("workspaces", 0.0)
 
 
 def reserved_bytes(terms: dict[str, float]) -> float:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 from labkit.config import ConfigError
 from labkit.config.choices import numerics
-from labkit.theory.planner.calibration import efficiencies, load
+from labkit.theory.planner.calibration import efficiencies, load, load_workspace
+from labkit.theory.planner.measured import pace
 
 GiB = 2**30
 
@@ -60,6 +61,10 @@ class Hardware:
     allocator: float = 0.25
     """Reserved minus allocated, as a fraction of the allocated peak (PyTorch's caching allocator
     keeps freed blocks of the step's sizes; what torch.cuda.max_memory_reserved reports)."""
+    workspace: float | None = None
+    """cuBLAS's workspaces held in PyTorch's allocator through a step (each (handle, stream) a step uses
+    keeps one; calibration.load_workspace), bytes; None: not measured, left out of the peak and said so
+    in `assumptions` (an H100 step's peak was 135.3 MB above the theory's, 2026-11-26, issue 45)."""
     nccl_buffer: float = 4 * 2**20
     """NCCL_BUFFSIZE: bytes per channel and direction of each peer connection (NCCL's default)."""
     nccl_channels: int = 16
@@ -74,6 +79,16 @@ class Hardware:
     """An elementwise kernel's seconds in the stack's step over its bytes at hbm · hbm_eff."""
     optimizer_slowdown: float = 1.0
     """The optimizer step's seconds over its states' bytes at hbm · hbm_eff."""
+    memory_pace: tuple[tuple[float, float], ...] = ()
+    """(kernel bytes, memory_slowdown) measured at two kernel sizes or more (theory/planner/measured.py):
+    an elementwise kernel then runs at the pace of its own size (`slowdown_at`); () : memory_slowdown."""
+    copy_slowdown: float = 1.0
+    """FSDP's copies around its collectives, their seconds in a measured FSDP step over their bytes at
+    hbm · hbm_eff (measured.py `fsdp_paces`); 1: the roofline, while not measured."""
+
+    def slowdown_at(self, kernel_bytes: float) -> float:
+        """The stack's pace for an elementwise kernel of `kernel_bytes`."""
+        return pace(self.memory_pace, kernel_bytes) if self.memory_pace else self.memory_slowdown
 
     def peak(self, precision: str) -> float:
         """The dense peak FLOP/s a layout in `precision` computes at: MFU's denominator, so that no
@@ -101,6 +116,8 @@ UNSOURCED = (
     "attention below 2048 keys: the measured fall per halving extrapolated (measured at 2048 and 8192 keys)",
 )
 """The assumptions every profile shares."""
+ALPHA_ASSUMED, CHANNELS_ASSUMED = UNSOURCED[:2]
+"""The two a measurement on a node's GPUs replaces (theory/planner/stacks.py `measured_links`)."""
 
 MEASURED = load("h100")
 """benchmarks/gpu_constants_h100.json, the H100's efficiencies (calibration.py's rules)."""
@@ -109,6 +126,22 @@ MEASURED_H200 = load("h200")
 ALLOCATOR = MEASURED_H200
 """The allocator's reserve comes from the H200's Llama steps (calibration.py), for every profile."""
 MEASURED_H100 = f"{MEASURED.path} ({MEASURED.provenance})"
+
+
+def workspaces(device: str) -> tuple[dict, tuple[str, ...]]:
+    """The Hardware fields of `device`'s measured cuBLAS workspaces, and the assumption that says they
+    are left out where no measurement exists (calibration.load_workspace)."""
+    got = load_workspace(device)
+    if got is None:
+        return {}, (
+            f"cuBLAS's workspaces: not measured on the {device} (benchmarks/gpu_workspace.py), left out of the "
+            "allocated peak",
+        )
+    return {"workspace": float(got[0])}, ()
+
+
+WORKSPACE_H100, UNMEASURED_H100 = workspaces("h100")
+WORKSPACE_H200, UNMEASURED_H200 = workspaces("h200")
 
 H100 = Hardware(
     "H100 SXM 80GB (8/node, NVLink 4 + 400G IB)",
@@ -121,6 +154,7 @@ H100 = Hardware(
     fp8_flops=1979e12,
     # memory, context and the efficiencies read from the measurement, as calibration.py's rules say
     **efficiencies(MEASURED, flops=989e12, fp8_flops=1979e12, hbm=3.35e12, allocator=ALLOCATOR),
+    **WORKSPACE_H100,
     source=(
         "NVIDIA H100 datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8, 3.35 TB/s HBM3, NVLink 4 "
         "900 GB/s (450 each way), one 400 Gb/s NDR NIC per GPU. Measured (" + MEASURED_H100 + "), by "
@@ -132,7 +166,7 @@ H100 = Hardware(
         + ALLOCATOR.provenance
         + "), so the H100's own Llama steps stay validation rows"
     ),
-    assumptions=UNSOURCED,
+    assumptions=UNSOURCED + UNMEASURED_H100,
 )
 
 H100_GRAND_TETON = Hardware(
@@ -151,6 +185,7 @@ H100_GRAND_TETON = Hardware(
     hbm_eff=H100.hbm_eff,
     context=H100.context,
     allocator=H100.allocator,
+    workspace=H100.workspace,
     source=(
         "torchtitan benchmarks/llama3_h100_202412_torchtitan.md: 96 GB HBM2e (102.0e9 bytes, the "
         "80 GB H100's reported total scaled by 96/80) at 2.4 TB/s, 500 W power "
@@ -166,7 +201,8 @@ H100_GRAND_TETON = Hardware(
         "memory 102.0e9 bytes: the 80 GB card's reported total scaled by 96/80",
         "attention_eff 0.35: FlashAttention-2's fraction on an H100 from a paper, not this stack's kernel",
         "matmul, fp8, copy efficiencies, context and allocator: the 700 W H100 SXM's, on a 500 W card",
-    ),
+    )
+    + UNMEASURED_H100,
 )
 
 A100 = Hardware(
@@ -194,6 +230,7 @@ A100 = Hardware(
         "memory 85.0e9 and context 0.6e9 bytes: not measured on an A100",
         "matmul and copy efficiencies, allocator: the H100's measurements",
         "attention_eff 0.55: the lower half of a paper's 50-73% range",
+        "cuBLAS's workspaces: not measured on an A100 (a Hopper's are not an Ampere's), left out of the peak",
     ),
 )
 
@@ -207,12 +244,15 @@ H200 = Hardware(
     fp8_flops=1979e12,
     # read from its measurement; the allocator's reserve is PyTorch's, from this same file's steps
     **efficiencies(MEASURED_H200, flops=989e12, fp8_flops=1979e12, hbm=4.8e12, allocator=ALLOCATOR),
+    **WORKSPACE_H200,
     source=(
         "NVIDIA H200 datasheet: 989 TFLOP/s dense bf16, 1,979 dense fp8, 4.8 TB/s HBM3e, NVLink 4 900 GB/s "
         "(450 each way). Measured (" + MEASURED_H200.path + ", " + MEASURED_H200.provenance + "), by "
         "calibration.py's rules: the device's total bytes, the products, attention, copies, the context"
     ),
-    assumptions=UNSOURCED + ("inter 400 Gb/s per GPU: the usual HGX H200 NIC, not this machine's (one GPU)",),
+    assumptions=UNSOURCED
+    + UNMEASURED_H200
+    + ("inter 400 Gb/s per GPU: the usual HGX H200 NIC, not this machine's (one GPU)",),
 )
 
 HARDWARE = {"h100": H100, "h100-96gb": H100_GRAND_TETON, "a100": A100, "h200": H200}

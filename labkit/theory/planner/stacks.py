@@ -30,9 +30,12 @@ import statistics
 from functools import cache
 
 from labkit.config import ConfigError, ParallelConfig
+from labkit.theory.planner import measured
 from labkit.theory.planner.calibration import load_kernels
-from labkit.theory.planner.hardware import H200, Hardware
+from labkit.theory.planner.hardware import ALPHA_ASSUMED, CHANNELS_ASSUMED, H200, Hardware, Link
 from labkit.theory.planner.ops import block_ops, embed_ops, head_ops
+from labkit.theory.planner.overlap import DataParallel
+from labkit.theory.planner.stages import distinct
 from labkit.theory.planner.timing import op_seconds, step_time
 from labkit.theory.presets import PRESETS
 
@@ -46,23 +49,47 @@ MEASURED_AS = {"one eager": "eager", "one compiled": "compile"}
 """benchmarks/gpu_mfu.py's row names, by the stack they ran."""
 
 
-def priced(row: dict) -> tuple[float, float]:
-    """(the elementwise ops' seconds, the optimizer's) the model gives a measured step on the H200's
-    profile at the roofline."""
-    model = PRESETS[row["model"]].replace(seq=row["seq"])
-    b = row["batch"]
-    memory = 0.0
+def _model(row: dict):
+    """A measured step's model: the preset at the row's sequence, cut to row['layers'] where given."""
+    return PRESETS[row["model"]].replace(seq=row["seq"], **({"layers": row["layers"]} if row.get("layers") else {}))
+
+
+def _memory_ops(row: dict):
+    """(op, how many of it) of a measured step's elementwise kernels: the row's model, its batch, bf16."""
+    model, b = _model(row), row["batch"]
     for ops, n in (
         (block_ops(model, 1, 1, False, b, "bf16"), model.layers),
         (head_ops(model, 1, 1, False, b, "bf16"), 1),
         (embed_ops(model, 1, 1, False, b, "bf16"), 1),
     ):
-        # forward and backward of the elementwise kernels only: matmuls and attention are the profiler's own kinds
-        memory += n * sum(
-            op_seconds(op, H200)[0] + op_seconds(op, H200, op.backward)[0] for op in ops if op.kind == "memory"
-        )
-    optimizer = step_time(ParallelConfig(dp=1, global_batch=b, precision="bf16"), model, H200).optimizer
-    return memory, optimizer
+        yield from ((op, n) for op in ops if op.kind == "memory")
+
+
+def priced(row: dict, hw: Hardware = H200) -> tuple[float, float]:
+    """(the elementwise ops' seconds, the optimizer's) the model gives a measured step at the roofline of
+    `hw` (the H200's: the device of the steps `slowdowns` reads; a new point's own device for its own)."""
+    # forward and backward of the elementwise kernels only: matmuls and attention are the profiler's own kinds
+    memory = sum(n * (op_seconds(op, hw)[0] + op_seconds(op, hw, op.backward)[0]) for op, n in _memory_ops(row))
+    cfg = ParallelConfig(dp=1, global_batch=row["batch"], precision="bf16")
+    return memory, step_time(cfg, _model(row), hw).optimizer
+
+
+def fsdp_copy_seconds(row: dict, hw: Hardware) -> float:
+    """The seconds the time model gives FSDP2's copies around its collectives (overlap.py `copy_bytes`) in a
+    measured step of row['world'] ranks, row['batch'] sequences each, at the roofline of `hw`."""
+    cfg = ParallelConfig(dp=row["world"], global_batch=row["batch"] * row["world"], precision="bf16", sharding="fsdp")
+    cfg = cfg.replace(impl="torch")
+    st = distinct(cfg, _model(row))[0]
+    return DataParallel(cfg, _model(row), hw).copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
+
+
+def kernel_bytes(row: dict) -> float:
+    """The size of a measured step's elementwise kernels, as one number, what a pace point is filed
+    under: the byte-weighted mean (sum of bytes² over sum of bytes, forward and backward) of a block's.
+    The blocks' kernels, not the loss's: those are a few kernels of b·s·V elements (10 GB for GPT-2's
+    step) that would set the mean alone; priced, each kernel still gets the pace of its own size."""
+    ops = [op for op in block_ops(_model(row), 1, 1, False, row["batch"], "bf16") if op.kind == "memory"]
+    return sum(op.bytes**2 * (1 + op.backward) for op in ops) / sum(op.bytes * (1 + op.backward) for op in ops)
 
 
 @cache
@@ -80,6 +107,7 @@ def with_stack(hw: Hardware, stack: str) -> Hardware:
     """`hw` as a step on `stack` runs it; ConfigError naming the stacks for any other name."""
     if stack not in STACKS:
         raise ConfigError([f"stack={stack!r} is not one of {list(STACKS)}; pick one of those (eager: PyTorch eager)"])
+    hw = measured_links(hw)
     if stack == "roofline":
         return dataclasses.replace(hw, stack=stack, memory_slowdown=1.0, optimizer_slowdown=1.0)
     memory, optimizer, source = slowdowns(PRICED_AS.get(stack, stack))
@@ -93,10 +121,58 @@ def with_stack(hw: Hardware, stack: str) -> Hardware:
             f"stack's measured pace (elementwise kernels x{memory:.2f}, optimizer x{optimizer:.2f}): not measured "
             "on a GPU yet"
         )
+    paces, said = measured_paces(PRICED_AS.get(stack, stack))
     return dataclasses.replace(
         hw,
         stack=stack,
         memory_slowdown=memory,
         optimizer_slowdown=optimizer,
-        assumptions=hw.assumptions + (measured_on,),
+        **paces,
+        assumptions=hw.assumptions + (measured_on, *said),
     )
+
+
+def measured_paces(stack: str) -> tuple[dict, tuple[str, ...]]:
+    """The Hardware fields theory/planner/measured.py's points give `stack` (its pace per kernel size, FSDP's
+    copies in a step), and what is assumed for each that was not measured."""
+    fields, said = {}, []
+    points = measured.pace_points(stack)
+    if points:
+        fields["memory_pace"] = points
+        ends = " to ".join(f"x{p:.2f} at {b / 1e6:,.1f} MB" for b, p in (points[0], points[-1]))
+        said.append(f"the {stack} stack's elementwise pace per kernel size, measured at {len(points)} sizes: {ends}")
+    else:
+        said.append(
+            f"the {stack} stack's pace per kernel size: not measured at two sizes "
+            "(benchmarks/data/planner_measurements.json 'eager_pace'), one pace for every size"
+        )
+    fsdp = measured.fsdp_paces(stack)
+    if fsdp:
+        fields["copy_slowdown"] = fsdp["copy_slowdown"]
+        paces = ", ".join(
+            f"{k.split('_')[0]} x{fsdp[k]:.2f}" for k in ("copy_slowdown", "memory_slowdown", "optimizer_slowdown")
+        )
+        said.append(f"inside an FSDP step ({fsdp['source']}): {paces}; only the copies' pace is applied")
+    else:
+        said.append("FSDP's copies around its collectives: not measured in a step, priced at the roofline")
+    return fields, tuple(said)
+
+
+def measured_links(hw: Hardware) -> Hardware:
+    """`hw` with NCCL's latency per ring step inside a node and its channels where measured on a node's
+    GPUs, one rank each (measured.py); each such measurement replaces its assumption."""
+    latency, channels = measured.nccl_latency(), measured.nccl_channels()
+    if latency is None and channels is None:
+        return hw
+    said = [
+        a
+        for a in hw.assumptions
+        if a not in ((ALPHA_ASSUMED,) if latency else ()) + ((CHANNELS_ASSUMED,) if channels else ())
+    ]
+    fields = {}
+    if latency:
+        fields["intra"] = Link(alpha=latency[0], beta=hw.intra.beta)
+        said.append(f"inter.alpha {hw.inter.alpha * 1e6:g} us: collective latency per step across nodes, not measured")
+    if channels:
+        fields["nccl_channels"] = channels[0]
+    return dataclasses.replace(hw, **fields, assumptions=tuple(said))

@@ -75,7 +75,7 @@ def op_seconds(op: Op, hw: Hardware, scale: float = 1.0) -> tuple[float, bool]:
     }.get(op.kind)
     # an elementwise kernel has no FLOP rate: its bytes alone price it, at the stack's pace (stacks.py)
     compute = scale * op.flops / rate if rate else 0.0
-    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff) * (hw.memory_slowdown if op.kind == "memory" else 1.0)
+    memory = scale * op.bytes / (hw.hbm * hw.hbm_eff) * (hw.slowdown_at(op.bytes) if op.kind == "memory" else 1.0)
     # the roofline: a kernel overlaps its arithmetic and its memory traffic, so the slower side is its time
     return max(compute, memory), memory > compute
 
@@ -211,7 +211,7 @@ def microbatch(
     for dim, total, hidden in dp.per_microbatch(st, block):
         add(dim, total, hidden)
     # FSDP2's copies around its collectives are memory-bound compute (DERIVATIONS.md, "The time model")
-    copies = dp.copy_bytes(st, per_step=False) / (hw.hbm * hw.hbm_eff)
+    copies = dp.copy_bytes(st, per_step=False) * hw.copy_slowdown / (hw.hbm * hw.hbm_eff)
     parts["memory-bound"] += copies
     return Microbatch(compute + copies, parts, comm, exposed)
 
@@ -285,9 +285,10 @@ def step_time(cfg: ParallelConfig, model: ModelConfig, hw: Hardware = H100, worl
         comm[dim] = comm.get(dim, 0.0) + total
         exposed[dim] = exposed.get(dim, 0.0) + max(0.0, total - hidden)
     # AdamW and clipping stream their fp32 states: memory-bound, 40 bytes a local parameter
-    # the optimizer's kernels at their measured pace (hw.optimizer_slowdown, stacks.py); FSDP's copies at the roofline
+    # the optimizer's kernels at their measured pace (hw.optimizer_slowdown, stacks.py); FSDP's copies at theirs
+    # (the roofline until measured in an FSDP step: hw.copy_slowdown)
     adam = dp.optimizer_elements(st) * OPTIMIZER_BYTES * hw.optimizer_slowdown
-    optimizer = (adam + dp.copy_bytes(st, per_step=True)) / (hw.hbm * hw.hbm_eff)
+    optimizer = (adam + dp.copy_bytes(st, per_step=True) * hw.copy_slowdown) / (hw.hbm * hw.hbm_eff)
     total = m * mb.compute + bubble + optimizer + sum(exposed.values())
     # model FLOPs (PaLM's, recomputation not counted) per GPU
     flops = model_flops_per_token(model) * cfg.global_batch * model.seq / (world or cfg.world)
