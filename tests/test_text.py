@@ -13,7 +13,8 @@ from labkit import ConfigError, ModelConfig, ParallelConfig, RunResult, referenc
 from labkit.engines import data
 from labkit.layout import text
 from labkit.oracle.bounds import FP32
-from labkit.oracle.checks import assert_matches, replayed
+from labkit.oracle.checks import assert_matches
+from labkit.oracle.held import replayed
 
 TEXT = ModelConfig(layers=2, hidden=32, heads=4, ffn=128, vocab=256, seq=16)
 """conftest's TINY with one id per byte."""
