@@ -201,6 +201,9 @@ def main() -> None:
     ap.add_argument("--dry-run", action="store_true", help="parse, write the file's frame, run nothing")
     ns = ap.parse_args()
     out: dict = {"parts": ns.only, "faults": [], "interrupt": []}
+    # a Ctrl-C handled as a notebook's kernel does: a stage started in the background inherits SIGINT
+    # ignored, where `_thread.interrupt_main` does nothing (tests/test_faults.py `ctrl_c`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def save():
         with open(ns.out, "w") as f:

@@ -166,6 +166,11 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     from labkit import Lab
 
+    # Ctrl-C handled as a notebook's kernel handles it (ipykernel installs default_int_handler while a cell
+    # runs): started in the background without job control, this process inherits SIGINT ignored, and
+    # `_thread.interrupt_main` does nothing there (tests/test_faults.py `ctrl_c`)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
     ref = reference(TINY, steps=2)
     plan = [(f, LOADS[i % len(LOADS)]) for i in range(args.repeats) for f in ("interrupt", "lost interrupt")]
     plan += [

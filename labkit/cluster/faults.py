@@ -36,6 +36,9 @@ SETTLE_S = 2.0
 taken to wait for it in a collective, and released. The ranks stop together, out of one all-reduce:
 the rest is each job thread getting the CPU back to say so, 0.5 s not always enough on a loaded 2-core
 machine beside another cluster (issue 46)."""
+ALIVE_S = 0.5
+"""At a timeout, how long the ranks' collective counts are watched to tell a run still going (they
+advance: a TINY step makes dozens of collectives in that time) from a hang (none advances)."""
 LOG_TAIL = 400
 """Collective-log entries read from each rank for a diagnosis."""
 
@@ -68,11 +71,23 @@ def on_error(engines: EngineSet, states: list[dict], timeout: float) -> None:
     raise RankError({r: {"host": engines.hosts[r], "traceback": tb} for r, tb in failures.items()}, released)
 
 
-def on_timeout(engines: EngineSet, timeout: float) -> None:
-    """No progress within the timeout: CollectiveTimeout with the diagnosis of the ranks' logs."""
+def on_timeout(engines: EngineSet, timeout: float, steps_done: str = "") -> None:
+    """Not finished within the timeout: CollectiveTimeout with the diagnosis of the ranks' logs, or,
+    when their collectives still advance, the word that the run is slow, not hung (steps_done: how far
+    it got, e.g. "step 5,120 of 100,000")."""
     # no progress records (all read), the last LOG_TAIL collective-log entries: what the diagnosis reads
     got = engines.each(runtime.poll, range(engines.world), 10**9, LOG_TAIL)
     found = analyse(got, dict(enumerate(engines.hosts)))
+    advanced = _ops_advanced(engines, got)
+    if advanced:
+        # a run still going at its deadline: a rank caught inside some collective by the poll is not stuck
+        # there, and blaming that collective sends the user looking for a hang that is not there (issue 46)
+        found["text"] = (
+            f"Not a hang: the ranks were still running ({advanced} more collectives entered in the "
+            f"{ALIVE_S:g} s after the deadline{', ' + steps_done if steps_done else ''}). Give the call a "
+            "longer timeout (timeout=...) or fewer steps."
+        )
+        found["running"] = advanced
     try:
         engines.each(runtime.cancel, range(engines.world))
         release_cascade(engines, bound=1.0)  # ranks waiting only on each other are freed by the groups' timeout
@@ -80,6 +95,18 @@ def on_timeout(engines: EngineSet, timeout: float) -> None:
         # an engine that does not answer the cancel is replaced at the next call
         engines.condemn(d.ranks, d.detail)
     raise CollectiveTimeout(timeout, found["text"], found)
+
+
+def _ops_advanced(engines: EngineSet, first: dict) -> int:
+    """How many more collectives the ranks entered ALIVE_S after `first` (polls with their groups'
+    op counts): 0 for a hang, where every rank waits in one."""
+    time.sleep(ALIVE_S)
+    again = engines.each(runtime.poll, range(engines.world), 10**9, 1)
+
+    def entered(poll: dict) -> int:
+        return sum(n for n, _ in (poll.get("groups") or {}).values())
+
+    return sum(max(0, entered(again[r]) - entered(first[r])) for r in first)
 
 
 def on_died(engines: EngineSet, gone: EngineGone) -> None:

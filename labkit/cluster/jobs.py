@@ -30,7 +30,8 @@ def interrupts_remembered():
     KeyboardInterrupt the handler raises is printed as "Exception ignored" and lost, and the
     call went on to its timeout (a CI run). The handler here notes the signal before it calls
     the one it replaces, so the poll loop can raise it. Only in the main thread, where signals
-    are handled, and only over a Python-level handler (Python's own, or ipykernel's)."""
+    are handled, and only over a Python-level handler (Python's own, or ipykernel's): a process that
+    inherited SIGINT ignored (started in the background without job control) gets no Ctrl-C at all."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or not callable(previous):
         yield lambda: False
@@ -135,7 +136,7 @@ class JobRunner:
                         self._rebuild_needed = False
                     raise Cancelled("the run was cancelled (Lab.cancel); it stopped on every rank")
                 if time.monotonic() > deadline:
-                    faults.on_timeout(engines, timeout)
+                    faults.on_timeout(engines, timeout, steps.reached() if steps is not None else "")
                 time.sleep(pause)
                 # backing off: a short run returns at once, a long one costs the engines few polls
                 pause = min(POLL_MAX_S, pause * 1.5)

@@ -41,13 +41,13 @@ def shown(progress, total: int | None, label: str):
     """Yields the StepProgress one call feeds with the ranks' records, shown as a Lab's `progress`
     says (the module docstring): a function gets each combined record; a bar of `total` steps
     (None: a count) called `label` ends with the last record's note, or with the error's name.
-    Yields None where nothing is shown."""
+    Where nothing is shown it is fed all the same, silent."""
     if callable(progress):
         yield StepProgress(progress)
         return
     line = bar(progress, total, label)
-    if line is None:
-        yield None
+    if line is None:  # combined all the same: a timeout says how far the run got
+        yield StepProgress(lambda rec: None)
         return
     last: dict = {}
 
@@ -146,6 +146,14 @@ class StepProgress:
     def __init__(self, show):
         self.show = show
         self.pending: dict[int, list[dict]] = {}
+        self.last: dict | None = None
+        """The last step every rank reported (what a timeout says the run reached)."""
+
+    def reached(self) -> str:
+        """How far the run got, in words ("" before its first step)."""
+        if self.last is None:
+            return ""
+        return f"step {self.last['step'] + 1:,} of {self.last['steps']:,} done"
 
     def add(self, rec: dict) -> None:
         if "loss_share" not in rec:
@@ -158,6 +166,7 @@ class StepProgress:
         # shown once every rank reported the step: a loss summed from some ranks would be wrong
         if len(got) == rec["ranks"]:
             del self.pending[rec["step"]]
+            self.last = rec
             self.show(
                 {
                     "step": rec["step"],
