@@ -65,7 +65,7 @@ class JobRunner:
 
     def run(self, fn, args: tuple, kwargs: dict, timeout: float, steps) -> list:
         """fn(*args, **kwargs) on every rank (after a repair if one is due); results in rank order.
-        steps: a StepProgress fed with the ranks' progress records, or None."""
+        steps: the StepProgress fed with the ranks' progress records (progress.shown: silent or shown)."""
         lock = self.engines.lock
         # longer than any call can take (its timeout and two start-ups): one holding it longer is stuck
         if not lock.acquire(timeout=timeout + 2 * START_TIMEOUT_S):
@@ -119,9 +119,8 @@ class JobRunner:
                 states = [got[r] for r in ranks]
                 for r, s in enumerate(states):
                     seen[r] += len(s["progress"])
-                    if steps is not None:
-                        for rec in s["progress"]:
-                            steps.add(rec)
+                    for rec in s["progress"]:
+                        steps.add(rec)
                 kinds = {s["state"] for s in states}
                 if kinds == {"done"}:
                     # results fetched only once every rank is done: a partial result is no result
@@ -136,7 +135,7 @@ class JobRunner:
                         self._rebuild_needed = False
                     raise Cancelled("the run was cancelled (Lab.cancel); it stopped on every rank")
                 if time.monotonic() > deadline:
-                    faults.on_timeout(engines, timeout, steps.reached() if steps is not None else "")
+                    faults.on_timeout(engines, timeout, steps.reached())
                 time.sleep(pause)
                 # backing off: a short run returns at once, a long one costs the engines few polls
                 pause = min(POLL_MAX_S, pause * 1.5)
