@@ -7,12 +7,17 @@ tiny models so that the suite stays well inside CI's budget.
 
 from __future__ import annotations
 
+import importlib
+import sys
+from pathlib import Path
+
 import pytest
 
 from labkit import ModelConfig
 
 TINY = ModelConfig(layers=2, hidden=32, heads=4, ffn=128, vocab=128, seq=16)
 """Small enough that a 3-step run on 4 gloo engines takes a fraction of a second."""
+BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -52,3 +57,12 @@ def ref_cache():
         return cache[key]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def bench_script():
+    """Imports a script of benchmarks/ by name. The scripts import each other by bare name, some inside
+    their functions, so benchmarks/ stays on sys.path for the whole test module."""
+    sys.path.insert(0, BENCHMARKS)
+    yield importlib.import_module
+    sys.path.remove(BENCHMARKS)

@@ -5,23 +5,15 @@ shared CI machine are not asserted; benchmarks/RESULTS.md holds the measured fig
 from __future__ import annotations
 
 import math
-import os
-import sys
 
 import pytest
 
 from labkit import ParallelConfig as P
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-
 
 @pytest.fixture(scope="module")
-def run():
-    sys.path.insert(0, BENCH)
-    import run as module
-
-    yield module
-    sys.path.remove(BENCH)
+def run(bench_script):
+    return bench_script("run")
 
 
 def test_interleave_calls_a_and_b_in_turn(run):

@@ -8,8 +8,6 @@ CUDA event reports on a GPU, is a threading.Event here: the mark only asks it `q
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
 import pytest
@@ -19,8 +17,6 @@ import torch.distributed as dist
 from labkit.engines.meters import comm
 from labkit.engines.meters.comm import CommMeter
 from labkit.engines.meters.stream_mark import StreamMark
-
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +66,8 @@ def test_the_cpu_paths_end_as_before(world):
 
 
 @pytest.fixture(scope="module")
-def probe():
-    sys.path.insert(0, BENCH)
-    import nccl_shared
-
-    yield nccl_shared
-    sys.path.remove(BENCH)
+def probe(bench_script):
+    return bench_script("nccl_shared")
 
 
 def test_the_probe_passes_the_log_only_when_its_end_follows_the_gpu(probe):

@@ -5,24 +5,15 @@ runs hundreds (benchmarks/RESULTS.md); these keep its generator and the oracle h
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 
 DRAWS = 8
 SEED = 46  # not the benchmark's seeds: other draws than the ones recorded there
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
-
 
 @pytest.fixture(scope="module")
-def sweep_module():
-    sys.path.insert(0, BENCH)
-    import false_alarms
-
-    yield false_alarms
-    sys.path.remove(BENCH)
+def sweep_module(bench_script):
+    return bench_script("false_alarms")
 
 
 def test_random_correct_runs_raise_no_false_alarm(lab, sweep_module):

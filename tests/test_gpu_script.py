@@ -14,7 +14,6 @@ import tarfile
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmarks")
 STAGES = ["nccl", "faults", "pytest", "mfu", "pairs", "workspace", "memory", "ep", "planner", "fp8", "gloo"]
 
 
@@ -62,13 +61,8 @@ def test_stages_past_the_deadline_are_skipped_and_named_for_the_second_call(tmp_
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, BENCH)
-    import gpu_planner
-    import gpu_summary
-
-    yield gpu_summary, gpu_planner
-    sys.path.remove(BENCH)
+def bench(bench_script):
+    return bench_script("gpu_summary"), bench_script("gpu_planner")
 
 
 def test_the_summary_holds_each_item_to_its_target(tmp_path, bench):

@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 
 import pytest
 
@@ -17,7 +15,6 @@ from labkit.theory.planner import calibration, hardware
 from labkit.theory.planner.hardware import H100, H200
 from labkit.theory.presets import LLAMA31_8B
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
 CFG = ParallelConfig(dp=8, global_batch=16, precision="bf16", sharding="fsdp")
 MEASURED = {"device": "NVIDIA H100 80GB HBM3", "date": "2026-11-30", "torch": "2.11.0", "cuda": "13.0"}
 
@@ -67,12 +64,8 @@ def test_a_dry_runs_frame_is_not_a_measurement(tmp_path, monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def bench():
-    sys.path.insert(0, BENCH)
-    import gpu_workspace
-
-    yield gpu_workspace
-    sys.path.remove(BENCH)
+def bench(bench_script):
+    return bench_script("gpu_workspace")
 
 
 def test_the_constant_is_the_peak_the_workspaces_add(bench):
