@@ -14,7 +14,9 @@ from labkit import ConfigError
 from labkit.cluster.errors import LabError
 from labkit.cluster.gpus import Gpu, gpu_problems, parse_smi, pick, visible_devices
 from labkit.cluster.launchers import (
+    CONTROLLER_MISSES,
     HEARTBEAT_MISSES,
+    HEARTBEAT_MS,
     TAG,
     MPIEngines,
     Started,
@@ -41,8 +43,14 @@ def test_every_launcher_gets_the_tag_one_listening_address_and_threads_for_sched
         assert kwargs["controller_ip"] not in ("", "0.0.0.0", "*")
         assert "--IPController.use_threads=True" in kwargs["controller_args"]
         assert f"--IPEngine.max_heartbeat_misses={HEARTBEAT_MISSES}" in c.EngineLauncher.engine_args
+        assert f"--HeartMonitor.period={HEARTBEAT_MS}" in kwargs["controller_args"]
+        assert f"--HeartMonitor.max_heartmonitor_misses={CONTROLLER_MISSES}" in kwargs["controller_args"]
         nanny_off = "--IPEngine.enable_nanny=False" in c.EngineLauncher.engine_args
         assert nanny_off == (launcher == "local")  # remote engines keep theirs: it reports their death at once
+    # a faster ping, the same times: an engine alone exits after ~14 s (it checks every period + 500 ms,
+    # ipyparallel's engine), the controller drops a silent engine after 30 s (ipyparallel's 10 x 3 s)
+    assert 13.0 <= HEARTBEAT_MISSES * (HEARTBEAT_MS + 500) / 1000 <= 15.0
+    assert CONTROLLER_MISSES * HEARTBEAT_MS / 1000 == 10 * 3.0
     assert cluster_settings("local", 2, "t", {})[0]["controller_ip"] == "127.0.0.1"
     assert cluster_settings("mpi", 2, "t", {})[0]["controller_ip"] == "127.0.0.1"  # mpiexec here, no hosts
 

@@ -17,7 +17,7 @@ What every Lab's cluster gets (`cluster_settings`):
   - every process carries the Lab's tag (`TAG`) in its environment: the watchdog
     (labkit/cluster/watchdog.py) ends whatever carries it when the kernel dies, and runs the scheduler's
     cancel command; engines on other hosts exit by themselves once the controller is gone, after
-    HEARTBEAT_MISSES missed heartbeats (ipyparallel's default is 50, about three minutes).
+    HEARTBEAT_MISSES missed heartbeats, ~14 s (ipyparallel's default is 50, about three minutes).
 """
 
 from __future__ import annotations
@@ -48,9 +48,19 @@ OPTIONS = {
 """The options each launcher takes (besides COMMON), as Lab(..., **options)."""
 TAG = "LABKIT_LAB"
 """The environment variable that marks every process a Lab starts (its value: the Lab's token)."""
-HEARTBEAT_MISSES = 4
-"""An engine exits after this many missed controller heartbeats (3.5 s apart: ~14 s): what ends an
-engine on another host when the kernel, and with it the controller, is gone."""
+HEARTBEAT_MS = 500
+"""How often the controller pings its engines (ipyparallel's HeartMonitor.period; its default is 3,000). A
+new engine counts as registered at the first ping it answers, so a Lab's start waited up to one period
+after its last engine had registered (a 4-engine Lab: 9.7 s -> see benchmarks/RESULTS.md, "The suite's
+time"). The times that matter stay what they were: HEARTBEAT_MISSES and CONTROLLER_MISSES."""
+HEARTBEAT_MISSES = 14
+"""An engine exits after this many missed controller heartbeats (it checks every HEARTBEAT_MS + 500 ms,
+ipyparallel's rule: ~14 s): what ends an engine on another host when the kernel, and with it the
+controller, is gone."""
+CONTROLLER_MISSES = 60
+"""The controller drops an engine that has not answered this many pings (60 x 0.5 s: the 30 s of
+ipyparallel's defaults, 10 x 3 s); an engine's heart answers from a thread of its own, but a loaded
+2-core machine may not run it for seconds."""
 START_TIMEOUT_S = 120.0
 
 
@@ -174,7 +184,11 @@ def cluster_settings(launcher: str, n: int, token: str, options: dict, env: dict
     kwargs = dict(
         n=n,
         controller_ip=controller_ip(launcher, options),
-        controller_args=["--IPController.use_threads=True"],
+        controller_args=[
+            "--IPController.use_threads=True",
+            f"--HeartMonitor.period={HEARTBEAT_MS}",
+            f"--HeartMonitor.max_heartmonitor_misses={CONTROLLER_MISSES}",
+        ],
         engine_timeout=int(START_TIMEOUT_S),
         # errors only: ipyparallel's info lines would fill the notebook's cells
         log_level=40,
