@@ -20,9 +20,30 @@ TINY = ModelConfig(layers=2, hidden=32, heads=4, ffn=128, vocab=128, seq=16)
 BENCHMARKS = str(Path(__file__).resolve().parents[1] / "benchmarks")
 
 
+SHARING = {
+    # one Slurm of this machine's cores (a second file's job would queue behind the first's), mpiexec,
+    # and the two hosts of scripts/netns-hosts.sh (one pair of namespaces with fixed names)
+    "test_orphans": "launchers",
+    "test_slurm_and_mpiexec": "launchers",
+    "test_two_hosts": "launchers",
+}
+"""Test files that hold one thing of the machine's: under `pytest -n 2 --dist loadgroup` (README) they run
+in one worker, one after another. Every other file is a group of its own, so that its module fixtures (a
+JupyterLab, a JupyterHub, an 8-engine Lab) start once."""
+LONGEST = ("test_browser", "test_notebooks", "test_classroom_hub", "test_dryrun_scale", "test_compose", "test_faults")
+"""The files that take longest (benchmarks/RESULTS.md, "The suite's time"), collected first: with two workers
+(`--no-loadscope-reorder` keeps this order) the last file to start is a short one, not the browser's 6 minutes."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which names each test by its group
 def pytest_collection_modifyitems(config, items):
     import torch
 
+    for item in items:
+        stem = item.path.stem
+        item.add_marker(pytest.mark.xdist_group(SHARING.get(stem, stem)))
+    first = {stem: i for i, stem in enumerate(LONGEST)}
+    items.sort(key=lambda item: first.get(item.path.stem, len(LONGEST)))  # stable: each file's own order kept
     if not torch.cuda.is_available():
         skip = pytest.mark.skip(reason="needs CUDA (run on a GPU machine)")
         for item in items:
