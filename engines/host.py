@@ -29,11 +29,11 @@ LAUNCHER_RANKS = ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID")
 def end_at_once_on_sigterm() -> None:
     """SIGTERM (a Lab's close, ipcluster stop, the watchdog) ends this engine at once: its output flushed,
     then os._exit, past ipyparallel's stop and Python's teardown of a process with torch loaded (0.7 s
-    of CPU an engine here; a 4-engine Lab's close waited 2.9 s on them: benchmarks/RESULTS.md, "The
-    suite's time"). Nothing an engine holds needs its finalizers: sockets, gloo's and NCCL's
-    communicators and the GPU context end with the process, and a result the Lab still wanted is gone
-    either way once it asks the engine to stop. In the engine's main thread only (signal's rule); the
-    engine that apply runs elsewhere keeps ipyparallel's handler."""
+    of CPU an engine here; a 4-engine Lab's close: 3.1 s before, 0.2 s now, benchmarks/lab_start.py).
+    Nothing an engine holds needs its finalizers: sockets, gloo's and NCCL's communicators and the GPU
+    context end with the process, and a result the Lab still wanted is gone either way once it asks the
+    engine to stop. In the engine's main thread only (signal's rule); elsewhere the engine keeps
+    ipyparallel's handler."""
     if threading.current_thread() is not threading.main_thread():
         return
 

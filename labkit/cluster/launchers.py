@@ -51,8 +51,8 @@ TAG = "LABKIT_LAB"
 HEARTBEAT_MS = 500
 """How often the controller pings its engines (ipyparallel's HeartMonitor.period; its default is 3,000). A
 new engine counts as registered at the first ping it answers, so a Lab's start waited up to one period
-after its last engine had registered (a 4-engine Lab: 9.7 s -> see benchmarks/RESULTS.md, "The suite's
-time"). The times that matter stay what they were: HEARTBEAT_MISSES and CONTROLLER_MISSES."""
+after its last engine had registered (a 4-engine Lab's start: 9.4 s at 3,000, 5.0 s at 500:
+benchmarks/lab_start.py). The times that matter stay what they were: HEARTBEAT_MISSES and CONTROLLER_MISSES."""
 HEARTBEAT_MISSES = 14
 """An engine exits after this many missed controller heartbeats (it checks every HEARTBEAT_MS + 500 ms,
 ipyparallel's rule: ~14 s): what ends an engine on another host when the kernel, and with it the
