@@ -1,6 +1,6 @@
 """A local Lab's start and close, phase by phase: `python benchmarks/lab_start.py [--engines 4] [--repeats 3]`.
 
-The phases are launchers.start's and EngineSet.setup's, called one at a time: the controller started, the
+The phases are startup.start_cluster's and EngineSet.setup's, called one at a time: the controller started, the
 engines launched (ipyparallel waits for the controller's connection file first), every engine registered
 (ipyparallel counts one at the first controller heartbeat it answers: launchers.HEARTBEAT_MS), one torch
 world (each engine imports torch in `engine_info`, then the rendezvous), closed (the engines end at SIGTERM:
@@ -16,7 +16,7 @@ import time
 
 import ipyparallel as ipp
 
-from labkit.cluster import launchers
+from labkit.cluster import launchers, startup
 from labkit.cluster.engine_set import EngineSet
 
 PHASES = ("controller", "engines launched", "registered", "one torch world", "closed")
@@ -39,7 +39,7 @@ def once(n: int) -> dict[str, float]:
         cluster.start_engines_sync(n)
         phase("engines launched")
         client = cluster.connect_client_sync()
-        launchers.wait_for(client, n)
+        startup.wait_for(client, n)
         phase("registered")
         engines = EngineSet(client, cluster, n, local=True, backend="auto", device="cpu", timeout=60, master_addr=None)
         engines.setup()

@@ -80,3 +80,67 @@ def test_device_choice_is_checked_before_starting():
         Lab(engines=1, device="tpu")
     with pytest.raises(ConfigError, match="nccl' needs GPUs"):
         Lab(engines=1, device="cpu", backend="nccl")
+
+
+BROKEN = """
+import sys
+if "ipyparallel.engine" in sys.orig_argv:  # the engines only: the controller starts as usual
+    sys.exit("this engine's environment is broken (a sitecustomize.py of tests/test_lab.py)")
+"""
+
+
+def test_engines_that_exit_at_their_start_are_said_with_what_they_wrote(tmp_path, monkeypatch):
+    from labkit import Lab
+    from labkit.cluster.errors import LabError
+
+    (tmp_path / "sitecustomize.py").write_text(BROKEN)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # what every process the Lab starts inherits
+    with pytest.raises(LabError) as got:
+        Lab(engines=2, device="cpu", progress=False)
+    said = str(got.value)
+    assert "the engines exited while the Lab started" in said and "'exit_code': 1" in said
+    # ipyparallel's error has the exit codes only: each engine's own last words are what tells why
+    broken = "SystemExit: this engine's environment is broken"
+    assert broken in said.split("--- engine 0, the last lines it wrote ---")[1].split("--- engine 1")[0], said
+    assert f"--- engine 1, its last line ---\n{broken}" in said, said
+
+
+TAKE_ONCE = """
+import os, sys
+if "ipyparallel.controller" in sys.orig_argv and not os.path.exists(os.environ["LABKIT_TEST_ONCE"]):
+    open(os.environ["LABKIT_TEST_ONCE"], "w").close()  # the first controller only
+    from ipyparallel import util
+    picks, pick = [], util.select_random_ports
+
+    def select_random_ports(n):  # ipyparallel's own pick, but its 6th port (hb_ping) is one a test holds
+        picks.append(n)
+        return [int(os.environ["LABKIT_TEST_HELD"])] if len(picks) == 6 else pick(n)
+
+    util.select_random_ports = select_random_ports
+"""
+
+
+def test_a_controller_port_taken_before_it_binds_starts_the_cluster_again(tmp_path, monkeypatch):
+    """ipyparallel picks the controller's ports, closes them, and binds them later; here a port
+    is already taken when its heart monitor binds it (another process's, as on a loaded machine:
+    benchmarks/port_race.py), so no engine is ever pinged and each exits after its missed heartbeats."""
+    import socket
+
+    from labkit import Lab
+    from labkit.cluster.startup import TAKEN
+
+    held = socket.socket()
+    held.bind(("127.0.0.1", 0))
+    held.listen()
+    (tmp_path / "sitecustomize.py").write_text(TAKE_ONCE)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("LABKIT_TEST_ONCE", str(tmp_path / "once"))
+    monkeypatch.setenv("LABKIT_TEST_HELD", str(held.getsockname()[1]))
+    try:
+        with Lab(engines=2, device="cpu", progress=False, timeout=60) as lab:
+            retries = lab.engines.started.retries
+            print(f"\nthe first start, tried again: {retries}")
+            assert len(retries) == 1 and TAKEN in retries[0] and str(held.getsockname()[1]) in retries[0], retries
+            assert lab.apply(_rank_and_world) == [(0, 2), (1, 2)]
+    finally:
+        held.close()

@@ -28,11 +28,9 @@ import os
 import socket
 import sys
 import threading
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import ipyparallel as ipp
 import psutil
 from ipyparallel.cluster.launcher import MPIEngineSetLauncher
 from traitlets.config import Config
@@ -229,6 +227,8 @@ class Started:
     launcher: str
     options: dict
     cancels: list[list[str]] = field(default_factory=list)
+    retries: list[str] = field(default_factory=list)
+    """Each start tried again before this one, with the line that said which port was taken (port_taken)."""
 
     def cancel_commands(self, cluster) -> list[list[str]]:
         """The cancel commands of the cluster's batch jobs not yet known (scancel JOBID, ...)."""
@@ -258,40 +258,6 @@ class Started:
                 raise ValueError(f"host {h!r} is not among the ssh hosts {sorted(known)}")
             where[name] += 1
         return {"engines": dict(where)}
-
-
-def start(launcher: str, n: int, token: str, options: dict, env: dict | None = None, registered=None):
-    """Start a cluster of n engines with `launcher`: (cluster, client), every engine registered.
-    registered(k) is called as the count of registered engines grows (the Lab's progress bar;
-    ipyparallel's own bar stays off, so a notebook shows one)."""
-    kwargs, _ = cluster_settings(launcher, n, token, options, env)
-    cluster = ipp.Cluster(**kwargs)
-    # ipyparallel writes a batch script into its work_dir, the notebook's cwd: keep it with the
-    # cluster's other files (profile_dir, known only now), and never in the user's folder
-    cluster.config.BatchSystemLauncher.batch_file_name = batch_file(cluster)  # the Cluster holds a copy
-    try:
-        client = cluster.start_and_connect_sync(activate=False)
-        wait_for(client, n, registered)
-    except BaseException:
-        stop(cluster)
-        raise
-    return cluster, client
-
-
-def wait_for(client, n: int, registered=None) -> None:
-    """Until n engines have registered, telling registered(k) as k grows; TimeoutError past
-    START_TIMEOUT_S."""
-    deadline, seen = time.monotonic() + START_TIMEOUT_S, -1
-    while len(client.ids) < n:
-        # told only when the count changes: one update of the bar per engine, not per poll
-        if len(client.ids) != seen and registered is not None:
-            seen = len(client.ids)
-            registered(seen)
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"{n - len(client.ids)} of {n} engines did not register within {START_TIMEOUT_S:g} s")
-        time.sleep(0.05)
-    if registered is not None:
-        registered(n)
 
 
 def batch_file(cluster) -> str:

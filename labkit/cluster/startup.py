@@ -3,7 +3,8 @@ torch world, with a progress bar while that happens.
 
 A Lab that starts its cluster starts a watchdog first (labkit/cluster/watchdog.py: whatever it
 starts ends within seconds if the kernel dies), makes the GPUs it was given visible, and has its
-launcher (labkit/cluster/launchers.py) start the controller and the engines; a Lab that connects
+launcher (labkit/cluster/launchers.py) start the controller and the engines (again, on fresh ports,
+when the controller lost a port it had picked: `port_taken`); a Lab that connects
 reads a running cluster's connection file. Either way every engine then gets a rank and a device
 and the torch world is built on them (EngineSet.setup).
 """
@@ -11,6 +12,7 @@ and the torch world is built on them (EngineSet.setup).
 from __future__ import annotations
 
 import secrets
+import time
 
 import ipyparallel as ipp
 
@@ -18,6 +20,10 @@ from labkit.cluster import gpus, launchers, watchdog
 from labkit.cluster import progress as bars
 from labkit.cluster.engine_set import START_TIMEOUT_S, EngineSet
 from labkit.cluster.errors import LabError
+
+START_ATTEMPTS = 3
+"""How many times `start_cluster` starts a cluster whose controller found a port it had picked taken (port_taken)."""
+TAKEN = "Address already in use"
 
 
 def open_engines(
@@ -68,11 +74,11 @@ def start(n: int, launcher: str, options: dict, gpu: dict, choices: dict, regist
             choices = {**choices, "device": "cuda"}
     guard = watchdog.Watchdog(token)
     try:
-        cluster, client = launchers.start(launcher, n, token, options, env, registered)
+        cluster, client, retries = start_cluster(launcher, n, token, options, env, registered)
     except BaseException:
         guard.close()
         raise
-    started = launchers.Started(launcher, dict(options))
+    started = launchers.Started(launcher, dict(options), retries=retries)
     fraction = gpu["gpu_memory_fraction"]
     engines = EngineSet(
         client, cluster, n, local=True, started=started, watchdog=guard, gpu_memory_fraction=fraction, **choices
@@ -97,3 +103,109 @@ def connect(profile: str | None, url_file: str | None, cluster_id: str, engines:
         client.close()
         raise LabError("the cluster has no engines; start some (ipcluster engines ...) or pass engines=N")
     return client
+
+
+def start_cluster(launcher: str, n: int, token: str, options: dict, env: dict | None = None, registered=None):
+    """Start a cluster of n engines with `launcher`: (cluster, client, retries), every engine
+    registered; retries: for each start tried again, the line that said which port was taken
+    (port_taken). registered(k) is called as the count of registered engines grows (the Lab's
+    progress bar; ipyparallel's own bar stays off, so a notebook shows one)."""
+    retries = []
+    while True:
+        kwargs, _ = launchers.cluster_settings(launcher, n, token, options, env)
+        cluster = ipp.Cluster(**kwargs)
+        # ipyparallel writes a batch script into its work_dir, the notebook's cwd: keep it with the
+        # cluster's other files (profile_dir, known only now), and never in the user's folder
+        cluster.config.BatchSystemLauncher.batch_file_name = launchers.batch_file(cluster)  # the Cluster holds a copy
+        try:
+            client = cluster.start_and_connect_sync(activate=False)
+            wait_for(client, n, registered)
+        except Exception as e:
+            taken, said = port_taken(cluster), engines_said(cluster)  # read before the stop removes them
+            launchers.stop(cluster)
+            if taken and len(retries) + 1 < START_ATTEMPTS:
+                retries.append(taken)
+                continue
+            if not (taken or isinstance(e, ipp.error.EngineError)):
+                raise
+            exited = isinstance(e, ipp.error.EngineError)
+            what = "the engines exited while the Lab started" if exited else "the Lab's cluster did not start"
+            raise LabError(f"{what} ({e}){port_lost(taken)}{said if exited else ''}") from None
+        except BaseException:
+            launchers.stop(cluster)
+            raise
+        taken = port_taken(cluster)
+        if taken:  # up, but a scheduler of the controller never bound: its messages would never arrive
+            client.close()
+            launchers.stop(cluster)
+            if len(retries) + 1 < START_ATTEMPTS:
+                retries.append(taken)
+                continue
+            raise LabError(f"the Lab's cluster did not start{port_lost(taken)}")
+        return cluster, client, retries
+
+
+def port_lost(taken: str) -> str:
+    """What a LabError adds when the controller lost a port on every start ('' if it did not)."""
+    if not taken:
+        return ""
+    return f"\n--- the controller, on each of {START_ATTEMPTS} starts, lost a port it had picked ---\n{taken}"
+
+
+def port_taken(cluster) -> str:
+    """The line of the controller's output that says a port it had picked was taken, else ''.
+
+    ipyparallel picks the controller's ~18 TCP ports by binding port 0 and closing the socket, and
+    binds them for real later: its schedulers in threads, its heart monitor in a process forked
+    after them, a second or more later on a loaded machine. A port the kernel handed to another
+    process meanwhile (gloo's listeners and connections, another Lab's own picks: the same range)
+    fails that bind. A heart monitor that cannot bind pings no engine, and every engine exits
+    launchers.HEARTBEAT_MISSES later (seen in CI, two test workers side by side); a scheduler that cannot bind
+    never delivers its messages. The race is ipyparallel's (its ipc transport, which has no ports,
+    names endpoints one way in the controller and another in the engines and clients: unusable in
+    9.2), so `start_cluster` starts again on fresh ports; benchmarks/port_race.py counts both."""
+    launcher = cluster.controller
+    if launcher is None:
+        return ""
+    try:
+        with open(launcher.output_file, errors="replace") as f:
+            text = f.read()
+    except (AttributeError, OSError):
+        # a controller that exited (its hub could not bind) has had its file read and removed by
+        # ipyparallel, which keeps the text; asked while the file is there, it would keep a stale one
+        text = launcher.get_output() or ""
+    return next((line.strip() for line in text.splitlines() if TAKEN in line), "")
+
+
+def engines_said(cluster, lines: int = 8) -> str:
+    """What the exited engines wrote last (their logs, warnings and errors, and their stderr): the
+    first one's last `lines` lines, the others' last line each. ipyparallel's own error carries only the
+    exit codes, and its launcher deletes the engines' log files."""
+    said = [
+        (engine, text.rstrip().splitlines())
+        for engine_set in cluster.engines.values()
+        for engine, text in sorted(getattr(engine_set, "outputs", {}).items())
+        if text.strip()
+    ]
+    if not said:
+        return "\n(the engines wrote nothing: see the launcher's own log)"
+    (first, text), others = said[0], said[1:]
+    out = [f"\n--- engine {first}, the last lines it wrote ---", *text[-lines:]]
+    out += [f"--- engine {engine}, its last line ---\n{text[-1]}" for engine, text in others]
+    return "\n".join(out)
+
+
+def wait_for(client, n: int, registered=None) -> None:
+    """Until n engines have registered, telling registered(k) as k grows; TimeoutError past
+    START_TIMEOUT_S."""
+    deadline, seen = time.monotonic() + START_TIMEOUT_S, -1
+    while len(client.ids) < n:
+        # told only when the count changes: one update of the bar per engine, not per poll
+        if len(client.ids) != seen and registered is not None:
+            seen = len(client.ids)
+            registered(seen)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{n - len(client.ids)} of {n} engines did not register within {START_TIMEOUT_S:g} s")
+        time.sleep(0.05)
+    if registered is not None:
+        registered(n)
