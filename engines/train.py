@@ -68,7 +68,8 @@ def run_rank(spec: dict) -> dict:
     with meters, audit or nullcontext():
         for step in range(steps):
             runtime.stop_agreed(mesh.agree)  # every rank stops here together, or none does
-            tokens, targets = data.batch(run.data, step, seed, cfg.global_batch, model_cfg)
+            shapes_only = rt.backend == "fake"  # a dry run (engines/dryrun.py): its tensors hold no values
+            tokens, targets = data.batch(run.data, step, seed, cfg.global_batch, model_cfg, shapes_only)
             tokens = data.shard(tokens, index, count).to(device)
             targets = data.shard(targets, index, count).to(device)
             t0 = time.perf_counter()

@@ -30,7 +30,7 @@ SHARING = {
 """Test files that hold one thing of the machine's: under `pytest -n 2 --dist loadgroup` (README) they run
 in one worker, one after another. Every other file is a group of its own, so that its module fixtures (a
 JupyterLab, a JupyterHub, an 8-engine Lab) start once."""
-LONGEST = ("test_browser", "test_notebooks", "test_classroom_hub", "test_dryrun_scale", "test_compose", "test_faults")
+LONGEST = ("test_browser", "test_notebooks", "test_classroom_hub", "test_faults", "test_compose", "test_compile")
 """The files that take longest (benchmarks/RESULTS.md, "The suite's time"), collected first: with two workers
 (`--no-loadscope-reorder` keeps this order) the last file to start is a short one, not the browser's 6 minutes."""
 

@@ -68,11 +68,10 @@ def test_composed_layouts_dry_run_as_predicted(cfg):
     assert d.differences(activation_tolerance=0.10) == []
 
 
-@pytest.mark.slow
 def test_a_llama_70b_rank_of_1024_equals_theory():
     """README's claim: Llama-2-70B on dp32 x tp8 x pp4 (1,024 ranks), the last rank (last stage: the
     head and the loss; 20 of the 80 layers) measured with nothing allocated equals the theory
-    (under a minute on 2 CPU cores)."""
+    (7 s on 2 CPU cores)."""
     from labkit.theory.presets import LLAMA_70B
 
     cfg = ParallelConfig(dp=32, tp=8, pp=4, microbatches=8, global_batch=256)

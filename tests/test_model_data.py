@@ -38,6 +38,13 @@ def test_batches_are_deterministic_and_shards_cover_them():
     assert parts[1].untyped_storage().nbytes() == parts[1].numel() * 8  # owns its rows
 
 
+def test_a_dry_runs_batch_has_the_shapes_and_dtype_of_the_real_one():
+    for kind in ("synthetic", "text"):
+        real = data.batch(kind, 1, 0, 4, TINY)
+        shapes = data.batch(kind, 1, 0, 4, TINY, shapes_only=True)
+        assert [(t.shape, t.dtype) for t in shapes] == [(t.shape, t.dtype) for t in real], kind
+
+
 def test_the_language_is_learnable():
     ref = reference(TINY, steps=40, global_batch=16)
     assert ref.losses[-1] < ref.losses[0] - 1.0, ref.losses  # from ~ln(128)=4.85 well down
