@@ -17,6 +17,7 @@ from labkit.cluster.launchers import (
     CONTROLLER_MISSES,
     HEARTBEAT_MISSES,
     HEARTBEAT_MS,
+    START_TIMEOUT_S,
     TAG,
     MPIEngines,
     Started,
@@ -43,6 +44,7 @@ def test_every_launcher_gets_the_tag_one_listening_address_and_threads_for_sched
         assert kwargs["controller_ip"] not in ("", "0.0.0.0", "*")
         assert "--IPController.use_threads=True" in kwargs["controller_args"]
         assert f"--IPEngine.max_heartbeat_misses={HEARTBEAT_MISSES}" in c.EngineLauncher.engine_args
+        assert f"--IPEngine.timeout={START_TIMEOUT_S:g}" in c.EngineLauncher.engine_args  # the Lab's bound
         assert f"--HeartMonitor.period={HEARTBEAT_MS}" in kwargs["controller_args"]
         assert f"--HeartMonitor.max_heartmonitor_misses={CONTROLLER_MISSES}" in kwargs["controller_args"]
         nanny_off = "--IPEngine.enable_nanny=False" in c.EngineLauncher.engine_args

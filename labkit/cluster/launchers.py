@@ -175,7 +175,13 @@ def cluster_settings(launcher: str, n: int, token: str, options: dict, env: dict
     c = Config()
     c.BaseLauncher.environment = {TAG: token, **(env or {})}
     c.LocalProcessLauncher.stop_seconds_until_kill = 1  # an engine that outlives SIGTERM by 1 s is killed
-    engine_args = [f"--IPEngine.max_heartbeat_misses={HEARTBEAT_MISSES}"]
+    engine_args = [
+        f"--IPEngine.max_heartbeat_misses={HEARTBEAT_MISSES}",
+        # how long an engine waits for the hub's answer to its registration before it exits (ipyparallel:
+        # 5 s, which a loaded machine's hub can miss: seen once at half CPU, an ssh engine gone while
+        # its Lab started); the Lab's own bound on its start is the one that matters
+        f"--IPEngine.timeout={START_TIMEOUT_S:g}",
+    ]
     if launcher == "local":
         engine_args.append("--IPEngine.enable_nanny=False")
     c.EngineLauncher.engine_args = engine_args
