@@ -64,11 +64,11 @@ def run_rank(spec: dict) -> dict:
         moe.route_log = routes
 
     index, count = data_index(mesh)
+    shapes_only = rt.backend == "fake"  # a dry run (engines/dryrun.py): its tensors hold no values
     losses, norms, step_times, grad_pieces = [], [], [], []  # grad_pieces: per step
     with meters, audit or nullcontext():
         for step in range(steps):
             runtime.stop_agreed(mesh.agree)  # every rank stops here together, or none does
-            shapes_only = rt.backend == "fake"  # a dry run (engines/dryrun.py): its tensors hold no values
             tokens, targets = data.batch(run.data, step, seed, cfg.global_batch, model_cfg, shapes_only)
             tokens = data.shard(tokens, index, count).to(device)
             targets = data.shard(targets, index, count).to(device)

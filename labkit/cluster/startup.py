@@ -117,32 +117,32 @@ def start_cluster(launcher: str, n: int, token: str, options: dict, env: dict | 
         # ipyparallel writes a batch script into its work_dir, the notebook's cwd: keep it with the
         # cluster's other files (profile_dir, known only now), and never in the user's folder
         cluster.config.BatchSystemLauncher.batch_file_name = launchers.batch_file(cluster)  # the Cluster holds a copy
+        failed = None
         try:
             client = cluster.start_and_connect_sync(activate=False)
             wait_for(client, n, registered)
         except Exception as e:
-            taken, said = port_taken(cluster), engines_said(cluster)  # read before the stop removes them
-            launchers.stop(cluster)
-            if taken and len(retries) + 1 < START_ATTEMPTS:
-                retries.append(taken)
-                continue
-            if not (taken or isinstance(e, ipp.error.EngineError)):
-                raise
-            exited = isinstance(e, ipp.error.EngineError)
-            what = "the engines exited while the Lab started" if exited else "the Lab's cluster did not start"
-            raise LabError(f"{what} ({e}){port_lost(taken)}{said if exited else ''}") from None
+            failed = e
         except BaseException:
             launchers.stop(cluster)
             raise
+        # a start that raised, or one that came up with a scheduler that never bound (its messages
+        # would never arrive): both say so in the controller's output
         taken = port_taken(cluster)
-        if taken:  # up, but a scheduler of the controller never bound: its messages would never arrive
+        if failed is None and not taken:
+            return cluster, client, retries
+        exited = isinstance(failed, ipp.error.EngineError)
+        said = engines_said(cluster) if exited else ""  # read before the stop removes them
+        if failed is None:
             client.close()
-            launchers.stop(cluster)
-            if len(retries) + 1 < START_ATTEMPTS:
-                retries.append(taken)
-                continue
-            raise LabError(f"the Lab's cluster did not start{port_lost(taken)}")
-        return cluster, client, retries
+        launchers.stop(cluster)
+        if taken and len(retries) + 1 < START_ATTEMPTS:
+            retries.append(taken)
+            continue
+        if not (taken or exited):
+            raise failed
+        what = "the engines exited while the Lab started" if exited else "the Lab's cluster did not start"
+        raise LabError(f"{what}{f' ({failed})' if failed is not None else ''}{port_lost(taken)}{said}") from None
 
 
 def port_lost(taken: str) -> str:
