@@ -85,7 +85,12 @@ def test_device_choice_is_checked_before_starting():
 BROKEN = """
 import sys
 if "ipyparallel.engine" in sys.orig_argv:  # the engines only: the controller starts as usual
-    sys.exit("this engine's environment is broken (a sitecustomize.py of tests/test_lab.py)")
+    import ipyparallel.engine.app as app
+
+    def main():  # each engine's start, forked (labkit/cluster/forked.py) or not
+        sys.exit("this engine's environment is broken (a sitecustomize.py of tests/test_lab.py)")
+
+    app.main = main
 """
 
 
@@ -100,9 +105,66 @@ def test_engines_that_exit_at_their_start_are_said_with_what_they_wrote(tmp_path
     said = str(got.value)
     assert "the engines exited while the Lab started" in said and "'exit_code': 1" in said
     # ipyparallel's error has the exit codes only: each engine's own last words are what tells why
-    broken = "SystemExit: this engine's environment is broken"
+    broken = "this engine's environment is broken"
     assert broken in said.split("--- engine 0, the last lines it wrote ---")[1].split("--- engine 1")[0], said
     assert f"--- engine 1, its last line ---\n{broken}" in said, said
+
+
+def test_a_local_labs_engines_are_forked_from_one_process(lab):
+    """The engines of a local Lab are forked from one process that imported torch once
+    (labkit/cluster/forked.py): one parent, each engine named for what it is, and the census
+    (`labkit who`) tells the engines from their parent, whose command line they share."""
+    import psutil
+
+    from labkit.cluster.census import role
+    from labkit.cluster.forked import ENGINE_NAME
+
+    engines = [psutil.Process(pid) for pid in lab.engines.pids]
+    parents = {p.ppid() for p in engines}
+    assert len(parents) == 1, parents
+    parent = psutil.Process(parents.pop())
+    assert "labkit.cluster.forked" in parent.cmdline() and "ipyparallel.engine" in parent.cmdline()
+    assert [p.name() for p in engines] == [ENGINE_NAME] * 4
+    assert [role(p) for p in engines] == ["engine"] * 4 and role(parent) == "engine set"
+    # shared, not copied: torch's pages stay the parent's until an engine writes them
+    assert sum(p.memory_full_info().pss for p in engines) < sum(p.memory_info().rss for p in engines)
+
+
+NO_TORCH = """
+import sys
+if "labkit.cluster.forked" in sys.orig_argv:  # the engines' parent only: it cannot import torch
+    sys.modules["torch"] = None
+"""
+
+
+def test_an_engine_set_that_fails_before_it_forks_is_said(tmp_path, monkeypatch):
+    from labkit import Lab
+    from labkit.cluster.errors import LabError
+
+    (tmp_path / "sitecustomize.py").write_text(NO_TORCH)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    with pytest.raises(LabError) as got:
+        Lab(engines=2, device="cpu", progress=False)
+    said = str(got.value)
+    assert "the engines exited while the Lab started" in said, said
+    assert "--- engine set, the last lines it wrote ---" in said and "ModuleNotFoundError" in said, said
+
+
+def test_engines_end_with_the_process_they_were_forked_from():
+    """SIGKILL to the engines' parent (it cannot pass anything on) still ends every engine: each
+    asked the kernel for SIGKILL at its parent's death (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+
+    import psutil
+
+    from labkit import Lab
+
+    with Lab(engines=2, device="cpu", progress=False) as lab:
+        engines = [psutil.Process(pid) for pid in lab.engines.pids]
+        os.kill(engines[0].ppid(), signal.SIGKILL)
+        gone, alive = psutil.wait_procs(engines, timeout=10)
+        assert not alive, alive
 
 
 TAKE_ONCE = """

@@ -18,12 +18,14 @@ import subprocess
 import psutil
 
 from labkit.cluster import gpus
+from labkit.cluster.forked import ENGINE_NAME
 from labkit.cluster.share import ranges
 from labkit.cluster.watchdog import TAG
 from labkit.config.table import Rows
 
 MIB = 2**20
 WATCHDOG = os.path.join("labkit", "cluster", "watchdog.py")
+FORKED = "labkit.cluster.forked"
 
 
 def labs() -> Rows:
@@ -110,9 +112,13 @@ def members(kernel: int, token: str) -> list[psutil.Process]:
 
 
 def role(p: psutil.Process) -> str:
-    """'engine', 'controller' or 'other', from the command line ipyparallel's launchers give."""
+    """'engine', 'engine set', 'controller' or 'other', from the command line ipyparallel's launchers
+    give; a local Lab's engines share theirs with the process they were forked from (the engine set,
+    labkit/cluster/forked.py), and carry its ENGINE_NAME."""
     try:
         cmd = p.cmdline()
+        if FORKED in cmd:
+            return "engine" if p.name() == ENGINE_NAME else "engine set"
     except psutil.Error:
         return "gone"
     if "ipyparallel.engine" in cmd:

@@ -12,6 +12,8 @@ What every Lab's cluster gets (`cluster_settings`):
     nodes reach). Engines and the notebook talk to it with ipyparallel's HMAC-signed messages;
   - the controller's schedulers are threads of its process (ipyparallel starts each as a process
     otherwise: seven more Python processes, ~60 MiB each);
+  - a local Lab's engines are forked from one process that has imported torch once (ForkedEngines,
+    labkit/cluster/forked.py), where ipyparallel's local launcher starts an interpreter per engine;
   - a local Lab's engines run without ipyparallel's nanny (a process per engine that relays
     signals; the Lab never signals an engine and sees a local engine die by its pid);
   - every process carries the Lab's tag (`TAG`) in its environment: the watchdog
@@ -32,7 +34,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import psutil
-from ipyparallel.cluster.launcher import MPIEngineSetLauncher
+from ipyparallel.cluster.launcher import EngineLauncher, LocalProcessLauncher, MPIEngineSetLauncher
+from traitlets import Dict
 from traitlets.config import Config
 
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
@@ -70,6 +73,47 @@ class MPIEngines(MPIEngineSetLauncher):
     @property
     def program(self):
         return self.engine_cmd
+
+
+class ForkedEngines(LocalProcessLauncher, EngineLauncher):
+    """A local Lab's engines: one process imports torch, ipyparallel's engine and labkit's engine code
+    once and forks the n engines (labkit/cluster/forked.py), where ipyparallel's own local launcher
+    starts n interpreters that each import them (~2 s of a core each). ipyparallel sees one process for
+    the set, as with mpiexec; each engine keeps its own output file, under ipyparallel's name for it."""
+
+    outputs = Dict()
+    """Engine index (a str, as ipyparallel's engine sets key them) -> what it wrote, once read; 'set':
+    what the set's own process wrote (before any fork: an import that failed)."""
+
+    def start(self, n):
+        self.n = n
+        return super().start()
+
+    def engine_output(self, i: int) -> str:
+        return f"{self.engines_log}-{i}.log"
+
+    @property
+    def engines_log(self) -> str:
+        return os.path.join(self.profile_dir, "log", f"ipengine-{self.cluster_id}-{self.engine_set_id}")
+
+    def find_args(self):
+        engine = self.engine_cmd[1:]  # ipyparallel's `python -m ipyparallel.engine`, less the interpreter
+        forked = [sys.executable, "-m", "labkit.cluster.forked", str(self.n), self.engines_log]
+        return [*forked, *engine, *self.cluster_args, *self.engine_args]
+
+    def get_output(self, remove=False):
+        """What the set's process and each engine wrote, joined as ipyparallel's engine set joins its
+        engines' (`outputs` keeps each)."""
+        for i in range(self.n):
+            try:
+                with open(self.engine_output(i), errors="replace") as f:
+                    self.outputs[str(i)] = f.read()
+                if remove:
+                    os.remove(self.engine_output(i))
+            except OSError:  # removed at an earlier read: what that read found stays
+                pass
+        self.outputs["set"] = super().get_output(remove=remove)
+        return "\n".join(f"Output for engine {k}\n{text}" for k, text in self.outputs.items() if text.strip())
 
 
 def launcher_problems(launcher, engines, options: dict) -> list[str]:
@@ -199,7 +243,7 @@ def cluster_settings(launcher: str, n: int, token: str, options: dict, env: dict
         config=c,
     )
     if launcher == "local":
-        kwargs["engines"] = "local"
+        kwargs["engines"] = ForkedEngines
     elif launcher == "mpi":
         kwargs["engines"] = MPIEngines
         c.MPILauncher.mpi_cmd = [options.get("mpiexec") or "mpiexec"]

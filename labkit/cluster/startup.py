@@ -181,6 +181,8 @@ def engines_said(cluster, lines: int = 8) -> str:
     """What the exited engines wrote last (their logs, warnings and errors, and their stderr): the
     first one's last `lines` lines, the others' last line each. ipyparallel's own error carries only the
     exit codes, and its launcher deletes the engines' log files."""
+    for engine_set in cluster.engines.values():
+        engine_set.get_output()  # fills `outputs` with what the engines still running wrote too
     said = [
         (engine, text.rstrip().splitlines())
         for engine_set in cluster.engines.values()
