@@ -19,6 +19,7 @@ from labkit.cluster.launchers import (
     HEARTBEAT_MS,
     START_TIMEOUT_S,
     TAG,
+    ForkedEngines,
     MPIEngines,
     Started,
     cluster_settings,
@@ -49,6 +50,8 @@ def test_every_launcher_gets_the_tag_one_listening_address_and_threads_for_sched
         assert f"--HeartMonitor.max_heartmonitor_misses={CONTROLLER_MISSES}" in kwargs["controller_args"]
         nanny_off = "--IPEngine.enable_nanny=False" in c.EngineLauncher.engine_args
         assert nanny_off == (launcher == "local")  # remote engines keep theirs: it reports their death at once
+        # local engines: forked from one process that imported torch once (tests/test_lab.py starts them)
+        assert (kwargs["engines"] is ForkedEngines) == (launcher == "local")
     # a faster ping, the same times: an engine alone exits after ~14 s (it checks every period + 500 ms,
     # ipyparallel's engine), the controller drops a silent engine after 30 s (ipyparallel's 10 x 3 s)
     assert 13.0 <= HEARTBEAT_MISSES * (HEARTBEAT_MS + 500) / 1000 <= 15.0

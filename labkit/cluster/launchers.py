@@ -243,7 +243,9 @@ def cluster_settings(launcher: str, n: int, token: str, options: dict, env: dict
         config=c,
     )
     if launcher == "local":
-        kwargs["engines"] = ForkedEngines
+        # prctl and a fork after `import torch` (safe on Linux, as PyTorch's DataLoader does) are Linux's:
+        # elsewhere an interpreter per engine, as ipyparallel starts them
+        kwargs["engines"] = ForkedEngines if sys.platform.startswith("linux") else "local"
     elif launcher == "mpi":
         kwargs["engines"] = MPIEngines
         c.MPILauncher.mpi_cmd = [options.get("mpiexec") or "mpiexec"]
