@@ -115,19 +115,27 @@ def _snapshot(lab) -> dict:
     }
 
 
-def _lab_processes() -> tuple[int, int]:
-    """(live processes under this one: controller, engines and their nannies; zombies among them:
-    killed engines nobody reaped). This module's Lab is the only one it starts."""
-    live = zombies = 0
+def _lab_processes() -> tuple[int, int, int]:
+    """(live processes under this one but the engine sets' parents: the controller and its child,
+    the watchdog, the engines; zombies among them: killed engines nobody reaped; the engine sets'
+    parents left with no live engine). This module's Lab is the only one it starts. An engine set's
+    parent (labkit/cluster/forked.py) lives as long as one of the engines forked from it: a repair
+    that replaces engines adds one for its new engines (or none: one engine is its own process), so
+    how many there are follows the repairs, and a leaked one is one with no engine left."""
+    from labkit.cluster.census import role
+
+    live = zombies = empty_sets = 0
     for p in psutil.Process().children(recursive=True):
         try:
             if p.status() == psutil.STATUS_ZOMBIE:
                 zombies += 1
+            elif role(p) == "engine set":
+                empty_sets += not any(c.status() != psutil.STATUS_ZOMBIE for c in p.children())
             else:
                 live += 1
         except psutil.NoSuchProcess:
             pass
-    return live, zombies
+    return live, zombies, empty_sets
 
 
 def test_fifty_runs_with_faults_leave_the_lab_as_it_was(slab):
@@ -154,14 +162,14 @@ def test_fifty_runs_with_faults_leave_the_lab_as_it_was(slab):
         f"{[round(d / 2**20, 2) for d in drift]} MiB (median {statistics.median(drift) / 2**20:.2f}); "
         f"listening sockets (start, baseline, end) {start['listening']}, {base['listening']}, {end['listening']}; "
         f"process groups per rank {end['groups']}; "
-        f"processes (live, zombie) {end['lab_processes']}; repairs {slab.repairs}"
+        f"processes (live, zombie, empty engine sets) {end['lab_processes']}; repairs {slab.repairs}"
     )
     assert end["pids"] == base["pids"]  # no engine replaced after the baseline
     killed, raised, hung = (r["replaced"] for r in slab.repairs)
     assert sorted(killed) == [1] and raised == {}  # the kill: one new engine; the raise: none
     assert all("torch still held" in why for why in hung.values())  # ranks whose groups DDP pinned
     assert max(drift) < RSS_DRIFT_LIMIT, drift
-    assert end["lab_processes"] == start["lab_processes"]  # nothing leaked, no zombie
-    assert end["lab_processes"][1] == 0
+    assert end["lab_processes"] == start["lab_processes"]  # nothing leaked, no zombie, no empty engine set
+    assert end["lab_processes"][1:] == (0, 0)
     assert end["listening"] == base["listening"]  # no port left open by old worlds
     assert end["groups"] == base["groups"]  # process groups rebuilt, not piled up

@@ -46,16 +46,18 @@ def preload() -> None:
     from labkit.engines import train  # noqa: F401  (the model, the strategies, the meters)
 
 
-def become_engine(i: int, logs: str, args: list[str], parent: int) -> None:
-    """In the forked child: engine i of the set, its output to its own file; never returns."""
+def become_engine(i: int, logs: str, args: list[str], parent: int | None) -> None:
+    """Engine i of the set, its output to its own file; never returns. parent: the set's process,
+    in a forked child; None when this process is the set's one engine."""
     for sig in FORWARDED:
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a process of its own
     signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)  # blocked by the parent around the fork
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != parent:  # the parent died before the line above: nothing would end this engine
-        os._exit(1)
+    if parent is not None:
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:  # the parent died before the line above: nothing would end this engine
+            os._exit(1)
     libc.prctl(PR_SET_NAME, ENGINE_NAME.encode())
     fd = os.open(f"{logs}-{i}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     os.dup2(fd, 1)
@@ -109,6 +111,8 @@ def main(argv: list[str]) -> int:
         sys.exit(f"usage: python -m labkit.cluster.forked N LOGS {' '.join(ENGINE)} [engine args...]; got {argv}")
     n, logs, args = int(argv[0]), argv[1], argv[4:]
     preload()
+    if n == 1:  # one engine (a replacement, Lab(engines=1)): this process is it; a fork would add a parent
+        become_engine(0, logs, args, parent=None)
     children: dict[int, int] = {}
 
     def forward(signum, frame):
