@@ -26,7 +26,12 @@ ERROR_GRACE_S = 0.5
 """After a first rank fails, how long other ranks may still fail on their own (the same bug on
 every rank) before the rest are released; later failures are consequences, not causes."""
 RELEASE_S = 3.0
-"""Bound on the release cascade."""
+"""How long the release cascade waits for the next rank to be over, from its start and again from each
+release: each release frees the ranks that waited on the one released, and each round of it is three
+calls on every engine, which a loaded machine slows (at half a 2-core machine's CPU, beside another
+test worker, one rank raising took 2.6 s to release the other three, and once over 3 s: none was
+released, and the next call had to repair them). A rank is released once, so the cascade ends within
+(world + 1) x RELEASE_S."""
 CANCEL_GRACE_S = runtime.LATE_S + 5.0
 """How long a cancelled job may take to stop: its ranks stop together at the next step boundary
 (engines/runtime.py `stop_agreed`), or each at its next microbatch once that is LATE_S overdue, and
@@ -182,8 +187,9 @@ def free_stuck(engines: EngineSet) -> None:
 # -- releasing --------------------------------------------------------------------------------
 def release_cascade(engines: EngineSet, bound: float = RELEASE_S) -> dict:
     """Release every rank whose job is over (engines/release.py), until no rank is left waiting
-    or `bound` passes: each release frees the ranks that waited on it, whose jobs then end too.
-    On NCCL every live rank at once, its communicators aborted. Returns the ranks' last states."""
+    or `bound` passes with no rank released (RELEASE_S): each release frees the ranks that waited on
+    it, whose jobs then end too. On NCCL every live rank at once, its communicators aborted. Returns
+    the ranks' last states."""
     end = time.monotonic() + bound
     released: set[int] = set()
     got: dict = {}
@@ -208,6 +214,7 @@ def release_cascade(engines: EngineSet, bound: float = RELEASE_S) -> dict:
                             "listening sockets): a new engine frees them",
                         )
                 released |= set(over)
+                end = max(end, time.monotonic() + bound)  # the ranks it freed get their own `bound`
         except EngineGone as d:
             engines.condemn(d.ranks, d.detail)
             # polled again without the engine that went away
