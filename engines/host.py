@@ -36,16 +36,17 @@ def end_at_once_on_sigterm() -> None:
     ipyparallel's handler."""
     if threading.current_thread() is not threading.main_thread():
         return
+    # ipyparallel's own SIGTERM handling ends the engine with 0 too
+    signal.signal(signal.SIGTERM, lambda signum, frame: exit_now(0))
 
-    def end(signum, frame):
-        # the process's own streams (the launcher's log files); not ipykernel's forwarded ones, whose
-        # flush waits on its IO thread and whose client has gone
-        for stream in (sys.__stdout__, sys.__stderr__):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(0)  # ipyparallel's own SIGTERM handling ends the engine with 0 too
 
-    signal.signal(signal.SIGTERM, end)
+def exit_now(code: int) -> None:
+    """Flush the process's own streams (the launcher's log files) and os._exit(code): no teardown.
+    Not ipykernel's forwarded streams, whose flush waits on its IO thread and whose client has gone."""
+    for stream in (sys.__stdout__, sys.__stderr__):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def engine_info(toward: str | None = None) -> dict:

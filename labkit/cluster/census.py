@@ -18,14 +18,13 @@ import subprocess
 import psutil
 
 from labkit.cluster import gpus
-from labkit.cluster.forked import ENGINE_NAME
+from labkit.cluster.forked import ENGINE_NAME, MODULE
 from labkit.cluster.share import ranges
 from labkit.cluster.watchdog import TAG
 from labkit.config.table import Rows
 
 MIB = 2**20
 WATCHDOG = os.path.join("labkit", "cluster", "watchdog.py")
-FORKED = "labkit.cluster.forked"
 
 
 def labs() -> Rows:
@@ -117,7 +116,7 @@ def role(p: psutil.Process) -> str:
     labkit/cluster/forked.py), and carry its ENGINE_NAME."""
     try:
         cmd = p.cmdline()
-        if FORKED in cmd:
+        if MODULE in cmd:
             return "engine" if p.name() == ENGINE_NAME else "engine set"
     except psutil.Error:
         return "gone"

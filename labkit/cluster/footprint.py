@@ -13,6 +13,8 @@ import os
 
 import psutil
 
+from labkit.cluster import forked
+
 MIB = 2**20
 
 
@@ -32,7 +34,7 @@ def _role(proc: psutil.Process, engines: set[int], controller: int | None) -> st
         return "controller child"  # its schedulers (unless threads) and the heart monitor
     if "labkit" in cmd and "watchdog" in cmd:
         return "watchdog"
-    if "labkit.cluster.forked" in cmd:
+    if forked.MODULE in cmd:
         return "engine set"  # the process a local Lab's engines were forked from (labkit/cluster/forked.py)
     return os.path.basename(cmd.split(" ")[0]) or "other"
 

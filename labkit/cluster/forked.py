@@ -17,8 +17,8 @@ engines, waits for every one, and exits with the first failing engine's code; an
 (PR_SET_PDEATHSIG) if it is killed. ipyparallel sees one process for the set, as it does with mpiexec
 (labkit/cluster/launchers.py: ForkedEngines).
 
-Imports that load torch or ipyparallel are inside functions: the notebook imports this module's
-package without them (tests/test_layers.py).
+Imports that load torch or ipyparallel are inside functions: the notebook imports this module
+(labkit/cluster/census.py reads its names) without them (tests/test_layers.py).
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ import signal
 import sys
 import traceback
 
+from labkit.engines import host
+
+MODULE = "labkit.cluster.forked"
+"""This program's module (`python -m MODULE`): on the command line of the set's process and its engines."""
 ENGINE_NAME = "labkit-engine"
 """An engine's process name (its /proc comm; at most 15 bytes)."""
 ENGINE = ["-m", "ipyparallel.engine"]
@@ -69,26 +73,18 @@ def become_engine(i: int, logs: str, args: list[str], parent: int | None) -> Non
     code = 0
     try:
         main()
-    except SystemExit as e:  # as the interpreter would say it: sys.exit("why") prints why, exits 1
-        code = e.code if isinstance(e.code, int) or e.code is None else 1
-        if not isinstance(e.code, int) and e.code is not None:
-            print(e.code, file=sys.stderr)
+    except SystemExit as e:  # as the interpreter says it: sys.exit("why") prints why and exits 1
+        if e.code is None or isinstance(e.code, int):
+            code = e.code or 0
+        else:
+            print(e.code, file=sys.__stderr__)  # its own log file (ipykernel may have replaced sys.stderr)
+            code = 1
     except BaseException:
-        traceback.print_exc()
+        traceback.print_exc(file=sys.__stderr__)
         code = 1
-    end(code or 0)
-
-
-def end(code: int) -> None:
-    """Exit now, output flushed: Python's teardown of a process with torch loaded takes ~0.6 s of a
-    core and finalizes nothing this process needs (engines/host.py end_at_once_on_sigterm, the same
-    for an engine's SIGTERM)."""
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a stream already closed: nothing left to write
-            pass
-    os._exit(code)
+    # Python's teardown of a process with torch loaded takes ~0.6 s of a core and finalizes nothing
+    # an engine needs (as at its SIGTERM: engines/host.py end_at_once_on_sigterm)
+    host.exit_now(code)
 
 
 def supervise(children: dict[int, int]) -> int:
@@ -108,7 +104,7 @@ def supervise(children: dict[int, int]) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) < 4 or not argv[0].isdigit() or argv[2:4] != ENGINE:
-        sys.exit(f"usage: python -m labkit.cluster.forked N LOGS {' '.join(ENGINE)} [engine args...]; got {argv}")
+        sys.exit(f"usage: python -m {MODULE} N LOGS {' '.join(ENGINE)} [engine args...]; got {argv}")
     n, logs, args = int(argv[0]), argv[1], argv[4:]
     preload()
     if n == 1:  # one engine (a replacement, Lab(engines=1)): this process is it; a fork would add a parent
@@ -140,4 +136,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    end(main(sys.argv[1:]))
+    host.exit_now(main(sys.argv[1:]))  # the set's process, its engines gone: no teardown either

@@ -38,6 +38,8 @@ from ipyparallel.cluster.launcher import EngineLauncher, LocalProcessLauncher, M
 from traitlets import Dict
 from traitlets.config import Config
 
+from labkit.cluster.forked import MODULE
+
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 COMMON = ("controller_ip", "interface")
 OPTIONS = {
@@ -98,7 +100,7 @@ class ForkedEngines(LocalProcessLauncher, EngineLauncher):
 
     def find_args(self):
         engine = self.engine_cmd[1:]  # ipyparallel's `python -m ipyparallel.engine`, less the interpreter
-        forked = [sys.executable, "-m", "labkit.cluster.forked", str(self.n), self.engines_log]
+        forked = [sys.executable, "-m", MODULE, str(self.n), self.engines_log]
         return [*forked, *engine, *self.cluster_args, *self.engine_args]
 
     def get_output(self, remove=False):
