@@ -1,7 +1,7 @@
 """Gradient accumulation: the step schedule when there is no pipeline (pp == 1).
 
 It runs every microbatch's forward and backward on the one chunk. The pipeline's schedules
-(engines/parallel/pipeline.py's executor, torch.distributed.pipelining's) are called the same way:
+(engines/parallel/pipeline/'s executor, torch.distributed.pipelining's) are called the same way:
 schedule(rank_model, microbatches, meters) -> this rank's share of the loss.
 """
 

@@ -7,7 +7,7 @@
          the logits and each row's fp32 log-sum-exp, e + 4/V bytes a logit, and writes the
          gradient in the compute dtype; fp32 only LOSS_CHUNK logits at a time, forward and back
 
-The vocab-parallel loss under tensor parallelism is engines/parallel/tensor_ops.py's, with the
+The vocab-parallel loss under tensor parallelism is engines/parallel/tensor/ops.py's, with the
 same two ways. A padded vocabulary (ModelConfig.vocab_divisible_by) has its padding logits set to
 -inf first (`mask_padding`), so both ways give the unpadded model's loss and gradients.
 """

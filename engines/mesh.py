@@ -107,7 +107,7 @@ class Mesh:
     def device_mesh_2d(self, device_type: str) -> DeviceMesh:
         """One (dp, tp) DeviceMesh over this layout, from this mesh's own dp and tp groups (no new
         process group), built on first use and kept with the mesh: DTensor TP takes its ["tp"]
-        slice, FSDP2 its ["dp"] (engines/parallel/tensor_torch.py, fsdp.py)."""
+        slice, FSDP2 its ["dp"] (engines/parallel/tensor/dtensor.py, fsdp.py)."""
         if self._device_mesh is None:
             lay, here = self.layout, self.coords
             ranks = [

@@ -82,7 +82,7 @@ class LatentAttention(nn.Module):
         self.width = max(dq, self.dv)  # the kernel's one head width (v padded, or q and k if dv > dq)
         # the kernel scales by 1/sqrt(width); q carries the rest of MLA's scale (YaRN's mscale^2 included)
         self.q_gain = softmax_scale(cfg) * math.sqrt(self.width)
-        self.window = None  # no sliding window: every layer global (context_kinds.apply_cp reads it)
+        self.window = None  # no sliding window: every layer global (context/kinds.py apply_cp reads it)
         self.core = causal_attention  # swapped for ring attention under context parallelism
 
     def forward(self, x: torch.Tensor, rope: tuple) -> torch.Tensor:

@@ -56,12 +56,12 @@ from labkit.engines.parallel.checkpoint import apply_ac
 from labkit.engines.parallel.common import GradSync, ParamMetas, on_device
 from labkit.engines.parallel.compile import apply_compile
 from labkit.engines.parallel.context import zigzag_inputs
-from labkit.engines.parallel.context_kinds import apply_cp
+from labkit.engines.parallel.context.kinds import apply_cp
 from labkit.engines.parallel.ddp import DDP, TorchDDP
 from labkit.engines.parallel.experts import apply_ep
 from labkit.engines.parallel.fsdp import apply_fsdp, apply_fsdp_torch
 from labkit.engines.parallel.pipeline import apply_pipeline, pipeline_executor
-from labkit.engines.parallel.pipeline_torch import TorchSchedule, TorchStageGrads
+from labkit.engines.parallel.pipeline.pipelining import TorchSchedule, TorchStageGrads
 from labkit.engines.parallel.tensor import apply_tp
 from labkit.engines.parallel.zero import apply_zero
 from labkit.engines.precision import policy
@@ -104,10 +104,10 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
         # the scales of weights a strategy splits (TP's slices, FSDP's shards): tensorwise only
         float8 = None if cfg.fp8_scaling.rowwise else WeightScales()
 
-    # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor.py, or DTensor's
+    # 1. tensor parallelism (+ sequence parallelism): engines/parallel/tensor/, or DTensor's
     if cfg.tp > 1 and cfg.torch_impl:
         # DTensor's package holds ~45 MB per process: only runs with impl='torch' load it
-        from labkit.engines.parallel.tensor_torch import apply_tp_torch, in_loss_parallel, tp_device_mesh
+        from labkit.engines.parallel.tensor.dtensor import apply_tp_torch, in_loss_parallel, tp_device_mesh
 
         tp_mesh = tp_device_mesh(mesh, meters.device.type, with_fsdp=cfg.sharded.fsdp)
         tensorwise = cfg.numerics.fp8 and cfg.fp8_scaling.gathers_fp8  # torchao's float8 TP styles
@@ -118,7 +118,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     elif cfg.tp > 1:
         model, info["tp_styles"] = apply_tp(model, mesh, metas, sequence_parallel=cfg.sequence_parallel, float8=float8)
 
-    # 2. context parallelism: engines/parallel/context.py (the ring), context_kinds.py (all-gather, Ulysses)
+    # 2. context parallelism: engines/parallel/context/ (the ring), context/kinds.py (all-gather, Ulysses)
     if cfg.cp > 1:
         model, info["cp"] = apply_cp(model, mesh, cfg.context, cfg.cp_a2a)
         inputs = zigzag_inputs(model.cfg.seq, mesh)
@@ -135,7 +135,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     if cfg.recomputation.recomputes:
         model, _ = apply_ac(model, meters.memory, selective=cfg.recomputation.attention_only)  # nothing to report
 
-    # 5. pipeline parallelism: engines/parallel/pipeline.py; its schedule ours, or torch.distributed.pipelining's
+    # 5. pipeline parallelism: engines/parallel/pipeline/; its schedule ours, or torch.distributed.pipelining's
     chunks = [model]
     if mesh.size("pp") > 1:
         chunks, stages = apply_pipeline(
@@ -197,7 +197,7 @@ def parallelize(model: nn.Module, mesh: Mesh, cfg: ParallelConfig, optim: OptimC
     elif cfg.torch_impl and mesh.size("pp") > 1:
         sync = TorchStageGrads(chunks, mesh, metas, cfg.bucket_mb, optim)  # PyTorch's DDP per stage chunk
     elif cfg.torch_impl and cfg.tp > 1:
-        from labkit.engines.parallel.tensor_torch import TorchTP  # DTensor: only its runs load it
+        from labkit.engines.parallel.tensor.dtensor import TorchTP  # DTensor: only its runs load it
 
         sync = TorchTP(chunks[0], mesh, optim)  # no dp: labkit.config refuses DDP with DTensor TP
     elif cfg.torch_impl:

@@ -87,7 +87,7 @@ def build(flavor: str, seq: int, sequence_parallel: bool) -> torch.nn.Module:
 
 
 def titan_configs(cfg: ParallelConfig) -> tuple[ParallelDims, ParallelismConfig, TrainingConfig, object]:
-    """A labkit layout as torchtitan's configs: the inverse of labkit/config/jobs/torchtitan.py."""
+    """A labkit layout as torchtitan's configs: the inverse of labkit/config/jobs/torchtitan/."""
     if cfg.cp > 1:
         raise ConfigError(
             [f"cp={cfg.cp}: torchtitan's context parallelism runs SDPA on sequence-sharded DTensors, and on a CPU "

@@ -30,7 +30,7 @@ def _kinds_against_dense(cases):
     from labkit.engines import runtime
     from labkit.engines.mesh import Mesh
     from labkit.engines.parallel.context import zigzag_index
-    from labkit.engines.parallel.context_kinds import Gathered, Hierarchical, Ulysses
+    from labkit.engines.parallel.context.kinds import Gathered, Hierarchical, Ulysses
     from labkit.layout.mesh import MeshLayout
 
     rank = runtime.current().rank

@@ -88,7 +88,7 @@ CASES = {
         },
         96,
     ),
-    # Mistral 7B v0.1's window on every layer, 24 < seq 64 (labkit/config/hf.py)
+    # Mistral 7B v0.1's window on every layer, 24 < seq 64 (labkit/config/hf/)
     "mistral-window": ({**MISTRAL_7B_V01, **SMALL, "num_key_value_heads": 2, "sliding_window": 24}, 64),
 }
 

@@ -222,7 +222,7 @@ def test_the_joined_families_train_like_one_process(lab, ref_cache, name, c, cfg
 
     model = ModelConfig.from_hf(c, seq=16)
     if model.sigmoid_router:
-        model = model.replace(bias_update_speed=0.01)  # training's choice (hf_moe.py): on, so the oracle sees it move
+        model = model.replace(bias_update_speed=0.01)  # training's choice (hf/moe.py): on, so the oracle sees it move
     res = lab.run(cfg, model=model, steps=3, return_params=True)
     ref = ref_cache(model)
     assert_matches(res, ref)

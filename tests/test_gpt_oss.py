@@ -155,7 +155,7 @@ def test_what_is_not_built_is_refused_by_name(change, match):
 
 class _Ring:
     """A cp ring without a transport: member `rank` of `cp`, each hop handing it the K/V block the previous
-    member held one step before (what engines/parallel/context.py Ring receives), for the forward only."""
+    member held one step before (what engines/parallel/context/ Ring receives), for the forward only."""
 
     def __init__(self, rank: int, cp: int, blocks: list):
         from labkit.engines.parallel.context import ring_schedule
@@ -169,7 +169,7 @@ class _Ring:
 
 
 def test_the_ring_joins_each_sink_once_per_query():
-    """engines/parallel/context.py's ring forward on cp = 4 zigzag ranks equals sink_attention on the whole
+    """engines/parallel/context/'s ring forward on cp = 4 zigzag ranks equals sink_attention on the whole
     sequence; without its sinks, or with the sink joined into every block's partial result (cp times on the
     last chunks' queries), it does not."""
     from labkit.engines.layers import sink_attention

@@ -1,5 +1,5 @@
 """Megatron-LM's own example launch scripts, verbatim (tests/data/jobs/README.md: source and commit),
-read as bash would read them (labkit/config/jobs/shell.py) to their published parameter counts and
+read as bash would read them (labkit/config/jobs/shell/) to their published parameter counts and
 layouts; broken copies refused by name; no command of a script ever run; the stack each names,
 priced for the job's layout and the planner's alternatives alike."""
 

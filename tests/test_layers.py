@@ -315,3 +315,19 @@ def test_ruff_keeps_the_house(command):
     assert ruff, "ruff is in the test extras: pip install -e '.[test]'"
     out = subprocess.run([ruff, *command, "."], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-1000:]
+
+
+def test_every_package_folder_is_installed():
+    """pyproject.toml names its packages one by one (engines/ and widgets/ install as labkit.engines and
+    labkit.widgets, which a find cannot map): a new sub-package missing there would import from the
+    checkout and be absent from a wheel."""
+    import tomllib
+
+    tool = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    found = {}
+    for folder, pkg in FOLDERS.items():
+        for init in sorted((ROOT / folder).rglob("__init__.py")):
+            rel = init.parent.relative_to(ROOT / folder)
+            found[".".join([pkg, *rel.parts])] = init.parent.relative_to(ROOT).as_posix()
+    assert sorted(tool["packages"]) == sorted(found), "pyproject.toml [tool.setuptools] packages"
+    assert tool["package-dir"] == found, "pyproject.toml [tool.setuptools.package-dir]"

@@ -70,7 +70,7 @@ def test_mla_layout_trains_like_one_process_and_as_predicted(lab, oracle, name):
 
 # -- the checks can fail: one bug each, injected on the engines (tests/test_mutations.py's hook) -----
 def latent_grads_not_summed(original):
-    """layout/tensor.py local_param as engines/parallel/tensor.py reads it, with MLA's latent
+    """layout/tensor.py local_param as engines/parallel/tensor/ reads it, with MLA's latent
     projections and norms marked replicated but not partial: their gradients left unsummed over tp."""
 
     def local_param(styles, name, full_shape, tp, tp_rank=0):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from labkit import ConfigError, ModelConfig, ParallelConfig, reference, theory, validate
-from labkit.config.hf_moe import DEEPSEEK_V3, QWEN3_MOE, moe_fields
+from labkit.config.hf.moe import DEEPSEEK_V3, QWEN3_MOE, moe_fields
 from labkit.engines.model import build_model
 from labkit.engines.moe import MoE, update_expert_bias
 from labkit.oracle.checks import assert_matches, buffers

@@ -86,7 +86,7 @@ def summed_not_averaged(original):
 
 
 def row_parallel_not_reduced(original):
-    """engines/parallel/tensor.py RowParallelLinear.forward without g (the partial sums stay partial)."""
+    """engines/parallel/tensor/ RowParallelLinear.forward without g (the partial sums stay partial)."""
     import torch.nn.functional as F
 
     def forward(self, x):
@@ -144,7 +144,7 @@ def replica_drifts_at_the_end(original):
 
 
 def wrong_microbatch(original):
-    """engines/parallel/pipeline.py PipelineExecutor._tag: the receiving stage asks for another
+    """engines/parallel/pipeline/ PipelineExecutor._tag: the receiving stage asks for another
     microbatch's activations (tags pair a send with its receive)."""
 
     def _tag(self, a):
@@ -156,7 +156,7 @@ def wrong_microbatch(original):
 
 
 def unmasked_ring_block(original):
-    """engines/parallel/context.py _scores: on rank 0 the diagonal blocks lose their causal mask."""
+    """engines/parallel/context/ _scores: on rank 0 the diagonal blocks lose their causal mask."""
     import torch.distributed as dist
 
     def _scores(q, k, causal, scale):
@@ -166,7 +166,7 @@ def unmasked_ring_block(original):
 
 
 def gathered_dkv_kept_home(original):
-    """engines/parallel/context_kinds.py reduce_scatter_single, which hands each cp rank its own part
+    """engines/parallel/context/kinds.py reduce_scatter_single, which hands each cp rank its own part
     of the K/V gradients without the other ranks' (the all-gather kind's reduce-scatter skipped)."""
     import torch.distributed as dist
 
@@ -178,7 +178,7 @@ def gathered_dkv_kept_home(original):
 
 
 def heads_sent_reversed(original):
-    """engines/parallel/context_kinds.py _to_heads, whose all-to-all sends the heads in reverse order."""
+    """engines/parallel/context/kinds.py _to_heads, whose all-to-all sends the heads in reverse order."""
 
     def _to_heads(x, group, cp):
         return original(x.flip(2), group, cp)
@@ -187,7 +187,7 @@ def heads_sent_reversed(original):
 
 
 def run_chunks_swapped(original):
-    """engines/parallel/context_kinds.py zigzag_chunks, which the hierarchical kind's ring reads
+    """engines/parallel/context/kinds.py zigzag_chunks, which the hierarchical kind's ring reads
     for each run's chunks: each rank's two chunks listed the wrong way round."""
 
     def zigzag_chunks(rank, cp):
@@ -325,12 +325,12 @@ MUTATIONS = [
     Mutation("ring attention without the causal mask on one rank's blocks", ParallelConfig(cp=2, dp=2),
              (E + "context", None, "_scores"), unmasked_ring_block, "losses", ("step 0",)),
     Mutation("all-gather CP's dK/dV not reduce-scattered", ParallelConfig(cp=2, dp=2, cp_kind="allgather"),
-             (E + "context_kinds", None, "reduce_scatter_single"), gathered_dkv_kept_home, "gradients",
+             (E + "context.kinds", None, "reduce_scatter_single"), gathered_dkv_kept_home, "gradients",
              ("blocks.1.attn.wv.weight", "blocks.0.attn.wv.weight")),
     Mutation("Ulysses' all-to-all splitting the heads wrongly", ParallelConfig(cp=2, dp=2, cp_kind="ulysses"),
-             (E + "context_kinds", None, "_to_heads"), heads_sent_reversed, "losses", ("step 0",)),
+             (E + "context.kinds", None, "_to_heads"), heads_sent_reversed, "losses", ("step 0",)),
     Mutation("hierarchical CP's ring reading a run's chunks in the wrong order",
-             ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2), (E + "context_kinds", None, "zigzag_chunks"),
+             ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2), (E + "context.kinds", None, "zigzag_chunks"),
              run_chunks_swapped, "losses", ("step 0",)),
     Mutation("HSDP's replicate all-reduce skipped", ParallelConfig(dp=4, dp_replicate=2, sharding="fsdp"),
              (E + "zero3", None, "all_reduce_replicas"), replicas_not_reduced, "gradients", ("embed.tok.weight",)),

@@ -1,4 +1,4 @@
-"""A launch script read as bash reads it (labkit/config/jobs/shell.py), held to bash itself: each
+"""A launch script read as bash reads it (labkit/config/jobs/shell/), held to bash itself: each
 snippet below ends in a launch, and bash, with `torchrun` defined as a function that prints its
 arguments, says which words that launch gets; labkit's evaluator must give the same words without
 running anything. Then its limits: what it cannot evaluate is refused with the line."""

@@ -1,4 +1,4 @@
-"""torchtitan's registry read into labkit (labkit/config/jobs/torchtitan_flavors.py): every family labkit
+"""torchtitan's registry read into labkit (labkit/config/jobs/torchtitan/flavors.py): every family labkit
 builds, every flavor, each the parameter count of torchtitan's own model built on the meta device
 (where torchtitan is installed: the extra; CI sets LABKIT_REQUIRE_TORCHTITAN=1 so that it runs there),
 and the TOML fields that choose them, compile among them. torchtitan's own code on the Lab's engines is
@@ -16,7 +16,7 @@ import pytest
 from labkit import ConfigError
 from labkit.cli import main
 from labkit.config.jobs import read_job
-from labkit.config.jobs.torchtitan_flavors import FAMILIES, NOT_BUILT, flavor_model
+from labkit.config.jobs.torchtitan.flavors import FAMILIES, NOT_BUILT, flavor_model
 from labkit.theory.presets import PUBLISHED_PARAMS
 
 DATA = pathlib.Path(__file__).parent / "data" / "jobs"

@@ -131,7 +131,7 @@ class MemoryMeter:
         # detached: a node that saves its own output would otherwise hold, through this object, the
         # tensor whose grad_fn is that node; a cycle through C++ that Python's collector cannot see,
         # broken only when backward releases the node's variables, never under retain_graph (a
-        # split backward's B keeps the graph for W: engines/parallel/split_backward.py)
+        # split backward's B keeps the graph for W: engines/parallel/pipeline/split_backward.py)
         return _Saved(t.detach(), self, keys)
 
     @staticmethod

@@ -176,7 +176,7 @@ def norm_terms(records: list[ParamMeta], mesh, sharded: bool = False):
 
 def tied_params(params: list[torch.Tensor], metas: ParamMetas, mesh) -> tuple[object, set[int]]:
     """(the group of the first and last pipeline stage, ids of the tied embedding copies among
-    `params`): engines/parallel/pipeline.py `split_model` marks them. (None, {}) without any."""
+    `params`): engines/parallel/pipeline/ `split_model` marks them. (None, {}) without any."""
     tied = {id(p) for p in params if metas[p].tied}
     return (mesh.ends_group("pp") if tied else None), tied
 

@@ -85,7 +85,7 @@ class TorchFSDP:
         device_type = next(model.parameters()).device.type
         if mesh.size("dp_replicate") > 1:  # HSDP: FSDP2 on (dp_replicate, dp_shard), as torchtitan
             dm = mesh.device_mesh_hsdp(device_type)
-        elif mesh.size("tp") > 1:  # 2-D: the dp slice of the mesh DTensor TP used (tensor_torch.py)
+        elif mesh.size("tp") > 1:  # 2-D: the dp slice of the mesh DTensor TP used (tensor/dtensor.py)
             dm = mesh.device_mesh_2d(device_type)["dp"]
         else:
             dm = DeviceMesh.from_group(mesh.group(*DATA_DIMS), device_type)

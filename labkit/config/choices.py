@@ -33,8 +33,8 @@ SCHEDULES: tuple[str, ...] = get_args(Schedule)
 """Pipeline schedules (labkit/layout/orders.py); the last three split backward into B and W."""
 ContextKind = Literal["ring", "allgather", "ulysses", "hierarchical"]
 CONTEXT_KINDS: tuple[str, ...] = get_args(ContextKind)
-"""How a context-parallel group attends across its sequence shards (engines/parallel/context.py and
-context_kinds.py): K/V round a ring, K/V all-gathered, an all-to-all to head shards (Ulysses), or
+"""How a context-parallel group attends across its sequence shards (engines/parallel/context/ and
+context/kinds.py): K/V round a ring, K/V all-gathered, an all-to-all to head shards (Ulysses), or
 both levels: an all-to-all inside runs of cp_a2a ranks and a ring across them (hierarchical)."""
 Impl = Literal["lab", "torch"]
 IMPLS: tuple[str, ...] = get_args(Impl)

@@ -1,5 +1,5 @@
 """What to train: ModelConfig (and Llama 3.1's RopeScaling), its fields checked when built, its
-choices decoded once (choices.py); `from_hf` reads a Hugging Face config.json (hf.py)."""
+choices decoded once (choices.py); `from_hf` reads a Hugging Face config.json (hf/)."""
 
 from __future__ import annotations
 
@@ -193,7 +193,7 @@ class ModelConfig(_Dict):
         LlamaForCausalLM (Llama 2, 3.1, 3.2), MistralForCausalLM, MixtralForCausalLM,
         Qwen2ForCausalLM, GPT2LMHeadModel. No weights, no network. `seq`: the training sequence
         (default the config's max_position_embeddings / n_positions). A field that changes the
-        architecture in a way labkit does not build is refused, by name (labkit/config/hf.py)."""
+        architecture in a way labkit does not build is refused, by name (labkit/config/hf/)."""
         fields, found = hf_fields(config, seq)
         if found:
             raise ConfigError(found)

@@ -81,7 +81,7 @@ def _attention_variant_problems(cfg: ParallelConfig, model: ModelConfig) -> list
         out.append("window_pattern / rope_local_theta describe sliding-window layers: set sliding_window too")
     variant = model.qk_norm or model.kv_channels is not None or model.family.sandwich_norm
     if cfg.torch_impl and cfg.tp > 1 and variant:
-        # DTensor's plan (engines/parallel/tensor_torch.py) has no entries for these: q_norm / k_norm's
+        # DTensor's plan (engines/parallel/tensor/dtensor.py) has no entries for these: q_norm / k_norm's
         # gradients would stay partial per tp rank (transformers' plan calls them 'replicated_with_grad_allreduce')
         out.append(
             "impl='torch' with tp > 1 on a model with qk_norm, kv_channels or Gemma's norms: the DTensor plan "
@@ -103,7 +103,7 @@ def _sink_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
     if cfg.cp > 1 and not (cfg.context.ring and not cfg.context.hierarchical):
         out.append(
             f"cp_kind={cfg.cp_kind!r} with arch='gpt_oss': the sinks join the ring's merged log-sum-exp only "
-            "(engines/parallel/context.py); use cp_kind='ring'"
+            "(engines/parallel/context/); use cp_kind='ring'"
         )
     return out
 

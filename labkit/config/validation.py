@@ -10,7 +10,7 @@ the theory predicts; `optim_problems` the optimizer, `data_problems` a run's dat
 things live with them: Lab.run's other arguments (labkit/cluster/arguments.py), what a world's
 backend and devices allow (cluster/world.py backend_problems), the planner's arithmetic-only view
 of `problems` (theory/planner/evaluate.py layout_problems), a Hugging Face config.json
-(config/hf.py), generation's arguments (engines/generate.py). The Lab, the theory, the widgets
+(config/hf/), generation's arguments (engines/generate.py). The Lab, the theory, the widgets
 (which offer only valid values) and the CLI all ask these. Plain Python, the ladder's bottom rung:
 the configs' modules import it, so it names the config classes for type hints only.
 """

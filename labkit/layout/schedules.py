@@ -1,6 +1,6 @@
 """Pipeline schedules as data: for each pipeline rank, the ordered list of actions it performs.
 
-Pure Python (no torch): the executor (engines/parallel/pipeline.py), the simulator
+Pure Python (no torch): the executor (engines/parallel/pipeline/), the simulator
 (simulator.py), the theory (labkit/theory/exact/pipeline.py) and the widgets all read the same lists.
 (engines/accumulate.py is something else: the pp == 1 gradient-accumulation loop.)
 

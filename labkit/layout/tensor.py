@@ -1,6 +1,6 @@
 """The tensor-parallel styles as data: module name -> style (Shoeybi et al. 2019, section 3;
-Korthikanti et al. 2022, section 4.2.2 for SP). The executor (engines/parallel/tensor.py,
-tensor_torch.py), the theory (labkit/theory/exact/params.py, tensor.py) and the notebooks read this
+Korthikanti et al. 2022, section 4.2.2 for SP). The executor (engines/parallel/tensor/,
+tensor/dtensor.py), the theory (labkit/theory/exact/params.py, tensor.py) and the notebooks read this
 one table. The styles are listed at `tp_styles`; why an MoE layer is replicated over tp, what its
 'all-gather-replicated' input and 'split' output are, and how KV heads are shared when tp >
 kv_heads, is in DERIVATIONS.md.

@@ -1,8 +1,8 @@
 """Sliding-window attention under context parallelism, as data: which K/V rows each cp rank needs
-from which other rank (issue 35; engines/parallel/context_window.py executes it, the theory prices it:
+from which other rank (issue 35; engines/parallel/context/window.py executes it, the theory prices it:
 labkit/theory/exact/context.py).
 
-The zigzag layout stays (engines/parallel/context.py: rank r holds chunks r and 2cp-1-r of c = s/2cp
+The zigzag layout stays (engines/parallel/context/: rank r holds chunks r and 2cp-1-r of c = s/2cp
 tokens each), so a model mixing local and global layers (Gemma 3) keeps one token layout. A query
 at position i of a local layer sees the keys i - window < j <= i (transformers' sliding_window_overlay),
 so chunk q needs only the last window-1 positions before it: the tails of the chunks just below it,
@@ -26,7 +26,7 @@ def chunk_owner(chunk: int, cp: int) -> int:
 
 def zigzag_positions(seq: int, cp: int, rank: int) -> list[int]:
     """The sequence positions cp rank `rank` holds, in its local order: chunk rank, then chunk 2cp-1-rank
-    (engines/parallel/context.py `zigzag_index`, the same as a tensor)."""
+    (engines/parallel/context/ `zigzag_index`, the same as a tensor)."""
     c = seq // (2 * cp)
     return [i for k in (rank, 2 * cp - 1 - rank) for i in range(k * c, (k + 1) * c)]
 

@@ -10,7 +10,7 @@ quotes the fields from the user's file.
     read_job("ds_zero3.json", hf="config.json", gpus=8, seq=4096, micro_batch=1)
 
 Each reader names the version of the project it follows (the file and commit it read) at its
-top: torchtitan.py, megatron.py, deepspeed.py. Plain Python (tomllib, json, ast, and shell.py's
+top: torchtitan/, megatron/, deepspeed.py. Plain Python (tomllib, json, ast, and shell/'s
 evaluator of a launch script) at the config rung: no torch, nothing of the project it reads is
 imported or run, no command of a script is run. Each Job names the software stack it runs on (eager,
 compile, Megatron-Core's Transformer Engine) and why, which the planner prices it at.

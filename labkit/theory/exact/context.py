@@ -1,4 +1,4 @@
-"""Context parallelism (engines/parallel/context.py, context_kinds.py), predicted: what a cp rank
+"""Context parallelism (engines/parallel/context/, context/kinds.py), predicted: what a cp rank
 sends per step for each cp_kind — the ring (Liu et al. 2023, zigzag layout), K/V all-gathered
 (Llama 3) or Ulysses' all-to-alls (Jacobs et al. 2023). Activations need nothing of their own: a cp
 rank keeps those of its s/cp tokens (theory/exact/activations.py). The derivation: DERIVATIONS.md.
@@ -61,7 +61,7 @@ def _layer_indices(cfg: ParallelConfig, model: ModelConfig, pp_rank: int) -> lis
 def _window_rows(comm, cfg, model, rank: int, label: str, cp_rank: int, window: int, micro: int, forwards: int):
     """One local layer's window exchange (labkit/layout/window.py), every microbatch: per peer one
     message of K/V rows forward (each forward: a recomputation sends them again) in the compute dtype,
-    and their gradients back in backward, in the same dtype (autograd's, engines/parallel/context_window.py)."""
+    and their gradients back in backward, in the same dtype (autograd's, engines/parallel/context/window.py)."""
     row = kv_message_bytes(cfg, model, micro, ELEM[cfg.precision]) // (model.seq // cfg.cp)  # one row's K and V
     plan = window_plan(model.seq, cfg.cp, window)[cp_rank]
     sends = [rows_of(spans) for spans in plan["send"].values()]  # rows per peer message
@@ -85,7 +85,7 @@ def window_activation_bytes(cfg: ParallelConfig, model: ModelConfig, b: int, cp_
     """What one local layer keeps beyond a global layer's count (b sequences, s/cp positions), by cp kind.
     Without cp: SDPA's (s, s) mask in the compute dtype (the CPU kernel makes the boolean mask additive).
     Ulysses: the same mask over the whole sequence, after its all-to-all. The window exchange
-    (engines/parallel/context_window.py): each of the rank's two chunks saves its own keys and values
+    (engines/parallel/context/window.py): each of the rank's two chunks saves its own keys and values
     (its rows and those received, cat'ed: e·2b·kv·keys) in place of the rank's k and v, its mask
     (c, keys), and the chunks' outputs cat'ed make wo's input a copy (e·b·(s/cp)·q, not a view)."""
     e, s = ELEM[cfg.precision], model.seq

@@ -200,7 +200,7 @@ def step_bubble(cfg: ParallelConfig, model: ModelConfig) -> float:
 # -- what W holds: the gradients B keeps for it ------------------------------------------------
 def held_bytes(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool, embed: bool) -> int:
     """Bytes a split backward's B keeps for W, for one microbatch of a chunk with `layers`
-    blocks (engines/parallel/split_backward.py): the gradient flowing into every node where a
+    blocks (engines/parallel/pipeline/split_backward.py): the gradient flowing into every node where a
     weight's gradient branches off the input's path — each Linear's output gradient, each norm's
     output gradient — in the compute dtype (llama's RMSNorm: fp32, it runs upcast). The first
     stage keeps nothing (no input gradient to compute: its W is the whole backward). Per block,

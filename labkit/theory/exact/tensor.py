@@ -1,4 +1,4 @@
-"""Tensor and sequence parallelism, predicted (our implementation, engines/parallel/tensor.py):
+"""Tensor and sequence parallelism, predicted (our implementation, engines/parallel/tensor/):
 activations saved for backward and the tp collectives per step (Shoeybi et al. 2019;
 Korthikanti et al. 2022). Which parameters a tp rank holds is the styles' (layout/tensor.py,
 read by theory/exact/params.py). Per block and microbatch, with s' = s/t under SP (else s), for the gpt
@@ -121,7 +121,7 @@ def shared_kv(cfg: ParallelConfig, model: ModelConfig, pp_rank: int = 0) -> list
     """(op, payload bytes, calls per step, group size) of the gradient sums of KV heads shared by
     k = tp/kv_heads ranks (tp > kv_heads): per layer and microbatch, in backward, wk's and wv's
     (head_dim, h) gradient slices — and their biases (gpt2, GPT-OSS, Qwen2) — all-reduced in fp32 over the
-    k ranks that hold the head (engines/parallel/tensor_ops.py ReduceGrad)."""
+    k ranks that hold the head (engines/parallel/tensor/ops.py ReduceGrad)."""
     kv = model.n_kv_heads
     if cfg.tp <= kv:
         return []

@@ -171,7 +171,7 @@ def _transient(model: ModelConfig, key: tuple, head: bool, blocks: bool) -> dict
         attention = (4 + 3 * e) * local_kv * tokens
     if cfg.cp > 1 and cfg.context.gathers:
         # the all-gather kind's backward holds every cp rank's K/V (compute dtype) and their fp32 dK/dV
-        # (engines/parallel/context_kinds.py): cp times this rank's K and V, at e + 4 bytes
+        # (engines/parallel/context/kinds.py): cp times this rank's K and V, at e + 4 bytes
         attention += cfg.cp * (e + 4) * 2 * tokens * local_kv
     # ops run one at a time: the larger of the two is the peak
     return {"logits": logits, "temporaries": max(mlp, attention) if blocks else 0.0}

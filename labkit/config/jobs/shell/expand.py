@@ -1,4 +1,4 @@
-"""Bash's expansions over a launch script's variables (labkit/config/jobs/shell.py runs the script):
+"""Bash's expansions over a launch script's variables (labkit/config/jobs/shell/ runs the script):
 parameters and their operators, arrays, arithmetic, word splitting and quote removal, assignments
 (GNU Bash manual, "Shell Parameter Expansion", "Word Splitting", "Arrays"). A command substitution
 is never run: its value is a marker (MARK) that says where it came from, wherever the text goes."""
@@ -9,8 +9,8 @@ import fnmatch
 import re
 
 from labkit.config.choices import ConfigError
-from labkit.config.jobs.shell_arith import arithmetic
-from labkit.config.jobs.shell_words import Part, Scanner
+from labkit.config.jobs.shell.arith import arithmetic
+from labkit.config.jobs.shell.words import Part, Scanner
 
 MARK = re.compile("\x00(\\d+)\x00")
 """An unknown value's place in a string: it survives concatenation, and says where it came from."""

@@ -1,5 +1,5 @@
 """Bash's integer arithmetic, $(( )) and (( )) (GNU Bash manual, "Shell Arithmetic"), for
-labkit/config/jobs/shell.py: 64-bit integers, names read as variables ($X or X; empty is 0), the
+labkit/config/jobs/shell/: 64-bit integers, names read as variables ($X or X; empty is 0), the
 operators ** * / % + - << >> < <= > >= == != & ^ | && || ?: ! ~ and parentheses; / and % truncate
 toward zero as C does. Assignment operators (=, +=, ++, ...) are refused: a launch's arithmetic
 computes values, and a side effect hidden in one is what the reader would have to guess.

@@ -1,4 +1,4 @@
-"""The communication operators of tensor and sequence parallelism (engines/parallel/tensor.py
+"""The communication operators of tensor and sequence parallelism (engines/parallel/tensor/
 applies them): each a small autograd.Function whose docstring states forward and backward, in
 the words of the papers (Shoeybi et al. 2019, figure 3: f and g; Korthikanti et al. 2022,
 section 4.2.2: SP's all-gather and reduce-scatter along the sequence), plus the vocab-parallel

@@ -4,7 +4,7 @@ plan the theory prices), each of this rank's zigzag chunks attends to its own ro
 the received rows' gradients go back to their owners in backward. Blocks outside the window are
 neither computed nor sent. Used for every local layer (ModelConfig.layer_window) whatever the
 cp_kind of the global layers, except Ulysses, whose all-to-all hands each rank whole heads over
-the whole sequence: it applies the window in its dense attention (context_kinds.py)."""
+the whole sequence: it applies the window in its dense attention (context/kinds.py)."""
 
 from __future__ import annotations
 

@@ -37,7 +37,7 @@ Float8RowwiseParallel) has them: an operand split over tp takes its amax over tp
 input, a colwise layer's output gradient; each weight's once per step, `WeightScales`), so every
 rank casts with the one-process model's scales; under SP their modules gather their input in fp8.
 
-The operators are in engines/parallel/tensor_ops.py; the styles (layout/tensor.py) are data;
+The operators are in engines/parallel/tensor/ops.py; the styles (layout/tensor.py) are data;
 `apply_tp` walks it.
 """
 
@@ -52,7 +52,7 @@ from labkit.engines.float8 import Float8Linear, Operands, WeightScales, float8_l
 from labkit.engines.layers import scaled
 from labkit.engines.loss import mask_padding
 from labkit.engines.parallel.common import ParamMetas
-from labkit.engines.parallel.tensor_ops import (
+from labkit.engines.parallel.tensor.ops import (
     Copy,
     Gather,
     GatherFloat8,

@@ -19,7 +19,7 @@ sender's batch and waited for right before the compute that needs it. The schedu
 first, under gloo's rules and under NCCL's (layout/simulator.py), and a schedule that would hang on
 either is refused with the ranks' stuck actions (ScheduleDeadlock) before anything runs.
 
-Zero-bubble schedules (zbh1, zbv, dualpipev) split backward (engines/parallel/split_backward.py):
+Zero-bubble schedules (zbh1, zbv, dualpipev) split backward (engines/parallel/pipeline/split_backward.py):
 B computes the input gradient and sends it at once, W the weight gradients later, from what B
 kept; the data-parallel step sees the weights' gradients arrive in W. In a V (zbv, dualpipev)
 rank p-1 holds stages p-1 and p, and passes the activation and its gradient between its own
@@ -37,7 +37,7 @@ from labkit.engines.meters.memory import unique_bytes
 from labkit.engines.model import aux_loss
 from labkit.engines.p2p import Link
 from labkit.engines.parallel.common import ParamMetas
-from labkit.engines.parallel.split_backward import backward_input, backward_weight
+from labkit.engines.parallel.pipeline.split_backward import backward_input, backward_weight
 from labkit.layout.schedules import (
     Action,
     ScheduleTable,
@@ -132,7 +132,7 @@ def apply_pipeline(
     schedule: str = "1f1b",
 ) -> tuple[list[Chunk], dict]:
     """Slot 5 of parallelize: (this pp rank's chunks, its stage and layers as data for the report).
-    The schedule that runs them is built apart: `PipelineExecutor`, or pipeline_torch.TorchSchedule;
+    The schedule that runs them is built apart: `PipelineExecutor`, or pipeline/pipelining.py's TorchSchedule;
     `schedule` says where the chunks sit (a V for zbv and dualpipev)."""
     p, v, r, placement = mesh.size("pp"), virtual_stages, mesh.coord("pp"), style(schedule)
     layers = [list(chunk_layers(len(model.blocks), p, v, r, c, stage_layers, placement)) for c in range(v)]

@@ -13,10 +13,10 @@ never downloads, so a Hub id is refused with the way to fetch its config.json.
     MixtralForCausalLM                     arch 'llama' with experts (SwiGLU experts, top-k router)
     Qwen2ForCausalLM                       arch 'llama' with biases on q, k, v (qkv_bias)
     GPT2LMHeadModel                        arch 'gpt2'
-    DeepseekV3ForCausalLM                  arch 'deepseek_v3' (MLA, YaRN; its MoE layers: hf_moe.py)
-    Qwen3ForCausalLM, SmolLM3ForCausalLM,  the dense attention families of issue 35: hf_families.py
+    DeepseekV3ForCausalLM                  arch 'deepseek_v3' (MLA, YaRN; its MoE layers: hf/moe.py)
+    Qwen3ForCausalLM, SmolLM3ForCausalLM,  the dense attention families of issue 35: hf/families.py
     Gemma3ForCausalLM
-    Qwen3MoeForCausalLM                    Qwen3's attention (hf_families.py), its MoE layers (hf_moe.py)
+    Qwen3MoeForCausalLM                    Qwen3's attention (hf/families.py), its MoE layers (hf/moe.py)
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ import os
 import pathlib
 
 from labkit.config.choices import ConfigError, family
-from labkit.config.hf_families import FAMILIES, family_of, read_family
-from labkit.config.hf_moe import QWEN3_MOE, moe_fields
-from labkit.config.hf_read import _read, yarn_fields
+from labkit.config.hf.families import FAMILIES, family_of, read_family
+from labkit.config.hf.keys import _read, yarn_fields
+from labkit.config.hf.moe import QWEN3_MOE, moe_fields
 
 LLAMA_LIKE = {
     "LlamaForCausalLM": "llama",
@@ -217,7 +217,7 @@ def _yarn(c: dict, problems: list[str]) -> tuple[float | None, dict | None]:
 
 def _deepseek_v3(c: dict, seq: int | None, problems: list[str]) -> dict:
     """DeepseekV3ForCausalLM (transformers models/deepseek_v3): MLA with YaRN, the first
-    first_k_dense_replace layers dense, the rest DeepSeek-V3's MoE (hf_moe.py: sigmoid router with
+    first_k_dense_replace layers dense, the rest DeepSeek-V3's MoE (hf/moe.py: sigmoid router with
     the aux-loss-free bias, shared experts, group-limited routing); the multi-token-prediction layer
     (num_nextn_predict_layers) is left out, as transformers leaves it out of DeepseekV3ForCausalLM
     (its weights are skipped on load)."""
@@ -244,7 +244,7 @@ def _deepseek_v3(c: dict, seq: int | None, problems: list[str]) -> dict:
     if missing:
         problems += missing
         return {}
-    # the MoE layers from first_k_dense_replace on (labkit/config/hf_moe.py); all dense when it covers
+    # the MoE layers from first_k_dense_replace on (labkit/config/hf/moe.py); all dense when it covers
     # every layer or there are no routed experts
     dense = _read(c, "first_k_dense_replace", int, problems, 3)
     if (_read(c, "n_routed_experts", int, problems, 0) or 0) and dense is not None and dense < layers:
@@ -267,7 +267,7 @@ def hf_fields(config, seq: int | None = None) -> tuple[dict, list[str]]:
     """(ModelConfig keyword arguments, problems) of a Hugging Face config (dict or path); ConfigError
     for what is not a config at all."""
     c = load(config)
-    kind = family_of(c)  # Qwen3, SmolLM3, Gemma 3 (labkit/config/hf_families.py)
+    kind = family_of(c)  # Qwen3, SmolLM3, Gemma 3 (labkit/config/hf/families.py)
     cls = kind or _arch_class(c)
     if cls is None:
         known = ", ".join([*LLAMA_LIKE, GPT2, DEEPSEEK_V3, *FAMILIES])

@@ -1,6 +1,6 @@
-"""Reading a Hugging Face config.json's keys, checked: the reader hf.py and the family readers share
-(hf_moe.py and hf_gpt_oss.py import it from here, as hf.py and hf_families.py import them), and the YaRN fields that
-DeepSeek-V3's and GPT-OSS's readers both take."""
+"""Reading a Hugging Face config.json's keys, checked: the reader hf/__init__.py and the family readers
+share (moe.py and gpt_oss.py import it from here, as __init__.py and families.py import them), and the
+YaRN fields that DeepSeek-V3's and GPT-OSS's readers both take."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """A launch script evaluated as bash would evaluate what its launch needs, running nothing
-(labkit/config/jobs/megatron.py reads the launch's words).
+(labkit/config/jobs/megatron/ reads the launch's words).
 
     found = launch(text, args=["/ckpt", "/tokenizer"], env={"SLURM_NNODES": "4"})
     found.words    # ['torchrun', '--nproc_per_node', '8', ..., 'pretrain_gpt.py', '--num-layers', '32', ...]
@@ -10,7 +10,7 @@ bashlex (0.18, a port of bash's own parser), is GPL-3.0-or-later against labkit'
 without evaluating, and refuses what these scripts are written with (`A=(a b)` and `[[ $X == y ]]`:
 ParsingError; `$((1+2))`, `case`: NotImplementedError); and the config rung imports the standard
 library alone (ARCHITECTURE.md). What a launch needs is the values of its words: the grammar of
-shell_parse.py, bash's expansions in shell_expand.py, its tests in shell_cond.py, and the running here.
+shell/parse.py, bash's expansions in shell/expand.py, its tests in shell/cond.py, and the running here.
 
 What it evaluates, as bash does (GNU Bash manual, "Shell Expansions", "Bash Conditional Expressions"):
   variables, positional arguments ($1.., $#, $@, $*: `args`, empty when not given, as a user running
@@ -43,11 +43,11 @@ import re
 from dataclasses import dataclass, field
 
 from labkit.config.choices import ConfigError
-from labkit.config.jobs.shell_arith import arithmetic
-from labkit.config.jobs.shell_cond import Conditions
-from labkit.config.jobs.shell_expand import Expander
-from labkit.config.jobs.shell_parse import Node, Parser
-from labkit.config.jobs.shell_words import plain
+from labkit.config.jobs.shell.arith import arithmetic
+from labkit.config.jobs.shell.cond import Conditions
+from labkit.config.jobs.shell.expand import Expander
+from labkit.config.jobs.shell.parse import Node, Parser
+from labkit.config.jobs.shell.words import plain
 
 QUIET = {"echo", "printf", "cat", "mkdir", "cd", "ls", "rm", "touch", "cp", "mv", "tee", "sleep", "wait", "trap"}
 """Commands whose words can name a .py file without launching it (a message, a path)."""

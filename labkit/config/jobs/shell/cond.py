@@ -1,5 +1,5 @@
 """Bash's conditional expressions (GNU Bash manual, "Bash Conditional Expressions"): [[ ]] over
-words and `[` / `test` over fields, for labkit/config/jobs/shell.py. Three-valued: True, False, or
+words and `[` / `test` over fields, for labkit/config/jobs/shell/. Three-valued: True, False, or
 None where the answer needs what labkit never looks at (a file, a command's output)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ from __future__ import annotations
 import fnmatch
 import re
 
-from labkit.config.jobs.shell_arith import arithmetic
-from labkit.config.jobs.shell_words import plain
+from labkit.config.jobs.shell.arith import arithmetic
+from labkit.config.jobs.shell.words import plain
 
 FILE_TESTS = set("-a -b -c -d -e -f -g -h -k -p -r -s -t -u -w -x -G -L -N -O -S".split())
 """Tests on files: unknown (labkit looks at no file system)."""

@@ -1,4 +1,4 @@
-"""torchtitan's Python train configs, read without running them (labkit/config/jobs/torchtitan.py).
+"""torchtitan's Python train configs, read without running them (labkit/config/jobs/torchtitan/).
 
 torchtitan's newer configs are Python (torchtitan/models/llama3/train_configs/llama3_8b.py at
 commit da236a8b: `default_config = Trainer.Config(job=JobConfig(...), training=TrainingConfig(...),

@@ -1,4 +1,4 @@
-"""A launch script parsed as bash parses it, into plain nodes (labkit/config/jobs/shell.py evaluates them).
+"""A launch script parsed as bash parses it, into plain nodes (labkit/config/jobs/shell/ evaluates them).
 
 Follows bash's grammar (the GNU Bash manual, "Shell Syntax" and "Shell Commands") for what launch
 scripts are written with: comments, line continuations, quotes ('', "", $''), parameter, arithmetic
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from labkit.config.jobs.shell_words import DECLARE, META, Part, Scanner, Word, plain
+from labkit.config.jobs.shell.words import DECLARE, META, Part, Scanner, Word, plain
 
 
 @dataclass

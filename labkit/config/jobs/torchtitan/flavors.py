@@ -1,5 +1,5 @@
 """torchtitan's model registry -> labkit's ModelConfig: `[model] name` and `flavor` of a job
-(labkit/config/jobs/torchtitan.py).
+(labkit/config/jobs/torchtitan/).
 
 Transcribed from torchtitan 0.3.0 (the PyPI wheel, sha256 5563ccf9...af42, whose torchtitan/models/ is
 branch release/0.3 at commit 4f9e9a47d49dfbcac960857dd67748c67aecd2e5): each family's `*_configs`

@@ -11,7 +11,7 @@ are the first ones), Qwen2-MoE's sigmoid-gated shared expert, a DeepSeek router 
 
 from __future__ import annotations
 
-from labkit.config.hf_read import _read
+from labkit.config.hf.keys import _read
 
 DEEPSEEK_V3 = "DeepseekV3ForCausalLM"
 QWEN3_MOE = "Qwen3MoeForCausalLM"

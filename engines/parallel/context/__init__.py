@@ -1,5 +1,5 @@
 """Context parallelism: ring attention over the cp ranks, zigzag load balancing (the other kinds,
-all-gather and Ulysses, and the choice among them: context_kinds.py).
+all-gather and Ulysses, and the choice among them: context/kinds.py).
 
 Liu, Zaharia & Abbeel, "Ring Attention with Blockwise Transformers for Near-Infinite Context"
 (2023): the sequence is split over the cp ranks; each keeps its query block while the key/value

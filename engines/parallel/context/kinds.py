@@ -1,5 +1,5 @@
 """Context parallelism's other kinds: K/V all-gathered (Llama 3) and the all-to-all to head shards
-(DeepSpeed-Ulysses). Both keep the ring's zigzag layout (context.py: rank i holds chunks i and
+(DeepSpeed-Ulysses). Both keep the ring's zigzag layout (the ring, context/__init__.py: rank i holds chunks i and
 2cp-1-i), so every rank does the same causal work and the model, the data and the theory's
 activations are the same for every kind; only what crosses the cp group differs.
 
@@ -39,7 +39,7 @@ from labkit.engines.parallel.context import (
     zigzag_chunks,
     zigzag_index,
 )
-from labkit.engines.parallel.context_window import Windowed
+from labkit.engines.parallel.context.window import Windowed
 
 
 class Gathered:
@@ -176,7 +176,7 @@ class Hierarchical:
     """Both levels (Megatron's --cp-comm-type a2a+p2p): the Ulysses all-to-all inside this rank's
     run of a = cp_a2a consecutive cp ranks, so each rank holds the run's 2a zigzag chunks for nh/a
     heads; then ring attention across the cp/a runs, each ring member holding its run's chunks
-    (context.py's ring with 2a chunks a member: the pairs stay balanced, 2a² blocks a step, as a
+    (the ring of context/__init__.py with 2a chunks a member: the pairs stay balanced, 2a² blocks a step, as a
     run's chunks are a zigzag of width a); then the all-to-all back. The all-to-all stays on the
     fast link (a node), only the ring's overlapped hops cross the slow one."""
 
@@ -221,7 +221,7 @@ def apply_cp(model: torch.nn.Module, mesh, kind, cfg_a2a: int = 1) -> tuple[torc
             block.attn.core = core
         elif kind.splits_heads:  # Ulysses: whole heads over the whole sequence, the window in its dense attention
             block.attn.core = local.setdefault(w, Ulysses(group, rank, cp, model.cfg.seq, window=w))
-        else:  # ring and all-gather alike: the rows inside the window, point to point (context_window.py)
+        else:  # ring and all-gather alike: the rows inside the window, point to point (context/window.py)
             block.attn.core = local.setdefault(w, Windowed(group, rank, cp, model.cfg.seq, w))
     for m in model.modules():
         if hasattr(m, "seq_split"):

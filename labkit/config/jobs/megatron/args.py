@@ -1,4 +1,4 @@
-"""Megatron-LM's launch read as words (labkit/config/jobs/megatron.py; shell.py evaluates a script into
+"""Megatron-LM's launch read as words (labkit/config/jobs/megatron/; shell/ evaluates a script into
 them): torchrun's flags apart from the training script's, the arguments taken one by one (the rest
 become Job.notes), and the pipeline split of core_v0.14.0 (--pipeline-model-parallel-layout, the
 virtual stages, --account-for-embedding/loss-in-pipeline-split, --decoder-first/last-pipeline-num-layers)."""

@@ -1,4 +1,4 @@
-"""Megatron-LM's model arguments -> labkit's ModelConfig (labkit/config/jobs/megatron.py reads the layout).
+"""Megatron-LM's model arguments -> labkit's ModelConfig (labkit/config/jobs/megatron/ reads the layout).
 
 Follows Megatron-LM core_v0.14.0 (commit 23e00ed0): megatron/training/arguments.py for the names and
 defaults; megatron/core/models/gpt/gpt_layer_specs.py for what --multi-latent-attention builds (the
@@ -15,7 +15,7 @@ import ast
 
 from labkit.config import ModelConfig, RopeScaling
 from labkit.config.choices import ConfigError, family
-from labkit.config.jobs.megatron_args import Args
+from labkit.config.jobs.megatron.args import Args
 from labkit.config.latent import YarnRope
 
 MLA_ROPE = {"original_max_position": 4096, "beta_fast": 32.0, "beta_slow": 1.0}

@@ -5,9 +5,9 @@ Follows torchtitan's JobConfig as of commit 000204a4 (torchtitan/config/job_conf
 the older spelling its published train_configs use (llama3_8b.toml / llama3_70b.toml at commit
 f3534d77: [training] batch_size for local_batch_size) and the newer [compile] section (enable,
 components; job_config.py at commit 08b8b244). The models are torchtitan 0.3.0's registry, every
-family labkit builds and every flavor (torchtitan_flavors.py); Llama 3's equal labkit's presets of
+family labkit builds and every flavor (torchtitan/flavors.py); Llama 3's equal labkit's presets of
 Llama 3.1 (tests/test_jobs.py). Its newer Python train configs are read the same way, parsed and
-never run (torchtitan_registry.py).
+never run (torchtitan/registry.py).
 
 How torchtitan runs the layout, and so what labkit sets:
   data_parallel_shard_degree > 1    FSDP2 over those ranks: sharding='fsdp', impl='torch'
@@ -35,10 +35,10 @@ except ModuleNotFoundError:  # pragma: no cover - 3.10: the package tomllib was 
 
 from labkit.config import OptimConfig, ParallelConfig
 from labkit.config.choices import ConfigError
-from labkit.config.jobs import torchtitan_registry
 from labkit.config.jobs.fields import Fields
 from labkit.config.jobs.job import Job, need_world, world_problem
-from labkit.config.jobs.torchtitan_flavors import flavor_model
+from labkit.config.jobs.torchtitan import registry
+from labkit.config.jobs.torchtitan.flavors import flavor_model
 
 READER = "torchtitan TOML (job_config.py @ 000204a4)"
 READER_PY = "torchtitan Python config, read with ast (train_configs/llama3_8b.py @ da236a8b; job_config.py @ 000204a4)"
@@ -122,8 +122,8 @@ def _stages(par: Fields, layers: int, pp: int, schedule: str) -> tuple[int, tupl
 
 def read(path, gpus: int | None = None, seq: int | None = None, config: str | None = None) -> Job:
     """The Job of a torchtitan TOML, or of a Python train config (`config`: which of the file's;
-    torchtitan_registry.py); `gpus`: the GPU count when data_parallel_shard_degree = -1."""
-    doc = torchtitan_registry.load(path, config) if path.suffix == ".py" else _load(path)
+    torchtitan/registry.py); `gpus`: the GPU count when data_parallel_shard_degree = -1."""
+    doc = registry.load(path, config) if path.suffix == ".py" else _load(path)
     notes: list[str] = []
     sec = {
         s: Fields(doc.get(s, {}), f"[{s}]")

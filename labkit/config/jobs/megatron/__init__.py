@@ -5,9 +5,9 @@ defaults and derived values of the arguments below (validate_args: --ffn-hidden-
 4h, or int(8h/3 / 64) * 64 with --swiglu; --global-batch-size to micro * DP; --moe-ffn-hidden-size
 to --ffn-hidden-size; --make-vocab-size-divisible-by 128), and its launch: torchrun's --nnodes x
 --nproc-per-node ranks before the script, its arguments after. The input is an argument list or a
-launch script's text, evaluated as bash would evaluate it without running any of it (shell.py: its
+launch script's text, evaluated as bash would evaluate it without running any of it (shell/: its
 variables, arrays, arithmetic and tests; the caller's positional arguments and environment); the
-model's arguments are read in megatron_model.py (MLA, shared experts, --moe-layer-freq patterns).
+model's arguments are read in megatron/model.py (MLA, shared experts, --moe-layer-freq patterns).
 
 Megatron counts its ranks as world = TP * PP * CP * DP, expert parallelism inside DP (EP | DP),
 in the order tp-cp-ep-dp-pp: labkit lays that out as dp = DP / EP and ep = EP in the same order.
@@ -21,8 +21,8 @@ from labkit.config import OptimConfig, ParallelConfig
 from labkit.config.choices import ConfigError
 from labkit.config.float8 import FP8_RECIPES
 from labkit.config.jobs.job import Job, need_world, world_problem
-from labkit.config.jobs.megatron_args import Args, parse, stages_of
-from labkit.config.jobs.megatron_model import model_of
+from labkit.config.jobs.megatron.args import Args, parse, stages_of
+from labkit.config.jobs.megatron.model import model_of
 from labkit.config.jobs.shell import launch
 
 READER = "Megatron-LM arguments (core_v0.14.0, arguments.py @ 23e00ed0)"

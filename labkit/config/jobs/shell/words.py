@@ -1,4 +1,4 @@
-"""A launch script's characters read into bash's words (labkit/config/jobs/shell_parse.py reads the
+"""A launch script's characters read into bash's words (labkit/config/jobs/shell/parse.py reads the
 commands): comments, line continuations, quotes ('', "", $''), and the substitutions ${ }, $NAME,
 $(( )), $( ) and `` kept as text in the word's parts (GNU Bash manual, "Quoting", "Shell Expansions");
 here-documents read past (their command never runs, so their text is never expanded).

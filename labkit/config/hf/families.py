@@ -1,4 +1,4 @@
-"""Hugging Face config.json -> ModelConfig fields for the dense attention families of issue 35 (hf.py
+"""Hugging Face config.json -> ModelConfig fields for the dense attention families of issue 35 (hf/__init__.py
 dispatches here): Qwen3 dense, SmolLM3 and Gemma 3's text model. Each reads the fields that decide
 its architecture in transformers' own modeling file (5.24: models/qwen3/modeling_qwen3.py,
 smollm3/modeling_smollm3.py, gemma3/modeling_gemma3.py), in both spellings a config comes in: as
@@ -6,25 +6,25 @@ published (rope_theta, rope_scaling, sliding_window_pattern) and as transformers
 (rope_parameters, layer_types). A field whose value labkit does not build is refused by name.
 
     Qwen3ForCausalLM       arch 'llama', qk_norm, kv_channels = head_dim (128)
-    Qwen3MoeForCausalLM    the same attention; its experts read by hf_moe.py (hf.py joins them)
+    Qwen3MoeForCausalLM    the same attention; its experts read by hf/moe.py (hf/__init__.py joins them)
     SmolLM3ForCausalLM     arch 'llama', nope_interval (every 4th layer without RoPE)
     Gemma3ForCausalLM      arch 'gemma3' (Gemma3ForConditionalGeneration: its text_config, the
                            vision tower left out), sliding-window layers in a pattern, their own
                            RoPE base, query_pre_attn_scalar, q/k norms
-    GptOssForCausalLM      arch 'gpt_oss': hf_gpt_oss.py
+    GptOssForCausalLM      arch 'gpt_oss': hf/gpt_oss.py
 """
 
 from __future__ import annotations
 
-from labkit.config.hf_gpt_oss import read_gpt_oss
+from labkit.config.hf.gpt_oss import read_gpt_oss
 
 FAMILIES = {
     "Qwen3ForCausalLM": "qwen3",
-    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention here, its experts in hf_moe.py
+    "Qwen3MoeForCausalLM": "qwen3_moe",  # Qwen3's attention here, its experts in hf/moe.py
     "SmolLM3ForCausalLM": "smollm3",
     "Gemma3ForCausalLM": "gemma3",
     "Gemma3ForConditionalGeneration": "gemma3",
-    "GptOssForCausalLM": "gpt_oss",  # read by hf_gpt_oss.py
+    "GptOssForCausalLM": "gpt_oss",  # read by hf/gpt_oss.py
 }
 MODEL_TYPES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -112,7 +112,7 @@ def _refuse_common(c: dict, problems: list[str], act_key: str, act: str) -> None
 
 
 def read_family(c: dict, kind: str, seq: int | None, read, problems: list[str]) -> dict:
-    """ModelConfig fields of a Qwen3 / SmolLM3 / Gemma 3 config (`read`: hf.py's checked reader)."""
+    """ModelConfig fields of a Qwen3 / SmolLM3 / Gemma 3 config (`read`: hf/keys.py's checked reader)."""
     if kind == "gpt_oss":
         return read_gpt_oss(c, seq, problems)
     if kind == "gemma3" and isinstance(c.get("text_config"), dict):
