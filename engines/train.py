@@ -18,6 +18,7 @@ from labkit.engines import data, evaluate, runtime
 from labkit.engines.mesh import Mesh
 from labkit.engines.meters.audit import CommAudit
 from labkit.engines.meters.bundle import Meters
+from labkit.engines.meters.float8 import Float8Count
 from labkit.engines.model import build_model
 from labkit.engines.moe import MoE, update_expert_bias
 from labkit.engines.parallel.common import piece
@@ -42,7 +43,9 @@ def run_rank(spec: dict) -> dict:
     cfg, model_cfg, steps, seed = run.parallel, run.model, run.steps, run.seed
 
     mesh = Mesh.build(MeshLayout.of(cfg), rt.rank)
+    # the intra-op threads: bf16 kernels split their work by them, and the oracle computes as the ranks do
     base = {"rank": rt.rank, "host": rt.host, "device": rt.device, "clock_offset": rt.clock_offset}
+    base["threads"] = torch.get_num_threads()
     if not mesh.active:
         return {**base, "idle": True}
 
@@ -57,6 +60,7 @@ def run_rank(spec: dict) -> dict:
     tokens_group = mesh.group("dp", "ep", "cp") if mesh.size("dp", "ep", "cp") > 1 else None
     meters.memory.exclude(p for chunk in rank_model.chunks for p in chunk.parameters())
     audit = CommAudit() if run.audit else None
+    float8 = Float8Count() if cfg.numerics.fp8 else None  # what ran in fp8: the oracle holds it to the layout
     moes = [m for m in modules if isinstance(m, MoE)]
     # the oracle replays a checked run's routing (labkit/oracle/replay.py): recorded only where it is checked
     routes = RouteLog(meters.timeline) if run.return_grads and moes else None
@@ -66,9 +70,11 @@ def run_rank(spec: dict) -> dict:
     index, count = data_index(mesh)
     shapes_only = rt.backend == "fake"  # a dry run (engines/dryrun.py): its tensors hold no values
     losses, norms, step_times, grad_pieces = [], [], [], []  # grad_pieces: per step
-    with meters, audit or nullcontext():
+    with meters, audit or nullcontext(), float8 or nullcontext():
         for step in range(steps):
             runtime.stop_agreed(mesh.agree)  # every rank stops here together, or none does
+            if float8 is not None:
+                float8.begin_step()
             tokens, targets = data.batch(run.data, step, seed, cfg.global_batch, model_cfg, shapes_only)
             tokens = data.shard(tokens, index, count).to(device)
             targets = data.shard(targets, index, count).to(device)
@@ -115,6 +121,8 @@ def run_rank(spec: dict) -> dict:
         report["validation"] = evaluate.validation_share(rank_model, mesh, cfg, model_cfg, index, count, device)
     if audit is not None:
         report["audit"] = dict(audit.counts)
+    if float8 is not None:
+        report["float8_matmuls"] = float8.steps
     if run.return_params:
         report["pieces"] = rank_model.grads.param_pieces()
         report["grad_pieces"] = grad_pieces

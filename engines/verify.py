@@ -22,6 +22,7 @@ import warnings
 from dataclasses import dataclass
 
 from labkit.engines import runtime
+from labkit.engines.meters.rounding import depths
 
 WRAPPERS = ("module", "_orig_mod", "_checkpoint_wrapped_module", "_fsdp_wrapped_module")
 """Path segments that wrappers insert between a model and its parameters (DDP, torch.compile,
@@ -162,6 +163,15 @@ def as_loss(value, step: int):
     return float(value)
 
 
+def counted_step(model, step, batch, ctx, names: dict[str, str]):
+    """The user's step, run once under the rounding count (engines/meters/rounding.py): (what it returned,
+    {canonical name: the roundings on the longest chain to its gradient}). A mixed-precision run's bound is
+    what its own parallelized graph rounds, not build()'s."""
+    ran = []
+    counted = depths(model, lambda m: ran.append(step(m, batch, ctx)))
+    return ran[0], {names[strip_wrappers(n)]: d for n, d in counted.items() if strip_wrappers(n) in names}
+
+
 def verify_rank(blob: bytes, spec: dict) -> dict:
     """Lab.verify's body on every rank: build, parallelize on a DeviceMesh of spec['mesh'], then
     spec['steps'] steps (the rank step's forward and backward, then optimizer.step()); returns
@@ -204,10 +214,14 @@ def verify_rank(blob: bytes, spec: dict) -> dict:
     initial, unknown = read_tensors(model, names, rt.rank)
     opt = fns["optimizer"]([p for p in model.parameters()])
     step = fns["step"] or plain_step
-    losses, grads = [], []
+    losses, grads, roundings = [], [], {}
     for s in range(spec["steps"]):
         runtime.check_cancelled()
-        loss = as_loss(step(model, fns["batch"](s), ctx), s)
+        if s == 0 and spec.get("count_roundings"):
+            out, roundings = counted_step(model, step, fns["batch"](s), ctx, names)
+            loss = as_loss(out, s)
+        else:
+            loss = as_loss(step(model, fns["batch"](s), ctx), s)
         # every step's: the reference replays them (labkit/oracle/replay.py says why)
         grads.append(read_tensors(model, names, rt.rank, grads=True)[0])
         opt.step()
@@ -225,4 +239,5 @@ def verify_rank(blob: bytes, spec: dict) -> dict:
         "grads": grads,
         "final": final,
         "losses": losses,
+        "roundings": roundings,
     }

@@ -1,8 +1,9 @@
 """FP8 training (issue 42) on the 4-engine gloo cluster: the blocks' linear layers in fp8 as torchtitan
 converts them with torchao 0.18, under DDP, FSDP (ours and FSDP2, both gathering weights in fp8),
 TP + SP (ours), FSDP2 with torchao's float8 TP styles, and a pipeline (with FSDP too); each trains
-like the one-process fp8 reference (torchao's own Float8Linear)
-within the derived fp8 bounds (labkit/oracle/bounds_fp8.py), and every byte each rank holds and sends
+like the one-process fp8 reference (torchao's own Float8Linear, split as the layout splits its batch)
+within the derived bounds (shared arithmetic: labkit/oracle/arithmetic.py; else labkit/oracle/bounds_fp8.py),
+every rank ran the fp8 matmuls its layout converts (labkit/oracle/float8.py), and every byte each rank holds and sends
 equals the theory (labkit/theory/exact/float8.py). A scale bug is caught; what is not built is refused.
 
 torch 2.13's CPU `torch._scaled_mm` multiplies float8_e4m3fn / e5m2 operands with per-tensor scales
@@ -29,7 +30,7 @@ from labkit.engines import data
 from labkit.engines.float8 import convert, convert_torchao
 from labkit.engines.model import build_model
 from labkit.layout.float8 import float8_weights, round_e4m3
-from labkit.oracle.bounds_fp8 import reference_shards
+from labkit.oracle.arithmetic import arithmetic
 from labkit.oracle.checks import assert_matches, margins, mismatches
 
 STEPS = 3
@@ -48,17 +49,15 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def fp8_oracle():
-    """The fp8 reference of a layout: torchao's Float8Linear on one process, its batch split as the
-    layout splits it (bounds_fp8.reference_shards), on the engines' one thread (their bf16 sums)."""
+    """A layout's reference: the oracle computes it in the layout's own arithmetic (torchao's Float8Linear on
+    one process, its batch split as the layout splits it, on the engines' threads: labkit/oracle/arithmetic.py)
+    from the model, seed, batch and optimizer this one gives."""
     cache = {}
 
     def get(cfg: ParallelConfig, model: ModelConfig):
-        key = (model, reference_shards(cfg), cfg.fp8_recipe)
-        if key not in cache:
-            cache[key] = reference(
-                model, steps=STEPS, precision="fp8", shards=key[1], fp8_recipe=cfg.fp8_recipe, threads=1
-            )
-        return cache[key]
+        if model not in cache:
+            cache[model] = reference(model, steps=STEPS)
+        return cache[model]
 
     return get
 
@@ -247,9 +246,27 @@ def test_what_is_not_built_is_refused_by_name(cfg, model, says):
         validate(cfg, model, 4)
 
 
-def test_an_fp8_run_is_held_to_the_fp8_reference_that_splits_as_it_does(runs, fp8_oracle):
-    res = runs("ddp")
-    with pytest.raises(ValueError, match="shards=4"):
-        mismatches(res, fp8_oracle(*LAYOUTS["tp_sp"]))  # shards=2
-    with pytest.raises(ValueError, match="precision='fp8'"):
-        mismatches(res, reference(TINY, steps=STEPS, shards=4))
+def test_an_fp8_run_is_held_to_the_fp8_arithmetic_that_splits_as_it_does(runs):
+    """Whatever reference is handed in (fp32, or fp8 split otherwise), the oracle computes the fp8 one that
+    splits its batch as the layout does, and the verdict is the same."""
+    res = runs("pp_1f1b")
+    arith = arithmetic(res)
+    assert (arith.precision, arith.shards, arith.microbatches, arith.shared) == ("fp8", 4, 2, True)
+    plain = reference(TINY, steps=STEPS)
+    other = reference(TINY, steps=STEPS, precision="fp8", shards=2)
+    assert mismatches(res, plain) == mismatches(res, other) == []
+    assert margins(res, plain) == margins(res, other)
+
+
+@pytest.mark.parametrize("name", ["ddp", "tp_sp", "pp_1f1b", "fsdp2_tp", "ddp_rowwise"])
+def test_every_rank_runs_three_fp8_matmuls_per_converted_layer(runs, name):
+    """What the float8 check holds each rank to, counted from the model alone: per microbatch the forward
+    matmul of every converted linear this rank holds, and its two backward ones (a tp rank its slice of
+    each; a pipeline rank its stage's)."""
+    cfg, model = LAYOUTS[name]
+    layers = len(float8_weights(theory.param_shapes(model))) // cfg.pp
+    for rk in runs(name).ranks:
+        assert (
+            rk.float8_matmuls
+            == [{"forward": layers * cfg.microbatches, "backward": 2 * layers * cfg.microbatches}] * STEPS
+        )

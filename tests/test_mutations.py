@@ -10,6 +10,7 @@ layouts run unmutated first and must match (the control): a row is caught by the
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -18,16 +19,29 @@ import pytest
 from conftest import TINY
 
 from labkit import OptimConfig, ParallelConfig, reference
-from labkit.oracle.bounds import tensor_errors
-from labkit.oracle.checks import loss_errors, margins, mismatches, model_error
+from labkit.config.validation import not_built_yet, problems
+from labkit.layout.buckets import grouped_buckets
+from labkit.layout.precision import ELEM
+from labkit.oracle.arithmetic import arithmetic
+from labkit.oracle.checks import margins, mismatches
+from labkit.theory.exact.model import param_shapes
 
 STEPS = 2
+PRECISIONS = ("fp32", "bf16", "fp8")
+"""Every mutation is planted in each (fp8 where the layout runs fp8): the oracle's bounds differ by precision."""
 MOE = TINY.replace(experts=4, top_k=2)
 PADDED = TINY.replace(vocab=125, vocab_divisible_by=4)
 """TINY on a vocabulary tp=2 cannot split: 128 rows, the last 3 padding (ModelConfig.vocab_divisible_by)."""
 BUCKET_MB = 0.02
-"""TINY in 8 DDP buckets (layout/buckets.py); bucket 2 holds the four tensors below."""
-SKIPPED = ("blocks.1.mlp.fc1.weight", "blocks.1.ln2.bias", "blocks.1.ln2.weight", "blocks.1.attn.wo.weight")
+"""TINY in several DDP buckets (layout/buckets.py); which tensors bucket 2 holds depends on the precision's bytes."""
+
+
+def skipped(cfg: ParallelConfig) -> tuple[str, ...]:
+    """The tensors of the bucket `bucket_never_reduced` leaves out (bucket 2), as the layout buckets them."""
+    named = param_shapes(TINY)
+    sizes = [math.prod(shape) * ELEM[cfg.precision] for _, shape in named]
+    buckets = grouped_buckets(sizes, [None] * len(sizes), int(BUCKET_MB * 2**20))
+    return tuple(named[i][0] for i in buckets[2][1])
 
 
 # -- the hook: patch one attribute on every engine, and put it back -------------------------------
@@ -289,6 +303,149 @@ def norm_over_every_replica(original):
     return norm_terms
 
 
+def norm_grads_halved(original):
+    """DDP.finish, after which every norm's gradient is halved (a LayerNorm's weight and bias)."""
+
+    def finish(self):
+        original(self)
+        for n, p in zip(self.names, self.params):
+            if ".ln" in n or "head.norm" in n:
+                p.grad.mul_(0.5)
+
+    return finish
+
+
+def projections_never_produced(original):
+    """DDP.finish, after which attention's query and key projections have no gradient (zeros)."""
+
+    def finish(self):
+        original(self)
+        for n, p in zip(self.names, self.params):
+            if "attn.wq" in n or "attn.wk" in n:
+                p.grad.zero_()
+
+    return finish
+
+
+def fc1_scaled(original):
+    """DDP.finish, after which the MLP's first layer's gradients are 0.8 of what they are."""
+
+    def finish(self):
+        original(self)
+        for n, p in zip(self.names, self.params):
+            if "mlp.fc1" in n:
+                p.grad.mul_(0.8)
+
+    return finish
+
+
+def averaged_twice(original):
+    """DDP.finish dividing by the loss shards and then by two once more: every gradient halved."""
+
+    def finish(self):
+        original(self)
+        for p in self.params:
+            p.grad.div_(2)
+
+    return finish
+
+
+def converts_nothing(original):
+    """engines/float8.py convert as engines/parallelize.py calls it, converting no layer: the run computes in
+    bf16 while it says fp8."""
+
+    def convert(model, recipe):
+        return []
+
+    return convert
+
+
+def moments_of_the_next_shard(original):
+    """engines/parallel/zero.py ZeRO12.step, which from the second step on updates each shard with the
+    next rank's Adam moments (each flat buffer's state gathered and taken one rank round)."""
+    import torch
+    import torch.distributed as dist
+
+    def step(self):
+        opt = self.optimizer.opt
+        if opt.t >= 1:
+            at = 0
+            for layout, (group, n, index) in zip(self.layouts, self.groups):
+                k = len(layout.runs(index))
+                for state in (opt.exp_avg, opt.exp_avg_sq):
+                    mine = torch.cat([s.reshape(-1) for s in state[at : at + k]])
+                    every = [torch.empty_like(mine) for _ in range(n)]
+                    dist.all_gather(every, mine, group=group) if n > 1 else every.__setitem__(0, mine)
+                    theirs, o = every[(index + 1) % n], 0
+                    for s in state[at : at + k]:
+                        s.copy_(theirs[o : o + s.numel()].view_as(s))
+                        o += s.numel()
+                at += k
+        return original(self)
+
+    return step
+
+
+def adam_counts_from_two(original):
+    """engines/optim.py AdamW.step whose step counter starts one ahead: every bias correction is the next
+    step's."""
+
+    def step(self, grads, scale=1.0):
+        if self.t == 0:
+            self.t = 1
+        return original(self, grads, scale)
+
+    return step
+
+
+def sharded_clip_skipped(original):
+    """engines/parallel/shards.py ShardedOptimizer.step, updating every shard with the unclipped gradients."""
+    from labkit.engines.optim import grad_norm
+
+    def step(self, grads):
+        mine = [
+            g[at : at + hi - lo]
+            for p, i, g in zip(self.layouts, self.indices, grads)
+            for name, _, lo, hi, at in p.pieces(i)
+            if self.counted[name]
+        ]
+        norm = grad_norm(mine, None, self.norm_group)
+        runs = [g[lo:hi] for p, i, g in zip(self.layouts, self.indices, grads) for lo, hi, _ in p.runs(i)]
+        self.opt.step(runs, 1.0)  # the bug: no clip_coefficient(norm, clip)
+        return float(norm)
+
+    return step
+
+
+def torch_ddp_summed(original):
+    """engines/parallel/ddp.py TorchDDP.__init__, whose PyTorch DDP gets a communication hook that sums the
+    ranks' gradients and never divides (DDP's own hook divides by the group's size first)."""
+    import torch.distributed as dist
+
+    def summed(group, bucket):
+        fut = dist.all_reduce(bucket.buffer(), group=group, async_op=True).get_future()
+        return fut.then(lambda f: f.value()[0])
+
+    def __init__(self, module, group, metas, bucket_mb, optim):
+        original(self, module, group, metas, bucket_mb, optim)
+        self.ddp.register_comm_hook(group, summed)
+
+    return __init__
+
+
+def fsdp2_computes_in_fp32(original):
+    """engines/parallel/fsdp.py TorchFSDP.__init__ handing PyTorch's FSDP2 an fp32 compute dtype: no
+    MixedPrecisionPolicy, the run computes in fp32 while it says bf16."""
+    from dataclasses import replace
+
+    import torch
+
+    def __init__(self, model, mesh, reshard, pol, *args, **kwargs):
+        original(self, model, mesh, reshard, replace(pol, compute=torch.float32), *args, **kwargs)
+
+    return __init__
+
+
 @dataclass(frozen=True)
 class Mutation:
     name: str
@@ -297,19 +454,32 @@ class Mutation:
     make: Callable
     check: str
     """The check that must catch it."""
-    names: tuple[str, ...]
-    """What that check's messages must name, each in one of them (a tensor, 'rank r', 'step s')."""
+    names: tuple[str, ...] | Callable
+    """What that check's messages must name, each in one of them (a tensor, 'rank r', 'step s'); or a
+    function of the layout (with its precision) that says."""
     model: object = TINY
     optim: OptimConfig = OptimConfig()
+    precisions: tuple[str, ...] = PRECISIONS
+    """The precisions it is planted in, each where labkit builds the layout (`runs`)."""
+
+    def runs(self) -> list[ParallelConfig]:
+        """The layout in each of its precisions that labkit builds on the session's 4 engines."""
+        out = []
+        for p in self.precisions:
+            cfg = self.cfg.replace(precision=p)
+            if not problems(cfg, self.model, 4) and not not_built_yet(cfg, self.model):
+                out.append(cfg)
+        return out
 
 
 E = "labkit.engines.parallel."
 DDP4 = ParallelConfig(dp=4, bucket_mb=BUCKET_MB)
+FSDP2 = ParallelConfig(dp=4, sharding="fsdp", impl="torch")
 MUTATIONS = [
     Mutation("a DDP bucket never reduced", DDP4, (E + "ddp", "DDP", "_launch_ready"), bucket_never_reduced,
-             "gradients", SKIPPED),
+             "gradients", skipped),
     Mutation("gradients summed, not averaged", DDP4, (E + "ddp", "DDP", "finish"), summed_not_averaged,
-             "gradients", ("step 0's reduced gradient is 3 (relative",)),
+             "gradients", ("every tensor's step 0 reduced gradient is 4 times",)),
     Mutation("TP's row-parallel all-reduce skipped", ParallelConfig(tp=2, dp=2),
              (E + "tensor", "RowParallelLinear", "forward"), row_parallel_not_reduced, "losses", ("step 0",)),
     Mutation("SP's all-gather skipped", ParallelConfig(tp=2, dp=2, sequence_parallel=True),
@@ -345,19 +515,31 @@ MUTATIONS = [
     Mutation("a padded vocabulary's padding logits left in the loss", ParallelConfig(tp=2, dp=2),
              ("labkit.engines.loss", "MaskPadding", "forward"), padding_in_the_loss, "padding",
              ("head.proj.weight", "[125:)"), PADDED),
+    Mutation("every norm's gradient halved", DDP4, (E + "ddp", "DDP", "finish"), norm_grads_halved, "gradients",
+             ("head.norm.weight: step 0",)),
+    Mutation("attention's wq and wk gradients never produced", DDP4, (E + "ddp", "DDP", "finish"),
+             projections_never_produced, "gradients", ("blocks.0.attn.wq.weight", "blocks.1.attn.wk.weight")),
+    Mutation("the MLP's fc1 gradients 0.8 of themselves", DDP4, (E + "ddp", "DDP", "finish"), fc1_scaled,
+             "gradients", ("blocks.0.mlp.fc1.weight", "blocks.1.mlp.fc1.weight")),
+    Mutation("every gradient averaged twice (halved)", DDP4, (E + "ddp", "DDP", "finish"), averaged_twice,
+             "gradients", ("every tensor's step 0 reduced gradient is 0.5 times",)),
+    Mutation("fp8 layers never converted (the run computes in bf16)", DDP4,
+             ("labkit.engines.parallelize", None, "convert"), converts_nothing, "float8", ("rank 0", "none ran in fp8"),
+             precisions=("fp8",)),
+    Mutation("a ZeRO-1 shard stepping with the next shard's Adam moments", ParallelConfig(dp=4, sharding="zero1"),
+             (E + "zero", "ZeRO12", "step"), moments_of_the_next_shard, "parameters", ("the final parameters",)),
+    Mutation("Adam's step counter one ahead", ParallelConfig(dp=4, sharding="zero2"),
+             ("labkit.engines.optim", "AdamW", "step"), adam_counts_from_two, "parameters", ("the final parameters",)),
+    Mutation("gradient clipping skipped on a sharded layout, where it binds", ParallelConfig(dp=4, sharding="zero2"),
+             (E + "shards", "ShardedOptimizer", "step"), sharded_clip_skipped, "parameters", ("the final parameters",),
+             optim=OptimConfig(clip=0.5)),
+    Mutation("PyTorch's DDP summing the ranks' gradients, not averaging", ParallelConfig(dp=4, impl="torch"),
+             (E + "ddp", "TorchDDP", "__init__"), torch_ddp_summed, "gradients", ("reduced gradient is 4 times",)),
+    Mutation("PyTorch's FSDP2 computing in fp32 while it says bf16", FSDP2, (E + "fsdp", "TorchFSDP", "__init__"),
+             fsdp2_computes_in_fp32, "gradients", ("step 0's reduced gradient",), precisions=("bf16",)),
 ]  # fmt: skip
 """OptimConfig(clip=0.5) where clipping must act: TINY's gradient norms are 0.82 to 0.92, under the
 default max norm of 1.0."""
-
-
-def plain_margin(res, ref) -> float:
-    """The worst error over its bound as the oracle before the replay judged it (issue 40; printed): every
-    step's loss and norm, the first step's gradients, the final model, at fp32's 1e-5."""
-    errs = loss_errors(res.losses, ref.losses) + [
-        e for rk in res.ranks for e in loss_errors(rk.grad_norms, ref.grad_norms)
-    ]
-    errs += [e / s if s else 0.0 for e, s in tensor_errors(res.grads, ref.first_grads).values()]
-    return max([*errs, model_error(res.params, ref.params)], key=lambda x: float("inf") if x != x else x) / 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -373,28 +555,44 @@ def oracle():
 
 
 def test_every_mutation_is_caught_and_named(lab, oracle):
+    """Each bug in each precision its layout runs (fp32, bf16, fp8): caught, by the check that must catch
+    it, naming what it must. The margin printed is the worst bounded check's error over its bound; the
+    arithmetic is the reference's (labkit/oracle/arithmetic.py: 'shared' where it computes the run's every
+    rounding but its reduction's; else the counted chain's bound, and the fp32 row is the same layout's
+    twin, which holds its logic at 1e-5)."""
     rows, honest = [], {}
     for m in MUTATIONS:
         ref = oracle(m.model, m.optim)
-        key = (m.cfg, m.model, m.optim)
-        if key not in honest:  # the control: the same layout, unmutated, matches
-            res = lab.run(m.cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
-            honest[key] = mismatches(res, ref)
-        with mutated(lab, m.target, m.make):
-            res = lab.run(m.cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
-        found = mismatches(res, ref)
-        expected = [f.message for f in found if f.check == m.check]
-        named = expected if all(any(w in x for x in expected) for w in m.names) else []
-        rows.append((m, found, named, margins(res, ref), plain_margin(res, ref)))
-    print(
-        f"\n{'mutation':<58} {'caught':<7} {'margin':>9} {'before':>9}  by (then the expected check's first messages)"
-    )
-    for m, found, named, over, before in rows:
+        for cfg in m.runs():
+            key = (cfg, m.model, m.optim)
+            if key not in honest:  # the control: the same layout, unmutated, matches
+                res = lab.run(cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
+                honest[key] = mismatches(res, ref)
+            with mutated(lab, m.target, m.make):
+                res = lab.run(cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
+            found = mismatches(res, ref)
+            kind = "shared" if arithmetic(res).shared else "counted" if cfg.precision != "fp32" else "1e-5"
+            expected = [f.message for f in found if f.check == m.check]
+            names = m.names(cfg) if callable(m.names) else m.names
+            named = expected if all(any(w in x for x in expected) for w in names) else []
+            if kind == "counted":  # the chain's bound catches what it can; its fp32 twin's row must name it
+                named = [str(f) for f in found]
+            rows.append((m, cfg.precision, kind, found, named, margins(res, ref)))
+    print(f"\n{'mutation':<64} {'prec':<5} {'bound':<8} {'caught':<7} {'margin':>9}  by (then the first messages)")
+    for m, precision, kind, found, named, over in rows:
         checks = list(dict.fromkeys(f.check for f in found))
         # how far past its bound the worst bounded check sits (replicas, finite, padding, routing: exact checks)
         worst = max((v for k, v in over.items() if k != "flips"), default=float("nan"))
-        print(f"{m.name:<58} {'yes' if named else 'NO':<7} {worst:>9.3g} {before:>9.3g}  {', '.join(checks) or '-'}")
-        for x in (named or [f"{f}" for f in found])[:4]:
+        print(
+            f"{m.name:<64} {precision:<5} {kind:<8} {'yes' if named else 'NO':<7} {worst:>9.3g}  "
+            f"{', '.join(checks) or '-'}"
+        )
+        for x in (named or [f"{f}" for f in found])[: 3 if named else 12]:
             print(f"{'':<6}{x[:160]}")
     assert {k: v for k, v in honest.items() if v} == {}, "an unmutated layout does not match"
-    assert [m.name for m, _, named, _, _ in rows if not named] == [], "mutations not caught (or not named)"
+    missed = [f"{m.name} ({precision})" for m, precision, _, _, named, _ in rows if not named]
+    assert missed == [], "mutations not caught (or not named)"
+    # a layout whose arithmetic no reference shares is held at fp32 too (labkit/oracle/arithmetic.py twin)
+    twins = {m.name for m, precision, kind, *_ in rows if kind == "counted"}
+    assert twins <= {m.name for m, precision, *_ in rows if precision == "fp32"}, "a counted row without its twin"
+    assert {p for _, p, *_ in rows} == set(PRECISIONS), "a precision no mutation ran in"

@@ -2,7 +2,8 @@
 builds, every flavor, each the parameter count of torchtitan's own model built on the meta device
 (where torchtitan is installed: the extra; CI sets LABKIT_REQUIRE_TORCHTITAN=1 so that it runs there),
 and the TOML fields that choose them, compile among them. torchtitan's own code on the Lab's engines is
-notebook 14's last section (engines/titan.py), executed by tests/test_notebooks.py."""
+notebook 14's last section (engines/titan.py), executed by tests/test_notebooks.py; its verdict, with a
+must-fail control (a gradient halved after backward) in bf16 and fp32, is held here."""
 
 from __future__ import annotations
 
@@ -112,3 +113,49 @@ def test_compile_is_read_into_the_layout_and_its_stack(tmp_path, capsys):
     assert main(["plan", "--from", str(path), "--gpus", "64", "--top", "2"]) == 0
     out = capsys.readouterr().out
     assert "stack: compile ([training] compile = true" in out and "(compile stack, as the alternatives)" in out
+
+
+def halved_after_backward(model, data, ctx):
+    """torchtitan's rank step (engines/titan.py), then every gradient halved: divided by 2 once too often."""
+    from labkit.engines import titan
+
+    out = titan.step(model, data, ctx)
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(2)
+    return out
+
+
+@needs_torchtitan
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_torchtitans_own_fsdp_tp_verifies_and_its_halved_gradient_fails(lab, tmp_path, precision):
+    """torchtitan's debug model under its own parallelize_llama at FSDP x TP + SP (notebook 14's job), verified
+    against one process in bf16 (its bounds counted on the ranks' own step) and in fp32 (1e-5); the same step
+    with every gradient halved after backward must fail in both, named."""
+    import functools
+
+    from labkit.engines import titan
+
+    path = tmp_path / "debug_model.toml"
+    toml = (DATA / "llama3_debug_model.toml").read_text()
+    path.write_text(toml.replace("tensor_parallel_degree = 1", "tensor_parallel_degree = 2"))
+    job = read_job(path, gpus=4, seq=64)
+    p, m = job.parallel.replace(precision=precision), job.model
+
+    def verify(step):
+        return lab.verify(
+            functools.partial(titan.build, "debugmodel", m.seq, p.sequence_parallel),
+            functools.partial(titan.parallelize, cfg=p.to_dict()),
+            mesh={"dp_shard": p.dp, "tp": p.tp},
+            batch=functools.partial(titan.batch, rows=p.global_batch, seq=m.seq, vocab=m.vocab),
+            loss=titan.loss,
+            step=step,
+            precision=precision,
+            timeout=600,
+        )
+
+    verify(titan.step).assert_ok()
+    report = verify(halved_after_backward)
+    assert not report.ok and report.first().check == "gradients", report.summary()
+    if precision == "fp32":  # one factor on every tensor, found and named
+        assert report.factor == pytest.approx(0.5, rel=1e-4), report.summary()

@@ -10,10 +10,11 @@ from math import prod
 from labkit.cluster.arguments import timeout_problems
 from labkit.cluster.shipping import by_value
 from labkit.config import ConfigError
+from labkit.config.choices import numerics
 from labkit.engines import runtime
 from labkit.engines.verify import default_optimizer
 from labkit.oracle import verify_checks
-from labkit.oracle.verify import DATA_DIMS, problems, reference_build, reference_steps, verify_bounds
+from labkit.oracle.verify import DATA_DIMS, block_count, problems, reference_build, reference_steps, verify_bounds
 from labkit.oracle.verify_report import VerifyReport
 
 
@@ -42,6 +43,7 @@ def verify(
     fns["optimizer"] = optimizer or default_optimizer  # engines/verify.py's: it travels by name
     built = reference_build(fns, seed)
     spec = dict(mesh=dict(mesh), data_dims=data_dims, steps=steps, seed=seed, fingerprints=built["prints"])
+    spec["count_roundings"] = numerics(precision).mixed  # bf16's bounds: the roundings the ranks' step makes
     # named, not imported: engines/verify.py runs on the ranks; the Lab's job machinery bounds it
     target = ("labkit.engines.verify:verify_rank", by_value(fns), spec)
     reports = lab._execute(runtime.call_named, target, {}, timeout, lab.progress, steps, "verify")
@@ -54,8 +56,9 @@ def verify(
                 f"{differ[:3]}{' ...' if len(differ) > 3 else ''}: it must not depend on the rank, the host or the time"
             ]
         )
-    # the bounds before the replay trains build()'s model: they are counted on its untrained computation
-    within = verify_bounds(precision, built, fns, mesh, data_dims)
+    within = verify_bounds(
+        precision, reports, set(built["names"].values()), mesh, data_dims, block_count(built["model"])
+    )
     run_grads = verify_checks.step_gradients(reports, steps)
     ref = reference_steps(built, fns, steps, run_grads)
     dp_size = prod(mesh[d] for d in data_dims)

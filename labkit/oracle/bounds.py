@@ -1,9 +1,11 @@
-"""How far a correct layout may sit from the fp32 reference, per quantity and precision; the
-derivations (rounding of reordered sums, bf16's unit roundoff, AdamW) are in DERIVATIONS.md,
+"""How far a correct layout may sit from its reference, per quantity and precision; the derivations
+(rounding of reordered sums, bf16's unit roundoff, AdamW, shared arithmetic) are in DERIVATIONS.md,
 "The oracle's bounds".
 
-Every layout is checked against the one-process fp32 reference (labkit/oracle/reference.py), bf16 ones
-too: an oracle that shares no arithmetic with any strategy. The per-tensor gradient bound is
+A layout whose arithmetic one process computes (labkit/oracle/arithmetic.py) is held to the reference
+in its own precision by `shared_bounds`: the reduction's rounding alone. Any other is held to the fp32
+reference (fp8: the fp8 one) by `bounds`: fp32's 1e-5, bf16's roundings on each gradient's chain, fp8's
+casts added (bounds_fp8.py). The per-tensor gradient bound is
 relative with a floor, so that a tensor whose gradient is near zero is held to the scale of the
 whole gradient (the rounding it suffers comes from the magnitudes flowing through backward, not
 from its own): ||g_t - g_ref,t|| <= grads * max(||g_ref,t||, sqrt(n_t / Ψ) ||g_ref||).
@@ -11,13 +13,13 @@ from its own): ||g_t - g_ref,t|| <= grads * max(||g_ref,t||, sqrt(n_t / Ψ) ||g_
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from labkit.config.choices import numerics
 from labkit.oracle.bounds_fp8 import cast_exact, fp8_bounds
-from labkit.oracle.rounding import depths
 
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
 """u: the largest relative error of one round-to-nearest (Higham, "Accuracy and Stability of
@@ -36,14 +38,20 @@ class Bounds:
     grads: float | dict[str, float]
     """Each parameter tensor's reduced gradient at every step, relative with the floor above: one number,
     or one per tensor (bf16: its chain's roundings)."""
-
-    def grad(self, name: str) -> float:
-        """The gradient bound of tensor `name`."""
-        return self.grads[name] if isinstance(self.grads, dict) else self.grads
-
     params: float
     """The whole model's final parameters (the masters), relative L2, against the reference replayed along
     the run (labkit/oracle/replay.py): the same AdamW on the same gradients, in fp32 in every precision."""
+    step_grads: tuple[dict[str, float], ...] = ()
+    """Per step and tensor, where the bound depends on the step's own gradients (`shared_bounds`): it
+    replaces `grads`."""
+    validation: float | None = None
+    """data='text': the validation loss (None: `losses`'s)."""
+
+    def grad(self, name: str, step: int = 0) -> float:
+        """The gradient bound of tensor `name` at `step`."""
+        if self.step_grads:
+            return self.step_grads[step][name]
+        return self.grads[name] if isinstance(self.grads, dict) else self.grads
 
 
 FP32 = Bounds(losses=1e-5, grad_norms=1e-5, grads=1e-5, params=1e-5)
@@ -56,7 +64,7 @@ float64, 1e-7 to 3e-6 on the final parameters. Bugs move a tensor's gradient by 
 def bounds(precision: str, paths: dict[str, int] | None = None, layout=None, layers: int = 0) -> Bounds:
     """The bounds of `precision` (DERIVATIONS.md derives them). bf16: each tensor's gradient within
     paths[t]·u, paths[t] the roundings on the longest chain to it (`paths`, counted on the computation
-    by labkit/oracle/rounding.py); the norm within the largest. fp8: bf16's with fp8's terms added
+    by engines/meters/rounding.py); the norm within the largest. fp8: bf16's with fp8's terms added
     (bounds_fp8.py: `layers` blocks of fp8 casts), none on the gradients where `layout` (a ParallelConfig)
     shares every fp8 cast with the reference (`cast_exact`)."""
     kind = numerics(precision)
@@ -96,9 +104,10 @@ _ONE_PROCESS: dict = {}
 
 def one_process(model) -> dict[str, int]:
     """{parameter: roundings on the longest chain to its gradient} in one process's bf16 forward and
-    backward of `model` (labkit/oracle/rounding.py), counted once per model config."""
+    backward of `model` (engines/meters/rounding.py), counted once per model config."""
     if model not in _ONE_PROCESS:
         from labkit.engines import data as batches  # torch: counted where the reference trains
+        from labkit.engines.meters.rounding import depths
         from labkit.engines.model import build_model
         from labkit.engines.precision import compute_copy
 
@@ -114,16 +123,59 @@ def one_process(model) -> dict[str, int]:
 def tensor_errors(grads: dict, ref: dict) -> dict[str, tuple[float, float]]:
     """{name: (error, allowed scale)} per tensor: error ||g_t - g_ref,t||, scale max(||g_ref,t||,
     sqrt(n_t / Ψ) ||g_ref||); the bound holds when error <= bound * scale (NaN never does)."""
+    return {
+        name: (float(np.linalg.norm(grads[name].astype(np.float64) - ref[name])), scale)
+        for name, scale in scales(ref).items()
+    }
+
+
+def scales(ref: dict) -> dict[str, float]:
+    """{name: max(||g_ref,t||, sqrt(n_t / Ψ) ||g_ref||)}: what a tensor's gradient error is relative to."""
     # ||g_ref|| of the whole model, in float64
     total = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in ref.values()) ** 0.5
     psi = sum(g.size for g in ref.values())
-    out = {}
-    for name, want in ref.items():
-        own = float(np.linalg.norm(want.astype(np.float64)))
-        # what a uniform relative error over the whole gradient would put on this tensor's n_t elements
-        floor = total * (want.size / psi) ** 0.5
-        out[name] = (float(np.linalg.norm(grads[name].astype(np.float64) - want)), max(own, floor))
-    return out
+    # the floor: what a uniform relative error over the whole gradient would put on this tensor's n_t elements
+    return {n: max(float(np.linalg.norm(g.astype(np.float64))), total * (g.size / psi) ** 0.5) for n, g in ref.items()}
+
+
+def shared_bounds(held, extra: dict[str, int], general: Bounds) -> Bounds:
+    """The bounds of a run whose every rounding the replayed reference `held` computes but its reduction's
+    (labkit/oracle/arithmetic.py; DERIVATIONS.md, "Shared arithmetic"). Per element of a reduced gradient
+    g = (1/R) Σ_s g_s over S shards (R data ranks): the run's fp32 sum and the reference's add the same S
+    bf16 values in two orders, |difference| <= 2(S - 1) u32 Σ_s |g_s| / R (Higham, "Accuracy and Stability
+    of Numerical Algorithms", 2nd ed., (4.4)), and the run then rounds its sum into bf16, <= u |g|; a tensor
+    with `extra` roundings k (arithmetic.extra_roundings) has k more, each <= u Σ_s |g_s| / R. In L2 over a
+    tensor, with spread_t = ||Σ_s |g_s| / R|| (Reference.step_spread):
+        ||g_run - g_ref|| <= u ||g_ref|| + (k u + 2(S - 1) u32) spread_t,
+    held relative to the tensor's scale (`scales`). The norm: the run's is the norm of its own gradients,
+    within their distance of the reference's, plus fp32's rounding of n squares summed (torch's cascade sum,
+    tensor by tensor, then across them and the ranks: ceil(log2 n) + 32 + T + S roundings of u32). The loss:
+    each shard's is the reference's to the bit; the run and the reference add the S of them in two orders,
+    2 S u32. The final masters: the same AdamW on the same gradients, fp32's bound. The validation loss is
+    computed on other batch shapes than a step's: `general`'s."""
+    u, u32 = UNIT_ROUNDOFF["bf16"], UNIT_ROUNDOFF["fp32"]
+    S = held.shards
+    steps, norm = [], 0.0
+    for grads, spread in zip(held.step_grads, held.step_spread):
+        scale = scales(grads)
+        allowed = {
+            n: u * float(np.linalg.norm(g.astype(np.float64))) + (extra.get(n, 0) * u + 2 * (S - 1) * u32) * spread[n]
+            for n, g in grads.items()
+        }
+        steps.append({n: allowed[n] / scale[n] if scale[n] else 0.0 for n in grads})
+        total = sum(float(np.sum(np.square(g, dtype=np.float64))) for g in grads.values()) ** 0.5
+        count = sum(g.size for g in grads.values())
+        sums = math.ceil(math.log2(max(count, 2))) + 32 + len(grads) + S
+        if total:
+            norm = max(norm, sum(a * a for a in allowed.values()) ** 0.5 / total + sums * u32)
+    return Bounds(
+        losses=2 * S * u32,
+        grad_norms=norm,
+        grads=max((max(s.values()) for s in steps), default=0.0),
+        params=FP32.params,
+        step_grads=tuple(steps),
+        validation=general.losses,
+    )
 
 
 def round_to(values: np.ndarray, precision: str) -> np.ndarray:

@@ -53,28 +53,9 @@ def path(layers: int, forward_only: bool = False) -> float:
 
 def cast_exact(layout) -> bool:
     """Whether every fp8 cast of a layout's first step sees the reference's input and scale (a
-    ParallelConfig: fp8_bounds says which do). The reference must split its batch as the layout does
-    (`reference_shards`)."""
+    ParallelConfig: fp8_bounds says which do). The reference splits its batch as the layout does
+    (labkit/oracle/arithmetic.py)."""
     return layout.tp == 1 and layout.cp == 1 and not layout.torch_impl
-
-
-def reference_problems(layout, ref) -> list[str]:
-    """Why `ref` is not the oracle of the fp8 layout `layout` (empty when it is)."""
-    want = reference_shards(layout)
-    if ref.precision != layout.precision or ref.fp8_recipe != layout.fp8_recipe or ref.shards != want:
-        return [
-            f"an fp8 layout's oracle is the fp8 reference that splits its batch as the layout does: "
-            f"reference(..., precision='fp8', fp8_recipe={layout.fp8_recipe!r}, shards={want}) "
-            f"(got precision={ref.precision!r}, fp8_recipe={ref.fp8_recipe!r}, shards={ref.shards})"
-        ]
-    return []
-
-
-def reference_shards(layout) -> int:
-    """The shards the fp8 reference of `layout` splits each step's batch into: its data-parallel
-    ranks' times its microbatches, so that each activation's amax is taken over the rows a forward
-    of the layout sees (dp x ep, then microbatches: engines/train.py data_index, data.microbatches)."""
-    return layout.dp * layout.ep * layout.microbatches
 
 
 def fp8_bounds(base, layers: int, exact: bool):

@@ -6,6 +6,7 @@ naming the step, rank or tensor; `assert_matches` raises if anything is. The che
 
   finite           every loss, gradient norm, parameter, gradient and working-weight element
   steps            as many steps as the reference, on every rank
+  float8           an fp8 layout ran in fp8: each rank's fp8 matmuls, per step, those its layout converts
   replicas         every rank holding an element holds the same bits (labkit/oracle/assembly.py),
                    every tp rank routing a token sends it to the same experts
   working weights  the weights forward reads are the masters rounded to the compute dtype
@@ -25,27 +26,31 @@ so every step is one step's arithmetic, held by one step's bounds (labkit/oracle
 what AdamW does with a rounding — it divides each element by its own RMS + ε, so a near-zero
 element's rounding becomes an update of up to lr — is the optimizer's, the same on both sides.
 A run without its gradients is held on what the first step alone can hold: its loss and norm.
-The bounds are against the fp32 reference in bf16 and fp32; an fp8 layout's are against the fp8
-reference that splits its batch as it does (bounds_fp8.py), replayed the same way.
+The reference is the one `ref` describes (model, seed, batch, optimizer, data), computed in the run's
+reference arithmetic (labkit/oracle/arithmetic.py): the run's own precision and batch split where one
+process computes every rounding the run does but its reduction's (held to that rounding), else fp32
+(fp8: the fp8 reference split as the layout splits it), held to the roundings of each gradient's chain.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 
 from labkit.config.choices import numerics
 from labkit.layout.float8 import float8_weights, fp8_weight
 from labkit.oracle.bounds import Bounds, round_to, tensor_errors
+from labkit.oracle.float8 import float8_problems
 from labkit.oracle.held import gradient_pairs, held_steps, judged, ratio
 
 
 @dataclass(frozen=True)
 class Mismatch:
     check: str
-    """finite | steps | replicas | working weights | padding | routing | gradients | losses | grad norms |
-    parameters | buffers"""
+    """finite | steps | replicas | float8 | working weights | padding | routing | gradients | losses |
+    grad norms | parameters | buffers"""
     message: str
 
     def __str__(self) -> str:
@@ -121,6 +126,12 @@ def steps(result, ref) -> list[Mismatch]:
     return out
 
 
+def float8(result) -> list[Mismatch]:
+    """An fp8 layout computed in fp8: every rank ran, each step, the fp8 matmuls of the layers its layout
+    converts (labkit/oracle/float8.py); a run that says fp8 and computes in bf16 fails here by name."""
+    return [Mismatch("float8", m) for m in float8_problems(result)]
+
+
 def working_weights(result) -> list[Mismatch]:
     """The weights forward reads (GradSync.compute_pieces) equal the masters rounded to the compute
     dtype, bit for bit: a stale gather or a working copy not refreshed after the update shows here."""
@@ -165,15 +176,24 @@ def gradients(result, held, within: Bounds, show: int = 6) -> list[Mismatch]:
         if missing:
             return [Mismatch("gradients", f"step {step}'s gradients missing from the run: {missing}")]
         # error over its floored scale, over its own bound: > 1 fails (NaN too)
-        over = {n: ratio(e, scale) / within.grad(n) for n, (e, scale) in tensor_errors(run, own).items()}
+        over = {n: ratio(e, scale) / within.grad(n, step) for n, (e, scale) in tensor_errors(run, own).items()}
         bad = [n for n, x in over.items() if _over(x, 1.0)]
-        # the worst first, NaN worst of all: the `show` listed are the ones that matter most
-        bad.sort(key=lambda n: -np.nan_to_num(over[n], nan=np.inf))
+        # the furthest off first (relative to its scale), NaN worst of all: the `show` listed matter most
+        bad.sort(key=lambda n: -np.nan_to_num(over[n] * within.grad(n, step), nan=np.inf))
+        c = uniform_factor(run, own, partial(within.grad, step=step)) if len(bad) == len(own) else None
+        if c is not None:  # one factor on every tensor: a division, a count or a scale, not a tensor's bug
+            out.append(
+                Mismatch(
+                    "gradients",
+                    f"every tensor's step {step} reduced gradient is {c:.4g} times the reference's "
+                    f"(all {len(own)} within their bounds of that multiple)",
+                )
+            )
         out += [
             Mismatch(
                 "gradients",
-                f"{n}: step {step}'s reduced gradient is {over[n] * within.grad(n):.3g} (relative, floored) "
-                f"from the reference's > {within.grad(n):.3g}",
+                f"{n}: step {step}'s reduced gradient is {over[n] * within.grad(n, step):.3g} (relative, floored) "
+                f"from the reference's > {within.grad(n, step):.3g}",
             )
             for n in bad[:show]
         ] + (
@@ -184,6 +204,23 @@ def gradients(result, held, within: Bounds, show: int = 6) -> list[Mismatch]:
         if bad:  # the first step a gradient goes wrong is where to look; later ones follow from it
             return out
     return out
+
+
+def uniform_factor(run: dict, own: dict, bound) -> float | None:
+    """c where every tensor's gradient is c·g_ref within its bound (`bound(name)`, relative to its floored
+    scale, taken at c's size), else None. Each tensor's least-squares factor is g·g_ref / g_ref·g_ref."""
+    factors = {}
+    for n, r in own.items():
+        r = r.astype(np.float64).reshape(-1)
+        if float(r @ r):
+            factors[n] = float(run[n].astype(np.float64).reshape(-1) @ r) / float(r @ r)
+    if not factors or not all(np.isfinite(list(factors.values()))):
+        return None
+    c = float(np.median(list(factors.values())))
+    for n, (e, scale) in tensor_errors({n: run[n] / c for n in own} if c else run, own).items():
+        if not e <= bound(n) * scale:
+            return None
+    return c
 
 
 def padding(result) -> list[Mismatch]:
@@ -285,7 +322,7 @@ def buffers(result, held, bound: float) -> list[Mismatch]:
     replay routes as the run routed where the two tie: bf16 runs are held as fp32 ones. Against a plain
     reference only after one step in fp32: the first update's loads come from the same weights on both sides
     (in bf16 a tie may route apart, which only the replay follows)."""
-    plain_ok = len(held.losses) == 1 and not numerics(result.config.precision).mixed
+    plain_ok = len(held.losses) == result.steps == 1 and not numerics(result.config.precision).mixed
     if result.buffers is None or not held.buffers or (held.replayed is None and not plain_ok):
         return []
     missing = sorted(set(held.buffers) - set(result.buffers))
@@ -309,10 +346,12 @@ def mismatches(result, ref, within: Bounds | None = None) -> list[Mismatch]:
     # in the module docstring's order: the most basic failure is named first
     found = finite(result) + steps(result, ref)
     found += [Mismatch("replicas", str(i)) for i in result.piece_issues if i.kind == "differs"]
-    found += working_weights(result) + padding(result) + routing(held)
+    found += float8(result) + working_weights(result) + padding(result) + routing(held)
     found += gradients(result, held, b)
     found += (
-        losses(result, held, b.losses) + validation(result, held, b.losses) + grad_norms(result, held, b.grad_norms)
+        losses(result, held, b.losses)
+        + validation(result, held, b.losses if b.validation is None else b.validation)
+        + grad_norms(result, held, b.grad_norms)
     )
     return found + parameters(result, held, b.params) + buffers(result, held, b.params)
 
@@ -351,7 +390,11 @@ def margins(result, ref, within: Bounds | None = None) -> dict[str, float]:
     pairs = gradient_pairs(result, held)
     if pairs:
         out["gradients"] = worst(
-            [ratio(e, scale) / b.grad(n) for run, own in pairs for n, (e, scale) in tensor_errors(run, own).items()]
+            [
+                ratio(e, scale) / b.grad(n, step)
+                for step, (run, own) in enumerate(pairs)
+                for n, (e, scale) in tensor_errors(run, own).items()
+            ]
         )
     if result.params is not None and held.replayed is not None:
         out["parameters"] = model_error(result.params, held.params) / b.params

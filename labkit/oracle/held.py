@@ -1,5 +1,6 @@
 """What a run is held to: the reference replayed along it where it brought every step's gradients back
-(labkit/oracle/replay.py), else the plain reference's first step; and the bounds of its precision
+(labkit/oracle/replay.py), else the reference's first step; each computed in the arithmetic the run's
+reference computes in (labkit/oracle/arithmetic.py), with the bounds of that arithmetic
 (labkit/oracle/bounds.py). The checks (checks.py) read both from here.
 """
 
@@ -10,56 +11,92 @@ import weakref
 import numpy as np
 
 from labkit.config.choices import numerics
-from labkit.oracle.bounds import Bounds, bounds, paths
-from labkit.oracle.bounds_fp8 import reference_problems
+from labkit.oracle.arithmetic import arithmetic, extra_roundings
+from labkit.oracle.bounds import Bounds, bounds, paths, shared_bounds
+from labkit.oracle.reference import train
 from labkit.oracle.replay import replay
 
 
 def replayed(result, ref):
-    """`ref` replayed along `result` (labkit/oracle/replay.py), once per pair: None where the run brought
-    back no gradients of its later steps (return_params=False, or a result read from a file)."""
+    """`ref` replayed along `result` in the run's reference arithmetic (labkit/oracle/replay.py), once per
+    pair: None where the run brought back no gradients of its later steps (return_params=False, or a
+    result read from a file)."""
     if not result.step_grads or len(result.step_grads) != result.steps:
         return None
-    key = (id(result), id(ref))
-    if key not in _REPLAYS:
-        _REPLAYS[key] = replay(result, ref)
+    return _once(("replay", id(result), id(ref)), result, ref, lambda: replay(result, ref, arithmetic(result)))
+
+
+def first_step(result, ref):
+    """The first step of `ref`'s training computed in the run's reference arithmetic, once per pair: what a
+    run without every step's gradients is held to (after one update the optimizer has amplified a rounding,
+    replay.py)."""
+
+    def compute():
+        arith = arithmetic(result)
+        known = lambda mine, run: run if mine is None else mine  # noqa: E731 - a field an older Reference lacks
+        import torch  # the reference trains here (the oracle's import does not load torch)
+
+        before = torch.get_num_threads()
+        if arith.threads is not None:
+            torch.set_num_threads(arith.threads)
+        try:
+            return train(
+                ref.model,
+                1,
+                known(ref.seed, result.seed),
+                known(ref.global_batch, result.config.global_batch),
+                arith.precision,
+                known(ref.optim, result.optim),
+                arith.shards,
+                ref.data,
+                fp8_recipe=result.config.fp8_recipe,
+                microbatches=arith.microbatches,
+                spread=arith.shared,
+            )
+        finally:
+            torch.set_num_threads(before)
+
+    return _once(("first", id(result), id(ref)), result, ref, compute)
+
+
+def _once(key, result, ref, compute):
+    if key not in _HELD:
+        _HELD[key] = compute()
         # gone with either: an id is reused once its object is collected
-        weakref.finalize(result, _REPLAYS.pop, key, None)
-        weakref.finalize(ref, _REPLAYS.pop, key, None)
-    return _REPLAYS[key]
+        weakref.finalize(result, _HELD.pop, key, None)
+        weakref.finalize(ref, _HELD.pop, key, None)
+    return _HELD[key]
 
 
-_REPLAYS: dict[tuple[int, int], object] = {}
+_HELD: dict[tuple, object] = {}
 
 
 def judged(result, ref, within: Bounds | None = None):
     """(the reference the run is held to, its bounds): the replay where the run brought its gradients back,
-    with one step's bounds at every step; else the plain reference, whose steps after the first are held
-    by nothing (the optimizer's amplification of a rounding, replay.py), and `ref`'s first step alone."""
-    if numerics(result.config.precision).fp8:
-        wrong = reference_problems(result.config, ref)
-        if wrong:
-            raise ValueError(wrong[0])
-    elif numerics(ref.precision).mixed:
-        raise ValueError(
-            f"the oracle is the fp32 reference (reference(..., precision='fp32')), not {ref.precision!r}: "
-            "bf16 runs are held to bounds derived against it (labkit/oracle/bounds.py)"
-        )
-    # bf16's bounds grow with the roundings on each gradient's chain, counted on the computation (bounds.paths)
+    with one step's bounds at every step; else the first step alone, whose steps after it are held by
+    nothing (the optimizer's amplification of a rounding, replay.py). `ref` gives the model, seed, global
+    batch, optimizer and data; the arithmetic is the run's reference's, whatever `ref` computed in."""
+    rep = replayed(result, ref)
+    held = rep if rep is not None else first_step(result, ref)
+    if within is not None:
+        return held, within
     mixed = numerics(result.config.precision).mixed
-    b = within or bounds(
+    # bf16's bounds against the fp32 (or fp8) reference grow with the roundings on each gradient's chain,
+    # counted on the computation (bounds.paths); with the run's own arithmetic only the reduction's differ
+    general = bounds(
         result.config.precision,
         paths(result.model, result.config) if mixed else None,
         result.config,
         result.model.layers,
     )
-    rep = replayed(result, ref)
-    return (rep if rep is not None else ref), b
+    if held.step_spread:
+        return held, shared_bounds(held, extra_roundings(result), general)
+    return held, general
 
 
 def held_steps(result, held) -> int:
-    """How many steps' losses and norms are held: every step under a replay, the first alone against a
-    plain reference (after one update the optimizer has amplified a rounding: replay.py)."""
+    """How many steps' losses and norms are held: every step under a replay, the first alone else
+    (after one update the optimizer has amplified a rounding: replay.py)."""
     return len(held.losses) if held.replayed is not None else min(1, len(held.losses))
 
 

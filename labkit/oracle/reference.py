@@ -1,9 +1,10 @@
 """The oracle: one process, no parallelism, the whole global batch at once.
 
-Every layout must reproduce its losses, gradient norms, first-step gradients and final
-parameters (labkit/oracle/checks.py; the fp32 reference is the oracle of bf16 layouts too, with bounds
-derived from bf16's rounding in labkit/oracle/bounds.py). It shares only the model, the data and the
-optimizer formula with the engines, never a strategy, so a bug in a strategy cannot hide in it.
+Every layout must reproduce its losses, gradient norms, gradients and final parameters
+(labkit/oracle/checks.py), held to this reference replayed along the run in the run's own arithmetic
+where one process computes it (labkit/oracle/arithmetic.py: a bf16 or fp8 layout that splits only the
+batch), else in fp32, with the bounds of labkit/oracle/bounds.py. It shares only the model, the data
+and the optimizer formula with the engines, never a strategy, so a bug in a strategy cannot hide in it.
 """
 
 from __future__ import annotations
@@ -16,6 +17,10 @@ from labkit.config import ConfigError, ModelConfig, OptimConfig
 from labkit.config.choices import Data, Precision, numerics, trains_on_text
 from labkit.config.float8 import Fp8Recipe, float8_scaling
 from labkit.config.validation import data_problems
+
+FP32_SUMS = 1e-5
+"""How far two fp32 norms of the same gradients, summed in two orders, may differ (relative): fp32's bound
+(DERIVATIONS.md, "The oracle's bounds")."""
 
 
 @dataclass
@@ -58,6 +63,12 @@ class Reference:
     """Sequences per step; None where unknown."""
     optim: OptimConfig | None = None
     """The optimizer it stepped with; None where unknown."""
+    microbatches: int = 1
+    """Consecutive shards that one data rank accumulates: each shard's loss divided by it before its
+    backward, the shards' sum by the data ranks (shards / microbatches), as a layout's ranks do."""
+    step_spread: list[dict[str, float]] = field(default_factory=list, repr=False)
+    """A shared-arithmetic replay's, per step and parameter: ||Σ_s |g_s| / data ranks||, the size of what
+    the reduction sums (labkit/oracle/bounds.py `shared_bounds`); empty otherwise."""
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
         """`tokens` bytes that continue `prompt`, sampled from the final parameters, as
@@ -93,9 +104,8 @@ def reference(
     bf16 before the sum, and AdamW turns any gradient element whose sign that rounding flips
     into a full step of lr the other way (checks.py). One process splitting its batch in two
     already moves a LayerNorm bias of the tiny test model by 25% (relative L2) against the
-    unsplit run, with no parallel code involved: one reason the checks hold bf16 layouts to the
-    fp32 reference with bf16-derived bounds, and compare per tensor only the first step's
-    gradients.
+    unsplit run, with no parallel code involved: why the oracle replays a bf16 layout's reference
+    split as the layout splits its batch (labkit/oracle/arithmetic.py), and replays it along the run.
 
     threads: intra-op threads for this run (default: leave torch's setting). bf16 results depend
     on how a kernel splits its work: the same bf16 run on 1 and on 2 threads differs by ~1e-2 in
@@ -130,11 +140,25 @@ def reference(
 
 
 def train(
-    model, steps, seed, global_batch, precision, optim, shards, data, follow=None, fp8_recipe: Fp8Recipe = "tensorwise"
+    model,
+    steps,
+    seed,
+    global_batch,
+    precision,
+    optim,
+    shards,
+    data,
+    follow=None,
+    fp8_recipe: Fp8Recipe = "tensorwise",
+    *,
+    microbatches: int = 1,
+    spread: bool = False,
 ) -> Reference:
     """reference()'s loop. `follow` (labkit/oracle/replay.py `Follow`): each step's gradients are
-    still computed here, but the update applies the run's (follow.grads), and MoE layers route as the
-    run routed where the two tie (follow.install)."""
+    still computed here, but the update applies the run's (follow.grads), clipped by the run's own norm
+    (follow.norm), and MoE layers route as the run routed where the two tie (follow.install).
+    `microbatches`: the consecutive shards of one data rank (Reference.microbatches); `spread`: keep the
+    size of each step's shard sum per parameter (Reference.step_spread)."""
     import torch
 
     from labkit.engines import data as batches
@@ -150,32 +174,46 @@ def train(
     names, params = zip(*net.named_parameters())
     opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
     compute = compute_copy(net, precision, fp8_recipe)  # the module that runs forward/backward
-    losses, norms, every = [], [], []
+    losses, norms, every, spreads = [], [], [], []
     for step in range(steps):
         if follow is not None:
             follow.install(compute.module, step)
         tokens, targets = batches.batch(data, step, seed, global_batch, model)
-        loss, grads = 0.0, None
+        loss, grads, size = 0.0, None, None
         for i in range(shards):
+            if follow is not None:
+                follow.shard(i, shards, global_batch)
             # each shard's mean loss; their sum is divided by `shards` below, as data ranks' means are averaged
             part = compute.module(batches.shard(tokens, i, shards), batches.shard(targets, i, shards))
-            part.backward()
+            # a microbatch's loss divided before its backward, as engines/accumulate.py divides it
+            (part / microbatches if microbatches > 1 else part).backward()
             loss = loss + part.detach()
             # each shard's gradient as fp32 master gradients, summed here in fp32, as a layout's reduction sums;
             # zeroed after, so autograd never accumulates shards in the compute dtype
             mine = compute.master_grads()
             grads = mine if grads is None else [a + b for a, b in zip(grads, mine)]
+            if spread:
+                size = [g.abs() for g in mine] if size is None else [a + g.abs() for a, g in zip(size, mine)]
             compute.zero_grads()
         if shards > 1:
-            loss, grads = loss / shards, [g / shards for g in grads]
+            loss, grads = loss / shards, [g / (shards // microbatches) for g in grads]
+        if spread:
+            spreads.append({n: float((s / (shards // microbatches)).norm()) for n, s in zip(names, size)})
         norm = grad_norm(grads)
         if step == 0 or follow is not None:  # a plain reference keeps the first alone: a long run's would not fit
             every.append({n: g.detach().float().numpy().copy() for n, g in zip(names, grads)})
         # the run's own gradients where the reference replays it: what a difference in them does
         # through AdamW is the optimizer's, not the layout's (DERIVATIONS.md, "The oracle's bounds")
         applied = grads if follow is None else follow.grads(step, names, grads)
-        # clipped by the global norm, before the update, as every layout does
-        opt.step(applied, clip_coefficient(grad_norm(applied) if follow is not None else norm, optim.clip))
+        # clipped by the global norm, before the update, as every layout does; a replay by the norm of the run's
+        # gradients, and by the one the run reported where the two agree to fp32's rounding of their sums, so
+        # that the same gradients make the same update bit for bit (a wrong reported norm: checks.grad_norms)
+        clip_by = norm
+        if follow is not None:
+            clip_by, ran = grad_norm(applied), follow.norm(step)
+            if ran is not None and abs(ran - float(clip_by)) <= FP32_SUMS * float(clip_by):
+                clip_by = ran
+        opt.step(applied, clip_coefficient(clip_by, optim.clip))
         update_expert_bias(compute.module.modules())  # the whole global batch's loads, on one process
         # the compute copy taken again from the updated masters (bf16: rounded)
         compute.after_step()
@@ -203,4 +241,6 @@ def train(
         seed,
         global_batch,
         optim,
+        microbatches,
+        spreads,
     )

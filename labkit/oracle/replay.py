@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from labkit.config.choices import numerics
+from labkit.oracle.arithmetic import Arithmetic
 from labkit.oracle.bounds import UNIT_ROUNDOFF
 from labkit.oracle.reference import Reference, train
 
@@ -56,6 +57,13 @@ class Follow:
         self.result = result
         self.record = Replayed()
         self.u_run = UNIT_ROUNDOFF["bf16" if numerics(result.config.precision).mixed else "fp32"]
+        self.rows = slice(None)  # the global batch's rows the current forward computes (`shard`)
+
+    def shard(self, index: int, count: int, size: int) -> None:
+        """The next forward computes shard `index` of `count` of the step's `size` sequences (the rows
+        data.shard cuts): the run's routing of those rows is what it follows."""
+        rows = size // count
+        self.rows = slice(index * rows, (index + 1) * rows)
 
     def install(self, module, step: int) -> None:
         """Route every MoE layer of `module` as the run routed at `step`, where the two tie."""
@@ -66,6 +74,13 @@ class Follow:
         for m in module.modules():
             if isinstance(m, MoE):
                 m.follow = None if m.layer not in routes else _Route(self, step, routes[m.layer][step])
+
+    def norm(self, step: int) -> float | None:
+        """The global gradient norm the run clipped `step` with (every rank computes it after its
+        reduction: rank 0's), so that the replay's update of the run's gradients is the run's; None where it
+        reported none (the replay then clips by the norm of the run's gradients)."""
+        norms = self.result.ranks[0].grad_norms if self.result.ranks else []
+        return norms[step] if step < len(norms) else None
 
     def grads(self, step: int, names, own) -> list:
         """The run's reduced gradients of `step`, as the tensors the optimizer takes (in `names`' order)."""
@@ -91,20 +106,21 @@ class _Route:
     def __call__(self, moe, x, logits, own):
         import torch
 
-        run = torch.from_numpy(self.experts.astype(np.int64)).to(own.device)  # (B, S, k)
+        run = torch.from_numpy(self.experts[self.follow.rows].astype(np.int64)).to(own.device)  # (b, s, k)
         differ = (run.sort(-1)[0] != own.sort(-1)[0]).any(-1)  # (B, S)
         if not differ.any():
             return own
         bound = error_bound(moe, x, self.follow.u_run)  # (B, S, E)
         ok, excess = legitimate(moe, logits.detach(), bound, run)
         take = differ & ok & (run >= 0).all(-1)
-        self.follow.record.flips[-1][moe.layer] = int(take.sum())
+        flips = self.follow.record.flips[-1]
+        flips[moe.layer] = flips.get(moe.layer, 0) + int(take.sum())  # summed over the step's shards
         for row, pos in (differ & ~take).nonzero().tolist():
             self.follow.record.refused.append(
                 {
                     "step": self.step,
                     "layer": moe.layer,
-                    "row": row,
+                    "row": row + (self.follow.rows.start or 0),
                     "position": pos,
                     "run": run[row, pos].tolist(),
                     "own": own[row, pos].tolist(),
@@ -144,24 +160,35 @@ def legitimate(moe, logits, bound, run):
     return ok, excess
 
 
-def replay(result, ref) -> Reference:
+def replay(result, ref, arith: Arithmetic) -> Reference:
     """`ref`, the reference the run is held to, trained again along the run (the module docstring): its
-    own model, seed, global batch, optimizer, data, precision and shards, each step's update applying the
-    run's gradients of that step instead of its own. Needs the run's gradients of every step
-    (return_params=True). A reference of another run (another seed, batch, optimizer) stays another
-    run's: its own gradients and updates show the difference from the first step on."""
+    own model, seed, global batch, optimizer and data, in the arithmetic `arith` (labkit/oracle/arithmetic.py:
+    the run's precision, batch split and threads where the run's arithmetic is one process's), each step's
+    update applying the run's gradients of that step instead of its own. Needs the run's gradients of
+    every step (return_params=True). A reference of another run (another seed, batch, optimizer) stays
+    another run's: its own gradients and updates show the difference from the first step on."""
+    import torch
+
     if not result.step_grads:
         raise ValueError("replay needs the run's gradients of every step: run it with return_params=True")
     known = lambda mine, run: run if mine is None else mine  # noqa: E731 - a field an older Reference lacks
-    return train(
-        ref.model,
-        result.steps,
-        known(ref.seed, result.seed),
-        known(ref.global_batch, result.config.global_batch),
-        ref.precision,
-        known(ref.optim, result.optim),
-        ref.shards,
-        ref.data,
-        follow=Follow(result),
-        fp8_recipe=ref.fp8_recipe,
-    )
+    before = torch.get_num_threads()
+    if arith.threads is not None:  # a bf16 kernel's result depends on how many threads split its work
+        torch.set_num_threads(arith.threads)
+    try:
+        return train(
+            ref.model,
+            result.steps,
+            known(ref.seed, result.seed),
+            known(ref.global_batch, result.config.global_batch),
+            arith.precision,
+            known(ref.optim, result.optim),
+            arith.shards,
+            ref.data,
+            follow=Follow(result),
+            fp8_recipe=result.config.fp8_recipe,
+            microbatches=arith.microbatches,
+            spread=arith.shared,
+        )
+    finally:  # the notebook's own thread count comes back, whatever the replay did
+        torch.set_num_threads(before)

@@ -24,14 +24,12 @@ ranks' job, the reports) is labkit/cluster/verify_run.py.
 
 from __future__ import annotations
 
-import copy
 from math import prod
 
 from labkit.config import ConfigError
 from labkit.config.choices import PRECISIONS, numerics
 from labkit.engines.verify import as_loss, canonical_names, fingerprints, read_tensors
 from labkit.oracle.bounds import Bounds, bounds
-from labkit.oracle.rounding import depths
 
 DATA_DIMS = ("dp", "dp_replicate", "dp_shard", "fsdp", "ddp", "hsdp")
 """Mesh dims that split the batch when `data_dims` is not given (torchtitan's names and labkit's)."""
@@ -137,20 +135,27 @@ def reference_steps(built: dict, fns: dict, steps: int, run_grads: list[dict]) -
     return {**built, "grads": grads, "losses": losses, "final": final}
 
 
-def verify_bounds(precision: str, built: dict, fns: dict, mesh: dict, data_dims: tuple) -> Bounds:
-    """The bounds the user's run is held to: fp32's; bf16's with each tensor's roundings counted on
-    build()'s own fp32 computation, every op that computes counted as one (labkit/oracle/rounding.py:
-    the user's parallelize may run any of them in bf16), plus what the mesh adds (bounds.layout_roundings
-    with every dim that does not split the batch taken as tensor-parallel, which adds the most)."""
-    if not numerics(precision).mixed:
-        return bounds(precision)
+def block_count(model) -> int:
+    """The blocks of `build()`'s model: its longest nn.ModuleList (the layers a TP plan splits)."""
     import torch
 
-    model = copy.deepcopy(built["model"])
-    torch.manual_seed(0)
-    counted = depths(model, lambda m: fns["loss"](m, fns["batch"](0)).backward(), every_op=True)
-    names = built["names"]
-    layers = max((len(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), default=1)
+    return max((len(m) for m in model.modules() if isinstance(m, torch.nn.ModuleList)), default=1)
+
+
+def verify_bounds(precision: str, reports: list[dict], names, mesh: dict, data_dims: tuple, layers: int) -> Bounds:
+    """The bounds the user's run is held to: fp32's; bf16's with each tensor's roundings counted on the
+    ranks' own step (engines/verify.py: every op of the parallelized graph whose result is bf16 and not a
+    copy, engines/meters/rounding.py), the most of any rank, plus what the mesh adds (bounds.layout_roundings
+    with every dim that does not split the batch taken as tensor-parallel, which adds the most). A tensor
+    no rank counted (its gradient made where the count could not see, or on no rank) gets the deepest.
+    `names`: build()'s parameters."""
+    if not numerics(precision).mixed:
+        return bounds(precision)
+    counted: dict[str, int] = {}
+    for r in reports:
+        for n, d in r.get("roundings", {}).items():
+            counted[n] = max(counted.get(n, 0), d)
+    deepest = max(counted.values(), default=0)
     split = prod(mesh[d] for d in mesh if d not in data_dims)
     extra = 1 + 4 * layers * (split - 1)  # the data reduction's rounding; the other dims' partial sums
-    return bounds(precision, {names[n]: d + extra for n, d in counted.items() if n in names})
+    return bounds(precision, {n: counted.get(n, deepest) + extra for n in names})

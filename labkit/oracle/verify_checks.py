@@ -216,7 +216,10 @@ def gradients(steps: list[dict], ref: dict, within: Bounds, held: dict | None = 
 
 
 def uniform_factor(full: dict, ref: dict, bound: float) -> float | None:
-    """c where every tensor's first-step gradient is c·g_ref (|c - 1| beyond the bound), else None."""
+    """c where every tensor's first-step gradient is c·g_ref (|c - 1| beyond the bound), else None: each
+    tensor within FACTOR_TOL of the line, or within the bound where the bound is wider (bf16's roundings
+    move every tensor off the line by up to the bound)."""
+    tol = max(FACTOR_TOL, bound)
     factors = []
     for n, r in ref["grads"][0].items():
         r = r.astype(np.float64).reshape(-1)
@@ -227,13 +230,13 @@ def uniform_factor(full: dict, ref: dict, bound: float) -> float | None:
             return None
         g = full[n].astype(np.float64).reshape(-1)
         c = float(g @ r) / rr  # the least-squares factor of this tensor
-        if not np.isfinite(c) or np.linalg.norm(g - c * r) > FACTOR_TOL * max(abs(c), 1e-30) * rr**0.5:
+        if not np.isfinite(c) or np.linalg.norm(g - c * r) > tol * max(abs(c), 1e-30) * rr**0.5:
             return None
         factors.append(c)
     if not factors:
         return None
     c = float(np.median(factors))
-    if any(abs(f - c) > FACTOR_TOL * abs(c) for f in factors) or abs(c - 1) <= 10 * bound:
+    if any(abs(f - c) > 2 * tol * abs(c) for f in factors) or abs(c - 1) <= tol:
         return None
     return c
 

@@ -73,6 +73,11 @@ class RankReport:
     grad_norms: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     info: dict = field(default_factory=dict)
+    threads: int = 0
+    """The rank's intra-op threads (0: not reported): how its bf16 kernels split their work."""
+    float8_matmuls: list[dict[str, int]] = field(default_factory=list)
+    """precision='fp8': per step, the fp8 matmuls the rank ran, {'forward': n, 'backward': n}
+    (engines/meters/float8.py); empty otherwise."""
 
 
 def _event(d: dict, t0: float, offset: float) -> Event:
@@ -207,6 +212,8 @@ class RunResult(RankViews):
                 grad_norms=r.get("grad_norms", []),
                 step_times=r.get("step_times", []),
                 info=r.get("info", {}),
+                threads=r.get("threads", 0),
+                float8_matmuls=r.get("float8_matmuls", []),
             )
             for r in active
         ]
