@@ -2,7 +2,8 @@
 
 Every draw is a layout labkit builds, on a model of one of the families (gpt, gpt2, llama, a
 Mixtral-shaped MoE, a DeepSeek-V3-shaped MoE with its sigmoid router, groups, shared expert and
-dense first block, DeepSeek-V3's MLA), a seed, a precision, microbatches and steps — drawn by a
+dense first block, DeepSeek-V3's MLA), a seed, a precision (fp32, bf16 twice as often, fp8), microbatches
+and steps — drawn by a
 seeded generator, so a sweep is repeatable. A draw that labkit refuses (validation.problems) is
 drawn again. Each run is judged by `labkit.oracle.checks` against the reference replayed along it
 (labkit/oracle/replay.py): a mismatch on a correct run is a false alarm, and the sweep's verdict is
@@ -72,7 +73,7 @@ def draw(rng: random.Random) -> tuple[str, ModelConfig, ParallelConfig, int, int
         if rng.random() < 0.5:  # another depth or width of the same family
             model = model.replace(layers=max(model.layers + rng.choice([-1, 1]), 1 + model.dense_layers))
         fields = dict(rng.choice(LAYOUTS))
-        fields["precision"] = rng.choice(["fp32", "fp32", "bf16"])
+        fields["precision"] = rng.choice(["fp32", "bf16", "bf16", "fp8"])  # most runs mixed: where people train
         fields["microbatches"] = rng.choice([1, 1, 2, 4])
         fields["global_batch"] = rng.choice([4, 8, 8, 16])
         try:
@@ -88,10 +89,12 @@ def sweep(lab, runs: int, seed: int, progress=print) -> dict:
     """`runs` draws of the generator seeded `seed`, each run and judged. Returns the counts, the
     largest margin per check, the flips and every false alarm (with its draw, to rerun it)."""
     from labkit import reference
+    from labkit.oracle.arithmetic import arithmetic
     from labkit.oracle.checks import margins, mismatches
 
     rng = random.Random(seed)
     out = {"runs": 0, "false_alarms": [], "worst": {}, "flips": 0, "by_family": {}, "by_precision": {}, "seconds": 0.0}
+    out["by_arithmetic"] = {}
     t0 = time.monotonic()
     for i in range(runs):
         family, model, cfg, s, steps = draw(rng)
@@ -101,9 +104,13 @@ def sweep(lab, runs: int, seed: int, progress=print) -> dict:
         over = margins(res, ref)
         out["runs"] += 1
         out["flips"] += int(over.pop("flips", 0))
+        # the largest margin per check and per bound's kind: one rounding (shared arithmetic), fp32's, the chain's
+        kind = "shared" if arithmetic(res).shared else "fp32" if cfg.precision == "fp32" else "counted"
+        out["by_arithmetic"][kind] = out["by_arithmetic"].get(kind, 0) + 1
         for k, v in over.items():
-            if v > out["worst"].get(k, (-1.0,))[0]:
-                out["worst"][k] = (v, f"{family} {label(cfg)} seed {s} steps {steps}")
+            key = f"{k} ({kind})"
+            if v > out["worst"].get(key, (-1.0,))[0]:
+                out["worst"][key] = (v, f"{family} {label(cfg)} seed {s} steps {steps}")
         out["by_family"][family] = out["by_family"].get(family, 0) + 1
         out["by_precision"][cfg.precision] = out["by_precision"].get(cfg.precision, 0) + 1
         if found:
@@ -137,7 +144,8 @@ def main(argv=None) -> int:
     print(
         f"\n{out['runs']} correct runs, {len(out['false_alarms'])} false alarm(s), "
         f"{out['flips']} routing ties followed, "
-        f"{out['seconds']:.0f} s; by family {out['by_family']}, by precision {out['by_precision']}"
+        f"{out['seconds']:.0f} s; by family {out['by_family']}, by precision {out['by_precision']}, "
+        f"by the reference's arithmetic {out['by_arithmetic']}"
     )
     for k, (v, where) in sorted(out["worst"].items()):
         print(f"  largest {k} margin {v:.3g}  ({where})")

@@ -86,11 +86,31 @@ def _not_shared(cfg, devices: set, threads: set) -> str:
         return "torch.compile fuses the blocks' kernels"
     if cfg.torch_impl and (cfg.numerics.fp8 or cfg.sharding not in ("fsdp", "zero3")):
         return "PyTorch's strategy computes its own way (FSDP2 casts its fp32 shard to fp8)"
+    if cfg.torch_impl:  # FSDP2 in bf16: one process's forward and backward, PyTorch's AdamW and clip after
+        return "PyTorch's AdamW and clip_grad_norm_ update the masters in their own arithmetic (`first_shared`)"
     if devices != {"cpu"}:
         return f"the ranks compute on {sorted(devices)}, the reference on this process's CPU"
     if len(threads) != 1 or 0 in threads:
         return f"the ranks' intra-op threads ({sorted(threads)}) are not one known count"
     return ""
+
+
+def first_shared(result) -> Arithmetic | None:
+    """The arithmetic of `result`'s first step where only that step's is one process's (None elsewhere):
+    FSDP2 in bf16 computes each data rank's forward and backward as one process does, but PyTorch's AdamW
+    and clip_grad_norm_ round the masters' update otherwise than labkit's (a clip coefficient computed in
+    fp32 tensors; measured: masters 1e-8 apart after three steps, bf16 weights flipping where they straddle
+    a rounding), so the steps after the first are the counted bound's. The first step's masters are the
+    init, the same on both sides."""
+    cfg = result.config
+    if not (cfg.torch_impl and cfg.numerics.mixed and not cfg.numerics.fp8 and cfg.sharding in ("fsdp", "zero3")):
+        return None
+    base = cfg.replace(impl="lab")
+    threads = {rk.threads for rk in result.ranks}
+    if _not_shared(base, {rk.device for rk in result.ranks}, threads):
+        return None
+    m = cfg.microbatches
+    return Arithmetic(cfg.precision, cfg.dp * cfg.ep * m, m, threads.pop(), True, "shared at the first step")
 
 
 def expert_tensors(model) -> frozenset[str]:
@@ -104,13 +124,17 @@ def expert_tensors(model) -> frozenset[str]:
 def extra_roundings(result) -> dict[str, int]:
     """Per parameter, the roundings a shared-arithmetic run makes or skips beyond its reduction's, each
     bounded by u times the sum of the shards' |gradients| (module docstring): 2 for an expert's under EP,
-    1 for a tied embedding's under PP."""
+    1 for a tied embedding's under PP, and M - 1 for every tensor where ZeRO-2/3 or FSDP add each of M
+    microbatches' reduced gradients into their bf16 slice (engines/parallel/zero.py, zero3.py: without a
+    pipeline they keep no full gradient to sum them in fp32)."""
     cfg, model = result.config, result.model
-    out = {}
+    out: dict[str, int] = {}
+    if cfg.microbatches > 1 and cfg.pp == 1 and cfg.sharding in ("zero2", "zero3", "fsdp") and not cfg.torch_impl:
+        out = {n: cfg.microbatches - 1 for n, _ in param_shapes(model)}
     if cfg.ep > 1:
-        out.update({n: 2 for n in expert_tensors(model)})
+        out.update({n: out.get(n, 0) + 2 for n in expert_tensors(model)})
     if cfg.pp > 1 and model.tied:
-        out["embed.tok.weight"] = 1
+        out["embed.tok.weight"] = out.get("embed.tok.weight", 0) + 1
     return out
 
 

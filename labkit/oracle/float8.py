@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from labkit.config.choices import numerics
 from labkit.layout.float8 import float8_weights
+from labkit.layout.schedules import stage_of, style
 from labkit.theory.exact.pipeline import chunk_full_shapes
 
 MATMULS = {"forward": 1, "backward": 2}
@@ -20,9 +21,18 @@ MATMULS = {"forward": 1, "backward": 2}
 
 def expected(cfg, model, pp_rank: int) -> dict[str, int]:
     """{'forward': n, 'backward': n}: the fp8 matmuls one step of the rank at pipeline coordinate `pp_rank`
-    runs: every converted linear of its chunks (a tp rank its slice of each), per microbatch."""
-    layers = sum(len(float8_weights(chunk)) for chunk in chunk_full_shapes(cfg, model, pp_rank))
-    return {phase: n * layers * cfg.microbatches for phase, n in MATMULS.items()}
+    runs: every converted linear of its chunks (a tp rank its slice of each), per microbatch. A schedule that
+    splits backward into B and W (zero-bubble: engines/parallel/pipeline/'s executor) runs the fp8 Function's
+    backward in each on a chunk with a stage before it, both matmuls each time (a Function's backward cannot
+    return one of its gradients alone); the first stage's B has no input to differentiate, and W runs once."""
+    out = {"forward": 0, "backward": 0}
+    for c, chunk in enumerate(chunk_full_shapes(cfg, model, pp_rank)):
+        layers = len(float8_weights(chunk)) * cfg.microbatches
+        stage = stage_of(pp_rank, c, cfg.pp, style(cfg.schedule)) if cfg.pp > 1 else 0
+        twice = cfg.pp > 1 and cfg.pipeline.splits_backward and stage > 0
+        out["forward"] += MATMULS["forward"] * layers
+        out["backward"] += MATMULS["backward"] * layers * (2 if twice else 1)
+    return out
 
 
 def float8_problems(result) -> list[str]:

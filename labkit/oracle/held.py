@@ -11,7 +11,7 @@ import weakref
 import numpy as np
 
 from labkit.config.choices import numerics
-from labkit.oracle.arithmetic import arithmetic, extra_roundings
+from labkit.oracle.arithmetic import arithmetic, extra_roundings, first_shared
 from labkit.oracle.bounds import Bounds, bounds, paths, shared_bounds
 from labkit.oracle.reference import train
 from labkit.oracle.replay import replay
@@ -26,13 +26,13 @@ def replayed(result, ref):
     return _once(("replay", id(result), id(ref)), result, ref, lambda: replay(result, ref, arithmetic(result)))
 
 
-def first_step(result, ref):
-    """The first step of `ref`'s training computed in the run's reference arithmetic, once per pair: what a
-    run without every step's gradients is held to (after one update the optimizer has amplified a rounding,
-    replay.py)."""
+def first_step(result, ref, arith=None):
+    """The first step of `ref`'s training computed in the run's reference arithmetic (or `arith`), once per
+    pair: what a run without every step's gradients is held to (after one update the optimizer has
+    amplified a rounding, replay.py)."""
+    arith = arith or arithmetic(result)
 
     def compute():
-        arith = arithmetic(result)
         known = lambda mine, run: run if mine is None else mine  # noqa: E731 - a field an older Reference lacks
         import torch  # the reference trains here (the oracle's import does not load torch)
 
@@ -56,7 +56,7 @@ def first_step(result, ref):
         finally:
             torch.set_num_threads(before)
 
-    return _once(("first", id(result), id(ref)), result, ref, compute)
+    return _once(("first", id(result), id(ref), arith), result, ref, compute)
 
 
 def _once(key, result, ref, compute):
@@ -92,6 +92,17 @@ def judged(result, ref, within: Bounds | None = None):
     if held.step_spread:
         return held, shared_bounds(held, extra_roundings(result), general)
     return held, general
+
+
+def judged_first(result, ref):
+    """(the first step in the run's own arithmetic, its shared bounds) where only the first step's arithmetic
+    is one process's (arithmetic.first_shared: FSDP2 in bf16), else None: that step held to one rounding
+    beside the counted bounds of every step."""
+    arith = first_shared(result)
+    if arith is None:
+        return None
+    held = first_step(result, ref, arith)
+    return held, shared_bounds(held, extra_roundings(result), bounds(result.config.precision, paths(result.model)))
 
 
 def held_steps(result, held) -> int:
