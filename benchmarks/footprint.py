@@ -43,7 +43,7 @@ def lab_pids(lab) -> tuple[list[int], int | None]:
     pids = {ctrl, *(p.pid for p in psutil.Process(ctrl).children(recursive=True))}
     for pid in lab.engines.pids:
         pids |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
-    tagged = getattr(lab.engines, "processes", None)  # absent before issue 21 (the "before" numbers)
+    tagged = getattr(lab.engines, "processes", None)  # absent before engines were tagged (the "before" numbers)
     if tagged is not None:
         pids |= {p.pid for p in tagged()} | {lab.engines.watchdog.proc.pid}
     return sorted(pids), ctrl

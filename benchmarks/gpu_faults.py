@@ -1,5 +1,5 @@
-"""The faults and the interrupts on NCCL at world 2 (two ranks sharing one GPU): issue 45's item 2 and
-issue 46's stop on a GPU. Each fault is timed, checked against what it should become, and followed by
+"""The faults and the interrupts on NCCL at world 2 (two ranks sharing one GPU): the GPU script's second item and
+the stop on a GPU. Each fault is timed, checked against what it should become, and followed by
 the next layout, which must train like one process; the Lab's repairs are recorded beside.
 
     python benchmarks/gpu_faults.py --out faults.json [--only faults interrupt]   # on a CUDA GPU
@@ -33,7 +33,7 @@ from gpu_layouts import GPT
 HANG_TIMEOUT = 15.0
 """The Lab's timeout for the skipped all-reduce: the H200 and H100 runs of 2026-11-26 used 15 s."""
 WITHIN_S = 5.0
-"""Issue 45's bound past the timeout for the CollectiveTimeout; and for a RankError or a stop, 10 s
+"""The bound past the timeout for the CollectiveTimeout; and for a RankError or a stop, 10 s
 (twice it: the H200's gloo RankError took 0.9 s, NCCL's 20.6 s before the abort)."""
 PARTS = ("faults", "interrupt")
 

@@ -1,4 +1,4 @@
-"""FP8 training on the GPU (issue 45, item 7; issue 42 built it on the CPU): its layouts at world 2 over
+"""FP8 training on the GPU (built and checked on the CPU first): its layouts at world 2 over
 NCCL (two ranks sharing one GPU), each against the one-process fp8 reference (torchao's Float8Linear,
 its batch split as the layout splits it: labkit/oracle/bounds_fp8.py) within the derived fp8 bounds.
 On a Hopper GPU torch._scaled_mm runs the fp8 tensor cores, where the CPU emulated them.

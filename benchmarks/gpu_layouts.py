@@ -1,6 +1,6 @@
 """Every family of strategy at world 2 on one GPU over NCCL (two ranks sharing the card, NCCL >= 2.30),
 against the one-process fp32 reference, in fp32 and bf16; and a one-GPU run's memory by category against
-the theory, the cuBLAS workspaces measured apart (issues 33 and 45). The faults on NCCL are
+the theory, the cuBLAS workspaces measured apart. The faults on NCCL are
 benchmarks/gpu_faults.py's.
 
     python benchmarks/gpu_layouts.py --out layouts.json        # on a machine with a CUDA GPU

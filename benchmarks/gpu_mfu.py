@@ -1,4 +1,4 @@
-"""Model FLOPs utilisation on one GPU, and labkit's strategies against PyTorch's at world 2 (issue 34).
+"""Model FLOPs utilisation on one GPU, and labkit's strategies against PyTorch's at world 2.
 
     python benchmarks/gpu_mfu.py --out mfu.json [--trace trace.json] [--parts one lab pairs]
 
@@ -267,7 +267,7 @@ def main() -> None:
     def eager(batch: int, precision: str):
         return ParallelConfig(dp=1, global_batch=batch, precision=precision)
 
-    # the Lab's rows first, and its compiled ones first: the targets are theirs (issues 34 and 45), and a
+    # the Lab's rows first, and its compiled ones first: the targets are theirs, and a
     # stage cut at its limit keeps what it reached; then the plain loop's, in the models' order given
     for model_name in ns.models if "lab" in ns.parts else ():
         with Lab(engines=1, device="cuda", progress=False, timeout=600) as lab:

@@ -1,4 +1,4 @@
-"""The planner's missing measurements on a GPU (issue 45, item 6), as points for
+"""The planner's missing measurements on a GPU, as points for
 benchmarks/data/planner_measurements.json (labkit/theory/planner/measured.py reads them).
 
     python benchmarks/gpu_planner.py --out planner.json [--parts pace fsdp nccl]   # on a CUDA GPU, ~90 s

@@ -1,4 +1,4 @@
-"""What one scripts/gpu-check.sh run says about issue 45, item by item, against the issue's targets,
+"""What one scripts/gpu-check.sh run says, item by item, against the GPU targets,
 read from the stages' files (a folder, or the results.tgz the script leaves in $OUT).
 
     python benchmarks/gpu_summary.py gpu-out/results.tgz      # or a folder of the stages' JSONs
@@ -25,7 +25,7 @@ TARGETS = {
     "ours over torch": 1.02,
     "fp8 over bf16": 1.3,
 }
-"""Issue 45's targets: items 2, 5 (MFU on an H100, the Lab within 3% of the plain loop, ours / PyTorch's
+"""The GPU targets: items 2, 5 (MFU on an H100, the Lab within 3% of the plain loop, ours / PyTorch's
 <= 1.02 at world 2) and 7 (fp8 tokens/s >= 1.3x bf16's on Llama 3.2 1B)."""
 
 

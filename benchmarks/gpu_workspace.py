@@ -1,4 +1,4 @@
-"""cuBLAS's workspaces in a training step's allocator peak, measured (issue 45, item 3).
+"""cuBLAS's workspaces in a training step's allocator peak, measured.
 
 On an H100 (2026-11-26) the allocator's peak of a one-GPU step was 135.30 MB (fp32) and 135.38 MB
 (bf16) above the theory's on the tiny model: a constant, consistent with cuBLAS's Hopper workspace

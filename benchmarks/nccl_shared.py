@@ -1,5 +1,5 @@
 """Two NCCL ranks on one GPU, without labkit: does this NCCL run them, with which settings, and what
-do its collectives and point-to-point cost there (issue 33).
+do its collectives and point-to-point cost there.
 
     python benchmarks/nccl_shared.py --out nccl.json [--ranks 2]    # on a machine with one CUDA GPU
 
@@ -103,7 +103,7 @@ def _poll(work, t0: float, limit: float = 4.0) -> float | None:
 
 
 def completion_probe(rank: int, world: int, dev) -> dict:
-    """When does an NCCL Work say it is completed, against when the GPU finished it? (issue 33:
+    """When does an NCCL Work say it is completed, against when the GPU finished it? (a question the CPU cannot answer:
     labkit's collective log stamped an all-reduce's end while a ~1 s kernel was still ahead of it
     at world 2, not at world 1). Three cases, each timed from the enqueue:
       gpu_busy: a ~0.5 s sleep kernel on the current stream, then all_reduce(async_op=True)
@@ -159,7 +159,7 @@ def _meter_probe(x) -> dict:
     """labkit's collective log on a blocking all-reduce queued behind a ~0.5 s GPU sleep: when does
     its event get an end, against when the GPU ran the all-reduce (an event recorded after it, polled
     in the same loop)? The log's StreamMark (engines/meters/stream_mark.py) should stamp it then, not
-    at the call's return (2026-11-26, H100: stamped at once, issue 45). `meter_verdict` reads the row."""
+    at the call's return (2026-11-26, H100: stamped at once). `meter_verdict` reads the row."""
     import torch
     import torch.distributed as dist
 
@@ -285,7 +285,7 @@ def main() -> None:
             row = {"ranks": ranks, "setting": name, "env": env, **attempt(env, ranks, ns.limit)}
             report["tries"].append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "stderr"})[:1200], file=sys.stderr, flush=True)
-            for r, got in enumerate(row.get("ranks", [])):  # issue 45's question, one line a rank
+            for r, got in enumerate(row.get("ranks", [])):  # when each rank's work completed, one line a rank
                 verdict = (got.get("completion", {}).get("meter_blocking") or {}).get("verdict", "no probe row")
                 print(f"meter verdict rank {r}: {verdict}", file=sys.stderr, flush=True)
             with open(ns.out, "w") as f:

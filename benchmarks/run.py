@@ -1,4 +1,4 @@
-"""Every performance figure of issue 10 from one command, on one warm 4-engine Lab.
+"""Every performance figure from one command, on one warm 4-engine Lab.
 
     python benchmarks/run.py [--repeats N] [--quick] [--out benchmarks/RESULTS.md]
 

@@ -1,7 +1,7 @@
 """How fast the lab answers without a cluster: the planner's searches and the widgets' redraws.
 
 These were bounds inside the test suite (a plan under 2 s, a redraw under 0.1 s), which a slower
-machine of the same kind failed without the code changing (issue 46); here they are measured and
+machine of the same kind failed without the code changing; here they are measured and
 recorded (benchmarks/RESULTS.md). Each is CPU seconds of this process (on a shared machine, wall
 time measures the neighbours), and beside each a ratio to a fixed pure-Python workload timed in the
 same run (`baseline`), which a faster or slower machine scales alike: the ratio compares runs on
@@ -10,7 +10,7 @@ different machines, the seconds answer "how long will I wait".
     python benchmarks/speed.py [--repeats 3]
 
 The promise checked against: `labkit plan --model llama3.1-405b --gpus 1024 --seq 16384` in <= 1 s
-(issue 46), on the machine the suite runs on.
+on the machine the suite runs on.
 """
 
 from __future__ import annotations

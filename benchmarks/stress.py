@@ -1,6 +1,6 @@
 """The timing-sensitive paths under load: Ctrl-C (and a Ctrl-C Python loses in a finalizer) stopping a
 run, a skipped collective becoming a CollectiveTimeout, a raising rank a RankError — each repeated,
-under changing load, with the failures counted (issue 46: an interrupt that passed alone failed in
+under changing load, with the failures counted (an interrupt that passed alone failed in
 the full suite on a slower machine).
 
     python benchmarks/stress.py --repeats 100

@@ -152,7 +152,7 @@ def sink_attention(
 class Attention(nn.Module):
     """Causal self-attention with `heads` query heads and `n_kv_heads` key/value heads; head counts
     are read off the projections' widths, so a TP shard works as is. gpt2 has biases on every
-    projection, Qwen2 on q, k and v; llama rotates q and k. Block `layer`'s variants (issue 35):
+    projection, Qwen2 on q, k and v; llama rotates q and k. Block `layer`'s variants:
     q and k normed per head before RoPE (Qwen3, Gemma 3, HF's order), no RoPE on a NoPE layer
     (SmolLM3), a sliding window and a local RoPE base on a local layer (Gemma 3), scores scaled by
     query_pre_attn_scalar^-1/2 (folded into q: every attention core keeps its head_dim^-1/2)."""

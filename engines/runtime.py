@@ -278,7 +278,7 @@ def stop_agreed(agree) -> None:
     Lab cancelled any. `agree(flag) -> bool` asks the layout's ranks whether any of them says flag
     (engines/mesh.py `Mesh.agree`: one all-reduce of a flag, outside the collective log). A cancel
     reaches the ranks at different moments; stopping where each first sees it left some ranks inside
-    the next step's collectives, waiting for peers that had stopped (issue 46)."""
+    the next step's collectives, waiting for peers that had stopped."""
     job = _state.job
     job.agrees = True
     if agree(job.cancel.is_set()):

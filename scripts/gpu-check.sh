@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The GPU check, one call on a lent GPU machine (issues 33, 34, 45): bring an NCCL that runs two ranks on
+# The GPU check, one call on a lent GPU machine (34, 45): bring an NCCL that runs two ranks on
 # one GPU, then run the stages most important first, each bounded, all of them within DEADLINE seconds
 # (540: one call is 600 s at most, and a second call must still fit the 15 minutes of device time):
 #
-#   stage      bound  issue 45                  what
+#   stage      bound  item                      what
 #   nccl         60   1  the log's NCCL end     two NCCL ranks on the GPU without labkit, and the collective
 #                                               log on a blocking all-reduce: a PASS/FAIL verdict per rank
 #   faults      110   2  NCCL faults            skipped all-reduce, raising rank, killed engine, each then the

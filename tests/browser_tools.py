@@ -56,7 +56,7 @@ IN_THE_BROWSER = (
     "15_fine_grained_moe.ipynb",
 )
 """The notebooks tests/test_browser.py runs whole in JupyterLab (every cell but the teardown, its asserts
-included, no cell may fail); tests/test_notebooks.py leaves them to it where it runs (issue 46: each
+included, no cell may fail); tests/test_notebooks.py leaves them to it where it runs (each
 notebook's cluster work once per suite)."""
 
 REQUIRED = os.environ.get("LABKIT_REQUIRE_BROWSER") == "1"

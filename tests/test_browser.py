@@ -112,7 +112,7 @@ NUMBERS = {  # notebook -> (a figure's title, what it draws, the same number fro
 from the run (or the reference routing) in the notebook's kernel."""
 assert {TOUR, *WITH_FIGURES} == set(IN_THE_BROWSER)  # test_notebooks.py leaves these to this test
 WITH_TABLES = {"05_pipeline.ipynb", "08_4d_mesh.ipynb", "10_at_scale.ipynb", "12_your_own_model.ipynb"}
-"""The notebooks whose results include a table; 13, 14 and 15 draw theirs (issue 43)."""
+"""The notebooks whose results include a table; 13, 14 and 15 draw theirs."""
 
 pytestmark = [pytest.mark.browser]
 if missing() and not REQUIRED:

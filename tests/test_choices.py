@@ -120,7 +120,7 @@ def test_the_reader_lets_decoded_and_other_comparisons_be(snippet):
 
 
 def test_the_decode_module_is_the_one_that_matches():
-    # 10: sigmoid_router joined them (issue 35); 11: float8_scaling (issue 42)
+    # 10: sigmoid_router joined them; 11: float8_scaling
     matches = [n for path in DECODES for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Match)]
     assert len(matches) == 11
 

@@ -1,4 +1,4 @@
-"""Where the collective log stamps an op's end (engines/meters/comm.py, issue 45), on the CPU: a CUDA
+"""Where the collective log stamps an op's end (engines/meters/comm.py), on the CPU: a CUDA
 op that returns no Work (a blocking NCCL collective since torch 2.7) is polled through a StreamMark
 and stays open until the mark completes; the CPU paths are unchanged. And the verdict of the GPU
 probe that checks the same on NCCL (benchmarks/nccl_shared.py `meter_verdict`), on both outcomes.

@@ -1,4 +1,4 @@
-"""Compiled blocks (ParallelConfig.compile, issue 34): each block's forward through torch.compile
+"""Compiled blocks (ParallelConfig.compile): each block's forward through torch.compile
 (engines/parallel/compile.py), on one process against eager and on the 4-engine cluster against
 the one-process reference, with the model states and every collective equal to the theory's (the
 hooks and collectives stay outside the graphs or run eagerly between them). The compiled graphs

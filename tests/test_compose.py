@@ -1,4 +1,4 @@
-"""4-D composition on 8 engines: the layouts of issue 6 train like one process, and every
+"""4-D composition on 8 engines: the layouts train like one process, and every
 quantity the engines measure equals the theory for the same layout (tests/theory_match.py).
 
 One 8-engine Lab for the module (the session's 4-engine Lab is left alone), closed at its end.

@@ -1,4 +1,4 @@
-"""Context parallelism's kinds (issue 30): K/V all-gathered and Ulysses' all-to-all, each alone
+"""Context parallelism's kinds: K/V all-gathered and Ulysses' all-to-all, each alone
 against dense causal attention and composed on the 4-engine cluster against the one-process
 reference, with measured bytes and memory against the theory."""
 

@@ -21,7 +21,7 @@ ARCH = ROOT / "ARCHITECTURE.md"
 COLUMNS = ["strategy", "engine", "layout", "theory", "tests", "notebook"]
 STRATEGIES = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP", "FSDP2", "TP", "DTensor", "GPipe", "ZB-H1", "pipelining"]
 STRATEGIES += ["CP", "EP", "mesh"]
-"""Words each of which some row of the strategy table must name (issue 28: DDP, ZeRO-1/2/3, FSDP,
+"""Words each of which some row of the strategy table must name (DDP, ZeRO-1/2/3, FSDP,
 TP+SP, the PP schedules, CP, EP and the composed mesh; ours and PyTorch's where both exist)."""
 TOP = ("labkit/", "engines/", "widgets/", "tests/", "notebooks/", "benchmarks/", "scripts/", "binder/")
 """A backticked token that starts with one of these is a path from the repository's root."""
@@ -132,7 +132,7 @@ POINTER = re.compile(r"([\w/]+\.md)\)?,?\s+\(?\"([^\"]+)\"")
 
 def test_every_section_a_pointer_cites_is_a_heading():
     """A quoted section is a heading of its document (a part of one: "Pipelines" names "Pipelines
-    (issue 22)"), or one of ARCHITECTURE.md's bold-labelled entries ("Meters")."""
+    "), or one of ARCHITECTURE.md's bold-labelled entries ("Meters")."""
     cited, broken = 0, []
     for where, text in _texts().items():
         for doc, section in POINTER.findall(text.replace('\\"', '"')):
@@ -206,6 +206,6 @@ def test_comment_density_is_measured(capsys):
 
 @pytest.mark.parametrize("folder", ["labkit", "widgets"])
 def test_the_why_is_written_at_the_line(folder):
-    """Issue 28: at least 8 comment lines per 100 code lines in labkit/ and in widgets/ (torchtitan
+    """At least 8 comment lines per 100 code lines in labkit/ and in widgets/ (torchtitan
     has 8, picotron 15, nanoGPT 38)."""
     assert per_100(folder) >= 8, f"{folder}/: {per_100(folder):.1f} comment lines per 100 code lines"

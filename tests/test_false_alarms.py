@@ -45,7 +45,7 @@ def test_the_draws_are_runs_labkit_builds(sweep_module):
     ["dp4 mb2", "zero3 mb2", "hsdp zero3 mb1", "hsdp zero3 mb2", "ep2 bf16", "one rank moe bf16", "ep2 tp2 bf16"],
 )
 def test_the_correct_runs_the_old_oracle_failed_pass(lab, name):
-    """Issue 40's repros, each a correct run the previous bounds failed: GPT-2 (its k bias's gradient
+    """The repros of the replayed oracle, each a correct run the previous bounds failed: GPT-2 (its k bias's gradient
     is exactly zero, rounding alone; an attention weight element at 5.5e-9 against AdamW's ε = 1e-8)
     at seed 11 under DP, flat ZeRO-3 and HSDP (grad norm 1.2e-5 to 1.6e-5 past 1e-5 at step 2), and
     an MoE in bf16 on ep=2 and on one rank (routing flips: 1.18 of the bound), and under tp."""

@@ -1,4 +1,4 @@
-"""The dense attention families of issue 35 — Qwen3 (per-head q/k RMSNorm, head_dim apart from
+"""The dense attention families — Qwen3 (per-head q/k RMSNorm, head_dim apart from
 hidden / heads), SmolLM3 (no RoPE on every 4th layer) and Gemma 3's text model (local:global
 sliding-window layers with their own RoPE bases, query_pre_attn_scalar, GeGLU, four (1 + w) norms a
 block, a sqrt(h)-scaled tied embedding) — against transformers' own implementation:

@@ -1,4 +1,4 @@
-"""Qwen3, SmolLM3 and Gemma 3 (issue 35) under every strategy on the session's 4-engine cluster: each
+"""Qwen3, SmolLM3 and Gemma 3 under every strategy on the session's 4-engine cluster: each
 layout trains like one process (labkit.oracle.checks.assert_matches) and measures the model states,
 the activations and every comm row the theory predicts, to the byte — Gemma 3's sliding-window layers under context
 parallelism included, where only the K/V rows inside the window travel (labkit/layout/window.py).

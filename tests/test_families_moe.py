@@ -1,4 +1,4 @@
-"""The MoE families whole (issue 35), where from_hf joins an attention part with the fine-grained MoE layer
+"""The MoE families whole, where from_hf joins an attention part with the fine-grained MoE layer
 (tests/test_moe_fine.py): DeepSeek-V3 (MLA, tests/test_mla.py) and Qwen3-MoE (Qwen3's q/k norms,
 tests/test_families_fam.py). The published configs counted like transformers' models on the meta device, and
 small configs' logits equal transformers' on the same weights (DeepSeek-V3's with the aux-loss-free bias and

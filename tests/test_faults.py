@@ -43,7 +43,7 @@ def ctrl_c():
     signal.default_int_handler while a cell executes (ipykernel/kernelbase.py, pre_handler_hook). A
     pytest started in the background by a shell without job control (`bash .ci/run &`, nohup) inherits
     SIGINT ignored, where `_thread.interrupt_main` does nothing and a handler called by hand is no handler:
-    the interrupt tests then ran to the run's timeout (issue 46's two CI failures, reproduced so)."""
+    the interrupt tests then ran to the run's timeout (two CI failures, reproduced so)."""
     before = signal.signal(signal.SIGINT, signal.default_int_handler)
     yield
     signal.signal(signal.SIGINT, before)

@@ -1,4 +1,4 @@
-"""FP8 training (issue 42) on the 4-engine gloo cluster: the blocks' linear layers in fp8 as torchtitan
+"""FP8 training on the 4-engine gloo cluster: the blocks' linear layers in fp8 as torchtitan
 converts them with torchao 0.18, under DDP, FSDP (ours and FSDP2, both gathering weights in fp8),
 TP + SP (ours), FSDP2 with torchao's float8 TP styles, and a pipeline (with FSDP too); each trains
 like the one-process fp8 reference (torchao's own Float8Linear, split as the layout splits its batch)

@@ -1,4 +1,4 @@
-"""GPT-OSS (issue 35): GptOssForCausalLM's config read whole by from_hf, the published sizes counted like
+"""GPT-OSS: GptOssForCausalLM's config read whole by from_hf, the published sizes counted like
 transformers' models on the meta device, and a small config's logits equal transformers' on the same weights,
 with each of its parts biting (the window, the sinks, the clamp of the SwiGLU, the router's bias)."""
 

@@ -1,4 +1,4 @@
-"""GPT-OSS (issue 35) under the strategies built for it on the session's 4-engine cluster: each layout trains
+"""GPT-OSS under the strategies built for it on the session's 4-engine cluster: each layout trains
 like one process (labkit.oracle.checks.assert_matches) and measures the model states, the activations and
 every comm row the theory predicts, to the byte. The tiny model keeps each feature live: a window of 6 < seq 16
 on every other layer, a sink per head, biases on q/k/v/o, the router and the experts (split with them over ep),

@@ -96,7 +96,7 @@ def test_ranks_sharing_a_gpu_on_gloo_train_like_one_process():
 
 # -- a first hour on one GPU (review gpu-risks.md, last section) ---------------------------------
 # Each probe is bounded (timeout=60 on the Lab's calls, pytest-timeout on the test) and asserts
-# what would fail before the fixes of issue 20. They need one GPU; more are fine.
+# what would fail before the fixes. They need one GPU; more are fine.
 M4 = MODEL.replace(layers=4)  # pp=2 x v=2: one layer per chunk
 
 

@@ -1,4 +1,4 @@
-"""scripts/gpu-check.sh without a GPU (issue 45): its dry run parses every stage's arguments and writes
+"""scripts/gpu-check.sh without a GPU: its dry run parses every stage's arguments and writes
 every stage's file, the deadline skips what no longer fits and names it for the second call, and the
 pieces that read a run's files (benchmarks/gpu_summary.py, gpu_planner.py --merge) do what they say.
 A GPU run itself cannot be checked here: what it left is in the stages' files it brings back."""

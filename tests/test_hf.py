@@ -73,7 +73,7 @@ def test_from_hf_refuses_what_it_does_not_build_naming_the_field(change, field):
 
 
 def test_mistral_window_is_built_when_the_sequence_exceeds_it():
-    # issue 35: sliding windows are built (every Mistral layer local); within the window it changes nothing
+    # sliding windows are built (every Mistral layer local); within the window it changes nothing
     m = ModelConfig.from_hf(MISTRAL_7B_V01)
     assert (m.seq, m.sliding_window, m.window_pattern, m.layer_window(0)) == (32768, 4096, 0, 4096)
     assert ModelConfig.from_hf(MISTRAL_7B_V01, seq=4096).sliding_window is None

@@ -1,4 +1,4 @@
-"""Hybrid sharded data parallelism (HSDP, issue 30): dp=4 as dp_replicate=2 x dp_shard=2 on the
+"""Hybrid sharded data parallelism (HSDP): dp=4 as dp_replicate=2 x dp_shard=2 on the
 4-engine cluster, ours (ZeRO-1/2/3, FSDP) and PyTorch's (FSDP2 on a 2-D DeviceMesh), against the
 one-process reference, with measured bytes and memory equal to the theory's; the mesh's groups
 and the config's refusals on paper.

@@ -29,7 +29,7 @@ LEVEL = {"config": 0, "layout": 1, "engines": 2, "theory": 2, "orchestration": 3
 """The ladder, bottom first; a module may import its own rung and the rungs below it, except that
 engines and theory stand side by side and never import each other."""
 UPWARD = {("labkit.oracle.verify_report", "labkit.widgets.verify_figure")}
-"""Imports up the ladder allowed by name, each inside a function: VerifyReport.figure() (issue 43)
+"""Imports up the ladder allowed by name, each inside a function: VerifyReport.figure()
 draws the report with the builder that shares every other figure's style."""
 FORBIDDEN = {
     "layout": ("torch", "ipyparallel", "ipywidgets", "plotly"),

@@ -1,6 +1,6 @@
 """DeepSeek-V3's multi-head latent attention (arch 'deepseek_v3', engines/mla.py): read from its
 config.json, counted like transformers' DeepseekV3ForCausalLM (meta device), computing its logits,
-and refused where it is not built. The MoE layers are another part of issue 35: here the model is
+and refused where it is not built. The MoE layers are another part: here the model is
 all dense (first_k_dense_replace = num_hidden_layers), which transformers builds as such."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Fine-grained MoE (issue 35, part "mix"): Qwen3-MoE's and DeepSeek-V3's MoE layer against
+"""Fine-grained MoE: Qwen3-MoE's and DeepSeek-V3's MoE layer against
 transformers' own modules on the same weights, its parameters against transformers' models of the
 published sizes (meta device), the aux-loss-free bias against the oracle, and layouts on the
 4-engine cluster against the one-process reference, with model-state and comm bytes against the theory."""

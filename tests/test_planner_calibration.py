@@ -1,4 +1,4 @@
-"""Calibration apart from validation (issue 29): the measurement files' schema and loader
+"""Calibration apart from validation: the measurement files' schema and loader
 (labkit/theory/planner/calibration.py), the H100 profile's constants read from
 benchmarks/gpu_constants_h100.json by stated rules (not copied by hand), the allocator's reserve
 from the H200's steps so that the H100's own steps stay validation rows, and the constants with no

@@ -1,5 +1,5 @@
 """What each mesh dim sends over NVLink and across nodes (labkit/theory/planner/links.py), for the
-layouts of issue 30 at scale: HSDP against flat FSDP, hierarchical CP against Ulysses, on 64 nodes
+layouts at scale: HSDP against flat FSDP, hierarchical CP against Ulysses, on 64 nodes
 of 8 H100s. Torch-free and fast."""
 
 from __future__ import annotations

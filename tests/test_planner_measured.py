@@ -1,4 +1,4 @@
-"""The planner's missing measurements (issue 45, item 6; labkit/theory/planner/measured.py): the eager
+"""The planner's missing measurements (labkit/theory/planner/measured.py): the eager
 stack's pace per kernel size, the paces inside an FSDP step, NCCL's latency and channels on a node. The
 file in the repository is empty until a GPU fills it (benchmarks/gpu_planner.py): then the planner prices
 as before and says what it assumes. Points written here as the script writes them change exactly what

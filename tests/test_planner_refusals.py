@@ -1,4 +1,4 @@
-"""The planner refuses what it cannot price (issue 29): a precision the hardware has no rate for,
+"""The planner refuses what it cannot price: a precision the hardware has no rate for,
 a held field ParallelConfig refuses, top < 1, global_batch < 1, each with its own message naming the
 value and a fix; an empty answer always says why; `labkit plan` prints messages, never tracebacks;
 every layout it prices passes the validation; and no MFU above 100% anywhere (a fuzz over held

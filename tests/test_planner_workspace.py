@@ -1,4 +1,4 @@
-"""cuBLAS's workspaces in the theory's GPU peak (issue 45, item 3): read from the device's measurement
+"""cuBLAS's workspaces in the theory's GPU peak: read from the device's measurement
 (benchmarks/gpu_workspace_<device>.json, written by benchmarks/gpu_workspace.py on a GPU), and where
 no file exists, not a term at all and said to be missing. No GPU has measured them yet: today's
 profiles must say so; a measurement, written here as the script writes it, enters the peak."""

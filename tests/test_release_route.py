@@ -1,4 +1,4 @@
-"""Which way a rank is released (engines/release.py, issue 45): on NCCL the Lab aborts every live rank's
+"""Which way a rank is released (engines/release.py): on NCCL the Lab aborts every live rank's
 communicators, its job running or not (a rank waiting in an NCCL collective waits in a GPU kernel that
 no socket reaches); on gloo it cuts the sockets of the ranks whose job is over, as before. The GPU
 proof (a skipped all-reduce, a raising rank, a killed engine on NCCL: benchmarks/gpu_faults.py) runs

@@ -138,7 +138,7 @@ def test_what_the_link_carries_per_step(lab2):
 
 
 def test_hierarchical_cp_keeps_its_all_to_alls_on_each_host(lab2, ref_cache):
-    """cp=4 over the two hosts, all-to-alls over runs of 2 (issue 30's a2a+p2p): each run is one host's
+    """cp=4 over the two hosts, all-to-alls over runs of 2 (the hierarchical kind's a2a+p2p): each run is one host's
     two ranks, so only the ring's hops (and the gradients' all-reduce) cross the link; Ulysses over all
     four ranks sends its all-to-alls across."""
     runs = ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2)

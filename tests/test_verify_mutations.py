@@ -11,7 +11,7 @@ same reports must satisfy every expectation first (the control).
 from __future__ import annotations
 
 import pytest
-from test_verify import BUGS, batch, build, loss, options_in
+from verify_cases import BUGS, batch, build, loss, options_in
 
 from labkit.oracle import verify_checks as vc
 from labkit.oracle.assembly import assemble

@@ -97,7 +97,7 @@ ADDED_AT_DEFAULT = {
     "cp_a2a": 1,
     "dp_replicate": 1,
     "compile": False,
-    # issue 35, the dense attention families
+    # the dense attention families
     "kv_channels": None,
     "qk_norm": False,
     "nope_interval": 0,
@@ -106,7 +106,7 @@ ADDED_AT_DEFAULT = {
     "rope_local_theta": None,
     "rope_linear_factor": 1.0,
     "query_pre_attn_scalar": None,
-    # issue 42, fp8 executed
+    # fp8 executed
     "fp8_recipe": "tensorwise",
 }
 """Config fields added after the snapshot was recorded, with the default that keeps the old

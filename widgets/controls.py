@@ -132,7 +132,10 @@ def sync_options(controls: dict[str, W.Widget], model: ModelConfig, engines: int
     """Narrow every numeric slider to the values that fit the others' current values.
 
     ipywidgets resets a selection's value when its options change, so the value is put back
-    at once; callers ignore the change events this makes (see Dashboard._guard)."""
+    at once; callers ignore the change events this makes (see Dashboard._guard). Both go to the
+    browser in one message (hold_sync): sent apart, the slider showed the reset value first, and the
+    browser could send that index back after the kernel had put the value back — a run of a layout
+    the controls no longer showed (a CI run: tp 2 -> 1 ran dp 2)."""
     cfg = config_of(controls)
     for f in SLIDERS:
         w = controls[f]
@@ -140,5 +143,6 @@ def sync_options(controls: dict[str, W.Widget], model: ModelConfig, engines: int
         # only when they differ: new options cost a message to the browser and reset the value
         if tuple(w.options) != opts:
             value = w.value
-            w.options = opts
-            w.value = value
+            with w.hold_sync():
+                w.options = opts
+                w.value = value

@@ -5,7 +5,7 @@ ProcessGroupNCCL returns no Work for it (pytorch#148590; its `collective` ends `
 : nullptr`, and torch.distributed's Python call, given None, has nothing to wait on): the call returns
 once the kernel is queued. The log stamped the op's end at that return, so on the H100 and the H200
 (2026-11-26) an all-reduce whose peer never entered it looked left, and the hang was diagnosed as
-"in no collective" (issue 45). A StreamMark is an event recorded right after the op on the stream
+"in no collective". A StreamMark is an event recorded right after the op on the stream
 it ran on; it completes once the GPU has run everything queued there before it, the collective
 included. The log polls it as it polls a Work (`CommMeter.sweep`: `is_completed`, `is_success`).
 """

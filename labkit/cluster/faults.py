@@ -40,7 +40,7 @@ SETTLE_S = 2.0
 """Once one rank has stopped, how long the others may take to stop too before those still running are
 taken to wait for it in a collective, and released. The ranks stop together, out of one all-reduce:
 the rest is each job thread getting the CPU back to say so, 0.5 s not always enough on a loaded 2-core
-machine beside another cluster (issue 46)."""
+machine beside another cluster."""
 ALIVE_S = 0.5
 """At a timeout, how long the ranks' collective counts are watched to tell a run still going (they
 advance: a TINY step makes dozens of collectives in that time) from a hang (none advances)."""
@@ -86,7 +86,7 @@ def on_timeout(engines: EngineSet, timeout: float, steps_done: str = "") -> None
     advanced = _ops_advanced(engines, got)
     if advanced:
         # a run still going at its deadline: a rank caught inside some collective by the poll is not stuck
-        # there, and blaming that collective sends the user looking for a hang that is not there (issue 46)
+        # there, and blaming that collective sends the user looking for a hang that is not there
         found["text"] = (
             f"Not a hang: the ranks were still running ({advanced} more collectives entered in the "
             f"{ALIVE_S:g} s after the deadline{', ' + steps_done if steps_done else ''}). Give the call a "

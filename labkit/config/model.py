@@ -135,7 +135,7 @@ class ModelConfig(_Dict):
     bias_update_speed: float = 0.0
     """γ of the aux-loss-free balance (DeepSeek-V3 section 2.1.2: 0.001): after each step every expert's
     bias moves by γ towards balance, from the global batch's loads. 0: the bias stays (sigmoid router only)."""
-    # -- the dense attention families of issue 35 (Qwen3, SmolLM3, Gemma 3); each default leaves every
+    # -- the dense attention families (Qwen3, SmolLM3, Gemma 3); each default leaves every
     # older model exactly as it was (tests/theory_snapshot.py ADDED_AT_DEFAULT)
     kv_channels: int | None = None
     """Width of one attention head (HF head_dim, Megatron's --kv-channels) when it is not hidden / heads:

@@ -69,7 +69,7 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
 
 
 def _attention_variant_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
-    """The fields of Qwen3, SmolLM3 and Gemma 3 (issue 35): what they need of the family and the layout."""
+    """The fields of Qwen3, SmolLM3 and Gemma 3: what they need of the family and the layout."""
     out = []
     rope_fields = model.nope_interval or model.rope_local_theta is not None or model.rope_linear_factor != 1.0
     if rope_fields and not model.family.rotary:

@@ -1,5 +1,5 @@
 """Sliding-window attention under context parallelism, as data: which K/V rows each cp rank needs
-from which other rank (issue 35; engines/parallel/context/window.py executes it, the theory prices it:
+from which other rank (engines/parallel/context/window.py executes it, the theory prices it:
 labkit/theory/exact/context.py).
 
 The zigzag layout stays (engines/parallel/context/: rank r holds chunks r and 2cp-1-r of c = s/2cp

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.config.choices import numerics
+from labkit.engines.meters.rounding import depths
 from labkit.oracle.bounds_fp8 import cast_exact, fp8_bounds
 
 UNIT_ROUNDOFF = {"fp32": 2.0**-24, "bf16": 2.0**-8}
@@ -107,7 +108,6 @@ def one_process(model) -> dict[str, int]:
     backward of `model` (engines/meters/rounding.py), counted once per model config."""
     if model not in _ONE_PROCESS:
         from labkit.engines import data as batches  # torch: counted where the reference trains
-        from labkit.engines.meters.rounding import depths
         from labkit.engines.model import build_model
         from labkit.engines.precision import compute_copy
 
@@ -187,3 +187,20 @@ def round_to(values: np.ndarray, precision: str) -> np.ndarray:
     bits = np.ascontiguousarray(values, dtype=np.float32).view(np.uint32).astype(np.uint64)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000  # the carry may round up into the exponent
     return rounded.astype(np.uint32).view(np.float32)
+
+
+def uniform_factor(run: dict, own: dict, bound) -> float | None:
+    """c where every tensor's gradient is c·g_ref within its bound (`bound(name)`, relative to its floored
+    scale, taken at c's size), else None. Each tensor's least-squares factor is g·g_ref / g_ref·g_ref."""
+    factors = {}
+    for n, r in own.items():
+        r = r.astype(np.float64).reshape(-1)
+        if float(r @ r):
+            factors[n] = float(run[n].astype(np.float64).reshape(-1) @ r) / float(r @ r)
+    if not factors or not all(np.isfinite(list(factors.values()))):
+        return None
+    c = float(np.median(list(factors.values())))
+    for n, (e, scale) in tensor_errors({n: run[n] / c for n in own} if c else run, own).items():
+        if not e <= bound(n) * scale:
+            return None
+    return c

@@ -41,7 +41,7 @@ import numpy as np
 
 from labkit.config.choices import numerics
 from labkit.layout.float8 import float8_weights, fp8_weight
-from labkit.oracle.bounds import Bounds, round_to, tensor_errors
+from labkit.oracle.bounds import Bounds, round_to, tensor_errors, uniform_factor
 from labkit.oracle.float8 import float8_problems
 from labkit.oracle.held import gradient_pairs, held_steps, judged, judged_first, ratio
 
@@ -204,23 +204,6 @@ def gradients(result, held, within: Bounds, show: int = 6) -> list[Mismatch]:
         if bad:  # the first step a gradient goes wrong is where to look; later ones follow from it
             return out
     return out
-
-
-def uniform_factor(run: dict, own: dict, bound) -> float | None:
-    """c where every tensor's gradient is c·g_ref within its bound (`bound(name)`, relative to its floored
-    scale, taken at c's size), else None. Each tensor's least-squares factor is g·g_ref / g_ref·g_ref."""
-    factors = {}
-    for n, r in own.items():
-        r = r.astype(np.float64).reshape(-1)
-        if float(r @ r):
-            factors[n] = float(run[n].astype(np.float64).reshape(-1) @ r) / float(r @ r)
-    if not factors or not all(np.isfinite(list(factors.values()))):
-        return None
-    c = float(np.median(list(factors.values())))
-    for n, (e, scale) in tensor_errors({n: run[n] / c for n in own} if c else run, own).items():
-        if not e <= bound(n) * scale:
-            return None
-    return c
 
 
 def padding(result) -> list[Mismatch]:

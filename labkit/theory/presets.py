@@ -249,7 +249,7 @@ PUBLISHED_PARAMS: dict[str, int] = {
     "llama3.1-70b": 70_553_706_496,
     "llama-405b": 405_853_388_800,
     "mixtral-8x7b": 46_702_792_704,
-    # issue 35: transformers 5.24's Qwen3ForCausalLM / SmolLM3ForCausalLM / Gemma3ForCausalLM built on
+    # transformers 5.24's Qwen3ForCausalLM / SmolLM3ForCausalLM / Gemma3ForCausalLM built on
     # the meta device from the published config (tests/test_families_fam.py counts them again); Qwen3 8B's
     # Hub page lists 8.19B, SmolLM3's 3.08B; Gemma 3 27B's 27.4B includes its vision tower
     "qwen3-8b": 8_190_735_360,

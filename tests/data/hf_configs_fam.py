@@ -1,4 +1,4 @@
-"""Published config.json files of the dense attention families of issue 35 (tests/test_families_fam.py),
+"""Published config.json files of the dense attention families (tests/test_families_fam.py),
 as ModelConfig.from_hf reads them: each dict is the config as published (the source above it),
 the fields that decide the architecture and the bookkeeping ones kept as they are."""
 

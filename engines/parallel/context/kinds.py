@@ -211,7 +211,7 @@ def apply_cp(model: torch.nn.Module, mesh, kind, cfg_a2a: int = 1) -> tuple[torc
         core = Gathered(group, rank, cp)
     else:
         core = Ulysses(group, rank, cp, model.cfg.seq)
-    local = {}  # a sliding window's core, one per width (issue 35: Gemma 3's local layers)
+    local = {}  # a sliding window's core, one per width (Gemma 3's local layers)
     for block in model.blocks:
         w = block.attn.window
         if getattr(block.attn, "sinks", None) is not None:  # GPT-OSS (the ring only: config/model_problems.py)

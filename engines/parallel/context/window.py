@@ -1,4 +1,4 @@
-"""Sliding-window attention on a context-parallel rank (issue 35): the K/V rows inside the window
+"""Sliding-window attention on a context-parallel rank: the K/V rows inside the window
 come point to point from the ranks that hold them (labkit/layout/window.py `window_plan`, the same
 plan the theory prices), each of this rank's zigzag chunks attends to its own rows and those, and
 the received rows' gradients go back to their owners in backward. Blocks outside the window are

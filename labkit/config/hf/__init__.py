@@ -14,7 +14,7 @@ never downloads, so a Hub id is refused with the way to fetch its config.json.
     Qwen2ForCausalLM                       arch 'llama' with biases on q, k, v (qkv_bias)
     GPT2LMHeadModel                        arch 'gpt2'
     DeepseekV3ForCausalLM                  arch 'deepseek_v3' (MLA, YaRN; its MoE layers: hf/moe.py)
-    Qwen3ForCausalLM, SmolLM3ForCausalLM,  the dense attention families of issue 35: hf/families.py
+    Qwen3ForCausalLM, SmolLM3ForCausalLM,  the dense attention families: hf/families.py
     Gemma3ForCausalLM
     Qwen3MoeForCausalLM                    Qwen3's attention (hf/families.py), its MoE layers (hf/moe.py)
 """

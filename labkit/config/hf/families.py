@@ -1,4 +1,4 @@
-"""Hugging Face config.json -> ModelConfig fields for the dense attention families of issue 35 (hf/__init__.py
+"""Hugging Face config.json -> ModelConfig fields for the dense attention families (hf/__init__.py
 dispatches here): Qwen3 dense, SmolLM3 and Gemma 3's text model. Each reads the fields that decide
 its architecture in transformers' own modeling file (5.24: models/qwen3/modeling_qwen3.py,
 smollm3/modeling_smollm3.py, gemma3/modeling_gemma3.py), in both spellings a config comes in: as
@@ -36,7 +36,7 @@ MODEL_TYPES = {
 
 
 def family_of(c: dict) -> str | None:
-    """The family of issue 35 a config names ('qwen3', 'smollm3', 'gemma3'), or None."""
+    """The family a config names ('qwen3', 'smollm3', 'gemma3'), or None."""
     for name in c.get("architectures") or []:
         if name in FAMILIES:
             return FAMILIES[name]

@@ -1,4 +1,4 @@
-"""GptOssForCausalLM's config.json -> ModelConfig fields (issue 35; hf/families.py dispatches here).
+"""GptOssForCausalLM's config.json -> ModelConfig fields (hf/families.py dispatches here).
 
 Read as transformers 5.24 builds the model (models/gpt_oss/configuration_gpt_oss.py, modeling_gpt_oss.py),
 in both spellings a config comes in: as OpenAI published it (openai/gpt-oss-20b and -120b config.json:

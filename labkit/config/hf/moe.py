@@ -1,4 +1,4 @@
-"""The fine-grained MoE fields of a Hugging Face config.json -> ModelConfig's (issue 35, part "mix").
+"""The fine-grained MoE fields of a Hugging Face config.json -> ModelConfig's.
 
 Qwen3MoeForCausalLM (transformers models/qwen3_moe/configuration_qwen3_moe.py) and DeepseekV3ForCausalLM
 (models/deepseek_v3/configuration_deepseek_v3.py) name the same ideas differently; `moe_fields` reads

@@ -64,7 +64,7 @@ class Hardware:
     workspace: float | None = None
     """cuBLAS's workspaces held in PyTorch's allocator through a step (each (handle, stream) a step uses
     keeps one; calibration.load_workspace), bytes; None: not measured, left out of the peak and said so
-    in `assumptions` (an H100 step's peak was 135.3 MB above the theory's, 2026-11-26, issue 45)."""
+    in `assumptions` (an H100 step's peak was 135.3 MB above the theory's, 2026-11-26)."""
     nccl_buffer: float = 4 * 2**20
     """NCCL_BUFFSIZE: bytes per channel and direction of each peer connection (NCCL's default)."""
     nccl_channels: int = 16

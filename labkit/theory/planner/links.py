@@ -1,5 +1,5 @@
 """What each mesh dim sends per step, and over which link: NVLink inside a node, or the network
-between nodes (issue 30's question for HSDP and the cp kinds: what crosses the slow link).
+between nodes (the question HSDP and the cp kinds raise: what crosses the slow link).
 
 The bytes are the exact theory's (theory.estimate's comm rows: ring-model wire bytes a rank sends
 per step, DERIVATIONS.md "The ring model"), for the rank that sends the most; of them, the part

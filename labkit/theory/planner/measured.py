@@ -1,4 +1,4 @@
-"""What the planner needs measured on GPUs and does not have yet (issue 45, item 6), read from one file,
+"""What the planner needs measured on GPUs and does not have yet, read from one file,
 benchmarks/data/planner_measurements.json, that benchmarks/gpu_planner.py fills on a GPU. Each list
 starts empty; while it is empty the planner prices as before and says what it assumes instead
 (`labkit plan` prints the Hardware's assumptions). Nothing here is fitted: a point is one measured

@@ -1,4 +1,4 @@
-"""The Ultra-Scale Playbook's best configurations as data (issue 29): new data the planner never
+"""The Ultra-Scale Playbook's best configurations as data: new data the planner never
 saw when it was built, predicted blind first (benchmarks/RESULTS.md keeps that prediction beside
 the later ones; benchmarks/playbook.py writes it).
 

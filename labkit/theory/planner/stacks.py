@@ -1,4 +1,4 @@
-"""The software stack a step runs on, priced by name (issue 29): how close a training step comes to
+"""The software stack a step runs on, priced by name: how close a training step comes to
 its kernels' isolated rates is a property of the stack (eager PyTorch, torch.compile), not of the
 device, so it is an input a run states (`theory.evaluate(..., stack=...)`, `theory.plan(...,
 stack=...)`, published.Run.stack) and each stack's numbers are measured.
@@ -6,7 +6,7 @@ stack=...)`, published.Run.stack) and each stack's numbers are measured.
     roofline   every kernel at the hardware's isolated rates (hardware.py)
     eager      PyTorch eager: the elementwise kernels and the optimizer as measured in eager steps
     compile    torch.compile: the same, measured in compiled steps
-    te         Megatron-Core with Transformer Engine's fused kernels (issue 41): not measured here yet, so
+    te         Megatron-Core with Transformer Engine's fused kernels: not measured here yet, so
                priced at the compile stack's pace, and that assumption named in the plan's assumptions
 
 Measured from benchmarks/data/gpu-h200-2026-11-26/mfu.json (calibration.load_kernels): one-process
@@ -44,7 +44,7 @@ STACKS = ("eager", "compile", "te", "roofline")
 PRICED_AS = {"te": "compile"}
 """A stack not yet measured, priced as a measured one: Transformer Engine fuses the elementwise kernels
 (bias, activation, norm, dropout) that torch.compile fuses, and its runs' published tokens/s land within
-20% of the compiled stack's prediction where eager's are 20-30% pessimistic (issue 41)."""
+20% of the compiled stack's prediction where eager's are 20-30% pessimistic."""
 MEASURED_AS = {"one eager": "eager", "one compiled": "compile"}
 """benchmarks/gpu_mfu.py's row names, by the stack they ran."""
 
