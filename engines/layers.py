@@ -267,6 +267,6 @@ def norm(cfg: ModelConfig, dim: int | None = None) -> nn.Module:
     dim = dim or cfg.hidden
     if cfg.family.offset_norm:
         return OffsetRMSNorm(dim, cfg.norm_eps)
-    if cfg.family.rms_norm:
+    if cfg.norms.rms:
         return nn.RMSNorm(dim, eps=cfg.norm_eps)
-    return nn.LayerNorm(dim, eps=cfg.norm_eps)
+    return nn.LayerNorm(dim, eps=cfg.norm_eps, bias=cfg.norms.bias)

@@ -350,3 +350,24 @@ def test_torchtitan_python_config_read_without_running_it(tmp_path, capsys):
         read_job(bad, gpus=64)
     assert main(["estimate", "--from", str(DATA / "llama3_8b.py"), "--gpus", "64"]) == 0
     assert "torchtitan Python config, read with ast" in capsys.readouterr().out
+
+
+def test_megatrons_default_layernorm_on_a_llama_trains_like_one_process(lab, tmp_path):
+    """Megatron's Llama 3 8B script without --normalization (its 157006d6 form: LayerNorm, a bias beside
+    every norm's weight, on SwiGLU and rope), shrunk to the session's engines, and the same model under
+    TP + SP (the norms' biases replicated over tp, their gradients summed over SP's rows): each exact
+    against one process, the theory's count the engines'."""
+    from labkit import ParallelConfig, reference
+    from labkit.config.jobs.shrink import shrink
+    from labkit.oracle.checks import mismatches
+
+    script = tmp_path / "train_llama3_8b_h100_fp8.sh"
+    script.write_text((DATA / "megatron_llama3_8b_fp8.sh").read_text().replace("    --normalization RMSNorm\n", ""))
+    job = read_job(script, script_args=["/ckpt", "/tb"])
+    small = shrink(job, engines=lab.world)
+    assert small.model.norms.bias and not small.model.norms.rms
+    for cfg in (small.parallel, ParallelConfig(tp=2, dp=2, sequence_parallel=True, precision="bf16")):
+        res = lab.run(cfg, model=small.model, steps=2, return_params=True)
+        assert sum(v.size for v in res.params.values()) == small.model.num_params()
+        found = mismatches(res, reference(small.model, steps=2, global_batch=cfg.global_batch))
+        assert found == [], (cfg, [str(f) for f in found])

@@ -101,6 +101,47 @@ def test_gpt3_175b_as_written_contradicts_its_own_degrees():
         read_job(GPT3, vocab=50257)
 
 
+def test_a_refused_script_names_every_problem_at_once():
+    """The GPT-3 script as published, read bare: its tokenizer files without a vocabulary size (and what
+    GPT-2's BPE would be, padded as Megatron pads it) and its world against its degrees, in one error."""
+    with pytest.raises(ConfigError) as err:
+        read_job(GPT3)
+    said = err.value.problems
+    assert len(said) == 2, said
+    assert "names a tokenizer (--vocab-file, --merge-file) but no --vocab-size" in said[0]
+    assert "GPT-2's BPE has 50,257 entries" in said[0] and "1,024: 51,200 rows" in said[0]
+    assert said[1].startswith("world 8 GPUs is not divisible by") and "give 128 GPUs" in said[1]
+
+
+def test_three_problems_of_one_file_are_named_together(tmp_path):
+    """A copy of the Llama 3 8B script with three things wrong: no micro batch, SwiGLU with learned
+    positions, and an expert TP apart from TP. One error, three problems, each with its fix."""
+    text = LLAMA8.read_text().replace("--micro-batch-size $MICRO_BATCH_SIZE", "")
+    text = text.replace("--position-embedding-type rope", "--position-embedding-type learned_absolute")
+    text = text.replace("--swiglu\n", "--swiglu\n    --expert-tensor-parallel-size 2\n")
+    path = tmp_path / "three.sh"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        read_job(path, script_args=["/ckpt", "/tb"])
+    said = " | ".join(err.value.problems)
+    assert len(err.value.problems) == 3, said
+    assert "--swiglu on with --position-embedding-type learned_absolute" in said
+    assert "--expert-tensor-parallel-size 2 differs" in said and "no --micro-batch-size" in said
+
+
+def test_the_llama3_8b_script_without_normalization_is_megatrons_default_layernorm(tmp_path):
+    """Megatron-LM's examples/llama/train_llama3_8b_h100_fp8.sh at 157006d6 passes --swiglu, rope and
+    --apply-layernorm-1p but no --normalization (its MODEL_ARGS are the d98e8a64 copy's above less that one
+    line, compared with the search tool): Megatron builds its default LayerNorm, a bias beside each weight,
+    65 norms x 4,096 more parameters than the RMSNorm model: 8,030,527,488."""
+    old = tmp_path / "train_llama3_8b_h100_fp8.sh"
+    old.write_text(LLAMA8.read_text().replace("    --normalization RMSNorm\n", ""))
+    job = read_job(old, script_args=["/ckpt", "/tb"])
+    assert (job.model.arch, job.model.norm, job.model.norms.bias) == ("llama", "layernorm", True)
+    assert job.model.num_params() == 8_030_261_248 + 65 * 4_096 == 8_030_527_488
+    assert theory.num_params(job.model) == job.model.num_params()
+
+
 @pytest.mark.parametrize(
     "src, old, new, at, error",
     [

@@ -13,6 +13,8 @@ from labkit.config.choices import (
     ConfigError,
     Family,
     Loss,
+    Norm,
+    NormKind,
     Router,
 )
 from labkit.config.hf import hf_fields
@@ -84,6 +86,11 @@ class ModelConfig(_Dict):
     """Llama 3.1's RoPE scaling (llama only); None: plain RoPE."""
     norm_eps: float = 1e-5
     """Epsilon of every LayerNorm / RMSNorm."""
+    norm: Norm = "default"
+    """The blocks' and the head's norms: 'default' the family's (RMSNorm for llama, deepseek_v3, gpt_oss;
+    LayerNorm with its bias for gpt and gpt2; Gemma 3's (1 + w) RMSNorm, which admits no other), or one a
+    job names: 'rmsnorm', 'layernorm' (weight and bias: Megatron-LM's default whatever its MLP and
+    positions), 'layernorm_nobias'. MLA's latent norms and Qwen3's q/k norms stay RMSNorm."""
     qkv_bias: bool = False
     """Biases on the q, k and v projections only (llama family: Qwen2). gpt2 has biases everywhere anyway."""
     loss: Loss = "fp32"
@@ -276,6 +283,11 @@ class ModelConfig(_Dict):
         return choices.family(self.arch)
 
     @property
+    def norms(self) -> NormKind:
+        """What `norm` builds: .rms (RMSNorm rather than LayerNorm), .bias."""
+        return choices.norm_kind(self.arch, self.norm)
+
+    @property
     def fused_loss(self) -> bool:
         """loss='fused': the logits kept in the compute dtype with their fp32 log-sum-exp."""
         return choices.fused_loss(self.loss)
@@ -286,7 +298,7 @@ class ModelConfig(_Dict):
         h, f, v, s, e = self.hidden, self.ffn, self.vocab, self.seq, self.experts
         kv, q = self.n_kv_heads * self.head_dim, self.heads * self.head_dim
         fam = self.family
-        norm = h if fam.rms_norm else 2 * h  # RMSNorm has no bias
+        norm = 2 * h if self.norms.bias else h  # a weight, and LayerNorm's bias
         attn = 2 * h * q + 2 * h * kv + (2 * self.head_dim if self.qk_norm else 0)
         if fam.latent_attention:  # MLA's own projections and latent norms (labkit/config/latent.py)
             attn = sum(math.prod(shape) for _, shape in mla_shapes(self))

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from labkit.config.choices import norm_kind
 from labkit.config.latent import latent_problems
 
 if TYPE_CHECKING:
@@ -57,6 +58,13 @@ def family_problems(cfg: ParallelConfig, model: ModelConfig) -> list[str]:
         out.append(
             f"qkv_bias applies to arch='llama' (Qwen2); arch={model.arch!r} has "
             + ("a bias on every projection already" if model.family.biases else "no biases")
+        )
+    fam = model.family
+    if (fam.latent_attention or fam.offset_norm or fam.sinks) and model.norms != norm_kind(model.arch, "default"):
+        out.append(
+            f"norm={model.norm!r} on arch={model.arch!r}: its norms are the family's own (DeepSeek-V3's RMSNorm beside "
+            "its latent norms, Gemma 3's (1 + w) RMSNorm, GPT-OSS's RMSNorm); leave norm='default', or use gpt, gpt2 "
+            "or llama, whose norms may be any"
         )
     out += latent_problems(cfg, model)  # MLA's fields (arch='deepseek_v3')
     out += _sink_problems(cfg, model)

@@ -84,7 +84,7 @@ def _not_shared(cfg, devices: set, threads: set) -> str:
         return "cp computes attention in blocks, and each weight's gradient in parts of the sequence"
     if cfg.compile:
         return "torch.compile fuses the blocks' kernels"
-    if cfg.torch_impl and (cfg.numerics.fp8 or cfg.sharding not in ("fsdp", "zero3")):
+    if cfg.torch_impl and (cfg.numerics.fp8 or not cfg.sharded.params):
         return "PyTorch's strategy computes its own way (FSDP2 casts its fp32 shard to fp8)"
     if cfg.torch_impl:  # FSDP2 in bf16: one process's forward and backward, PyTorch's AdamW and clip after
         return "PyTorch's AdamW and clip_grad_norm_ update the masters in their own arithmetic (`first_shared`)"
@@ -103,7 +103,7 @@ def first_shared(result) -> Arithmetic | None:
     a rounding), so the steps after the first are the counted bound's. The first step's masters are the
     init, the same on both sides."""
     cfg = result.config
-    if not (cfg.torch_impl and cfg.numerics.mixed and not cfg.numerics.fp8 and cfg.sharding in ("fsdp", "zero3")):
+    if not (cfg.torch_impl and cfg.numerics.mixed and not cfg.numerics.fp8 and cfg.sharded.params):
         return None
     base = cfg.replace(impl="lab")
     threads = {rk.threads for rk in result.ranks}
@@ -129,7 +129,7 @@ def extra_roundings(result) -> dict[str, int]:
     pipeline they keep no full gradient to sum them in fp32)."""
     cfg, model = result.config, result.model
     out: dict[str, int] = {}
-    if cfg.microbatches > 1 and cfg.pp == 1 and cfg.sharding in ("zero2", "zero3", "fsdp") and not cfg.torch_impl:
+    if cfg.microbatches > 1 and cfg.pp == 1 and cfg.sharded.grads and not cfg.torch_impl:
         out = {n: cfg.microbatches - 1 for n, _ in param_shapes(model)}
     if cfg.ep > 1:
         out.update({n: out.get(n, 0) + 2 for n in expert_tensors(model)})

@@ -87,18 +87,19 @@ def activation_bytes(
         mlp = e * (4 if fam.gated_mlp else 2) * b * s * f
     if fam.latent_attention:  # MLA's latents, kernel and wo input (theory/exact/latent.py), llama's norms
         block = 8 * (2 * b * s * h + b * s) + e * 2 * b * s * h + latent.attention_bytes(m, b, s, 1, e) + mlp
-    elif fam.rms_norm:  # the norms keep fp32 statistics and inputs; q and k kept rotated
-        # q and the attention output are heads·head_dim wide (= h unless kv_channels says otherwise)
-        q = a * m.head_dim
-        block = 8 * (2 * b * s * h + b * s) + e * (2 * b * s * h + 2 * b * s * q + 2 * b * s * kv) + mlp + 4 * a * b * s
-        block += qk_norm_bytes(m, b, s, a, m.n_kv_heads) + gemma_norm_bytes(m, b, s, s)
     else:
-        block = e * (6 * b * s * h + 2 * b * s * kv + 4 * b * s) + mlp + 4 * a * b * s
+        # the two norms: RMSNorm keeps fp32 statistics and inputs, LayerNorm its input and two statistics
+        norms = 8 * (2 * b * s * h + b * s) if m.norms.rms else e * (2 * b * s * h + 4 * b * s)
+        # the linears' inputs, q (rotated where rotary) and the attention output, heads·head_dim wide
+        # (= h unless kv_channels says otherwise), k and v
+        q = a * m.head_dim
+        block = norms + e * (2 * b * s * h + 2 * b * s * q + 2 * b * s * kv) + mlp + 4 * a * b * s
+        block += qk_norm_bytes(m, b, s, a, m.n_kv_heads) + gemma_norm_bytes(m, b, s, s)
     total = layers * block
     if fam.rotary and layers:
         total += rotary_bytes(m, s, e, tables)  # the rotary tables
     if head:
-        norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if fam.rms_norm else e * (2 * b * s * h + 2 * b * s)
+        norm = 4 * (2 * b * s * h + b * s) + e * b * s * h if m.norms.rms else e * (2 * b * s * h + 2 * b * s)
         norm += 4 * h if fam.offset_norm else 0  # Gemma's (1 + w)
         # 'fp32': log_softmax's fp32 output, nll's targets and total weight; 'fused': the
         # logits, each row's fp32 log-sum-exp and the targets (engines/loss.py)

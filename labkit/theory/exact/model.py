@@ -24,8 +24,8 @@ def param_shapes(m: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
     # a rotary model (llama) has no position table
     out = [("embed.tok.weight", (v, h))] + ([] if fam.rotary else [("embed.pos.weight", (s, h))])
 
-    def norm(name: str) -> list:  # RMSNorm has a weight only
-        return [(name + ".weight", (h,))] + ([] if fam.rms_norm else [(name + ".bias", (h,))])
+    def norm(name: str) -> list:  # a weight, and LayerNorm's bias (ModelConfig.norm)
+        return [(name + ".weight", (h,))] + ([(name + ".bias", (h,))] if m.norms.bias else [])
 
     def linear(name: str, rows: int, cols: int, bias: bool) -> list:
         return [(name + ".weight", (rows, cols))] + ([(name + ".bias", (rows,))] if bias else [])

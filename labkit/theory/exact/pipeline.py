@@ -214,7 +214,7 @@ def held_bytes(cfg: ParallelConfig, model: ModelConfig, layers: int, head: bool,
     b, s, t = microbatch_rows(cfg), model.seq // cfg.cp, cfg.tp
     h, f, e = model.hidden, model.ffn, ELEM[cfg.precision]
     rows = s // t if cfg.sequence_parallel else s
-    norm = (4 if model.family.rms_norm else e) * b * rows * h
+    norm = (4 if model.norms.rms else e) * b * rows * h
     kv = max(1, model.n_kv_heads // t) * model.head_dim
     attn = e * (b * s * h // t + 2 * b * s * kv + b * s * h)
     if model.family.latent_attention:  # MLA: its matmuls' output gradients, its latent norms' (fp32)

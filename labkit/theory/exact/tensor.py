@@ -53,11 +53,10 @@ def activation_bytes(
     q = model.heads * model.head_dim  # h unless kv_channels sets head_dim apart
     attn = e * (2 * b * s * q // tp + 2 * b * s * kv)  # q and the attention output of the local heads; k, v
     attn += qk_norm_bytes(model, b, s, a // tp, max(1, model.n_kv_heads // tp))  # on the gathered sequence
-    if fam.rms_norm:  # the norms keep fp32 statistics and inputs
-        block = 8 * (2 * b * rows * h + b * rows) + e * 2 * b * kept * h + attn + mlp
-        block += gemma_norm_bytes(model, b, rows, s)  # Gemma's post-sublayer norms on the stream's rows
-    else:
-        block = e * (2 * b * rows * h + 2 * b * kept * h + 4 * b * rows) + attn + mlp
+    # the two norms: RMSNorm keeps fp32 statistics and inputs, LayerNorm its input and two statistics
+    norms = 8 * (2 * b * rows * h + b * rows) if model.norms.rms else e * (2 * b * rows * h + 4 * b * rows)
+    block = norms + e * 2 * b * kept * h + attn + mlp
+    block += gemma_norm_bytes(model, b, rows, s)  # Gemma's post-sublayer norms on the stream's rows
     block += 4 * (a // tp) * b * s
     if fam.latent_attention:  # MLA in place of q, k, v, the output and the lse (theory/exact/latent.py)
         block += latent.attention_bytes(model, b, s, tp, e) - attn - 4 * (a // tp) * b * s
@@ -65,7 +64,7 @@ def activation_bytes(
     if fam.rotary and model.layers:
         total += rotary_bytes(model, s, e, tables)  # the rotary tables, on the gathered sequence
     if head:
-        norm = 4 * (2 * b * rows * h + b * rows) if fam.rms_norm else e * (b * rows * h + 2 * b * rows)
+        norm = 4 * (2 * b * rows * h + b * rows) if model.norms.rms else e * (b * rows * h + 2 * b * rows)
         norm += 4 * h if fam.offset_norm else 0  # Gemma's (1 + w)
         # the loss keeps the fp32 softmax ('fp32') or the logits and the fp32 log-sum-exp ('fused'),
         # with the local targets (int64) and whether another rank holds them (bool)

@@ -130,7 +130,7 @@ def block_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision:
     #   complex fp32, on q and k, 16 + 2e / 16 + 2e; k and v repeated to every head (GQA,
     #   torchtitan's repeat_kv) e·(kv + h) each way; the attention output's transpose back to
     #   (b, s, h) 2e each way; GELU 2e / 3e; SwiGLU silu(gate)·up 5e / 9e
-    norm, norm_back = (28 + 4 * e, 52 + 6 * e) if fam.rms_norm else (2 * e, 5 * e)
+    norm, norm_back = (28 + 4 * e, 52 + 6 * e) if model.norms.rms else (2 * e, 5 * e)
     ops.append(Op("norms", "memory", 0, 2 * norm * rows * h, backward=norm_back / norm, kept=False))
     ops.append(Op("residual adds", "memory", 0, 2 * 3 * e * rows * h, backward=1.0, kept=False))
     kv = _kv(model)
@@ -167,7 +167,7 @@ def head_ops(model: ModelConfig, tp: int, cp: int, sp: bool, b: int, precision: 
     tokens = b * model.seq // cp
     rows = tokens // (tp if sp else 1)
     h, v = model.hidden, model.vocab // tp
-    norm = 20 + 4 * e if model.family.rms_norm else 2 * e
+    norm = 20 + 4 * e if model.norms.rms else 2 * e
     logits = tokens * v
     return (
         Op("head norm", "memory", 0, norm * rows * h),

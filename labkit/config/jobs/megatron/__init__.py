@@ -80,55 +80,56 @@ def read(
                     "whole numbers (no elastic ranges)"
                 ]
             ) from None
-    found = world_problem(gpus, world, "torchrun's --nnodes x --nproc-per-node")
-    if found:
-        raise ConfigError(found)
-    world = need_world(gpus, world, "the arguments (no torchrun --nnodes/--nproc-per-node)")
-
-    model, more = model_of(a, vocab)
-    notes += more
-    if seq and seq != model.seq:
-        notes.append(f"--seq-length {model.seq}: replaced by seq={seq} (given)")
-        model = model.replace(seq=seq)
+    # every problem of the file at once, each with its fix: a refusal that names one makes a user fix, rerun
+    # and fail again
+    problems = world_problem(gpus, world, "torchrun's --nnodes x --nproc-per-node")
+    if world is None and gpus is None:
+        problems.append(
+            "the arguments (no torchrun --nnodes/--nproc-per-node) leave the GPU count open; give it (gpus=N, on "
+            "the command line --gpus N)"
+        )
+    world = need_world(gpus, world, "the arguments") if not problems else world or gpus
     tp, pp = a.get("tensor-model-parallel-size", int, 1), a.get("pipeline-model-parallel-size", int, 1)
     cp, ep = a.get("context-parallel-size", int, 1), a.get("expert-model-parallel-size", int, 1)
+    model, more = model_of(a, vocab, problems, tp)
+    notes += more
+    if model is not None and seq and seq != model.seq:
+        notes.append(f"--seq-length {model.seq}: replaced by seq={seq} (given)")
+        model = model.replace(seq=seq)
     etp = a.get("expert-tensor-parallel-size", int, tp)
     if etp != tp:
-        raise ConfigError(
-            [
-                f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: Megatron's "
-                "MoE parallel folding (expert parallelism folded over the tensor-parallel ranks) is not expressible "
-                "on labkit's mesh, which has one tp dim for the dense and the expert layers (experts whole on each "
-                f"tp rank, split over the ep dim); give --expert-tensor-parallel-size {tp}"
-            ]
+        problems.append(
+            f"--expert-tensor-parallel-size {etp} differs from --tensor-model-parallel-size {tp}: Megatron's "
+            "MoE parallel folding (expert parallelism folded over the tensor-parallel ranks) is not expressible "
+            "on labkit's mesh, which has one tp dim for the dense and the expert layers (experts whole on each "
+            f"tp rank, split over the ep dim); give --expert-tensor-parallel-size {tp}"
         )
-    if world % (tp * pp * cp):
-        raise ConfigError(
-            [
-                f"world {world} GPUs is not divisible by --tensor-model-parallel-size {tp} x "
-                f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}"
-            ]
+    dp = None
+    if world is not None and world % (tp * pp * cp):
+        problems.append(
+            f"world {world} GPUs is not divisible by --tensor-model-parallel-size {tp} x "
+            f"--pipeline-model-parallel-size {pp} x --context-parallel-size {cp} = {tp * pp * cp}: give "
+            f"{tp * pp * cp} GPUs or a multiple (torchrun's --nnodes x --nproc-per-node), or smaller degrees"
         )
-    dp = world // (tp * pp * cp)  # Megatron's data-parallel size, its expert ranks inside it
-    if dp % ep:
-        raise ConfigError(
-            [
+    elif world is not None:
+        dp = world // (tp * pp * cp)  # Megatron's data-parallel size, its expert ranks inside it
+        if dp % ep:
+            problems.append(
                 f"--expert-model-parallel-size {ep} does not divide the data-parallel size {dp} (world "
                 f"{world} / (TP {tp} x PP {pp} x CP {cp})): Megatron's experts split the data-parallel ranks"
-            ]
-        )
+            )
     micro = a.get("micro-batch-size", int)
     if micro is None:
-        raise ConfigError(["the arguments have no --micro-batch-size (Megatron requires it)"])
+        problems.append("the arguments have no --micro-batch-size (Megatron requires it); give it")
     # the global batch defaults to one micro batch per data-parallel rank: no accumulation
-    glob = a.get("global-batch-size", int, micro * dp)
-    if glob % (micro * dp):
-        raise ConfigError(
-            [
-                f"--global-batch-size {glob} is not divisible by --micro-batch-size {micro} x the "
-                f"data-parallel size {dp} (world {world} / (TP {tp} x PP {pp} x CP {cp}))"
-            ]
+    glob = a.get("global-batch-size", int, micro * dp if micro and dp else None)
+    if micro and dp and glob % (micro * dp):
+        problems.append(
+            f"--global-batch-size {glob} is not divisible by --micro-batch-size {micro} x the "
+            f"data-parallel size {dp} (world {world} / (TP {tp} x PP {pp} x CP {cp}))"
         )
+    if problems:
+        raise ConfigError(problems)
     vp, stage_layers = stages_of(a, model.layers, pp) if pp > 1 else (1, ())
     return Job(
         ParallelConfig(

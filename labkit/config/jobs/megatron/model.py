@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 
 from labkit.config import ModelConfig, RopeScaling
-from labkit.config.choices import ConfigError, family
+from labkit.config.choices import ConfigError, family, norm_kind
 from labkit.config.jobs.megatron.args import Args
 from labkit.config.latent import YarnRope
 
@@ -147,54 +147,67 @@ def mla_fields(a: Args, notes: list[str]) -> dict:
     }
 
 
-def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
+NORMS = {"LayerNorm": "layernorm", "RMSNorm": "rmsnorm"}
+"""--normalization's values (core_v0.14.0 arguments.py: LayerNorm, its default, and RMSNorm) -> ModelConfig.norm.
+Megatron's LayerNorm has a weight and a bias whatever the linears' --disable-bias-linear; --apply-layernorm-1p
+stores its weight as w - 1 (zero-centred), the same parameters."""
+TOKENIZER_FILES = ("vocab-file", "merge-file", "tokenizer-model")
+"""The arguments that name a tokenizer's files instead of a vocabulary size."""
+GPT2_VOCAB = 50_257
+"""GPT-2's BPE vocabulary (its encoder.json: 50,000 merges, 256 bytes and the end-of-text token), what
+--tokenizer-type GPT2BPETokenizer with --vocab-file / --merge-file reads."""
+
+
+def model_of(a: Args, vocab: int | None, problems: list[str], tp: int = 1) -> tuple[ModelConfig | None, list[str]]:
+    """The model the arguments build, and the notes; each thing labkit cannot build appended to `problems`
+    (None where the model cannot be built at all), so that a file's every problem is named at once."""
     notes: list[str] = []
     need = {n: a.get(n, int) for n in ("num-layers", "hidden-size", "num-attention-heads", "seq-length")}
     vocab = a.get("vocab-size", int, vocab)
-    missing = [f"--{n}" for n, v in {**need, "vocab-size": vocab}.items() if v is None]
+    missing = [f"--{n}" for n, v in need.items() if v is None]
     if missing:
-        raise ConfigError(
-            [
-                f"the arguments have no {', '.join(missing)}, which the model needs (labkit reads no "
-                "tokenizer: give --vocab-size, or vocab= to the reader)"
-            ]
-        )
-    layers, h, heads, seq = need.values()
-    swiglu, norm = a.flag("swiglu"), a.get("normalization", str, "LayerNorm")
+        problems.append(f"the arguments have no {', '.join(missing)}, which the model needs; give them")
+    if vocab is None:
+        problems.append(vocab_problem(a, tp))
+    swiglu, norm_name = a.flag("swiglu"), a.get("normalization", str, "LayerNorm")
     pos = a.get("position-embedding-type", str, "learned_absolute")
-    # the three arguments that make a GPT a Llama; labkit builds the two families whole, not a mix
-    llama = (swiglu, norm, pos) == (True, "RMSNorm", "rope")
-    if not llama and (swiglu, norm, pos) != (False, "LayerNorm", "learned_absolute"):
-        raise ConfigError(
-            [
-                f"--swiglu {'on' if swiglu else 'off'}, --normalization {norm}, --position-embedding-type "
-                f"{pos}: labkit builds llama (--swiglu, RMSNorm, rope) or gpt2 (GELU, LayerNorm, "
-                "learned_absolute), not this mix"
-            ]
+    # the MLP and the positions choose the family; the norm is a field of its own (ModelConfig.norm)
+    llama = (swiglu, pos) == (True, "rope")
+    mix = (swiglu, pos) in ((True, "rope"), (False, "learned_absolute"))
+    if not mix:
+        problems.append(
+            f"--swiglu {'on' if swiglu else 'off'} with --position-embedding-type {pos}: labkit builds SwiGLU with "
+            "rope (llama) and GELU with a learned table (gpt2); give --swiglu with rope, or neither"
         )
+    if norm_name not in NORMS:
+        problems.append(f"--normalization {norm_name}: labkit builds {' or '.join(NORMS)}; give one of those")
+    norm = NORMS.get(norm_name, "layernorm")
     no_bias = a.flag("disable-bias-linear")
-    if llama and not no_bias:
-        raise ConfigError(
-            [
-                "--swiglu with RMSNorm and rope but without --disable-bias-linear: Megatron adds biases to "
-                "every linear, which labkit's llama does not have; add --disable-bias-linear"
-            ]
+    if mix and llama and not no_bias:  # (a family the arguments do not make: its biases say nothing more)
+        problems.append(
+            "--swiglu with rope but without --disable-bias-linear: Megatron adds biases to every linear, which "
+            "labkit's llama does not have; add --disable-bias-linear"
         )
-    if not llama and no_bias:
-        raise ConfigError(["--disable-bias-linear on a GELU/LayerNorm model: labkit's gpt2 has biases; remove it"])
+    if mix and not llama and no_bias:
+        problems.append("--disable-bias-linear on a GELU model: labkit's gpt2 has biases; remove it")
     if a.get("rotary-percent", float, 1.0) != 1.0:
-        raise ConfigError([f"--rotary-percent {a.args['rotary-percent']}: labkit rotates every dimension; give 1.0"])
+        problems.append(f"--rotary-percent {a.args['rotary-percent']}: labkit rotates every dimension; give 1.0")
     if not llama and a.flag("no-position-embedding"):
-        raise ConfigError(["--no-position-embedding on a learned_absolute model: labkit's gpt2 has its table"])
+        problems.append("--no-position-embedding on a learned_absolute model: labkit's gpt2 has its table; remove it")
     if a.flag("apply-layernorm-1p"):  # the same weights, stored as w - 1: the count and the bytes are labkit's
-        notes.append("--apply-layernorm-1p: the norms scale by 1 + w (zero-centred); labkit's by w")
+        notes.append("--apply-layernorm-1p: the norms scale by 1 + w (zero-centred); labkit's by w, the same count")
+    mla = a.flag("multi-latent-attention")
+    if mla and not (llama and norm == "rmsnorm"):
+        problems.append("--multi-latent-attention: labkit builds it with --swiglu, RMSNorm and rope (DeepSeek-V3)")
+    if missing or vocab is None:
+        return None, notes
+    layers, h, heads, seq = need.values()
     # validate_args' defaults: SwiGLU's two up-projections at 2/3 of 4h keep the parameters of a 4h MLP
     ffn = a.get("ffn-hidden-size", int, int(4 * h * 2 / 3 / 64) * 64 if swiglu else 4 * h)
-    mla = a.flag("multi-latent-attention")
-    if mla and not llama:
-        raise ConfigError(["--multi-latent-attention: labkit builds it with --swiglu, RMSNorm and rope (DeepSeek-V3)"])
     arch = "deepseek_v3" if mla else "llama" if llama else "gpt2"
     fields = mla_fields(a, notes) if mla else {}
+    # the family's own norm is its default; another is said by name (a llama with LayerNorm: Megatron's default)
+    fields["norm"] = "default" if norm_kind(arch, "default") == norm_kind(arch, norm) else norm
     fields = {"ffn": ffn, **fields, **moe_fields(a, arch, layers, ffn, notes)}
     if a.get("mtp-num-layers", int):
         notes.append(
@@ -224,22 +237,42 @@ def model_of(a: Args, vocab: int | None) -> tuple[ModelConfig, list[str]]:
         )
     gqa = a.flag("group-query-attention")
     tied = not a.flag("untie-embeddings-and-output-weights")  # Megatron ties unless told
-    model = ModelConfig(
-        arch=arch,
-        layers=layers,
-        hidden=h,
-        heads=heads,
-        vocab=vocab,
-        seq=seq,
-        # --num-query-groups counts only with --group-query-attention (its default 1 is otherwise unused)
-        kv_heads=a.get("num-query-groups", int, 1) if gqa and not mla else None,
-        tie_embeddings=None if tied == family(arch).ties else tied,
-        qkv_bias=a.flag("add-qkv-bias"),
-        norm_eps=a.get("norm-epsilon", float, 1e-5),
-        rope_theta=float(a.get("rotary-base", int, 10000)),
-        rope_scaling=rope,
-        # Megatron always pads (default 128 x TP); the published count stays the unpadded one
-        vocab_divisible_by=a.get("make-vocab-size-divisible-by", int, 128),
-        **fields,
-    )
+    try:
+        model = ModelConfig(
+            arch=arch,
+            layers=layers,
+            hidden=h,
+            heads=heads,
+            vocab=vocab,
+            seq=seq,
+            # --num-query-groups counts only with --group-query-attention (its default 1 is otherwise unused)
+            kv_heads=a.get("num-query-groups", int, 1) if gqa and not mla else None,
+            tie_embeddings=None if tied == family(arch).ties else tied,
+            qkv_bias=a.flag("add-qkv-bias"),
+            norm_eps=a.get("norm-epsilon", float, 1e-5),
+            rope_theta=float(a.get("rotary-base", int, 10000)),
+            rope_scaling=rope,
+            # Megatron always pads (default 128 x TP); the published count stays the unpadded one
+            vocab_divisible_by=a.get("make-vocab-size-divisible-by", int, 128),
+            **fields,
+        )
+    except ConfigError as e:  # a field the arguments set that labkit refuses: one more problem of the file
+        problems.extend(e.problems)
+        return None, notes
     return model, notes
+
+
+def vocab_problem(a: Args, tp: int) -> str:
+    """No --vocab-size: what the script names instead, and how to give the size."""
+    # a file's flag with no value: the script's path argument left empty on a bare run
+    files = [f"--{n} {a.args[n]}".strip() if a.args[n] else f"--{n}" for n in TOKENIZER_FILES if n in a.args]
+    said = f"the script names a tokenizer ({', '.join(files)}) but no --vocab-size" if files else "no --vocab-size"
+    fix = "labkit reads no tokenizer: give vocab= to read_job (on the command line --vocab N)"
+    if "vocab-file" in a.args or a.get("tokenizer-type", str) == "GPT2BPETokenizer":
+        div = a.get("make-vocab-size-divisible-by", int, 128) * tp
+        padded = -(-GPT2_VOCAB // div) * div
+        fix += (
+            f"; GPT-2's BPE has {GPT2_VOCAB:,} entries (vocab={GPT2_VOCAB}), which Megatron pads to a multiple of "
+            f"--make-vocab-size-divisible-by x TP = {div:,}: {padded:,} rows"
+        )
+    return f"{said}: {fix}"
