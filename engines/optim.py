@@ -22,17 +22,56 @@ def decays(name: str, p: torch.Tensor) -> bool:
     return p.dim() >= 2
 
 
-def torch_adamw(names: list[str], params: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
+OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq", "momentum_buffer")
+"""The tensors of torch.optim.AdamW's and torch.optim.Muon's state that are the optimizer's bytes (its
+`step` counters are not: labkit's theory counts neither side's)."""
+
+
+def torch_adamw(names: list[str], params: list[torch.Tensor], cfg: OptimConfig, muon=None):
     """PyTorch's own AdamW with labkit's decay rule (two parameter groups): the optimizer of the
-    impl="torch" strategies, whose parameters PyTorch owns (DDP, FSDP2, DTensor, pipelining)."""
-    decay = [p for n, p in zip(names, params) if decays(n, p)]
-    rest = [p for n, p in zip(names, params) if not decays(n, p)]
-    return torch.optim.AdamW(
+    impl="torch" strategies, whose parameters PyTorch owns (DDP, FSDP2, DTensor, pipelining). With
+    OptimConfig name='muon', torch.optim.Muon for the parameters `muon(name, param)` says (the rule of
+    labkit/layout/optimizer.py) beside it: the two stepped as one (`TorchOptimizers`)."""
+    takes = [bool(muon and cfg.kind.muon and muon(n, p)) for n, p in zip(names, params)]
+    decay = [p for n, p, m in zip(names, params, takes) if decays(n, p) and not m]
+    rest = [p for n, p, m in zip(names, params, takes) if not decays(n, p) and not m]
+    adam = torch.optim.AdamW(
         [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}],
         lr=cfg.lr,
         betas=(cfg.beta1, cfg.beta2),
         eps=cfg.eps,
     )
+    if not any(takes):
+        return adam
+    muon_opt = torch.optim.Muon(
+        [p for p, m in zip(params, takes) if m],
+        lr=cfg.muon_lr,
+        weight_decay=cfg.muon_weight_decay,
+        momentum=cfg.momentum,
+        nesterov=cfg.nesterov,
+        ns_steps=cfg.ns_steps,
+        adjust_lr_fn=None if cfg.adjust_lr == "original" else cfg.adjust_lr,
+    )
+    return TorchOptimizers(adam, muon_opt)
+
+
+class TorchOptimizers:
+    """torch.optim.AdamW and torch.optim.Muon over disjoint parameters, stepped and zeroed together."""
+
+    def __init__(self, *opts):
+        self.opts = opts
+
+    @property
+    def state(self) -> dict:
+        return {k: v for o in self.opts for k, v in o.state.items()}
+
+    def step(self) -> None:
+        for o in self.opts:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.opts:
+            o.zero_grad(set_to_none=set_to_none)
 
 
 class AdamW:

@@ -294,63 +294,6 @@ def converts_nothing(original):
     return convert
 
 
-def moments_of_the_next_shard(original):
-    """engines/parallel/zero.py ZeRO12.step, which from the second step on updates each shard with the
-    next rank's Adam moments (each flat buffer's state gathered and taken one rank round)."""
-    import torch
-    import torch.distributed as dist
-
-    def step(self):
-        opt = self.optimizer.opt
-        if opt.t >= 1:
-            at = 0
-            for layout, (group, n, index) in zip(self.layouts, self.groups):
-                k = len(layout.runs(index))
-                for state in (opt.exp_avg, opt.exp_avg_sq):
-                    mine = torch.cat([s.reshape(-1) for s in state[at : at + k]])
-                    every = [torch.empty_like(mine) for _ in range(n)]
-                    dist.all_gather(every, mine, group=group) if n > 1 else every.__setitem__(0, mine)
-                    theirs, o = every[(index + 1) % n], 0
-                    for s in state[at : at + k]:
-                        s.copy_(theirs[o : o + s.numel()].view_as(s))
-                        o += s.numel()
-                at += k
-        return original(self)
-
-    return step
-
-
-def adam_counts_from_two(original):
-    """engines/optim.py AdamW.step whose step counter starts one ahead: every bias correction is the next
-    step's."""
-
-    def step(self, grads, scale=1.0):
-        if self.t == 0:
-            self.t = 1
-        return original(self, grads, scale)
-
-    return step
-
-
-def sharded_clip_skipped(original):
-    """engines/parallel/shards.py ShardedOptimizer.step, updating every shard with the unclipped gradients."""
-    from labkit.engines.optim import grad_norm
-
-    def step(self, grads):
-        mine = [
-            g[at : at + hi - lo]
-            for p, i, g in zip(self.layouts, self.indices, grads)
-            for name, _, lo, hi, at in p.pieces(i)
-            if self.counted[name]
-        ]
-        norm = grad_norm(mine, None, self.norm_group)
-        runs = [g[lo:hi] for p, i, g in zip(self.layouts, self.indices, grads) for lo, hi, _ in p.runs(i)]
-        self.opt.step(runs, 1.0)  # the bug: no clip_coefficient(norm, clip)
-        return float(norm)
-
-    return step
-
-
 def torch_ddp_summed(original):
     """engines/parallel/ddp.py TorchDDP.__init__, whose PyTorch DDP gets a communication hook that sums the
     ranks' gradients and never divides (DDP's own hook divides by the group's size first)."""

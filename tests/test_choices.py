@@ -22,7 +22,7 @@ from labkit.theory.planner import search
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 FOLDERS = ("labkit", "engines", "widgets")
-DECODES = (ROOT / "labkit" / "config" / "choices.py", ROOT / "labkit" / "config" / "float8.py")
+DECODES = tuple(ROOT / "labkit" / "config" / f for f in ("choices.py", "float8.py", "norms.py", "optimizers.py"))
 """The modules where the choices' names are compared (matched): their decode (fp8's recipe apart)."""
 CHOICE_FIELDS = {
     "sharding",
@@ -120,9 +120,9 @@ def test_the_reader_lets_decoded_and_other_comparisons_be(snippet):
 
 
 def test_the_decode_module_is_the_one_that_matches():
-    # 10: sigmoid_router joined them; 11: float8_scaling; 12: norm_kind
+    # 10: sigmoid_router joined them; 11: float8_scaling; 12: norm_kind; 13, 14: optimizer_kind, muon_lr_ratio
     matches = [n for path in DECODES for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Match)]
-    assert len(matches) == 12
+    assert len(matches) == 14
 
 
 # -- the types -------------------------------------------------------------------------------------

@@ -12,14 +12,13 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import pytest
 from conftest import TINY
 from mutation_bugs import (
     STEPS,
-    adam_counts_from_two,
     averaged_twice,
     bucket_never_reduced,
     clipping_skipped_on_rank_1,
@@ -28,7 +27,6 @@ from mutation_bugs import (
     fsdp2_computes_in_fp32,
     gathered_dkv_kept_home,
     heads_sent_reversed,
-    moments_of_the_next_shard,
     nan_on_rank_2,
     norm_grads_halved,
     norm_over_every_replica,
@@ -40,7 +38,6 @@ from mutation_bugs import (
     run_chunks_swapped,
     sequence_not_gathered,
     shard_off_by_one,
-    sharded_clip_skipped,
     stale_gather,
     summed_not_averaged,
     tokens_to_the_wrong_rank,
@@ -48,10 +45,19 @@ from mutation_bugs import (
     unmasked_ring_block,
     wrong_microbatch,
 )
+from mutation_bugs_optim import (
+    adam_counts_from_two,
+    fc1_routed_to_adamw,
+    moments_of_the_next_shard,
+    momentum_reset_every_step,
+    sharded_clip_skipped,
+    slice_kept_whole,
+    slice_orthogonalized_alone,
+)
 
 from labkit import OptimConfig, ParallelConfig, reference
 from labkit.cluster.shipping import register
-from labkit.config.validation import not_built_yet, problems
+from labkit.config.validation import muon_problems, not_built_yet, problems
 from labkit.layout.buckets import grouped_buckets
 from labkit.layout.precision import ELEM
 from labkit.oracle.arithmetic import arithmetic, first_shared
@@ -119,13 +125,19 @@ class Mutation:
     optim: OptimConfig = OptimConfig()
     precisions: tuple[str, ...] = PRECISIONS
     """The precisions it is planted in, each where labkit builds the layout (`runs`)."""
+    also: tuple = ()
+    """A second (target, make) planted with the first, where one bug changes two places."""
 
     def runs(self) -> list[ParallelConfig]:
         """The layout in each of its precisions that labkit builds on the session's 4 engines."""
         out = []
         for p in self.precisions:
             cfg = self.cfg.replace(precision=p)
-            if not problems(cfg, self.model, 4) and not not_built_yet(cfg, self.model):
+            if not (
+                problems(cfg, self.model, 4)
+                or not_built_yet(cfg, self.model)
+                or muon_problems(cfg, self.model, self.optim)
+            ):
                 out.append(cfg)
         return out
 
@@ -133,6 +145,7 @@ class Mutation:
 E = "labkit.engines.parallel."
 DDP4 = ParallelConfig(dp=4, bucket_mb=BUCKET_MB)
 FSDP2 = ParallelConfig(dp=4, sharding="fsdp", impl="torch")
+MUON = OptimConfig(name="muon")
 MUTATIONS = [
     Mutation("a DDP bucket never reduced", DDP4, (E + "ddp", "DDP", "_launch_ready"), bucket_never_reduced,
              "gradients", skipped),
@@ -193,6 +206,13 @@ MUTATIONS = [
              optim=OptimConfig(clip=0.5)),
     Mutation("PyTorch's DDP summing the ranks' gradients, not averaging", ParallelConfig(dp=4, impl="torch"),
              (E + "ddp", "TorchDDP", "__init__"), torch_ddp_summed, "gradients", ("reduced gradient is 4 times",)),
+    Mutation("Muon orthogonalizing each tp rank's slice alone, not the whole matrix", ParallelConfig(tp=2, dp=2),
+             ("labkit.engines.muon", "Whole", "gather"), slice_orthogonalized_alone, "parameters",
+             ("the final parameters",), optim=MUON, also=(("labkit.engines.muon", "Whole", "mine"), slice_kept_whole)),
+    Mutation("Muon's momentum reset every step", DDP4, ("labkit.engines.muon", "Muon", "step"),
+             momentum_reset_every_step, "parameters", ("the final parameters",), optim=MUON),
+    Mutation("the MLP's fc1 routed to AdamW, not Muon", DDP4, ("labkit.engines.muon", None, "takes_muon"),
+             fc1_routed_to_adamw, "parameters", ("blocks.0.mlp.fc1.weight",), optim=MUON),
     Mutation("PyTorch's FSDP2 computing in fp32 while it says bf16", FSDP2, (E + "fsdp", "TorchFSDP", "__init__"),
              fsdp2_computes_in_fp32, "gradients", ("step 0's reduced gradient",), precisions=("bf16",)),
 ]  # fmt: skip
@@ -226,7 +246,7 @@ def test_every_mutation_is_caught_and_named(lab, oracle):
             if key not in honest:  # the control: the same layout, unmutated, matches
                 res = lab.run(cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
                 honest[key] = mismatches(res, ref)
-            with mutated(lab, m.target, m.make):
+            with mutated(lab, m.target, m.make), mutated(lab, *m.also) if m.also else nullcontext():
                 res = lab.run(cfg, model=m.model, steps=STEPS, optim=m.optim, return_params=True)
             found = mismatches(res, ref)
             kind = "shared" if arithmetic(res).shared else "counted" if cfg.precision != "fp32" else "1e-5"

@@ -20,7 +20,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from labkit.config import OptimConfig
 from labkit.engines.meters.memory import unique_bytes
-from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm, torch_adamw
+from labkit.engines.muon import Optimizer, wholes_of
+from labkit.engines.optim import OPTIMIZER_STATES, clip_coefficient, decays, grad_norm, torch_adamw
 from labkit.engines.parallel.common import (
     ParamMetas,
     all_reduce_tied,
@@ -31,6 +32,7 @@ from labkit.engines.parallel.common import (
 )
 from labkit.engines.precision import Policy, copy_masters, policy, split_masters
 from labkit.layout.buckets import grouped_buckets
+from labkit.layout.optimizer import takes_muon
 
 
 class _Bucket:
@@ -111,7 +113,10 @@ class DDP:
         self.accumulate = False
         for p in self.params:  # held weakly: see common.weak_method
             p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready"))
-        self.opt = AdamW(self.masters, optim, [decays(n, p) for n, p in named_params])
+        full = [(metas[p].full_name(n), metas[p].full_shape or tuple(p.shape)) for n, p in named_params]
+        muon = [optim.kind.muon and takes_muon(n, s) for n, s in full]
+        wholes = wholes_of(self.params, metas, mesh, muon) if any(muon) else None
+        self.opt = Optimizer(self.masters, [decays(n, p) for n, p in named_params], optim, full, wholes)
 
     @contextmanager
     def microbatch(self, index: int, count: int):
@@ -219,7 +224,7 @@ class TorchUpdate:
         self.params = [p for _, p in named]
         self.metas = metas
         self.clip = optim.clip
-        self.opt = torch_adamw(self.names, self.params, optim)
+        self.opt = torch_adamw(self.names, self.params, optim, muon=lambda n, p: takes_muon(n, tuple(p.shape)))
 
     def step(self) -> None:
         """Update, then zero the gradients in place (views of DDP's buckets: gradient_as_bucket_view)."""
@@ -227,7 +232,7 @@ class TorchUpdate:
         self.opt.zero_grad(set_to_none=False)
 
     def memory(self) -> dict[str, int]:
-        state = [t for s in self.opt.state.values() for k, t in s.items() if k in ("exp_avg", "exp_avg_sq")]
+        state = [t for s in self.opt.state.values() for k, t in s.items() if k in OPTIMIZER_STATES]
         return {
             "params": unique_bytes(self.params),
             "grads": unique_bytes(p.grad for p in self.params),

@@ -37,7 +37,7 @@ from labkit.cluster.world import backend_problems
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig, RunSpec
 from labkit.config.choices import Data, trains_on_text
 from labkit.config.table import Rows, card
-from labkit.config.validation import data_problems, optim_problems, validate
+from labkit.config.validation import data_problems, muon_problems, optim_problems, validate
 from labkit.engines import runtime
 from labkit.engines.measure import measure_rank
 from labkit.layout.mesh import MeshLayout
@@ -276,7 +276,8 @@ class Lab:
         if bad:
             raise ConfigError(bad)
         validate(cfg, model, self.world)
-        found = optim_problems(optim) or backend_problems(cfg, self.backend, self.devices[: cfg.world])
+        found = optim_problems(optim) or muon_problems(cfg, model, optim)
+        found = found or backend_problems(cfg, self.backend, self.devices[: cfg.world])
         if found:
             raise ConfigError(found)
         for w in MeshLayout.of(cfg).warnings(self.hosts[: cfg.world]):  # a TP group across hosts: say so

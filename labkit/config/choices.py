@@ -52,9 +52,6 @@ Router = Literal["softmax", "sigmoid"]
 ROUTERS: tuple[str, ...] = get_args(Router)
 """How an MoE router scores the experts (ModelConfig.router): a softmax over them (Switch, Mixtral,
 Qwen3-MoE) or each expert's own sigmoid (DeepSeek-V3, technical report section 2.1.2, eq. 15)."""
-Norm = Literal["default", "rmsnorm", "layernorm", "layernorm_nobias"]
-NORMS: tuple[str, ...] = get_args(Norm)
-"""The blocks' and the head's norms (ModelConfig.norm): the family's, or one a job's arguments name."""
 Loss = Literal["fp32", "fused"]
 LOSSES: tuple[str, ...] = get_args(Loss)
 """How ModelConfig.loss takes the cross-entropy."""
@@ -370,33 +367,6 @@ def sigmoid_router(router: Router) -> bool:
             return True
         case _:
             raise ConfigError([unknown("router", router, ROUTERS)])
-
-
-@dataclass(frozen=True)
-class NormKind:
-    """What ModelConfig.norm builds: RMSNorm (Zhang & Sennrich 2019: a weight) or LayerNorm (Ba et al.
-    2016: a weight, and a bias unless told without)."""
-
-    rms: bool
-    """RMSNorm rather than LayerNorm."""
-    bias: bool
-    """A bias beside the weight (LayerNorm's, unless 'layernorm_nobias')."""
-
-
-@cache
-def norm_kind(arch: Arch, norm: Norm) -> NormKind:
-    match norm:
-        case "default":  # the family's: RMSNorm for the llama-like families, LayerNorm for the GPTs
-            rms = family(arch).rms_norm
-            return NormKind(rms=rms, bias=not rms)
-        case "rmsnorm":
-            return NormKind(rms=True, bias=False)
-        case "layernorm":  # Megatron-LM's default (--normalization LayerNorm), whatever the MLP and positions
-            return NormKind(rms=False, bias=True)
-        case "layernorm_nobias":  # OLMo's
-            return NormKind(rms=False, bias=False)
-        case _:
-            raise ConfigError([unknown("norm", norm, NORMS)])
 
 
 @cache

@@ -13,12 +13,11 @@ from labkit.config.choices import (
     ConfigError,
     Family,
     Loss,
-    Norm,
-    NormKind,
     Router,
 )
 from labkit.config.hf import hf_fields
 from labkit.config.latent import YarnRope, mla_shapes
+from labkit.config.norms import Norm, NormKind, norm_kind
 from labkit.config.validation import check_fields
 
 
@@ -285,7 +284,7 @@ class ModelConfig(_Dict):
     @property
     def norms(self) -> NormKind:
         """What `norm` builds: .rms (RMSNorm rather than LayerNorm), .bias."""
-        return choices.norm_kind(self.arch, self.norm)
+        return norm_kind(self.arch, self.norm)
 
     @property
     def fused_loss(self) -> bool:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from labkit.config.choices import norm_kind
 from labkit.config.latent import latent_problems
+from labkit.config.norms import norm_kind
 
 if TYPE_CHECKING:
     from labkit.config import ModelConfig, ParallelConfig

@@ -5,19 +5,25 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from labkit.config import choices
+from labkit.config import choices, optimizers
 from labkit.config.base import _Dict
-from labkit.config.choices import (
-    Data,
-)
+from labkit.config.choices import Data
 from labkit.config.model import ModelConfig
+from labkit.config.optimizers import AdjustLr, Optimizer
 from labkit.config.parallel import ParallelConfig
 from labkit.config.validation import check_fields
 
 
 @dataclass(frozen=True)
 class OptimConfig(_Dict):
-    """AdamW with global-norm gradient clipping; the same numbers in every layout and the reference."""
+    """AdamW (or Muon for the weight matrices, AdamW for the rest) with global-norm gradient clipping; the
+    same numbers in every layout and the reference."""
+
+    name: Optimizer = "adamw"
+    """'adamw', or 'muon': torch.optim.Muon (Jordan et al. 2024; "Muon is Scalable for LLM Training", Liu
+    et al. 2025, arXiv 2502.16982) for the blocks' weight matrices, each expert's on its own, and AdamW with
+    the fields below for the embeddings, the head, the norms, the biases and the routers
+    (labkit/layout/optimizer.py: the rule, written once)."""
 
     lr: float = 3e-3
     """Learning rate (constant: no schedule, so steps compare one to one)."""
@@ -29,6 +35,24 @@ class OptimConfig(_Dict):
     """Decoupled weight decay, applied to matrices (>= 2-D) only, as nanoGPT does."""
     clip: float = 1.0
     """Max global gradient norm (all shards, each parameter counted once); 0 disables clipping."""
+    muon_lr: float = 1e-3
+    """name='muon': Muon's learning rate (torch.optim.Muon's default), before `adjust_lr` scales it."""
+    muon_weight_decay: float = 0.1
+    """name='muon': Muon's decoupled weight decay, times muon_lr (torch's default)."""
+    momentum: float = 0.95
+    """name='muon': the momentum buffer's decay (torch's default)."""
+    nesterov: bool = True
+    """name='muon': Nesterov momentum: the update is the gradient blended toward the buffer (torch's default)."""
+    ns_steps: int = 5
+    """name='muon': Newton-Schulz iterations, quintic, coefficients (3.4445, -4.775, 2.0315), in bf16 (torch's)."""
+    adjust_lr: AdjustLr = "original"
+    """name='muon': torch's adjust_lr_fn ('original' for its None): the learning rate times sqrt(max(1, A/B)),
+    or 0.2·sqrt(max(A, B)) ('match_rms_adamw'), for an A x B matrix (out x in)."""
+
+    @property
+    def kind(self) -> optimizers.OptimizerKind:
+        """What `name` runs: .muon."""
+        return optimizers.optimizer_kind(self.name)
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,42 @@ def optim_problems(optim: OptimConfig) -> list[str]:
         out.append(f"weight_decay={optim.weight_decay} must be >= 0; try 0.1")
     if optim.clip < 0:
         out.append(f"clip={optim.clip} must be >= 0 (0 disables clipping); try 1.0")
+    if not optim.muon_lr > 0:
+        out.append(f"muon_lr={optim.muon_lr} must be > 0; try 1e-3")
+    if optim.muon_weight_decay < 0:
+        out.append(f"muon_weight_decay={optim.muon_weight_decay} must be >= 0; try 0.1")
+    if not 0 <= optim.momentum < 1:
+        out.append(f"momentum={optim.momentum} must be in [0, 1); try 0.95")
+    if not 1 <= optim.ns_steps < 100:  # torch.optim.Muon refuses 100 and more
+        out.append(f"ns_steps={optim.ns_steps} must be a whole number in [1, 100); try 5")
+    return out
+
+
+def muon_problems(cfg: ParallelConfig, model: ModelConfig, optim: OptimConfig) -> list[str]:
+    """What of a layout Muon does not run on yet, each with the nearest that it does. Muon's update needs
+    each weight matrix whole (Newton-Schulz orthogonalizes the full matrix): DDP holds it (a tp rank
+    gathers its slice's update), a pipeline stage and an expert's rank hold theirs; ZeRO and FSDP hold a
+    flat shard of it, where Distributed Muon (Liu et al. 2025, section 2.2) gathers the momentum's shards
+    first, not built here yet."""
+    if not optim.kind.muon:
+        return []
+    out = []
+    if cfg.sharded.optimizer:
+        out.append(
+            f"optim name='muon' with sharding={cfg.sharding!r} is not built yet: Distributed Muon's gather of "
+            "the momentum's shards into whole matrices is not; use sharding='none' (DDP: each rank holds every "
+            "matrix whole, a tp rank gathers its slice's update)"
+        )
+    if cfg.torch_impl and (cfg.tp > 1 or cfg.pp > 1):
+        out.append(
+            "optim name='muon' with impl='torch' and tp or pp > 1 is not built: torch.optim.Muon takes plain 2-D "
+            "parameters; use impl='lab', or impl='torch' on dp alone (PyTorch's DDP with torch.optim.Muon)"
+        )
+    if cfg.torch_impl and model.experts:
+        out.append(
+            "optim name='muon' with impl='torch' on an MoE model: torch.optim.Muon refuses the experts' stacked "
+            "3-D weights; use impl='lab', which orthogonalizes each expert's matrix on its own"
+        )
     return out
 
 

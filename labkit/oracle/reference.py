@@ -165,14 +165,17 @@ def train(
     from labkit.engines.evaluate import reference_validation_loss
     from labkit.engines.model import build_model
     from labkit.engines.moe import update_expert_bias
-    from labkit.engines.optim import AdamW, clip_coefficient, decays, grad_norm
+    from labkit.engines.muon import Optimizer
+    from labkit.engines.optim import clip_coefficient, decays, grad_norm
     from labkit.engines.precision import compute_copy
 
     torch.manual_seed(seed)  # nothing random is drawn from it; set for any future dropout
     net = build_model(model, seed)
     # registration order; weight decay on matrices only, decided as the engines decide it (nanoGPT's rule)
     names, params = zip(*net.named_parameters())
-    opt = AdamW(list(params), optim, [decays(n, p) for n, p in zip(names, params)])
+    # AdamW, or Muon for the matrices the rule routes to it (engines/muon.py: torch.optim.Muon's update)
+    full = [(n, tuple(p.shape)) for n, p in zip(names, params)]
+    opt = Optimizer(list(params), [decays(n, p) for n, p in zip(names, params)], optim, full)
     compute = compute_copy(net, precision, fp8_recipe)  # the module that runs forward/backward
     losses, norms, every, spreads = [], [], [], []
     for step in range(steps):

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from labkit.config.table import Rows, card, human_bytes
 from labkit.config.validation import argument_problems, problems
 from labkit.layout.mesh import DATA_DIMS, MeshLayout
@@ -141,8 +141,11 @@ def _window_class(cfg: ParallelConfig, model: ModelConfig, layout: MeshLayout) -
     return idx[layout._axis("cp")]
 
 
-def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int | None = None) -> Estimate:
-    """Predicted memory, communication and bubble of `cfg` on `model`.
+def estimate(
+    cfg: ParallelConfig, model: ModelConfig | None = None, world: int | None = None, optim: OptimConfig | None = None
+) -> Estimate:
+    """Predicted memory, communication and bubble of `cfg` on `model` (trained by `optim`: AdamW by default;
+    Muon's state and gathers: theory/exact/muon.py).
 
     world: the number of ranks (default: the layout's product); extra ranks are idle. Only the
     layout's arithmetic is checked (not whether the engines implement it yet), so any layout
@@ -165,7 +168,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     first: dict[tuple, int] = {}
     for r, k in enumerate(keys):
         first.setdefault(k, r)
-    by_key = {k: rank_memory(cfg, model, layout, r) for k, r in first.items()}
+    by_key = {k: rank_memory(cfg, model, layout, r, optim) for k, r in first.items()}
     memory = [by_key[k] for k in keys]
 
     # the comm rows depend on the stage alone (the splits are even): one rank per stage is walked;
@@ -175,7 +178,7 @@ def estimate(cfg: ParallelConfig, model: ModelConfig | None = None, world: int |
     for r, s in enumerate(cls):
         stage_rep.setdefault(s, r)
     representative = [stage_rep[s] for s in cls]
-    rows_of = rank_comm(cfg, model, layout, stage_rep.values())
+    rows_of = rank_comm(cfg, model, layout, stage_rep.values(), optim=optim)
     return Estimate(
         cfg,
         given,

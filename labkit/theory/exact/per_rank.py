@@ -9,11 +9,11 @@ from collections.abc import Callable
 from functools import lru_cache
 
 from labkit.config import ModelConfig, ParallelConfig
-from labkit.theory.exact import activations, context, experts, pipeline, sharding, tensor
+from labkit.theory.exact import activations, context, experts, muon, pipeline, sharding, tensor
 from labkit.theory.exact.comm import Comm
 
 
-def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> dict[str, int]:
+def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int, optim=None) -> dict[str, int]:
     """Predicted bytes on one rank: params, grads, optimizer (persistent, after a step),
     activations (peak saved for backward), the transients a strategy tracks beside them
     (ZeRO-3's 'gathered' parameters, 'reduce_buffers') and peak (their sum on the CPU, as if
@@ -29,15 +29,17 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int) -> d
     index = coords["dp"] % sharding.dp_shard(cfg) if cfg.torch_impl else 0
     # sliding windows under cp: each cp rank's chunks see their own number of keys (context.py)
     cp_rank = coords["cp"] if context.window_exchanged(cfg, model) else 0
-    return dict(_rank_memory(cfg, model, coords["pp"], index, cp_rank))
+    return dict(_rank_memory(cfg, model, coords["pp"], index, cp_rank, optim))
 
 
 @lru_cache(maxsize=4096)
-def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int, cp_rank: int = 0) -> tuple:
+def _rank_memory(
+    cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int, cp_rank: int = 0, optim=None
+) -> tuple:
     """rank_memory of every rank at pipeline coordinate `pp_rank` (and FSDP2 data index `index`):
     the rest of a rank's coordinates change nothing, so an estimate at scale computes this once
     per coordinate."""
-    out = sharding.state_bytes(cfg, model, None, index, pp_rank)
+    out = sharding.state_bytes(cfg, model, None, index, pp_rank, optim)
     out["activations"] = activations.peak(cfg, model, pp_rank, cp_rank=cp_rank)
     if cfg.pp > 1 and cfg.pipeline.splits_backward and not cfg.torch_impl:  # what our B keeps for W
         out["held_for_w"] = pipeline.held_peak(cfg, model, pp_rank)
@@ -47,7 +49,7 @@ def _rank_memory(cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: i
     return tuple(out.items())
 
 
-def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout, optim=None) -> None:
     """Every collective of one steady-state step of `cfg`, per rank of `comm.ranks(layout)`, with
     the op names, dims and ring-model wire bytes the comm meter records. Each strategy adds its
     own ops (tensor.py, context.py, experts.py, pipeline.py, sharding.py: DDP / ZeRO / FSDP and
@@ -58,17 +60,18 @@ def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout) -> No
     pipeline.p2p_rows(comm, cfg, model, layout)
     pipeline.tied_rows(comm, cfg, model, layout)
     sharding.comm_rows(comm, cfg, model, layout)
+    muon.comm_rows(comm, cfg, model, layout, optim)  # OptimConfig name='muon': a tp rank's gathers
 
 
 def rank_comm(
-    cfg: ParallelConfig, model: ModelConfig, layout, ranks, stop: Callable[[], bool] | None = None
+    cfg: ParallelConfig, model: ModelConfig, layout, ranks, stop: Callable[[], bool] | None = None, optim=None
 ) -> dict[int, list[dict]]:
     """The comm rows {rank, dim, op, calls, payload_bytes, wire_bytes} of one step of each rank in
     `ranks`, and of those ranks only (the theory's loops skip the others). `stop`: see Comm; the
     walk raises theory.Stopped once it returns True."""
     # a rank asked twice is filled once
     comm = Comm(only=sorted(set(ranks)), stop=stop)
-    comm_rows(comm, cfg, model, layout)
+    comm_rows(comm, cfg, model, layout, optim)
     out: dict[int, list[dict]] = {r: [] for r in comm.only}
     for row in comm.table():
         out[row["rank"]].append(row)

@@ -22,6 +22,7 @@ from labkit.layout.mesh import DATA_DIMS, shard_dims
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.layout.schedules import schedule_table, stage_of, style
 from labkit.theory.exact.float8 import amax_rows, gather_elem, gathered_fp8
+from labkit.theory.exact.muon import muon_names, state_per_element
 from labkit.theory.exact.params import chunk_local_params, rank_entries
 
 
@@ -60,15 +61,19 @@ def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
 
 
 def state_bytes(
-    cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0, pp_rank: int = 0
+    cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0, pp_rank: int = 0, optim=None
 ) -> dict[str, int]:
     """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
-    `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `flat_buffers`."""
+    `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `flat_buffers`.
+    `optim` (an OptimConfig): Muon's parameters keep one fp32 buffer, not Adam's two (theory/exact/muon.py;
+    Muon runs on unsharded layouts: labkit/config/validation.py muon_problems)."""
     e, k = ELEM[cfg.precision], 8 + (4 if cfg.numerics.mixed else 0)  # + fp32 master weights
     entries = rank_entries(cfg, model, pp_rank)
     if not cfg.sharded.optimizer:
         psi = sum(prod(s) for _, s, _, _ in entries)
-        return {"params": e * psi, "grads": e * psi, "optimizer": k * psi}
+        muon, masters = muon_names(model, optim), k - 8
+        states = sum(prod(s) * (masters + state_per_element(name, muon)) for name, s, _, _ in entries)
+        return {"params": e * psi, "grads": e * psi, "optimizer": states}
     if cfg.sharded.fsdp and cfg.torch_impl:
         n_dp = n if n is not None else dp_shard(cfg)  # FSDP2 shards over dp (the shard group under HSDP)
         padded_local = held = 0

@@ -14,9 +14,10 @@ from __future__ import annotations
 import ast
 
 from labkit.config import ModelConfig, RopeScaling
-from labkit.config.choices import ConfigError, family, norm_kind
+from labkit.config.choices import ConfigError, family
 from labkit.config.jobs.megatron.args import Args
 from labkit.config.latent import YarnRope
+from labkit.config.norms import norm_kind
 
 MLA_ROPE = {"original_max_position": 4096, "beta_fast": 32.0, "beta_slow": 1.0}
 """MLATransformerConfig's YaRN fields that no argument sets (core_v0.14.0)."""
