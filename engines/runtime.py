@@ -150,6 +150,12 @@ def job_comm_meter():
     return None
 
 
+def use_log(log) -> None:
+    """The rest of this job's collective log is `log`: a script's, fed by its own process
+    (engines/script/log.py), whose collectives never pass through this engine's meter."""
+    _state.job.comm_meter = log
+
+
 def comm_log_off() -> None:
     """Run the rest of this job without the collective log, the meter's kernels unregistered
     (only the overhead benchmark does this: it compares step times with and without)."""
@@ -218,10 +224,18 @@ def poll(since: int = 0, log_tail: int = 0) -> dict:
         out["log"] = [dict(e) for e in meter.events[-log_tail:]]
         out["groups"] = meter.group_counts()
         out["open"] = len(meter.open_events())
-    out["registry"] = _registry()
-    if _state.runtime is not None and _state.runtime.backend == "nccl":  # what the GPU has not finished
+    # a script's log (engines/script/log.py) knows its own process's groups and main thread: the job
+    # thread only waits for that process, and the engine's groups are not the script's
+    script = meter if hasattr(meter, "registry") else None
+    out["registry"] = script.registry() if script is not None else _registry()
+    if (
+        _state.runtime is not None and _state.runtime.backend == "nccl" and script is None
+    ):  # what the GPU has not finished
         out["gpu"] = flight.gpu_ops()
-    if job.state == "running" and job.thread is not None:
+    if script is not None:
+        if script.stack():
+            out["stack"] = script.stack()
+    elif job.state == "running" and job.thread is not None:
         frame = sys._current_frames().get(job.thread.ident)
         if frame is not None:
             out["stack"] = "".join(traceback.format_stack(frame)[-4:])

@@ -109,6 +109,7 @@ class Tracker:
         self.microbatch = 0
         self.waiting: list[int] = []  # microbatches whose backward has not started
         self._depth = 0
+        self._stepping = 0  # tracked optimizer steps open: a wrapper's step calls the optimizer inside it
         self._spans: dict[str, object] = {}
         self._hooks: list = []
         comm.step, comm.phase = 0, USER
@@ -232,10 +233,16 @@ class Tracker:
             self._close_step()
 
     def _optimizer_begins(self) -> None:
+        self._stepping += 1
+        if self._stepping > 1:  # the optimizer inside a tracked wrapper: one step, one span
+            return
         self._phase("optimizer")
         self._begin("opt")
 
     def _optimizer_ends(self) -> None:
+        self._stepping -= 1
+        if self._stepping:
+            return
         self._end("opt")
         self._phase(USER)
         self.states = self.model_states()

@@ -89,6 +89,7 @@ class EngineSet:
         self.world_env: dict[str, str] = {}
         self.share = Rows()  # per host: the cores, threads and GPUs its engines use (labkit/cluster/share.py)
         self.port = 0
+        self.addr = ""  # where rank 0's store listens: the world's rendezvous address
         self.runtimes: list[dict] = []  # each rank's runtime.Runtime, as a dict
         self.generation = 0  # how many times the world has been built
         self._known_ids = set(client.ids)
@@ -156,7 +157,7 @@ class EngineSet:
             START_TIMEOUT_S,
         )
         self.runtimes = [got[r] for r in range(self.world)]
-        self.port = port
+        self.port, self.addr = port, addr
 
     # -- bounded calls ----------------------------------------------------------------------
     def gather(self, pending: dict, bound: float, watch: bool = True) -> dict:

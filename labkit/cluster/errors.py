@@ -42,6 +42,19 @@ class RankError(LabError):
         )
 
 
+class ScriptFailed(RankError):
+    """A script's process exited with a code other than 0 on some rank (lab.torchrun): the message is
+    torchrun's summary (labkit/cluster/script/summary.py: the first failure, its traceback, the ranks
+    stopped after it); `result` is the ScriptResult of what every rank did until then.
+
+    failures: rank -> {"host", "traceback"} of the ranks that failed on their own; released: the ranks
+    the Lab stopped; rank: the first failure's."""
+
+    def __init__(self, text: str, failures: dict[int, dict], released: list[int], rank: int, result=None):
+        self.failures, self.released, self.rank, self.result = failures, sorted(released), rank, result
+        LabError.__init__(self, text)
+
+
 class EngineDied(LabError):
     """An engine process went away (or stopped answering) during a run."""
 

@@ -3,6 +3,7 @@ fault paths, labkit/cluster/jobs.py). Every wait is bounded; each error is raise
 
   fault                          error               right away
   a rank raises                  RankError           release the ranks waiting on it
+  a rank's script fails          RankError           stop every other rank's script (stop_group)
   no progress within timeout     CollectiveTimeout   read the logs, diagnose, release
   an engine dies / goes silent   EngineDied          release the others
   Ctrl-C, progress callback      (re-raised)         cancel, release
@@ -76,10 +77,30 @@ def on_error(engines: EngineSet, states: list[dict], timeout: float) -> None:
     raise RankError({r: {"host": engines.hosts[r], "traceback": tb} for r, tb in failures.items()}, released)
 
 
-def on_timeout(engines: EngineSet, timeout: float, steps_done: str = "") -> None:
+def stop_group(engines: EngineSet, states: list[dict], timeout: float) -> None:
+    """A rank's script failed: torchrun's rule, the agent stops the whole group. Every rank still
+    running is cancelled (its engine's agent sends its script SIGTERM, then SIGKILL:
+    engines/script/agent.py), waited for within CANCEL_GRACE_S, and RankError names every rank that
+    failed on its own (`released`: those stopped). No engine collective was in use: nothing to release."""
+    world = range(engines.world)
+    failures = {r: s["error"] for r, s in enumerate(states) if s["state"] == "error"}
+    running = [r for r, s in enumerate(states) if s["state"] == "running"]
+    if running:
+        engines.each(runtime.cancel, running)
+    # failed before the stop reached it (its own error, or its peer's death seen by its collective)
+    failures.update({r: s["error"] for r, s in stop_all(engines, running).items() if s["state"] == "error"})
+    dead = engines.dead(world)
+    if dead:
+        raise EngineGone(dead, "its process is gone")
+    stopped = [r for r in world if r not in failures]
+    raise RankError({r: {"host": engines.hosts[r], "traceback": tb} for r, tb in failures.items()}, stopped)
+
+
+def on_timeout(engines: EngineSet, timeout: float, steps_done: str = "", *, release: bool = True) -> None:
     """Not finished within the timeout: CollectiveTimeout with the diagnosis of the ranks' logs, or,
     when their collectives still advance, the word that the run is slow, not hung (steps_done: how far
-    it got, e.g. "step 5,120 of 100,000")."""
+    it got, e.g. "step 5,120 of 100,000"). release=False (a script's job, which never used the engines'
+    groups): every rank is stopped instead of released (`stop_all`)."""
     # no progress records (all read), the last LOG_TAIL collective-log entries: what the diagnosis reads
     got = engines.each(runtime.poll, range(engines.world), 10**9, LOG_TAIL)
     found = analyse(got, dict(enumerate(engines.hosts)))
@@ -95,7 +116,10 @@ def on_timeout(engines: EngineSet, timeout: float, steps_done: str = "") -> None
         found["running"] = advanced
     try:
         engines.each(runtime.cancel, range(engines.world))
-        release_cascade(engines, bound=1.0)  # ranks waiting only on each other are freed by the groups' timeout
+        if not release:
+            stop_all(engines)
+        else:
+            release_cascade(engines, bound=1.0)  # ranks waiting only on each other are freed by the groups' timeout
     except EngineGone as d:
         # an engine that does not answer the cancel is replaced at the next call
         engines.condemn(d.ranks, d.detail)
@@ -114,6 +138,21 @@ def _ops_advanced(engines: EngineSet, first: dict) -> int:
     return sum(max(0, entered(again[r]) - entered(first[r])) for r in first)
 
 
+def stop_all(engines: EngineSet, ranks=None) -> dict:
+    """Wait for cancelled ranks (default: every live one) to stop, within CANCEL_GRACE_S; those still
+    running then are condemned. For jobs whose ranks hold no engine group (a script's): nothing waits
+    on a peer's engine, so nothing is released. Returns the last states of `ranks`."""
+    running = list(engines.live() if ranks is None else ranks)
+    end, got = time.monotonic() + CANCEL_GRACE_S, {}
+    while running and time.monotonic() < end:
+        time.sleep(0.05)
+        polled = engines.each(runtime.poll, running, 10**9)
+        got.update(polled)
+        running = [r for r in running if polled[r]["state"] == "running"]
+    engines.condemn(running, "its job still ran after cancel (a script that did not stop after SIGKILL)")
+    return got
+
+
 def on_died(engines: EngineSet, gone: EngineGone) -> None:
     """Engines went away: EngineDied naming the first rank; the others are released."""
     engines.condemn(gone.ranks, gone.detail)
@@ -127,13 +166,17 @@ def on_died(engines: EngineSet, gone: EngineGone) -> None:
 
 
 # -- stopping a job ---------------------------------------------------------------------------
-def abandon(engines: EngineSet) -> bool:
+def abandon(engines: EngineSet, *, release: bool = True) -> bool:
     """The call is leaving early (Ctrl-C, a progress callback raised): stop the job everywhere.
     Best effort and bounded; whatever is left is repaired at the next call. Returns whether the
-    process groups can be kept (see stop_after_cancel)."""
+    process groups can be kept (see stop_after_cancel). release=False: a script's job, whose ranks
+    are stopped and nothing released (`stop_all`)."""
     try:
         # live engines only: a dead one would raise EngineGone before anything is cancelled
         engines.each(runtime.cancel, engines.live(), bound=5.0)
+        if not release:
+            stop_all(engines)
+            return True
         return stop_after_cancel(engines)
     except EngineGone as d:
         engines.condemn(d.ranks, d.detail)

@@ -63,9 +63,13 @@ class JobRunner:
         self._cancel_request = threading.Event()
         self._rebuild_needed = False  # the process groups are not known to be usable as they are
 
-    def run(self, fn, args: tuple, kwargs: dict, timeout: float, steps) -> list:
+    def run(self, fn, args: tuple, kwargs: dict, timeout: float, steps, *, engine_groups: bool = True) -> list:
         """fn(*args, **kwargs) on every rank (after a repair if one is due); results in rank order.
-        steps: the StepProgress fed with the ranks' progress records (progress.shown: silent or shown)."""
+        steps: the StepProgress fed with the ranks' progress records (progress.shown: silent or shown).
+        engine_groups: whether the job uses the engines' own process groups. A script's job does not
+        (its processes have a world of their own): then a failing rank stops the others, as torchrun's
+        agent stops its workers (faults.stop_group), a timeout stops every rank instead of releasing
+        them, and no fault makes the next call rebuild the groups (a dead engine still is replaced)."""
         lock = self.engines.lock
         # longer than any call can take (its timeout and two start-ups): one holding it longer is stuck
         if not lock.acquire(timeout=timeout + 2 * START_TIMEOUT_S):
@@ -75,7 +79,7 @@ class JobRunner:
             self._cancel_request.clear()
             self.repair_if_needed()
             with interrupts_remembered() as interrupted:
-                return self._job(fn, args, kwargs, timeout, steps, interrupted)
+                return self._job(fn, args, kwargs, timeout, steps, interrupted, engine_groups)
         finally:
             lock.release()
 
@@ -95,13 +99,13 @@ class JobRunner:
                     out.append("dead")
         return out
 
-    def _job(self, fn, args, kwargs, timeout: float, steps, interrupted) -> list:
+    def _job(self, fn, args, kwargs, timeout: float, steps, interrupted, engine_groups: bool) -> list:
         """Start fn on every rank and poll until every rank is done or something goes wrong
         (interrupted(): a Ctrl-C that Python may have lost, see interrupts_remembered)."""
         engines = self.engines
         ranks = range(engines.world)
         try:
-            self._rebuild_needed = True  # until the job ends cleanly
+            self._rebuild_needed = engine_groups  # until the job ends cleanly (a script's never touches them)
             engines.each(runtime.start, ranks, fn, args, kwargs, timeout)
             self.jobs += 1
             deadline = time.monotonic() + timeout
@@ -128,14 +132,14 @@ class JobRunner:
                     self._rebuild_needed = False
                     return [got[r] for r in ranks]
                 if "error" in kinds:
-                    faults.on_error(engines, states, timeout)
+                    (faults.on_error if engine_groups else faults.stop_group)(engines, states, timeout)
                 if "cancelled" in kinds or ("running" not in kinds and cancel_sent):
                     # the groups stay usable only if every rank stopped in step at a boundary
                     if faults.stop_after_cancel(engines):
                         self._rebuild_needed = False
                     raise Cancelled("the run was cancelled (Lab.cancel); it stopped on every rank")
                 if time.monotonic() > deadline:
-                    faults.on_timeout(engines, timeout, steps.reached())
+                    faults.on_timeout(engines, timeout, steps.reached(), release=engine_groups)
                 time.sleep(pause)
                 # backing off: a short run returns at once, a long one costs the engines few polls
                 pause = min(POLL_MAX_S, pause * 1.5)
@@ -145,7 +149,7 @@ class JobRunner:
         except (LabError, ConfigError):
             raise
         except BaseException:  # Ctrl-C, a progress callback that raised, a broken client
-            if faults.abandon(engines):
+            if faults.abandon(engines, release=engine_groups):
                 self._rebuild_needed = False
             raise
 

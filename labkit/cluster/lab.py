@@ -30,6 +30,7 @@ from labkit.cluster import progress as bars
 from labkit.cluster.arguments import run_problems, timeout_problems
 from labkit.cluster.gpus import gpu_problems
 from labkit.cluster.jobs import JobRunner
+from labkit.cluster.script import torchrun as run_script
 from labkit.cluster.share import describe as describe_share
 from labkit.cluster.shipping import by_value as _by_value
 from labkit.cluster.verify_run import verify
@@ -227,6 +228,21 @@ class Lab:
         t0 = time.perf_counter()
         reports = self._execute(measure_rank, (_by_value(fn), *args), kwargs, timeout, self.progress, None, "measure")
         return Measurement.from_reports(reports, time.perf_counter() - t0)
+
+    def torchrun(
+        self, script: str, *args, module: bool = False, cwd=None, env=None, timeout=None, echo=True, progress=None
+    ):
+        """`torchrun --nproc-per-node <ranks> script *args` on the engines: the script unmodified, one
+        process per rank under torchrun's contract (its variables, init_process_group() / env://, argv,
+        __main__, exit codes), measured; returns a ScriptResult (a Measurement: comm_table(), memory,
+        timeline, the figures; exit_codes, stdout, stderr). module=True: `python -m script`; cwd: the
+        working directory (the notebook's); env: variables over the engines' own; echo: whose lines to
+        print as they come (True, False, a list of ranks). A failing rank stops the others and raises
+        ScriptFailed (torchrun's summary); a hang is a diagnosed CollectiveTimeout; Ctrl-C stops every
+        rank; nothing outlives the call (labkit/cluster/script/)."""
+        return run_script(
+            self, script, args, module=module, cwd=cwd, env=env, timeout=timeout, echo=echo, progress=progress
+        )
 
     def verify(self, build, parallelize, mesh: dict, batch, loss, **options) -> VerifyReport:
         """Is the user's parallel code right? `build()` -> their nn.Module (one process), trained
