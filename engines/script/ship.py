@@ -84,12 +84,13 @@ class Shipper(threading.Thread):
                     self.channel.send("end", i, e["end"])
                 else:
                     still.append(i)
-            for i in range(self.sent, len(events)):
+            n = len(events)  # once: the script's thread appends while this ships
+            for i in range(self.sent, n):
                 e = events[i]
                 self.channel.send("ev", {k: v for k, v in e.items() if k != "error"})
                 if e["end"] is None or e.get("error"):
                     still.append(i)
-            self.sent, self.open = len(events), still
+            self.sent, self.open = n, still
             self._changed("groups", self.meter.group_counts(), _registry())
             self._changed("dims", sorted([list(k), v] for k, v in self.meter.dims_by_ranks.items()))
             records = runtime.current_job().progress  # the Tracker's closed steps (runtime.progress)
