@@ -243,3 +243,68 @@ def test_ctrl_c_stops_every_rank(lab, config):
         signal.signal(signal.SIGINT, previous)
     assert not scripts_left(lab)
     assert run(lab, "tp_mlp.py", "--steps", "1").steps_seen == [1] * N
+
+
+# -- Hugging Face's Trainer --------------------------------------------------------------------------
+CORPUS = pathlib.Path(__file__).parents[1] / "labkit" / "layout" / "corpus" / "shakespeare.txt"
+GPT2 = dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", vocab_size=256, n_positions=32, n_embd=32, n_layer=2)
+GPT2["n_head"] = 4
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+TRAINER = ["--use_cpu", "--ddp_backend", "gloo", "--max_steps", "3", "--per_device_train_batch_size", "2"]
+TRAINER += ["--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--dataloader_num_workers", "0"]
+
+
+def held_to_ddp_theory(res, config: dict, seq: int) -> None:
+    """Every rank all-reduced every gradient in every step's backward (the float32 bucket: DDP's
+    unused-parameter bitmap, int32, is the Trainer's find_unused_parameters, which the theory leaves out),
+    its bytes and the model states equal to theory.estimate of the same model under DDP."""
+    est = theory.estimate(ParallelConfig(dp=N, impl="torch", global_batch=2 * N), ModelConfig.from_hf(config, seq=seq))
+    for rk in res.ranks:
+        for step in range(3):
+            grads = [e for e in rk.comm if e.step == step and e.phase == "backward" and e.dtype == "float32"]
+            assert {e.op for e in grads} == {"all_reduce"} and sum(e.payload_bytes for e in grads) == est.memory[
+                rk.rank
+            ]["grads"]
+        for k in ("params", "grads"):
+            assert rk.memory[k] == est.memory[rk.rank][k], k
+
+
+def test_a_hugging_face_trainer_script_trains_under_ddp(lab, tmp_path):
+    pytest.importorskip("accelerate")
+    (tmp_path / "tiny").mkdir()
+    (tmp_path / "tiny" / "config.json").write_text(json.dumps(GPT2))
+    args = ["--config_name", "tiny", "--train_file", str(CORPUS), "--output_dir", str(tmp_path / "out"), *TRAINER]
+    res = run(lab, "hf_trainer.py", *args, cwd=str(tmp_path), env={**OFFLINE, "HF_HOME": str(tmp_path / "hf")})
+    assert res.ok and res.steps_seen == [3] * N
+    held_to_ddp_theory(res, GPT2, seq=32)
+    assert "'loss'" in res.stdout[0] and "train_loss" in res.stdout[0]
+
+
+RUN_CLM = SCRIPTS / "third_party" / "run_clm.py"
+
+
+@pytest.mark.skipif(not RUN_CLM.exists(), reason=f"{RUN_CLM} is fetched by hand (tests/data/scripts/README.md)")
+def test_transformers_run_clm_trains_on_shakespeare(lab, tmp_path):
+    """run_clm.py as published (tests/data/scripts/README.md): a tokenizer trained here on the corpus, a
+    tiny GPT-2 config, the corpus as --train_file, nothing downloaded."""
+    pytest.importorskip("datasets")
+    pytest.importorskip("evaluate")
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer, tok.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok.train(
+        [str(CORPUS)], trainers.BpeTrainer(vocab_size=320, special_tokens=["<|endoftext|>"], initial_alphabet=alphabet)
+    )
+    folder = tmp_path / "tiny"
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.save_pretrained(folder)
+    config = {**GPT2, "vocab_size": len(fast), "bos_token_id": fast.eos_token_id, "eos_token_id": fast.eos_token_id}
+    (folder / "config.json").write_text(json.dumps(config))
+    args = ["--config_name", "tiny", "--tokenizer_name", "tiny", "--train_file", str(CORPUS), "--do_train"]
+    args += ["--block_size", "32", "--output_dir", str(tmp_path / "out"), "--max_train_samples", "256", *TRAINER]
+    res = run(lab, str(RUN_CLM), *args, cwd=str(tmp_path), env={**OFFLINE, "HF_HOME": str(tmp_path / "hf")})
+    assert res.ok and res.steps_seen == [3] * N
+    held_to_ddp_theory(res, config, seq=32)

@@ -18,7 +18,7 @@ One call, on the Lab side (this module; each step bounded):
      the others (labkit/cluster/faults.py stop_group) and raise ScriptFailed with torchrun's summary (summary.py);
   4. at the end, whatever the end, every rank's leftovers killed and the store closed (`end_call`).
 Returns a ScriptResult (labkit/results/script.py). Why a child process per rank, why the agent's store,
-and what each variable is: engines/script/agent.py, contract.py, ARCHITECTURE.md ("Your own script").
+and what each variable is: engines/script/agent.py, contract.py, ARCHITECTURE.md "Where each concept lives".
 """
 
 from __future__ import annotations
