@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import re
 import subprocess
 import sys
@@ -82,3 +83,26 @@ def test_a_run_that_does_not_match_exits_non_zero_saying_why(monkeypatch, capsys
     err = capsys.readouterr().err
     assert "the run does not train like the one-process reference" in err
     assert "[gradients]" in err and "[losses] the loss differs from the reference's beyond 1e-05 at step 0" in err
+
+
+def test_torchrun_runs_a_script_and_writes_its_report(tmp_path):
+    scripts = pathlib.Path(__file__).parent / "data" / "scripts"
+    report = tmp_path / "report.html"
+    cli = [sys.executable, "-m", "labkit.cli", "torchrun", "--engines", "2"]
+    out = subprocess.run(
+        [*cli, "--report", str(report), str(scripts / "tp_mlp.py"), "--steps", "2"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr
+    assert "[rank0]:step 1 loss" in out.stdout and "rank 1: exit 0, 2 steps" in out.stdout
+    assert re.search(r"rank 0 +tp all_reduce +2 calls", out.stdout), out.stdout
+    html = report.read_text()
+    assert "torchrun --nnodes=1 --nproc-per-node=2" in html
+    for name in ("memory", "comm", "timeline", "traffic"):
+        assert f'<section id="{name}">' in html
+    failed = subprocess.run(
+        [*cli, str(scripts / "contract.py"), str(tmp_path), "--exit", "3"], capture_output=True, text=True, timeout=300
+    )
+    assert failed.returncode == 1 and "contract.py FAILED" in failed.stderr and "exitcode  : 3" in failed.stderr

@@ -8,6 +8,7 @@
     labkit estimate --from llama3_70b.toml --gpus 64               # your job's file: torchtitan, Megatron, DeepSpeed
     labkit plan --from pretrain_405b.sh                            # the planner's layouts, your job's ranked among them
     sudo labkit who                             # every Lab on this machine: whose, engines, cores, GPUs
+    labkit torchrun --engines 4 train.py --steps 3 --report report.html   # your script, as torchrun runs it
     labkit plan --from train_mixtral.sh --vocab 32000 --env SLURM_NNODES=4 --stack compile
 
 This is the top rung of the import ladder: the only module that imports both the Lab and the
@@ -23,6 +24,7 @@ import sys
 import typing
 
 from labkit import reference, theory
+from labkit.cli import script
 from labkit.cli.jobs import from_flags, job_of, rank_job, stack_of
 from labkit.cluster import census
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
@@ -329,6 +331,7 @@ def parser() -> argparse.ArgumentParser:
     pl.set_defaults(fn=cmd_plan)
     who = sub.add_parser("who", help="every Lab on this machine: user, engines, cores, GPUs, memory (as root: all)")
     who.set_defaults(fn=cmd_who)
+    script.add(sub)
     return p
 
 
