@@ -97,7 +97,7 @@ def test_torchrun_runs_a_script_and_writes_its_report(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "[rank0]:step 1 loss" in out.stdout and "rank 1: exit 0, 2 steps" in out.stdout
-    assert re.search(r"rank 0 +tp all_reduce +2 calls", out.stdout), out.stdout
+    assert re.search(r"rank 0 +tp all_reduce +4 calls", out.stdout), out.stdout
     html = report.read_text()
     assert "torchrun --nnodes=1 --nproc-per-node=2" in html
     for name in ("memory", "comm", "timeline", "traffic"):
