@@ -25,6 +25,7 @@ leaves the engine as it was. Torch-free at import: the notebook names these func
 from __future__ import annotations
 
 import codecs
+import datetime
 import json
 import os
 import selectors
@@ -68,8 +69,6 @@ def open_store(addr: str, world: int, timeout_s: float) -> int:
     """Rank 0: listen on `addr` on a port the OS picks and serve the script world's store there (the
     socket handed to the store, as engines/process_group.py does: no port guessed, no other address).
     Returns MASTER_PORT."""
-    import datetime
-
     import torch.distributed as dist  # engines only; the notebook names this function
 
     end_call()
@@ -135,6 +134,8 @@ def run_rank(spec: dict) -> dict:
         **spec["envs"][rt.rank],
         "TORCHELASTIC_ERROR_FILE": os.path.join(tmp, "error.json"),
     }
+    if spec.get("source") is not None:  # a cell's imports find the notebook's folder, as its cells do
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (cwd, env.get("PYTHONPATH")) if p)
     r, w = os.pipe()
     try:
         proc = subprocess.Popen(

@@ -11,6 +11,7 @@ script did, 1 otherwise (torchrun's ChildFailedError: the summary on stderr), 2 
 from __future__ import annotations
 
 import argparse
+import html
 import sys
 
 from labkit.cluster.errors import CollectiveTimeout, ScriptFailed
@@ -62,8 +63,6 @@ def cmd_torchrun(ns: argparse.Namespace) -> int:
 
 def write_report(path: str, res) -> None:
     """One self-contained HTML page: the command, each rank's exit code and steps, every figure."""
-    import html
-
     from labkit.widgets.figures import report_figures  # deferred: plotly
 
     parts = []

@@ -329,6 +329,7 @@ class Lab:
             t = torch.tensor([float(rank)], device=device); dist.all_reduce(t); print(rank, t)
 
         The mesh's groups are created collectively through `apply` (bounded and logged like a run).
+        `%%torchrun args` runs a cell as a training script on every rank (Lab.torchrun).
         Outputs show when the cell ends, grouped per engine in rank order (engine i is rank i in a
         fresh Lab; streaming is turned off, `%pxconfig --stream` turns it back on). The cell runs on
         the engines' own thread, outside the Lab's job machinery: a hang there is not diagnosed

@@ -1,5 +1,6 @@
 """ipyparallel's %px / %%px magics on a Lab's engines (Lab.activate), each engine's namespace
-ready for distributed code: rank, world_size, mesh, device, torch and dist.
+ready for distributed code: rank, world_size, mesh, device, torch and dist; and %%torchrun, a cell
+run as a training script on every rank (Lab.torchrun).
 
 It only prepares the namespaces and registers the magics; the engines and their process groups
 are the Lab's (labkit/cluster/engine_set.py).
@@ -7,6 +8,9 @@ are the Lab's (labkit/cluster/engine_set.py).
 
 from __future__ import annotations
 
+import shlex
+
+from labkit.cluster.script import torchrun
 from labkit.config import ConfigError, ParallelConfig
 from labkit.engines import runtime
 from labkit.layout.mesh import MeshLayout
@@ -53,4 +57,21 @@ def activate(lab, cfg: ParallelConfig | None = None, suffix: str = ""):
 
         if get_ipython() is not None:  # whole outputs after the cell, in rank order
             get_ipython().run_line_magic("pxconfig" + suffix, "--no-stream")
+            get_ipython().register_magic_function(torchrun_magic(lab), "cell", "torchrun" + suffix)
     return view
+
+
+def torchrun_magic(lab):
+    """%%torchrun [--timeout S] [args...]: the cell's source as a script, run on every rank of `lab`
+    as `torchrun --nproc-per-node <ranks> cell.py args` would (Lab.torchrun: the working directory is
+    the notebook's, importable from the script). Returns the ScriptResult, which the cell shows."""
+
+    def magic(line: str, cell: str):
+        words, timeout = shlex.split(line), None
+        if words[:1] == ["--timeout"]:
+            if len(words) < 2:
+                raise ConfigError(["%%torchrun --timeout needs seconds, e.g. %%torchrun --timeout 60 --steps 3"])
+            timeout, words = float(words[1]), words[2:]
+        return torchrun(lab, "cell.py", words, source=cell, timeout=timeout)
+
+    return magic
