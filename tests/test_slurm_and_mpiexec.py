@@ -16,6 +16,8 @@ from labkit import Lab, ParallelConfig
 from labkit.cluster.launchers import batch_file
 from labkit.oracle.checks import assert_matches
 
+SCRIPTS = pathlib.Path(__file__).parent / "data" / "scripts"
+
 pytestmark = pytest.mark.slow
 
 
@@ -65,6 +67,12 @@ def test_a_lab_whose_engines_mpiexec_starts(ref_cache):
         assert lab.apply(_env, "OMPI_COMM_WORLD_RANK") == ["0", "1"]
         res = lab.run(ParallelConfig(tp=2), model=TINY, steps=3, return_params=True)
         assert_matches(res, ref_cache())
+        # a script under torchrun's contract on engines mpiexec started: its own world, its DTensor TP
+        script = lab.torchrun(str(SCRIPTS / "tp_mlp.py"), "--steps", "1", echo=False)
+        assert script.ok and script.steps_seen == [1, 1]
+        assert [sorted(e.phase for e in rk.comm if e.dim == "tp" and e.step == 0) for rk in script.ranks] == [
+            ["backward", "forward"]
+        ] * 2
     finally:
         lab.close()
     after = _gone(lab)
