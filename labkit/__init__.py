@@ -4,13 +4,14 @@ from labkit import Lab, ParallelConfig, ModelConfig, reference, theory
 """
 
 from labkit import theory
-from labkit.cluster.errors import Cancelled, CollectiveTimeout, EngineDied, LabError, RankError
+from labkit.cluster.errors import Cancelled, CollectiveTimeout, EngineDied, LabError, RankError, ScriptFailed
 from labkit.config import ConfigError, ModelConfig, OptimConfig, ParallelConfig
 from labkit.config.validation import validate
 from labkit.oracle.reference import Reference, reference
 from labkit.results.dryrun import dry_run
 from labkit.results.measurement import Measurement
 from labkit.results.run import CommEvent, Event, RankReport, RunResult
+from labkit.results.script import ScriptResult
 
 
 def __getattr__(name):
@@ -20,7 +21,7 @@ def __getattr__(name):
         )
 
         return Lab
-    if name in ("track", "region"):  # called inside lab.measure, on the engines: they import torch
+    if name in ("track", "region"):  # called inside lab.measure and lab.torchrun's scripts: they import torch
         from labkit.engines import tracking
 
         return getattr(tracking, name)
@@ -30,6 +31,8 @@ def __getattr__(name):
 __all__ = [
     "Lab",
     "Measurement",
+    "ScriptResult",
+    "ScriptFailed",
     "track",
     "region",
     "dry_run",
