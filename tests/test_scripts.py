@@ -90,6 +90,8 @@ def test_a_script_sees_what_torchrun_gives_it(lab, tmp_path):
         assert a["name"] == "__main__" and a["sid"] == a["pid"]  # its own session, as torchrun's workers
     assert len({m["env"]["TORCHELASTIC_RUN_ID"] for m in mine}) == 1
     assert len({m["env"]["TORCHELASTIC_ERROR_FILE"] for m in mine}) == N
+    # OMP_NUM_THREADS as torchrun sets it is what each rank's torch ran with
+    assert [rk.threads for rk in res.ranks] == [int(m["env"]["OMP_NUM_THREADS"]) for m in mine]
     # the script's own collectives: init_process_group's and its barrier, on every rank
     assert all({e.op for e in rk.comm} >= {"barrier"} for rk in res.ranks)
 

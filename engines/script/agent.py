@@ -309,6 +309,7 @@ def _report(rt, spec: dict, watch: _Watch, log: ScriptLog, error_file: str) -> d
         "memory": mine.get("memory") or {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "peak": 0},
         "comm": mine["comm"] if "comm" in mine else log.comm_events(len(spec["envs"])),
         "timeline": mine.get("timeline", []),
+        "threads": mine.get("threads", 0),
         "value": None,
     }
 

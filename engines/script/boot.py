@@ -128,6 +128,8 @@ def report(tracker: Tracker) -> dict:
         "comm": tracker.comm_events(),
         "timeline": tracker.timeline.events,
         "notes": list(finds.NOTES),
+        # at its end, as the script left it: OMP_NUM_THREADS=1 from torchrun's contract unless it changed it
+        "threads": torch.get_num_threads(),
     }
 
 

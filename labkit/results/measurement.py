@@ -37,7 +37,7 @@ class Measurement(RankViews):
         starts = [e["start"] + r["clock_offset"] for r in reports for e in r["timeline"]]
         starts += [e["start"] + r["clock_offset"] for r in reports for e in r["comm"]]
         t0 = min(starts) if starts else 0.0
-        ranks = [rank_report(r, t0, losses=[]) for r in reports]
+        ranks = [rank_report(r, t0, losses=[], threads=r.get("threads", 0)) for r in reports]
         steps = max([1, *(r["steps"] for r in reports)])  # a run with no tracked step is one step of set-up
         return cls(ranks, steps, [r["value"] for r in reports], wall)
 
