@@ -22,6 +22,7 @@ import pytest
 
 from labkit import ModelConfig, ParallelConfig, theory
 from labkit.cluster.errors import CollectiveTimeout, ScriptFailed
+from labkit.cluster.magics import torchrun_magic
 from labkit.cluster.script.contract import NAMES, rank_envs
 from labkit.config import ConfigError
 from labkit.engines.script.agent import BOOT
@@ -123,7 +124,59 @@ def test_bad_calls_are_refused_at_the_door(lab, tmp_path):
         lab.torchrun("no_such_pkg.train", module=True)
     with pytest.raises(ConfigError, match="not strings"):
         run(lab, "contract.py", object())
+    with pytest.raises(ConfigError, match="cwd=3"):
+        run(lab, "contract.py", cwd=3)
+    with pytest.raises(ConfigError, match="module='yes'"):
+        lab.torchrun("json.tool", module="yes")
+    with pytest.raises(ConfigError, match="--timeout needs seconds"):
+        torchrun_magic(lab)("--timeout soon --steps 3", "print(1)")
+    with pytest.raises(ConfigError, match="quote the arguments"):
+        torchrun_magic(lab)("--name 'unclosed", "print(1)")
     assert lab.jobs == jobs
+
+
+MODULE = """import json, os, sys
+import torch, torch.distributed as dist
+from . import helper
+dist.init_process_group()
+t = torch.ones(3)
+dist.all_reduce(t)
+seen = dict(name=__name__, file=__file__, path0=sys.path[0], argv=sys.argv, package=__package__)
+seen.update(spec=__spec__.name, flag=os.environ.get("MY_FLAG"), helper=helper.WORD, total=t.tolist())
+with open(os.path.join(sys.argv[1], f"{dist.get_rank()}.json"), "w") as f:
+    json.dump(seen, f)
+dist.destroy_process_group()
+"""
+
+
+def test_a_module_runs_as_python_m_runs_it(lab, tmp_path):
+    """module=True is `torchrun -m pkg.train`: argv[0], __file__, __spec__, sys.path[0] and relative
+    imports as under a real `torchrun -m` beside it; env= reaches every rank."""
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "helper.py").write_text("WORD = 'imported'\n")
+    (tmp_path / "pkg" / "train.py").write_text(MODULE)
+    ours, real = tmp_path / "ours", tmp_path / "real"
+    ours.mkdir(), real.mkdir()
+    res = lab.torchrun("pkg.train", str(ours), module=True, cwd=tmp_path, env={"MY_FLAG": "on"}, echo=False)
+    torchrun = shutil.which("torchrun") or os.path.join(os.path.dirname(sys.executable), "torchrun")
+    subprocess.run(
+        [torchrun, "--nproc-per-node=1", "-m", "pkg.train", str(real)],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        timeout=180,
+        env={**os.environ, "MY_FLAG": "on"},
+    )
+    theirs = json.loads((real / "0.json").read_text())
+    assert res.ok and res.command.endswith("-m pkg.train " + str(ours))
+    for r in range(N):
+        mine = json.loads((ours / f"{r}.json").read_text())
+        assert mine["total"] == [float(N)] * 3 and mine["flag"] == "on" and mine["helper"] == "imported"
+        for k in ("name", "file", "path0", "package", "spec"):
+            assert mine[k] == theirs[k], (k, mine[k], theirs[k])
+        assert mine["argv"] == [theirs["argv"][0], str(ours)]
+    assert all([e.op for e in rk.comm] == ["all_reduce"] for rk in res.ranks)
 
 
 # -- scripts that train --------------------------------------------------------------------------

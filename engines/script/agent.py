@@ -153,14 +153,14 @@ def run_rank(spec: dict) -> dict:
     _call.proc = proc
     log = ScriptLog()
     runtime.use_log(log)
-    watch = _Watch(proc, r, log, rt.rank)
+    watch = _Watch(proc, r, log=log, rank=rt.rank)
     try:
         watch.until_exit()
     finally:
         log.gone = True
         _kill(proc, signal.SIGKILL)  # whatever the script left running in its session
         _call.proc = None
-    rep = _report(rt, spec, watch, log, os.path.join(tmp, "error.json"))
+    rep = _report(rt, spec, watch, log=log, error_file=os.path.join(tmp, "error.json"))
     _remove(tmp)
     _call.last = rep
     if watch.stopped:
@@ -174,7 +174,7 @@ def run_rank(spec: dict) -> dict:
 class _Watch:
     """The job thread's loop over the script's three pipes, until it has exited and they are closed."""
 
-    def __init__(self, proc, messages: int, log: ScriptLog, rank: int):
+    def __init__(self, proc, messages: int, *, log: ScriptLog, rank: int):
         self.proc, self.log, self.rank = proc, log, rank
         self.sel = selectors.DefaultSelector()
         self.pending = b""
@@ -276,7 +276,7 @@ class _Watch:
             runtime.progress(rank=self.rank, stream=stream, text=done[start:], redrawn=False)
 
 
-def _report(rt, spec: dict, watch: _Watch, log: ScriptLog, error_file: str) -> dict:
+def _report(rt, spec: dict, watch: _Watch, *, log: ScriptLog, error_file: str) -> dict:
     """The rank's report: the script's own (boot.py) where it lived to send it, else what the log saw."""
     mine = watch.report or {}
     failure = watch.failure

@@ -50,7 +50,7 @@ class ScriptFailed(RankError):
     failures: rank -> {"host", "traceback"} of the ranks that failed on their own; released: the ranks
     the Lab stopped; rank: the first failure's."""
 
-    def __init__(self, text: str, failures: dict[int, dict], released: list[int], rank: int, result=None):
+    def __init__(self, text: str, *, failures: dict[int, dict], released: list[int], rank: int, result=None):
         self.failures, self.released, self.rank, self.result = failures, sorted(released), rank, result
         LabError.__init__(self, text)
 

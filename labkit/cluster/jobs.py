@@ -79,7 +79,7 @@ class JobRunner:
             self._cancel_request.clear()
             self.repair_if_needed()
             with interrupts_remembered() as interrupted:
-                return self._job(fn, args, kwargs, timeout, steps, interrupted, engine_groups)
+                return self._job(fn, args, kwargs, timeout, steps, interrupted, engine_groups=engine_groups)
         finally:
             lock.release()
 
@@ -99,7 +99,7 @@ class JobRunner:
                     out.append("dead")
         return out
 
-    def _job(self, fn, args, kwargs, timeout: float, steps, interrupted, engine_groups: bool) -> list:
+    def _job(self, fn, args, kwargs, timeout: float, steps, interrupted, *, engine_groups: bool) -> list:
         """Start fn on every rank and poll until every rank is done or something goes wrong
         (interrupted(): a Ctrl-C that Python may have lost, see interrupts_remembered)."""
         engines = self.engines

@@ -67,11 +67,18 @@ def torchrun_magic(lab):
     the notebook's, importable from the script). Returns the ScriptResult, which the cell shows."""
 
     def magic(line: str, cell: str):
-        words, timeout = shlex.split(line), None
+        try:
+            words = shlex.split(line)
+        except ValueError as e:  # an unclosed quote: the line is the script's argv, as a shell splits it
+            raise ConfigError([f"%%torchrun {line}: {e}; quote the arguments as a shell would"]) from None
+        timeout = None
         if words[:1] == ["--timeout"]:
-            if len(words) < 2:
-                raise ConfigError(["%%torchrun --timeout needs seconds, e.g. %%torchrun --timeout 60 --steps 3"])
-            timeout, words = float(words[1]), words[2:]
+            try:
+                timeout, words = float(words[1]), words[2:]
+            except (IndexError, ValueError):
+                raise ConfigError(
+                    [f"%%torchrun {line}: --timeout needs seconds, e.g. %%torchrun --timeout 60 --steps 3"]
+                ) from None
         return torchrun(lab, "cell.py", words, source=cell, timeout=timeout)
 
     return magic

@@ -50,10 +50,14 @@ def torchrun(
     lab, target, args, *, module=False, cwd=None, env=None, timeout=None, echo=True, source=None, progress=None
 ):
     """Lab.torchrun's body (its docstring says what each argument is)."""
+    if cwd is not None and not isinstance(cwd, (str, os.PathLike)):
+        raise ConfigError([f"cwd={cwd!r}: pass the folder the script runs in, a path (or None: the notebook's)"])
     cwd = os.path.abspath(cwd or os.getcwd())
     args = [str(a) if isinstance(a, (int, float, os.PathLike)) and not isinstance(a, bool) else a for a in args]
     bad = door_problems(lab, target, args, module=module, cwd=cwd, env=env, echo=echo, source=source)
     bad += timeout_problems(timeout)
+    if not (progress is None or isinstance(progress, bool) or callable(progress)):
+        bad.append(f"progress={progress!r} must be True, False, None or a function of one record")
     if bad:
         raise ConfigError(bad)
     engines, runner = lab.engines, lab._runner
@@ -81,7 +85,7 @@ def torchrun(
             try:
                 reports = runner.run(runtime.call_named, (RANK_JOB, spec), {}, timeout, shown, engine_groups=False)
             except RankError as e:
-                raise _failed(lab, name, e, time.perf_counter() - t0) from None
+                raise _failed(lab, name, e, wall=time.perf_counter() - t0) from None
             ok = True
         finally:
             _end(engines)
@@ -106,6 +110,8 @@ def door_problems(lab, target, args, *, module, cwd, env, echo, source) -> list[
     if wrong:
         bad.append(f"arguments {wrong!r} are not strings: the script's argv is words, e.g. '--steps', '3'")
     bad += env_problems(env)
+    if not isinstance(module, bool):
+        bad.append(f"module={module!r}: True runs the script as `python -m {target}`, False as `python {target}`")
     if not (isinstance(echo, bool) or (isinstance(echo, (list, tuple, range)) and set(echo) <= set(range(lab.world)))):
         bad.append(f"echo={echo!r}: True (every rank's output), False, or a list of ranks in range({lab.world})")
     cuda = [d for d in lab.devices if d.startswith("cuda")]
@@ -134,7 +140,7 @@ def _gpus(lab) -> list[str | None] | None:
     return ids
 
 
-def _failed(lab, name: str, err: RankError, wall: float) -> ScriptFailed:
+def _failed(lab, name: str, err: RankError, *, wall: float) -> ScriptFailed:
     """The ScriptFailed of a RankError from stop_group: every rank's report fetched (bounded)."""
     engines = lab.engines
     try:
@@ -142,11 +148,11 @@ def _failed(lab, name: str, err: RankError, wall: float) -> ScriptFailed:
     except EngineGone:
         got = {}
     reports = {r: got.get(r) for r in range(lab.world)}
-    text, first = summary(name, reports, err.failures, err.released)
+    text, first = summary(name, reports, failures=err.failures, stopped=err.released)
     result = None
     if all(reports.values()):
         result = ScriptResult.from_reports([reports[r] for r in range(lab.world)], wall, name)
-    return ScriptFailed(text, err.failures, err.released, first, result)
+    return ScriptFailed(text, failures=err.failures, released=err.released, rank=first, result=result)
 
 
 def _end(engines) -> None:

@@ -30,7 +30,7 @@ def first_failure(reports: dict[int, dict | None], failures: dict[int, dict]) ->
 
 
 def summary(
-    name: str, reports: dict[int, dict | None], failures: dict[int, dict], stopped: list[int]
+    name: str, reports: dict[int, dict | None], *, failures: dict[int, dict], stopped: list[int]
 ) -> tuple[str, int]:
     """(the message, the first rank): reports: rank -> its agent's report (None: none came back);
     failures: rank -> {'host', 'traceback'} of the ranks that failed on their own (RankError's)."""
