@@ -25,6 +25,16 @@ def _env(name: str):
     return os.environ.get(name)  # on the engine
 
 
+def _a_script_trains(lab) -> None:
+    """A script under torchrun's contract on this launcher's engines: a world of its own (its store on
+    rank 0's engine), its DTensor TP's forward and backward all-reduce on each rank."""
+    script = lab.torchrun(str(SCRIPTS / "tp_mlp.py"), "--steps", "1", echo=False)
+    assert script.ok and script.steps_seen == [1, 1]
+    assert [sorted(e.phase for e in rk.comm if e.dim == "tp" and e.step == 0) for rk in script.ranks] == [
+        ["backward", "forward"]
+    ] * 2
+
+
 def _gone(lab, job_ids=(), within: float = 10.0) -> float:
     """Seconds until neither the Lab's processes nor its jobs are left (fails past `within`)."""
     t0 = time.monotonic()
@@ -50,6 +60,7 @@ def test_a_lab_whose_engines_slurm_launches(slurm, ref_cache, tmp_path, monkeypa
         assert script.is_file() and list(tmp_path.iterdir()) == []  # with the cluster's files, not the user's
         res = lab.run(ParallelConfig(dp=2), model=TINY, steps=3, return_params=True)
         assert_matches(res, ref_cache())
+        _a_script_trains(lab)  # on engines inside the Slurm job
     finally:
         lab.close()
     after = _gone(lab, jobs)
@@ -67,12 +78,7 @@ def test_a_lab_whose_engines_mpiexec_starts(ref_cache):
         assert lab.apply(_env, "OMPI_COMM_WORLD_RANK") == ["0", "1"]
         res = lab.run(ParallelConfig(tp=2), model=TINY, steps=3, return_params=True)
         assert_matches(res, ref_cache())
-        # a script under torchrun's contract on engines mpiexec started: its own world, its DTensor TP
-        script = lab.torchrun(str(SCRIPTS / "tp_mlp.py"), "--steps", "1", echo=False)
-        assert script.ok and script.steps_seen == [1, 1]
-        assert [sorted(e.phase for e in rk.comm if e.dim == "tp" and e.step == 0) for rk in script.ranks] == [
-            ["backward", "forward"]
-        ] * 2
+        _a_script_trains(lab)  # on engines mpiexec started
     finally:
         lab.close()
     after = _gone(lab)

@@ -6,7 +6,9 @@ crossed it. One Lab for the module; the tests that kill engines come last."""
 
 from __future__ import annotations
 
+import json
 import os
+import pathlib
 import signal
 import time
 
@@ -153,6 +155,26 @@ def test_hierarchical_cp_keeps_its_all_to_alls_on_each_host(lab2, ref_cache):
     assert hops and all(hosts[a] != hosts[b] for a, b in hops)  # every ring hop across the link
     flat = lab2.run(runs.replace(cp_kind="ulysses", cp_a2a=1), model=TINY, steps=1)
     assert all(spans(e.group) for rk in flat.ranks for e in rk.comm if e.op == "all_to_all")
+
+
+def test_a_script_on_two_hosts_is_two_torchrun_nodes(lab2, tmp_path):
+    """lab.torchrun on engines the ssh launcher started: each host a torchrun node (GROUP_RANK, LOCAL_RANK
+    host by host), the store on rank 0's host at its cluster address, which labkit-b's ranks reach over the link."""
+    scripts = pathlib.Path(__file__).parent / "data" / "scripts"
+    res = lab2.torchrun(str(scripts / "contract.py"), str(tmp_path), echo=False)  # the hosts share the files
+    seen = [json.loads((tmp_path / f"{r}.json").read_text())["env"] for r in range(4)]
+    assert res.ok and [rk.host for rk in res.ranks] == HOSTS
+    assert [(e["RANK"], e["LOCAL_RANK"], e["GROUP_RANK"]) for e in seen] == [
+        ("0", "0", "0"),
+        ("1", "1", "0"),
+        ("2", "0", "1"),
+        ("3", "1", "1"),
+    ]
+    assert {(e["MASTER_ADDR"], e["LOCAL_WORLD_SIZE"], e["GROUP_WORLD_SIZE"], e["WORLD_SIZE"]) for e in seen} == {
+        (A, "2", "2", "4")
+    }
+    assert all([e.op for e in rk.comm if e.op == "barrier"] == ["barrier"] for rk in res.ranks)
+    assert "--nnodes=2 --nproc-per-node=2" in res.command
 
 
 def test_a_dead_hosts_engines_are_named_and_replaced_on_that_host(lab2, ref_cache):
