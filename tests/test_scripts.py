@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import threading
 
 import pytest
 
@@ -287,15 +286,24 @@ def test_a_rank_that_skips_a_collective_is_diagnosed(lab, config):
 
 
 def test_ctrl_c_stops_every_rank(lab, config):
+    stepped = set()
+
+    def ctrl_c_at_the_hang(rec: dict) -> None:
+        """Every rank's step done: rank 1 in its checkpoint, the others waiting for it. Ctrl-C then, however
+        long the start took (a fixed timer would race the processes' start on a loaded machine)."""
+        if "step" in rec:
+            stepped.add(rec["rank"])
+            if len(stepped) == N:
+                _thread.interrupt_main()  # SIGINT's handler, as a Ctrl-C in the notebook runs it
+
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # as ipykernel has it while a cell runs
-    timer = threading.Timer(20.0, _thread.interrupt_main)
-    timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):
-            run(lab, "ddp_llama.py", "--config", config, "--steps", "1", "--straggler", "1", timeout=120)
+            args = ("--config", config, "--steps", "1", "--straggler", "1")
+            run(lab, "ddp_llama.py", *args, timeout=120, progress=ctrl_c_at_the_hang)
     finally:
-        timer.cancel()
         signal.signal(signal.SIGINT, previous)
+    assert stepped == set(range(N))
     assert not scripts_left(lab)
     assert run(lab, "tp_mlp.py", "--steps", "1").steps_seen == [1] * N
 
