@@ -29,6 +29,7 @@ import datetime
 import json
 import os
 import selectors
+import shutil
 import signal
 import socket
 import subprocess
@@ -113,20 +114,37 @@ def run_rank(spec: dict) -> dict:
     labkit/cluster/script/contract.py)."""
     rt = runtime.current()
     _call.last = None
-    tmp = tempfile.mkdtemp(prefix="labkit-script-")
     cwd = spec["cwd"]
     if not os.path.isdir(cwd):
         raise ScriptExit(f"the working directory {cwd} does not exist on {rt.host} (rank {rt.rank})")
-    target, mode = spec["target"], "module" if spec["module"] else "path"
+    mode = "module" if spec["module"] else "path"
+    if spec.get("source") is None and mode == "path" and not os.path.isfile(os.path.join(cwd, spec["target"])):
+        raise ScriptExit(
+            f"{spec['target']} does not exist on {rt.host} (rank {rt.rank}, in {cwd}): like torchrun, every host "
+            "runs its own copy of the script; put it there (or on a filesystem every host shares)"
+        )
+    tmp = tempfile.mkdtemp(prefix="labkit-script-")  # a cell's copy and the error file
+    try:
+        rep, stopped = _run(rt, spec, mode=mode, tmp=tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # whatever the end: nothing of the call left on the host
+    _call.last = rep
+    if stopped:
+        raise runtime.Cancelled()
+    if rep["exit_code"] != 0:
+        why = (rep["failure"] or {}).get("traceback") or "".join(rep["stderr"].splitlines(True)[-20:])
+        raise ScriptExit(f"{spec['target']} exited with code {rep['exit_code']} on rank {rt.rank}\n{why}")
+    return rep
+
+
+def _run(rt, spec: dict, *, mode: str, tmp: str) -> tuple[dict, bool]:
+    """The script's process started, watched until it exits and its session killed: (its report,
+    whether the Lab stopped it)."""
+    cwd, target = spec["cwd"], spec["target"]
     if spec.get("source") is not None:  # a notebook cell: written where this rank can run it
         target = os.path.join(tmp, os.path.basename(target))
         with open(target, "w") as f:
             f.write(spec["source"])
-    elif mode == "path" and not os.path.isfile(os.path.join(cwd, target)):
-        raise ScriptExit(
-            f"{target} does not exist on {rt.host} (rank {rt.rank}, in {cwd}): like torchrun, every host "
-            "runs its own copy of the script; put it there (or on a filesystem every host shares)"
-        )
     # the engine's environment (the notebook's, where it started here), the user's env=, then torchrun's
     env = {
         **os.environ,
@@ -148,6 +166,9 @@ def run_rank(spec: dict) -> dict:
             pass_fds=(w,),
             start_new_session=True,  # its own session: a stop reaches whatever it starts
         )
+    except BaseException:
+        os.close(r)
+        raise
     finally:
         os.close(w)
     _call.proc = proc
@@ -160,15 +181,7 @@ def run_rank(spec: dict) -> dict:
         log.gone = True
         _kill(proc, signal.SIGKILL)  # whatever the script left running in its session
         _call.proc = None
-    rep = _report(rt, spec, watch, log=log, error_file=os.path.join(tmp, "error.json"))
-    _remove(tmp)
-    _call.last = rep
-    if watch.stopped:
-        raise runtime.Cancelled()
-    if rep["exit_code"] != 0:
-        why = (rep["failure"] or {}).get("traceback") or "".join(rep["stderr"].splitlines(True)[-20:])
-        raise ScriptExit(f"{spec['target']} exited with code {rep['exit_code']} on rank {rt.rank}\n{why}")
-    return rep
+    return _report(rt, spec, watch, log=log, error_file=os.path.join(tmp, "error.json")), watch.stopped
 
 
 class _Watch:
@@ -332,12 +345,6 @@ def _kill(proc, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def _remove(path: str) -> None:
-    for name in os.listdir(path):
-        os.unlink(os.path.join(path, name))
-    os.rmdir(path)
 
 
 def gpu_id() -> str | None:

@@ -49,7 +49,8 @@ def summary(
             f"  host      : {rep['host']}",
             f"  rank      : {first}",
             f"  exitcode  : {_code(rep['exit_code'])} (pid: {rep['pid']})",
-            f"  error_file: {fail.get('error_file', '<N/A>')}",
+            # torchrun keeps its error files; the Lab's is read into the traceback, then removed with the call's files
+            f"  error_file: {fail['error_file'] + ' (removed with the call)' if 'error_file' in fail else '<N/A>'}",
             "  traceback :" + ("" if fail.get("traceback") else " <none: the last lines of its stderr>"),
         ]
         text = fail.get("traceback") or "".join(rep["stderr"].splitlines(True)[-15:])
