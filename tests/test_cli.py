@@ -105,4 +105,5 @@ def test_torchrun_runs_a_script_and_writes_its_report(tmp_path):
     failed = subprocess.run(
         [*cli, str(scripts / "contract.py"), str(tmp_path), "--exit", "3"], capture_output=True, text=True, timeout=300
     )
-    assert failed.returncode == 1 and "contract.py FAILED" in failed.stderr and "exitcode  : 3" in failed.stderr
+    said = failed.stderr[-4000:]
+    assert failed.returncode == 1 and "contract.py FAILED" in failed.stderr and "exitcode  : 3" in failed.stderr, said
