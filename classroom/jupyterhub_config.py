@@ -3,8 +3,9 @@ other students' reach (classroom/README.md says why each line is here, and what 
 
     cd /srv/jupyterhub && sudo jupyterhub -f /path/to/labkit/classroom/jupyterhub_config.py
 
-The hub keeps its database and cookie secret in the directory it starts in (root's alone). Students
-log in with their Unix password (PAM) and must be in the group `students`; the teacher is an admin.
+The hub keeps its database (users, each server's state, token hashes) and cookie secret in the
+directory it starts in, which must be root's alone (0700): the hub refuses to start in another.
+Students log in with their Unix password (PAM) and must be in the group `students`; the teacher is an admin.
 """
 
 import os
@@ -15,6 +16,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # classroom_spaw
 from classroom_spawner import ClassroomSpawner  # noqa: E402
 
 c = get_config()  # noqa: F821  (JupyterHub's config loader provides it)
+
+# -- its state: the database is created 0644, so the directory is what keeps students out of it ----
+if os.stat(".").st_mode & 0o077:
+    raise SystemExit(
+        f"the hub's state directory {os.getcwd()} is open to other users (mode {os.stat('.').st_mode & 0o777:o}): "
+        "its database holds every user's server state and token hashes; chmod 700 it, or start the hub in one that is"
+    )
 
 # -- who ---------------------------------------------------------------------------------------
 c.JupyterHub.authenticator_class = "pam"  # the students' Unix accounts: one Unix user each
@@ -32,6 +40,9 @@ c.JupyterHub.hub_connect_url = "http://127.0.0.1:8081"  # how the proxy and serv
 c.JupyterHub.spawner_class = ClassroomSpawner  # LocalProcessSpawner + a network namespace per student
 c.ClassroomSpawner.cores_per_student = 0  # 0: every core; 30 students on 112 cores: 3 (README.md)
 c.ClassroomSpawner.gpus_per_student = 1  # 8 GPUs, 30 students: 3 or 4 students on each
+# each student's server, kernels and Labs together, enforced by their cgroup (README.md: notebooks
+# 00-07 need ~1.1 GiB, 08 ~1.8 GiB; their own /tmp, /dev/shm count in it too)
+c.Spawner.mem_limit = "4G"
 # the server runs from the hub's own environment (labkit, jupyterhub, torch): every student must be
 # able to read and run it (install it under /opt or /usr/local, not under /root)
 c.Spawner.cmd = [sys.executable, "-m", "jupyterhub.singleuser"]

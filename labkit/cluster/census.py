@@ -3,7 +3,10 @@ teacher's view of a classroom server; `labkit who` prints it).
 
 Every Lab that starts a cluster starts a watchdog whose command line names its kernel's pid and the
 Lab's token (labkit/cluster/watchdog.py), and every process of the Lab carries that token in its
-environment (labkit/cluster/launchers.py: TAG). Command lines and parents are readable by every user;
+environment (labkit/cluster/launchers.py: TAG). A token is no secret (it is on the watchdog's command
+line), so a process counts in a Lab only when it runs as the Lab's user, the user of its kernel: another
+user's process carrying the token (a `labkit-engine` of student B's with A's tag) is not A's, and a
+watchdog that is not its kernel's user's names no Lab. Command lines and parents are readable by every user;
 another user's environment, memory maps and network namespace only by root, so the teacher runs
 `sudo labkit who` to see every student's Labs whole (without root, another user's Lab shows the
 processes below its kernel, and its memory as RSS).
@@ -78,11 +81,13 @@ def labs() -> Rows:
 def watchdogs() -> list[tuple[int, str]]:
     """(kernel pid, Lab token) of every Lab's watchdog on this machine (`python -I .../watchdog.py PID TOKEN`)."""
     out = []
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "uids"]):
         cmd = p.info["cmdline"] or []
         where = [k for k, a in enumerate(cmd) if a.endswith(WATCHDOG)]
         if where and len(cmd) >= where[0] + 3 and cmd[where[0] + 1].isdigit():
-            out.append((int(cmd[where[0] + 1]), cmd[where[0] + 2]))
+            kernel = int(cmd[where[0] + 1])
+            if p.info["uids"] and p.info["uids"].real == _uid(kernel):  # a Lab's watchdog runs as its kernel
+                out.append((kernel, cmd[where[0] + 2]))
     return out
 
 
@@ -91,7 +96,10 @@ def members(kernel: int, token: str) -> list[psutil.Process]:
     be read (another user's, without root), the ipyparallel processes below its kernel."""
     found = {}
     unread = set()
-    for p in psutil.process_iter():
+    owner = _uid(kernel)
+    for p in psutil.process_iter(["uids"]):
+        if not p.info["uids"] or p.info["uids"].real != owner:  # the Lab's user's processes only
+            continue
         try:
             if p.environ().get(TAG) == token:
                 found[p.pid] = p
@@ -176,6 +184,14 @@ def _user(pid: int) -> str:
         return psutil.Process(pid).username()
     except (psutil.Error, KeyError):  # gone, or a uid with no name
         return "?"
+
+
+def _uid(pid: int) -> int | None:
+    """The real uid of `pid`; None where it is gone."""
+    try:
+        return psutil.Process(pid).uids().real
+    except psutil.Error:
+        return None
 
 
 def _alive(pids) -> list[psutil.Process]:
