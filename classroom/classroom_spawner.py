@@ -65,7 +65,9 @@ def inside(netns_path: str, uid: int) -> list[psutil.Process]:
     except OSError:
         want = None
     out = []
-    for p in psutil.process_iter(["uids"]):
+    for p in psutil.process_iter(["uids", "status"]):
+        if p.info["status"] == psutil.STATUS_ZOMBIE:  # ended already; its parent (or init) reaps it
+            continue
         try:
             if p.info["uids"] and p.info["uids"].real == uid:
                 out.append(p)

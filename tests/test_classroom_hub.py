@@ -10,6 +10,13 @@ connections accepted by A's gloo listeners, and reads A's engine logs. Then the 
 shipped (classroom_spawner.ClassroomSpawner: a network namespace per student, private homes):
 three Labs at once, each exact; every one of those attacks refused, judged by the same effects on
 A; the teacher's `labkit who`; a server the hub stops leaves no process of its user.
+
+Then what students share besides the network (tests/hub_space.py), on the same two hubs: B squats
+A's torch compile cache in /tmp with a precompiled header of B's, and A's compiled Lab runs B's code
+as A; B reads A's sockets and command lines in /proc and forges an engine of A's Lab for the census;
+B reaches a service the host runs on every interface; B widens its cores; B leaves a process that
+forks on SIGTERM, a shared-memory segment and temporary files to outlive its server's stop. Each
+works on the plain spawner, and none on the classroom's.
 """
 
 from __future__ import annotations
@@ -27,7 +34,10 @@ import time
 
 import psutil
 import pytest
-from hub_tools import Hub, Kernel, Students, check_students_can_run, need_hub
+from hub_probes import HostService, cgroup_dirs, link_local
+from hub_space import clean_after, compile_squat, dump, snoop_and_forge, stay_and_stop
+from hub_tools import ROOT, Hub, Kernel, Students, check_students_can_run, need_hub
+from student_net import link
 
 from labkit.cluster import census
 from labkit.cluster.footprint import by_role, footprint
@@ -98,6 +108,7 @@ print("RESULT " + json.dumps({
     "netns": os.readlink("/proc/self/ns/net"), "cores": sorted(os.sched_getaffinity(0)),
     "addrs": [a.address for n, found in psutil.net_if_addrs().items() for a in found
               if a.family == 2 and not a.address.startswith("127.")],
+    "labkit": __import__("labkit").__file__,
 }))
 """
 """A's cell: notebook 00's kind of work (a Lab, a run on text, checked against the one-process
@@ -126,6 +137,14 @@ print("RESULT " + json.dumps(lab.apply(_probe, WRITTEN, set(PORTS_OF_B))))
 @pytest.fixture(scope="module")
 def chp():
     return need_hub()
+
+
+@pytest.fixture(scope="module")
+def service():
+    """A service of the host's on every address (IPv4 and IPv6), for B to try to reach."""
+    made = HostService()
+    yield made
+    made.close()
 
 
 @pytest.fixture(scope="module")
@@ -194,9 +213,9 @@ def _lab_work(kernel: Kernel) -> dict:
 
 
 @pytest.fixture(scope="module")
-def before(students, chp):
+def before(students, chp, service):
     """The measurement on JupyterHub's plain LocalProcessSpawner: what B's kernel does to A's Lab.
-    That hub and what its students ran are gone before the classroom's starts."""
+    That hub and what its students ran and left are gone before the classroom's starts."""
     hub = _hub(PLAIN, students, chp)
     a, b = students.names[:2]
     try:
@@ -204,16 +223,20 @@ def before(students, chp):
         hub.start(a, b)
         b_kernel = _setup_b(hub, students)  # B watches for A's listeners before A's Lab starts
         a_kernel = hub.kernel(a)
-        got = _attack(students, a_kernel, _lab_work(a_kernel), b_kernel)
+        info = _lab_work(a_kernel)
+        got = _attack(students, a_kernel, info, b_kernel)
+        got["compile"] = compile_squat(students, a_kernel, b_kernel)
+        got["space"] = snoop_and_forge(info, b_kernel, service, [("127.0.0.1", service.port), ("::1", service.port)])
         got["stray"] = a_kernel.result(STRAY)
         hub.stop(a)  # the plain spawner ends the server; what of A's is left after it?
         time.sleep(3.0)  # as long as the classroom's sweep gives the kernel's Lab to end by itself (sweep_grace_s)
         got["left_after_stop"] = students.end_processes(a)
+        got["stay"] = stay_and_stop(hub, students, b_kernel)
         got["seconds"] = time.monotonic() - t0
     finally:
         hub.close()
-        for name in students.names:
-            students.end_processes(name)
+        cleaned = clean_after(students, f"/tmp/torchinductor_{a}", f"/tmp/lk-drop-{students.tag}")
+    got["cleaned"] = cleaned
     return got
 
 
@@ -235,7 +258,7 @@ def test_on_a_plain_local_process_spawner_student_b_reaches_student_a(before):
 
 
 @pytest.fixture(scope="module")
-def classroom(students, chp, before):
+def classroom(students, chp, before, service):
     """The classroom as shipped (a network namespace per student, private homes, a core each),
     after the plain hub is gone: the three students' Labs at once, then B's attacks on A."""
     net = f"10.44.{int(students.tag, 16) % 250}.0/24"
@@ -251,9 +274,18 @@ def classroom(students, chp, before):
         ran = time.monotonic() - t0
         held = {name: _held(students, name, infos[name]) for name in students.names}
         got = _attack(students, kernels[0], infos[students.names[0]], b_kernel)
+        labs = census.labs()
+        got["compile"] = compile_squat(students, kernels[0], b_kernel)
+        slot_b = _slots(hub)[students.names[1]]
+        host = link(net, slot_b)[0]  # the host's end of B's link: the host, as B's namespace reaches it
+        ll = f"{link_local(f'{veth}{slot_b}h')}%{veth}{slot_b}s"  # the same over IPv6, link-local
+        targets = [(host, service.port), (ll, service.port), (host, hub.ports["hub"])]
+        got["space"] = snoop_and_forge(infos[students.names[0]], b_kernel, service, targets)
+        got["space"]["targets"] = targets
+        got["space"]["b_cgroups"] = cgroup_dirs(infos[students.names[1]]["kernel"])
         yield {
-            **{"hub": hub, "infos": infos, "attacks": got, "census": census.labs(), "kernels": kernels},
-            **{"ran": ran, "veth": veth, "held": held},
+            **{"hub": hub, "infos": infos, "attacks": got, "census": labs, "kernels": kernels},
+            **{"ran": ran, "veth": veth, "held": held, "slot_b": slot_b},
         }
     finally:
         hub.close()
@@ -270,6 +302,7 @@ def test_three_students_labs_run_at_once_each_exact_on_its_share(classroom, stud
         slot, info = slots[name], infos[name]
         print(f"  {name}: {info['repr']}")
         assert info["losses"] == pytest.approx(info["reference"], rel=1e-5)  # assert_matches held in the kernel too
+        assert info["labkit"].startswith(str(ROOT))  # the students run this checkout's labkit
         want = [hub_cores[(slot - 1) % len(hub_cores)]]  # cores_per_student = 1, handed out by slot
         assert info["cores"] == want
         (share,) = info["share"]
@@ -359,3 +392,104 @@ def _slots(hub: Hub) -> dict[str, int]:
 
 def _has_link(name: str) -> bool:
     return subprocess.run(["ip", "link", "show", name], capture_output=True).returncode == 0
+
+
+# -- what students share besides the network (tests/hub_space.py) ---------------------------------
+def _engines_planted(compiled: dict) -> list[bool]:
+    return [e["planted"] for e in compiled["engines"]]
+
+
+def test_on_a_plain_spawner_b_runs_code_as_a_sees_a_in_proc_and_outlives_its_stop(before, students):
+    a, b = students.names[:2]
+    squat, space, stay = before["compile"], before["space"], before["stay"]
+    dump(
+        "before (LocalProcessSpawner): B's compile cache squat, /proc, census, host service, a stop", before["cleaned"]
+    )
+    dump("squat", squat)
+    dump("space", space)
+    dump("stay", stay)
+    # B's header was built into A's engines' kernels: B's code ran as A, and B holds A's token
+    assert _engines_planted(squat["compiled"]) == [True, True]
+    assert squat["b_got"] == {str(students.uid(a)): a}  # the hub's API says the token B got is A's
+    # /proc: A's sockets (a namespace's every listener), A's command lines, A's Lab's tag
+    listed = [v for k, v in space["snooped"]["read"].items() if k.endswith("net/tcp")]
+    assert listed and all(v.startswith("listed ") and v != "listed 0 listeners" for v in listed)
+    assert all(v.startswith("read ") for k, v in space["snooped"]["read"].items() if k.endswith("cmdline"))
+    assert space["tag_seen"] and space["forged"] in space["by_tag_alone"]  # the tag alone would count B's
+    (row,) = space["a_row"]
+    assert row["engines"] == 2 and str(space["forged"]) not in row["engine pids"].split()  # the census holds
+    assert all(v.startswith("connected: a host service") for v in space["reached"].values())
+    assert len(space["service_served"]) == 2
+    assert space["cores"] == sorted(os.sched_getaffinity(0))  # every core B asks for
+    # B's stop: the plain spawner ends the server, not what B left
+    assert stay["after"]["processes"] and stay["after"]["shm"] == stay["before"]["shm"] != []
+    assert {f"{d}/lk-stay-{students.tag}" for d in ("/tmp", "/var/tmp", "/dev/shm")} <= set(stay["after"]["files"])
+    assert b and before["cleaned"]  # the test removed what the plain spawner left
+
+
+def test_b_plants_nothing_in_the_compile_cache_of_a(classroom, before, students):
+    a = students.names[0]
+    squat = classroom["attacks"]["compile"]
+    dump("after (ClassroomSpawner): B's compile cache squat", squat)
+    assert squat["planted"]["planted"] == f"/tmp/torchinductor_{a}/precompiled_headers/" + os.path.basename(
+        before["compile"]["planted"]["planted"]
+    )  # B planted the same header as before, in B's own /tmp
+    assert _engines_planted(squat["compiled"]) == [False, False] and squat["b_got"] == {}
+    home = students.home(a)
+    for where in [squat["compiled"]["kernel"], *squat["compiled"]["engines"]]:  # the spawner's env reaches them all
+        assert all(
+            where[k].startswith(f"{home}/.cache/") for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+        )
+        assert where["headers"] == f"{home}/.cache/tmp/torchinductor_{a}/precompiled_headers"
+    assert _engines_planted(before["compile"]["compiled"]) == [True, True]
+
+
+def test_b_sees_nothing_of_a_forges_no_engine_and_reaches_no_host_service(classroom, before, students):
+    space = classroom["attacks"]["space"]
+    dump("after (ClassroomSpawner): /proc, census, host service, cores", space)
+    read = space["snooped"]["read"]
+    assert len(read) == 2 * 3 and set(read.values()) == {"FileNotFoundError"}  # A's kernel and engines: not there
+    assert space["snooped"]["others_visible"] == 0 and before["space"]["snooped"]["others_visible"] > 0
+    assert not space["tag_seen"]  # B cannot read A's watchdog's command line; the test handed the tag over
+    assert space["forged"] in space["by_tag_alone"]  # B's process carries A's tag, as before
+    (row,) = space["a_row"]
+    assert row["engines"] == 2 and str(space["forged"]) not in row["engine pids"].split()
+    service_v4, service_v6, hub_api = (f"{h}:{p}" for h, p in space["targets"])
+    assert space["reached"][hub_api] == "connected, said nothing"  # B's link reaches the host: the hub's API
+    assert not space["reached"][service_v4].startswith("connected")  # and nothing else there, IPv4
+    assert not space["reached"][service_v6].startswith("connected")  # nor IPv6 link-local
+    assert space["service_served"] == [] and len(before["space"]["service_served"]) == 2
+    slot_core = sorted(os.sched_getaffinity(0))[(classroom["slot_b"] - 1) % os.cpu_count()]
+    assert space["cores"] == [slot_core] and len(before["space"]["cores"]) > 1  # the cpuset holds B to its core
+    limits = []
+    for d in space["b_cgroups"]:
+        for name in ("memory.max", "memory.limit_in_bytes"):
+            if os.path.exists(f"{d}/{name}"):
+                limits.append(int(open(f"{d}/{name}").read()))
+    assert limits == [4 * 2**30]  # the config's mem_limit, on B's kernel's cgroup
+
+
+def test_a_stop_leaves_nothing_of_a_student_who_means_to_stay(classroom, before, students):
+    hub, b = classroom["hub"], students.names[1]
+    stay = stay_and_stop(hub, students, classroom["kernels"][1])
+    dump("after (ClassroomSpawner): B's stop", stay)
+    seen = stay["before"]
+    assert len(seen["cgroups"]) >= 1 and seen["shm"] == [stay["left"]["shm"]]  # B's segment, in B's IPC namespace
+    assert seen["namespaces"]["mnt"] != os.stat("/proc/self/ns/mnt").st_ino  # B's own mount, IPC and network
+    assert seen["namespaces"]["ipc"] != os.stat("/proc/self/ns/ipc").st_ino
+    assert {f"{d}/lk-stay-{students.tag}" for d in ("/tmp", "/var/tmp", "/dev/shm")} <= set(seen["files"])
+    assert stay["after"] == {
+        "processes": [],
+        "namespace_holders": [],
+        "cgroups": [],
+        "shm": [],
+        "files": [],
+        "tmpdir": [],
+    }
+    slot = classroom["slot_b"]
+    assert f"labkit-{b}" not in os.listdir(f"/proc/{hub.proc.pid}/root/run/netns") and not _has_link(
+        f"{classroom['veth']}{slot}h"
+    )
+    nft = subprocess.run(["nft", "list", "table", "inet", f"labkit_{classroom['veth']}{slot}"], capture_output=True)
+    assert nft.returncode != 0  # B's firewall went with B's link
+    assert before["stay"]["after"]["processes"]  # the plain spawner's stop left B's process running
