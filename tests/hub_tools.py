@@ -46,7 +46,11 @@ def need_hub() -> str:
             __import__(module)
         except ImportError:
             missing.append(f"{pkg} (pip)")
-    missing += [f"{t} (apt)" for t in ("ip", "unshare", "useradd", "userdel", "runuser") if not shutil.which(t)]
+    missing += [
+        f"{t} (apt)"
+        for t in ("ip", "nft", "unshare", "nsenter", "ipcmk", "useradd", "userdel", "runuser")
+        if not shutil.which(t)
+    ]
     chp = shutil.which(CHP) or ""
     if not chp:
         missing.append(f"{CHP} (npm install -g {CHP})")
