@@ -27,7 +27,8 @@ def _compiled_with():
     libc.getenv.restype = ctypes.c_char_p
     dirs = {k: os.environ.get(k) for k in ("TMPDIR", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")}
     return {"planted": bool(libc.getenv(b"PLANTED_BY_B")), "headers": codecache._HEADER_DIR, **dirs}
-res = lab.run(ParallelConfig(dp=2, compile=True), model=model, steps=1, data="text")
+# the first compile builds torch's precompiled header (one g++ run) on the student's one core
+res = lab.run(ParallelConfig(dp=2, compile=True), model=model, steps=1, data="text", timeout=540)
 print("RESULT " + json.dumps({"kernel": _compiled_with(), "engines": lab.apply(_compiled_with)}))
 """
 """A's Lab runs compiled (ParallelConfig.compile: torch.compile on every engine); what each engine

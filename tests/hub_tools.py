@@ -99,17 +99,22 @@ class Students:
         return out
 
     def end_processes(self, name: str) -> list[str]:
-        """End what `name` still runs (processes this test started through the hub); what it was."""
+        """End what `name` still runs (processes this test started through the hub); what it was.
+        SIGTERM first, then SIGKILL to whatever runs as them, scanned again until nothing does: a
+        process that forks on SIGTERM (one of the test's attacks) is gone from the first list."""
         left = self.processes(name)
         seen = [_named(p) for p in left]
         for p in left:
             with _quiet():
                 p.terminate()
-        _, alive = psutil.wait_procs(left, timeout=3)
-        for p in alive:
-            with _quiet():
-                p.kill()
-        psutil.wait_procs(alive, timeout=3)
+        psutil.wait_procs(left, timeout=3)
+        deadline = time.monotonic() + 30
+        while (left := self.processes(name)) and time.monotonic() < deadline:
+            seen += [_named(p) for p in left]
+            for p in left:
+                with _quiet():
+                    p.kill()
+            psutil.wait_procs(left, timeout=3)
         return seen
 
     def remove(self) -> None:
