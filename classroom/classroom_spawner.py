@@ -29,6 +29,7 @@ import asyncio
 import os
 import pwd
 import re
+import time
 
 import psutil
 from jupyterhub.spawner import LocalProcessSpawner
@@ -80,7 +81,7 @@ def inside(netns_path: str, uid: int) -> list[psutil.Process]:
     return out
 
 
-def sweep(netns_path: str, uid: int, kill_after_s: float = 2.0) -> dict:
+def sweep(netns_path: str, uid: int, kill_after_s: float = 2.0, reap_s: float = 10.0) -> dict:
     """End what a student runs outside their server's cgroup (an ssh login's job, a process root
     started as them in their namespace): SIGTERM, then SIGKILL what is left after `kill_after_s`."""
     left = inside(netns_path, uid)
@@ -97,7 +98,18 @@ def sweep(netns_path: str, uid: int, kill_after_s: float = 2.0) -> dict:
         except psutil.Error:
             pass
     psutil.wait_procs(alive, timeout=kill_after_s)
-    return {"ended": ended, "killed": [p.pid for p in alive], "left": [p.pid for p in inside(netns_path, uid)]}
+    return {"ended": ended, "killed": [p.pid for p in alive], "left": unreaped(uid, reap_s)}
+
+
+def unreaped(uid: int, seconds: float) -> list[int]:
+    """Wait up to `seconds` until no process of `uid` is left, zombies included (a killed process whose
+    parent died with it is reaped by init a moment later: a stop ends when they are gone); what is left."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = [p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"] and p.info["uids"].real == uid]
+        if not left or time.monotonic() > deadline:
+            return left
+        time.sleep(0.1)
 
 
 def _named(p: psutil.Process) -> str:

@@ -239,7 +239,7 @@ def test_a_server_the_hub_stops_leaves_no_process_of_its_student(classroom, stud
     left = students.processes(a)
     swept = [line for line in hub.log(60000).splitlines() if f"{a} stopped:" in line]
     print(f"\n{a}'s stop, the spawner's sweep: {swept[-1].split('stopped:', 1)[1] if swept else '(none logged)'}")
-    assert left == [], [p.cmdline() for p in left]
+    assert left == [], [(p.pid, _cmd(p)) for p in left]
     assert swept and f"'{stray} " in swept[-1]  # the detached job was the sweep's to end
     assert f"labkit-{a}" not in os.listdir(namespaces) and not _has_link(link)
     # the others' Labs go on: B's runs again, exact
