@@ -273,7 +273,7 @@ def _engines_planted(compiled: dict) -> list[bool]:
 
 
 def test_on_a_plain_spawner_b_runs_code_as_a_sees_a_in_proc_and_outlives_its_stop(before, students):
-    a, b = students.names[:2]
+    a = students.names[0]
     squat, space, stay = before["compile"], before["space"], before["stay"]
     dump(
         "before (LocalProcessSpawner): B's compile cache squat, /proc, census, host service, a stop", before["cleaned"]
@@ -297,7 +297,6 @@ def test_on_a_plain_spawner_b_runs_code_as_a_sees_a_in_proc_and_outlives_its_sto
     # B's stop: the plain spawner ends the server, not what B left
     assert stay["after"]["processes"] and stay["after"]["shm"] == stay["before"]["shm"] != []
     assert {f"{d}/lk-stay-{students.tag}" for d in ("/tmp", "/var/tmp", "/dev/shm")} <= set(stay["after"]["files"])
-    assert b and before["cleaned"]  # the test removed what the plain spawner left
 
 
 def test_b_plants_nothing_in_the_compile_cache_of_a(classroom, before, students):
