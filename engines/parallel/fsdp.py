@@ -52,7 +52,19 @@ def apply_fsdp(
     pipeline chunks, as its GradSync; with a pipeline each unit stays gathered over the step and is
     reduced once, whatever `reshard` says (zero3.py)."""
     keep = mesh.size("pp") > 1
-    return ZeRO3(chunks, mesh, metas, "fsdp", reshard, pol, optim, meters, loss_shards, keep=keep, float8=float8)
+    return ZeRO3(
+        chunks,
+        mesh,
+        metas,
+        kind="fsdp",
+        reshard=reshard,
+        pol=pol,
+        optim=optim,
+        meters=meters,
+        loss_shards=loss_shards,
+        keep=keep,
+        float8=float8,
+    )
 
 
 def apply_fsdp_torch(

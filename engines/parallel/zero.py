@@ -278,5 +278,17 @@ def apply_zero(
     pipeline = mesh.size("pp") > 1
     if stage == 3:
         kind = unit_kind(per_module=True, tied=chunks[0].cfg.tied)
-        return ZeRO3(chunks, mesh, metas, kind, True, pol, optim, meters, loss_shards, keep=pipeline, float8=float8)
+        return ZeRO3(
+            chunks,
+            mesh,
+            metas,
+            kind=kind,
+            reshard=True,  # ZeRO-3 frees each gathered block after its use, forward and backward
+            pol=pol,
+            optim=optim,
+            meters=meters,
+            loss_shards=loss_shards,
+            keep=pipeline,
+            float8=float8,
+        )
     return ZeRO12(chunks, mesh, metas, stage, pol, bucket_bytes, optim, meters, loss_shards, once=pipeline)

@@ -95,6 +95,7 @@ class ZeRO3:
         chunks: list[nn.Module],
         mesh,
         metas: ParamMetas,
+        *,
         kind: str,
         reshard: bool,
         pol: Policy,

@@ -28,6 +28,7 @@ from labkit.cli import script
 from labkit.cli.jobs import from_flags, job_of, rank_job, stack_of
 from labkit.cluster import census
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
+from labkit.config.table import human_bytes
 from labkit.layout.mesh import MeshLayout
 from labkit.oracle.checks import loss_errors, mismatches
 from labkit.theory.planner.evaluate import describe
@@ -78,14 +79,6 @@ def _pick(ns: argparse.Namespace, cls, prefix: str = "") -> dict:
     }
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def write_report(path: str, result, ref, estimate) -> None:
     """One self-contained HTML page with every figure (plotly.js inlined once)."""
     from labkit.widgets.figures import report_figures
@@ -127,12 +120,12 @@ def cmd_run(ns: argparse.Namespace) -> int:
     print(f"losses    {[f'{x:.5f}' for x in res.losses]}")
     print(f"reference {[f'{x:.5f}' for x in ref.losses]}  (max relative error {max(errs):.2e})")
     for rk in res.ranks:
-        mem = ", ".join(f"{k} {_human(v)}" for k, v in rk.memory.items())
+        mem = ", ".join(f"{k} {human_bytes(v)}" for k, v in rk.memory.items())
         print(f"rank {rk.rank} {rk.coords}: {mem}")
     for row in res.comm_table():
         print(
             f"rank {row['rank']} {row['dim']:>6} {row['op']:<15} {row['calls']:>3} calls "
-            f"{_human(row['wire_bytes'])} sent"
+            f"{human_bytes(row['wire_bytes'])} sent"
         )
     if ns.report:
         write_report(ns.report, res, ref, est)
@@ -175,14 +168,14 @@ def cmd_estimate(ns: argparse.Namespace) -> int:
     m = est.memory[fullest]
     print(
         f"memory per rank (rank {fullest}, the fullest): "
-        + ", ".join(f"{k} {_human(v)}" for k, v in m.items())
-        + f"  [{hw.name}: {_human(hw.memory)}]"
+        + ", ".join(f"{k} {human_bytes(v)}" for k, v in m.items())
+        + f"  [{hw.name}: {human_bytes(hw.memory)}]"
     )
     rows = est.rank_rows(fullest)
     for row in sorted(rows, key=lambda r: (r["dim"], r["op"])):
         print(
             f"comm per step (rank {fullest}) {row['dim']:>8} {row['op']:<15} {row['calls']:>7,} calls "
-            f"{_human(row['wire_bytes'])}"
+            f"{human_bytes(row['wire_bytes'])}"
         )
     print(f"bubble {est.bubble:.3f}")
     t = est.step_time(hw, fullest)
