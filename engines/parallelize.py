@@ -37,7 +37,7 @@ reduces over dp-cp, and keeps TP's marks (MoE layers are replicated over tp); th
 pipeline keeps this stage's chunks under their full names; the data-parallel step reduces each
 gradient over its own group, buckets or shards per group and chunk, and counts each parameter
 once in the global norm. labkit.config refuses, with the reason, the few combinations that are
-not built or that frameworks reject (README.md, "Composition").
+not built or that frameworks reject (GUIDE.md, "Composition").
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 ARCHITECTURE.md's strategy table names exists, every row the issue asks for is there, the ladder
 table gives each package of labkit/ the rung tests/test_layers.py gives it, every section a pointer
 cites (`DERIVATIONS.md, "The time model"`) is a heading of that document, every link into a
-document lands on a heading; and how many comment lines labkit/, widgets/ and engines/ carry."""
+document lands on a heading; README.md stays a newcomer's page (at most 250 lines, every notebook in
+its table); and how many comment lines labkit/, widgets/ and engines/ carry."""
 
 from __future__ import annotations
 
@@ -18,6 +19,12 @@ from test_layers import LEVEL, RUNGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ARCH = ROOT / "ARCHITECTURE.md"
+README = ROOT / "README.md"
+DOCS = ("ARCHITECTURE.md", "DERIVATIONS.md", "README.md", "GUIDE.md")
+"""The documents whose paths and links are checked against the tree."""
+README_LINES = 250
+"""README.md's most lines: what labkit is, the set-up, the tour, the notebooks, where to read on;
+the rest is GUIDE.md's, ARCHITECTURE.md's, DERIVATIONS.md's or benchmarks/RESULTS.md's."""
 COLUMNS = ["strategy", "engine", "layout", "theory", "tests", "notebook"]
 STRATEGIES = ["DDP", "ZeRO-1", "ZeRO-2", "ZeRO-3", "FSDP", "FSDP2", "TP", "DTensor", "GPipe", "ZB-H1", "pipelining"]
 STRATEGIES += ["CP", "EP", "mesh"]
@@ -70,10 +77,7 @@ def test_every_cell_of_the_strategy_table_names_files_that_exist():
 
 def test_every_path_the_map_and_the_derivations_name_exists():
     missing = [
-        f"{doc}: {p}"
-        for doc in ("ARCHITECTURE.md", "DERIVATIONS.md", "README.md")
-        for p in sorted(set(paths((ROOT / doc).read_text())))
-        if not (ROOT / p).exists()
+        f"{doc}: {p}" for doc in DOCS for p in sorted(set(paths((ROOT / doc).read_text()))) if not (ROOT / p).exists()
     ]
     assert not missing, "\n".join(missing)
 
@@ -157,13 +161,27 @@ def _slug(heading: str) -> str:
 
 def test_every_link_into_a_document_lands_on_a_heading():
     broken = []
-    for doc in ("ARCHITECTURE.md", "DERIVATIONS.md", "README.md"):
+    for doc in DOCS:
         text = (ROOT / doc).read_text()
         for target, anchor in re.findall(r"\]\(([\w/]*\.md)?#([\w-]+)\)", text):
             slugs = {_slug(h) for h in _headings(ROOT / (target or doc))}
             if anchor not in slugs:
                 broken.append(f"{doc}: {target or doc}#{anchor}")
     assert not broken, "\n".join(broken)
+
+
+def test_the_readme_is_a_newcomers_page():
+    lines = len(README.read_text().splitlines())
+    assert lines <= README_LINES, f"README.md has {lines} lines, more than {README_LINES}: move the detail out"
+
+
+def test_the_readme_lists_every_notebook():
+    _, rows = table(README.read_text(), "notebook")
+    listed = {row[0].strip("`") for row in rows}
+    on_disk = {p.stem for p in (ROOT / "notebooks").glob("*.ipynb")}
+    assert listed == on_disk, (
+        f"missing from README's table: {sorted(on_disk - listed)}; not on disk: {sorted(listed - on_disk)}"
+    )
 
 
 def comment_density(folder: str) -> tuple[int, int]:

@@ -69,7 +69,7 @@ def test_composed_layouts_dry_run_as_predicted(cfg):
 
 
 def test_a_llama_70b_rank_of_1024_equals_theory():
-    """README's claim: Llama-2-70B on dp32 x tp8 x pp4 (1,024 ranks), the last rank (last stage: the
+    """GUIDE.md's claim ("At scale"): Llama-2-70B on dp32 x tp8 x pp4 (1,024 ranks), the last rank (last stage: the
     head and the loss; 20 of the 80 layers) measured with nothing allocated equals the theory
     (7 s on 2 CPU cores)."""
     from labkit.theory.presets import LLAMA_70B

@@ -68,7 +68,7 @@ def by_role(rows: list[dict]) -> dict[str, dict]:
 
 
 def table(rows: list[dict]) -> str:
-    """The rows by role, in MiB, as text (the README's numbers come from it)."""
+    """The rows by role, in MiB, as text (GUIDE.md's numbers, "A Lab in a Binder tab", come from it)."""
     lines = [f"{'role':18s} {'n':>3s} {'RSS':>8s} {'USS':>8s} {'PSS':>8s}  (MiB)"]
     for role, acc in sorted(by_role(rows).items(), key=lambda kv: (kv[0] == "all", -kv[1]["pss"])):
         lines.append(
