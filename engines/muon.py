@@ -16,6 +16,8 @@ values gives the same bits as torch.optim.Muon on one process (tests/test_muon.p
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch.optim._muon import _zeropower_via_newtonschulz
@@ -145,3 +147,71 @@ def _whole_matrices(full: tuple[int, ...], box: list[list[int]]) -> bool:
     """Whether a piece holds its matrices whole: every dim whole, but a stack's first (its experts)."""
     dims = range(1, len(full)) if len(full) == 3 else range(len(full))
     return all(box[d] == [0, full[d]] for d in dims)
+
+
+class ShardedMuon:
+    """Distributed Muon (Liu et al. 2025, "Muon is Scalable for LLM Training", section 2.2, Algorithm 1) over
+    a ZeRO/FSDP rank's slices of its flat buffers (layout/flat.py): the momentum is kept on the slice (4
+    bytes an element, elementwise: the same numbers as one process's), and each step every buffer that holds
+    a Muon matrix all-gathers its slices' updates over the buffer's shard group ("DP Gather", in bf16:
+    Newton-Schulz's first act is that cast, Whole.gather), so that each rank orthogonalizes whole every
+    matrix it holds a part of and keeps its part ("calculate full update", then "discard the rest"). The
+    paper gathers only the partitions of the matrices; labkit gathers each buffer's whole slice, one
+    collective a buffer, zeros where AdamW's parameters lie (the theory prices what is sent:
+    labkit/theory/exact/muon.py). Every piece here is a whole local tensor's (no tp slice: muon_problems)."""
+
+    def __init__(self, layouts, indices, masters, groups, cfg: OptimConfig):
+        self.layouts, self.indices, self.masters, self.groups, self.cfg = layouts, indices, masters, groups, cfg
+        # per buffer: (name, local shape, the tensor's start in the buffer, the piece's [lo, hi) of the
+        # flattened tensor, the piece's offset in this rank's slice)
+        self.pieces = [
+            [(n, s, start, lo, hi, at) for (n, s, lo, hi, at), start in _starts(lay, i) if takes_muon(n, s)]
+            for lay, i in zip(layouts, indices)
+        ]
+        # a buffer holding a Muon tensor is gathered by every rank of its group, whichever part it holds
+        self.gathered = [any(takes_muon(n, s) for n, s in zip(lay.names, lay.shapes)) for lay in layouts]
+        self.bufs = [[torch.zeros(hi - lo, dtype=torch.float32) for *_, lo, hi, _at in ps] for ps in self.pieces]
+
+    def intervals(self, k: int) -> list[tuple[int, int]]:
+        """[start, stop) within buffer k's slice of each Muon piece (what AdamW leaves out)."""
+        return [(at, at + hi - lo) for *_, lo, hi, at in self.pieces[k]]
+
+    @torch.no_grad()
+    def step(self, grads: list[torch.Tensor], scale: float = 1.0) -> None:
+        c = self.cfg
+        for k, lay in enumerate(self.layouts):
+            if not self.gathered[k]:
+                continue
+            mine = torch.zeros(lay.shard, dtype=torch.bfloat16, device=grads[k].device)
+            for (*_, lo, hi, at), buf in zip(self.pieces[k], self.bufs[k]):
+                g = grads[k][at : at + hi - lo].float()
+                if scale != 1.0:
+                    g = g * scale
+                buf.lerp_(g, 1 - c.momentum)
+                mine[at : at + hi - lo] = g.lerp(buf, c.momentum) if c.nesterov else buf
+            full = self.gather(k, mine)
+            for _name, shape, start, lo, hi, at in self.pieces[k]:
+                whole = full[start : start + math.prod(shape)].view(shape)
+                ortho = orthogonalized(whole, c.ns_steps).reshape(-1)[lo:hi]
+                rows, cols = matrices("", shape)[0]
+                m = self.masters[k][at : at + hi - lo]
+                m.mul_(1 - c.muon_lr * c.muon_weight_decay)
+                m.add_(ortho, alpha=-c.muon_lr * muon_lr_ratio(c.adjust_lr, rows, cols))
+
+    def gather(self, k: int, mine: torch.Tensor) -> torch.Tensor:
+        """Buffer k's update whole (padded,), from every rank's slice of it (`mine`: this rank's)."""
+        group = self.groups[k]
+        full = torch.empty(self.layouts[k].padded, dtype=mine.dtype, device=mine.device)
+        if dist.get_world_size(group) > 1:
+            dist.all_gather_into_tensor(full, mine, group=group)  # (shard,) x N -> (padded,)
+        else:
+            full.copy_(mine)
+        return full
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        return [b for bufs in self.bufs for b in bufs]
+
+
+def _starts(layout, index):
+    starts = {name: lo for name, _, lo, _ in layout.offsets()}
+    return [(p, starts[p[0]]) for p in layout.pieces(index)]

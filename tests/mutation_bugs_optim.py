@@ -102,3 +102,19 @@ def fc1_routed_to_adamw(original):
         return original(name, shape) and "mlp.fc1" not in name
 
     return takes_muon
+
+
+def shard_orthogonalized_alone(original):
+    """engines/muon.py ShardedMuon.gather without the gather: each ZeRO rank hands Newton-Schulz its own slice
+    of the update, zeros where the other ranks' slices lie, instead of the whole matrix (Distributed Muon's
+    DP Gather skipped: a different update wherever a matrix spans two slices)."""
+    import torch
+
+    def gather(self, k, mine):
+        layout = self.layouts[k]
+        full = torch.zeros(layout.padded, dtype=mine.dtype, device=mine.device)
+        a, b = layout.owned(self.indices[k])
+        full[a:b] = mine
+        return full
+
+    return gather

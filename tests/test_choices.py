@@ -318,3 +318,22 @@ def test_optim_is_checked_once_by_the_lab():
     source = (ROOT / "labkit" / "cluster" / "lab.py").read_text()
     assert source.count("optim_problems(optim)") == 1
     assert OptimConfig(lr=0) is not None  # an OptimConfig is still checked by the Lab, not when built
+
+
+def test_every_sharding_has_its_row_in_each_place_that_reads_it():
+    """The shardings' registry (choices.sharded, zero_stages): a value added to Sharding without its decode, or
+    a stage without its model states, its column in the ZeRO figure or the planner's rule, fails here."""
+    from labkit import theory
+    from labkit.config.choices import zero_stages
+    from labkit.theory.planner.search import searched
+    from labkit.widgets.theory_figures import STAGES
+
+    assert sorted(zero_stages()) == [0, 1, 2, 3]
+    states = theory.model_state_bytes(1000, 4, "bf16")
+    assert tuple(states) == STAGES == tuple(zero_stages().values())
+    for s in SHARDINGS:
+        sh = sharded(s)
+        assert zero_stages()[sh.stage] in states, s
+        assert {searched(sh, pp) for pp in (1, 2)} <= {True, False}, s
+    # the paper's figure 1, Psi = 1000, N_d = 4, K = 12: each stage's total
+    assert [states[s]["total"] for s in STAGES] == [16000, 4000 + 3000, 2000 + 3500, 4000]

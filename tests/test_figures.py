@@ -87,6 +87,8 @@ def every_figure():
     yield "empty", figures.empty_figure("nothing yet")
     for name, fig in figures.report_figures(meas).items():
         yield f"measurement {name}", fig
+    for name, fig in figures.report_figures(res, Ref(), est).items():  # the registry's own, as the report draws them
+        yield f"report {name}", fig
     for view in (scale, flat):
         yield "stage memory", theory_figures.stage_memory_figure(view)
         yield "zero", theory_figures.zero_figure(view)
@@ -113,6 +115,18 @@ def strings(value):
 
 
 FIGURES = list(every_figure())
+
+
+def test_the_report_and_the_dashboard_read_one_list_of_figures():
+    """widgets/figures.py RUN_FIGURES: a pipeline run draws every figure of it, a measurement those without a
+    layout, and the Dashboard has a panel, laid out, for each figure it shows (and the mesh view)."""
+    from labkit.widgets.dashboard import NAMES, ROWS
+
+    every = {f.name for f in figures.RUN_FIGURES}
+    assert set(figures.report_figures(pipeline_result(), Ref())) == every
+    assert set(figures.report_figures(measurement())) == every - {"loss", "pipeline"}
+    assert set(NAMES) == {f.name for f in figures.RUN_FIGURES if f.on_dashboard} | {"mesh"}
+    assert {n for row in ROWS for n in row} <= set(NAMES)
 
 
 @pytest.mark.parametrize("name, fig", FIGURES, ids=[n for n, _ in FIGURES])

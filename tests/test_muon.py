@@ -83,10 +83,21 @@ LAYOUTS = [
     (ParallelConfig(ep=2, dp=2), MOE),
     (ParallelConfig(cp=2, dp=2, precision="bf16"), TINY),
     (ParallelConfig(dp=4, impl="torch"), TINY),
+    # Distributed Muon: each flat buffer's updates gathered whole over its shard group (engines/muon.py ShardedMuon)
+    (ParallelConfig(dp=4, sharding="zero1"), TINY),
+    (ParallelConfig(dp=4, sharding="zero2", precision="bf16"), TINY),
+    (ParallelConfig(dp=4, sharding="zero3"), TINY),
+    (ParallelConfig(dp=4, dp_replicate=2, sharding="fsdp", precision="bf16"), LLAMA),
+    (ParallelConfig(dp=2, pp=2, microbatches=2, sharding="zero1"), TINY),
+    (ParallelConfig(ep=2, dp=2, sharding="zero1"), MOE),
 ]
 
 
-@pytest.mark.parametrize("cfg, model", LAYOUTS, ids=lambda x: getattr(x, "precision", ""))
+@pytest.mark.parametrize(
+    "cfg, model",
+    LAYOUTS,
+    ids=[f"{c.precision}-dp{c.dp}-tp{c.tp}-pp{c.pp}-cp{c.cp}-ep{c.ep}-{c.sharding}-{c.impl}" for c, _ in LAYOUTS],
+)
 def test_muon_trains_like_one_process_with_the_theorys_bytes(lab, cfg, model):
     res = lab.run(cfg, model=model, steps=STEPS, optim=MUON, return_params=True)
     found = mismatches(res, reference(model, steps=STEPS, optim=MUON))
@@ -106,8 +117,8 @@ def test_muon_trains_like_one_process_with_the_theorys_bytes(lab, cfg, model):
 @pytest.mark.parametrize(
     "cfg, model, says",
     [
-        (ParallelConfig(dp=4, sharding="zero1"), TINY, "Distributed Muon's gather"),
-        (ParallelConfig(dp=2, sharding="fsdp"), TINY, "is not built yet"),
+        (ParallelConfig(dp=2, tp=2, sharding="zero1"), TINY, "gather of a tp slice's shards"),
+        (ParallelConfig(dp=2, sharding="fsdp", impl="torch"), TINY, "FSDP2 with torch.optim.Muon"),
         (ParallelConfig(pp=2, microbatches=2, impl="torch"), TINY, "torch.optim.Muon takes plain 2-D"),
         (ParallelConfig(dp=2, impl="torch"), MOE, "refuses the experts' stacked"),
     ],

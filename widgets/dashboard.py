@@ -34,15 +34,11 @@ from labkit.widgets.device import total_memory
 from labkit.widgets.live import UI, figure_widget, refresh
 from labkit.widgets.run_queue import RunQueue
 
-NAMES = ("memory", "comm", "traffic", "timeline", "mesh", "loss")
-TITLES = {
-    "memory": "Memory per rank",
-    "comm": "Communication per rank",
-    "traffic": "Traffic rank → rank",
-    "timeline": "Timeline",
-    "mesh": "Mesh",
-    "loss": "Loss per step",
-}
+TITLES = {f.name: f.title for f in figures.RUN_FIGURES if f.on_dashboard} | {"mesh": "Mesh"}
+"""The panels: the run's figures the Dashboard shows (widgets/figures.py RUN_FIGURES) and the mesh view."""
+NAMES = tuple(TITLES)
+ROWS = (("memory", "comm"), ("timeline", "traffic"), ("mesh", "loss"))
+"""The panels two a row; a panel no row names is laid out after these (`_grid`)."""
 SIZE = dict(height=360)
 """Fixed height; the width is the cell's (two figures a row), which a live figure follows
 (widgets/live_figure.js resizes a figure drawn before its cell was laid out)."""
@@ -159,18 +155,20 @@ class Dashboard:
             f"<b>labkit</b> · {self.engines} engines on {', '.join(map(html.escape, hosts))} "
             f"· {html.escape(str(self.lab.devices[0]))} · model Ψ = {theory.num_params(self.model):,}"
         )
-        f = self.figures
-        cell = lambda *ws: W.VBox(list(ws), layout=W.Layout(width="50%"))  # noqa: E731
-        grid = W.VBox(
-            [
-                W.HBox([cell(f["memory"]), cell(f["comm"])]),
-                W.HBox([cell(f["timeline"]), cell(f["traffic"])]),
-                W.HBox([cell(self.mesh_dim, f["mesh"]), cell(f["loss"])]),
-            ]
-        )
+        grid = self._grid()
         return W.VBox(
             [head, knobs, W.HBox([self.status, self.progress, self.cancel_button]), self.error_box, self.verified, grid]
         ).add_class("labkit-dashboard")
+
+    def _grid(self) -> W.VBox:
+        placed = {n for row in ROWS for n in row}
+        rest = [n for n in NAMES if n not in placed]
+        rows = [*ROWS, *(tuple(rest[i : i + 2]) for i in range(0, len(rest), 2))]
+        # the mesh view's dim selector sits above it
+        cell = lambda n: W.VBox(  # noqa: E731
+            [self.mesh_dim, self.figures[n]] if n == "mesh" else [self.figures[n]], layout=W.Layout(width="50%")
+        )
+        return W.VBox([W.HBox([cell(n) for n in row]) for row in rows])
 
     def _repr_mimebundle_(self, **kwargs):
         return self.widget._repr_mimebundle_(**kwargs)
@@ -300,15 +298,10 @@ class Dashboard:
         # a layout the theory does not price: the figures draw without the theory's markers
         except ConfigError:
             est = None
-        new = {
-            "memory": figures.memory_figure(res, est, self.capacity_bytes),
-            "comm": figures.comm_figure(res, est),
-            "traffic": figures.traffic_figure(res),
-            "timeline": figures.timeline_figure(res),
-            "loss": figures.empty_figure(TITLES["loss"], "a measurement has no loss of its own")
-            if measured
-            else figures.loss_figure(res, self.reference),
-        }
+        new = figures.report_figures(res, self.reference, est, self.capacity_bytes)
+        new = {name: fig for name, fig in new.items() if name in self.figures}
+        if measured:
+            new["loss"] = figures.empty_figure(TITLES["loss"], "a measurement has no loss of its own")
         # built in this thread (the slow part), shown on the kernel's (live.UI)
         self.ui.call(self._show, new, None if measured else res.config)
 

@@ -13,6 +13,9 @@ crossings (planner_figures.py), the cp kinds (context_figure.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import numpy as np
 import plotly.graph_objects as go
 
@@ -263,23 +266,44 @@ def loss_figure(result, ref=None) -> go.Figure:
     return _layout(fig, "Loss per step", xaxis_title="step", yaxis_title="loss")
 
 
-def report_figures(result, ref=None, estimate=None) -> dict[str, go.Figure]:
-    """Every figure of a run or a measurement (labkit.Measurement: no loss, no pipeline
-    comparison), by name (the CLI's HTML report and the dashboard use this)."""
-    figs = {
-        "memory": memory_figure(result, estimate),
-        "comm": comm_figure(result, estimate),
-        "timeline": timeline_figure(result),
-    }
-    config = getattr(result, "config", None)
-    if config is None:  # a Measurement: the user's code has its own loss
-        figs["traffic"] = traffic_figure(result)
-        return figs
-    figs["loss"] = loss_figure(result, ref)
-    # the measured schedule beside the simulated one only where there is a pipeline to compare
-    if config.pp > 1:
-        figs["pipeline"] = timeline_comparison_figure(result)
-    return figs
+@dataclass(frozen=True)
+class RunFigure:
+    """One figure of a run or a measurement: the one list (RUN_FIGURES) the CLI's HTML report, the
+    Dashboard's panels and the palette test all read."""
+
+    name: str
+    title: str
+    draw: Callable
+    """(result, ref, estimate, capacity_bytes) -> the figure, or None where it says nothing of that result."""
+    on_dashboard: bool = True
+    """A panel of the Dashboard (widgets/dashboard.py lays them out), or the report's alone."""
+
+
+def _config(result):
+    return getattr(result, "config", None)  # None: a Measurement (lab.measure, lab.torchrun): no layout, no loss
+
+
+RUN_FIGURES = (
+    RunFigure("memory", "Memory per rank", lambda res, ref, est, cap: memory_figure(res, est, cap)),
+    RunFigure("comm", "Communication per rank", lambda res, ref, est, cap: comm_figure(res, est)),
+    RunFigure("timeline", "Timeline", lambda res, *_: timeline_figure(res)),
+    RunFigure("traffic", "Traffic rank → rank", lambda res, *_: traffic_figure(res)),
+    RunFigure("loss", "Loss per step", lambda res, ref, *_: loss_figure(res, ref) if _config(res) else None),
+    # the measured schedule beside the simulated one only where there is a pipeline to compare; the
+    # Dashboard's timeline panel shows the measured one
+    RunFigure(
+        "pipeline",
+        "Pipeline: measured and simulated",
+        lambda res, *_: timeline_comparison_figure(res) if _config(res) and _config(res).pp > 1 else None,
+        on_dashboard=False,
+    ),
+)
+
+
+def report_figures(result, ref=None, estimate=None, capacity_bytes=None) -> dict[str, go.Figure]:
+    """Every figure of RUN_FIGURES that says something of `result` (a RunResult or a Measurement), by name."""
+    figs = {f.name: f.draw(result, ref, estimate, capacity_bytes) for f in RUN_FIGURES}
+    return {name: fig for name, fig in figs.items() if fig is not None}
 
 
 __all__ = [
@@ -292,6 +316,8 @@ __all__ = [
     "mesh_figure",
     "empty_figure",
     "report_figures",
+    "RUN_FIGURES",
+    "RunFigure",
     "simulated_timeline_figure",
     "timeline_comparison_figure",
     "verify_figure",

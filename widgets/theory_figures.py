@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import plotly.graph_objects as go
 
+from labkit.config.choices import zero_stages
 from labkit.theory import pipeline_bubble
 from labkit.widgets.style import (
     CATEGORIES,
@@ -18,7 +19,8 @@ from labkit.widgets.style import (
 )
 
 GB = 1e9
-STAGES = ("none", "zero1", "zero2", "zero3")
+STAGES = tuple(zero_stages().values())
+"""The model-state figure's columns, ZeRO's stages in order (labkit/config/choices.py zero_stages)."""
 
 
 def _capacity_line(fig: go.Figure, capacity: float | None) -> None:
@@ -61,7 +63,7 @@ def zero_figure(view, capacity: float | None = 80e9) -> go.Figure:
             marker_color=CATEGORY_COLORS[cat],
             hovertemplate=f"{cat}: %{{y:,.1f}} GB<extra>%{{x}}</extra>",
         )
-    mine = STAGES[view.config.sharded.stage]  # FSDP shards like ZeRO-3
+    mine = zero_stages()[view.config.sharded.stage]  # FSDP shards like ZeRO-3
     # an arrow at the top of its column marks this layout's stage without a legend entry
     fig.add_annotation(x=mine, y=view.states[mine]["total"] / GB, text="this layout", showarrow=True, arrowhead=2)
     _capacity_line(fig, capacity)

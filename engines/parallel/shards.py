@@ -8,6 +8,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from labkit.config import OptimConfig
+from labkit.engines.muon import ShardedMuon
 from labkit.engines.optim import AdamW, clip_coefficient, grad_norm
 from labkit.engines.parallel.common import ParamMetas, norm_terms, piece
 from labkit.layout.flat import FlatLayout
@@ -86,6 +87,7 @@ class ShardedOptimizer:
         params: dict[str, nn.Parameter],
         metas: ParamMetas,
         optim: OptimConfig,
+        groups: list | None = None,
     ):
         self.layouts, self.indices, self.masters = layouts, indices, masters
         names = list(params)
@@ -96,8 +98,16 @@ class ShardedOptimizer:
             for n, p in params.items()
         }
         self.clip = optim.clip
-        runs = [(m[lo:hi], d) for p, i, m in zip(layouts, indices, masters) for lo, hi, d in p.runs(i)]
-        self.opt = AdamW([r for r, _ in runs], optim, [d for _, d in runs])
+        # Muon's pieces (Distributed Muon, engines/muon.py ShardedMuon; `groups`: each buffer's shard group),
+        # AdamW for the rest of each slice
+        self.muon = ShardedMuon(layouts, indices, masters, groups, optim) if optim.kind.muon else None
+        self.adam_runs = [
+            (k, lo, hi, d)
+            for k, (p, i) in enumerate(zip(layouts, indices))
+            for a, b, d in p.runs(i)
+            for lo, hi in _without(a, b, self.muon.intervals(k) if self.muon else [])
+        ]
+        self.opt = AdamW([masters[k][lo:hi] for k, lo, hi, _ in self.adam_runs], optim, [d for *_, d in self.adam_runs])
 
     def step(self, grads: list[torch.Tensor]) -> float:
         """Clip by the global norm and update the masters. Within a buffer's group the slices are
@@ -110,9 +120,15 @@ class ShardedOptimizer:
             if self.counted[name]
         ]
         norm = grad_norm(mine, None, self.norm_group)
-        runs = [g[lo:hi] for p, i, g in zip(self.layouts, self.indices, grads) for lo, hi, _ in p.runs(i)]
-        self.opt.step(runs, clip_coefficient(norm, self.clip))
+        scale = clip_coefficient(norm, self.clip)
+        self.opt.step([grads[k][lo:hi] for k, lo, hi, _ in self.adam_runs], scale)
+        if self.muon is not None:
+            self.muon.step(grads, scale)
         return float(norm)
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The optimizer's state: AdamW's moments, and Muon's momentum where it runs."""
+        return self.opt.state_tensors() + (self.muon.state_tensors() if self.muon else [])
 
     def param_pieces(self, slices: list[torch.Tensor] | None = None) -> list[dict]:
         """A flat range of each (possibly TP / EP sliced) local tensor; `box` places it in the full one.
@@ -131,3 +147,17 @@ class ShardedOptimizer:
             full, box = self.where[name]
             out.append(piece(name, full, flat[lo:hi].view(shape), box=box))
         return out
+
+
+def _without(a: int, b: int, cuts: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """[a, b) less the intervals `cuts` (disjoint, in order), as the runs that are left."""
+    out = []
+    for lo, hi in cuts:
+        if lo >= b or hi <= a:
+            continue
+        if lo > a:
+            out.append((a, lo))
+        a = max(a, hi)
+    if b > a:
+        out.append((a, b))
+    return out

@@ -118,7 +118,7 @@ class ZeRO12:
         }
         self.tied_group, self.tied = tied_params(list(params.values()), metas, mesh)  # stage 1 with pp only
         self.optimizer = ShardedOptimizer(
-            self.layouts, [g[2] for g in self.groups], masters, mesh, params, metas, optim
+            self.layouts, [g[2] for g in self.groups], masters, mesh, params, metas, optim, [g[0] for g in self.groups]
         )
         self.pending = [0] * len(self.layouts)
         self.filling: dict[int, torch.Tensor] = {}  # stage 2: bucket -> its buffer, until launched
@@ -243,7 +243,7 @@ class ZeRO12:
         return {
             "params": unique_bytes(self.flats),
             "grads": unique_bytes(self.grad_full or self.grads),
-            "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors()),
+            "optimizer": unique_bytes(masters + self.optimizer.state_tensors()),
         }
 
     def param_pieces(self) -> list[dict]:

@@ -127,7 +127,14 @@ class ZeRO3:
             for p in u.params:
                 p.register_post_accumulate_grad_hook(weak_method(self, "_grad_ready", u))
         self.optimizer = ShardedOptimizer(
-            self.layouts, [u.index for u in self.units], [u.master for u in self.units], mesh, params, metas, optim
+            self.layouts,
+            [u.index for u in self.units],
+            [u.master for u in self.units],
+            mesh,
+            params,
+            metas,
+            optim,
+            [u.group for u in self.units],
         )
         self.in_flight = None  # (unit, buffer, work): one reduce-scatter in flight
 
@@ -261,7 +268,7 @@ class ZeRO3:
         return {
             "params": unique_bytes(u.shard for u in self.units),
             "grads": unique_bytes(u.grad for u in self.units),
-            "optimizer": unique_bytes(masters + self.optimizer.opt.state_tensors()),
+            "optimizer": unique_bytes(masters + self.optimizer.state_tensors()),
         }
 
     def param_pieces(self) -> list[dict]:

@@ -106,6 +106,13 @@ class Sharded:
 
 
 @cache
+def zero_stages() -> dict[int, Sharding]:
+    """ZeRO's stages, each by the sharding that is it in ZeRO's own units ({0: 'none', 1: 'zero1', ...}): the
+    registry the theory's model states, its figure's columns and the planner read (FSDP is stage 3 in other units)."""
+    return {sharded(s).stage: s for s in SHARDINGS if not sharded(s).fsdp}
+
+
+@cache
 def sharded(sharding: Sharding) -> Sharded:
     match sharding:
         case "none":

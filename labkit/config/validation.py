@@ -94,16 +94,22 @@ def muon_problems(cfg: ParallelConfig, model: ModelConfig, optim: OptimConfig) -
     """What of a layout Muon does not run on yet, each with the nearest that it does. Muon's update needs
     each weight matrix whole (Newton-Schulz orthogonalizes the full matrix): DDP holds it (a tp rank
     gathers its slice's update), a pipeline stage and an expert's rank hold theirs; ZeRO and FSDP hold a
-    flat shard of it, where Distributed Muon (Liu et al. 2025, section 2.2) gathers the momentum's shards
-    first, not built here yet."""
+    flat shard of it and gather their slices' updates first (Distributed Muon, Liu et al. 2025, section
+    2.2: engines/muon.py ShardedMuon), which labkit builds where each local tensor is whole (no tp slice)."""
     if not optim.kind.muon:
         return []
     out = []
-    if cfg.sharded.optimizer:
+    if cfg.sharded.optimizer and cfg.tp > 1 and not cfg.torch_impl:
         out.append(
-            f"optim name='muon' with sharding={cfg.sharding!r} is not built yet: Distributed Muon's gather of "
-            "the momentum's shards into whole matrices is not; use sharding='none' (DDP: each rank holds every "
-            "matrix whole, a tp rank gathers its slice's update)"
+            f"optim name='muon' with sharding={cfg.sharding!r} and tp={cfg.tp} is not built yet: Distributed Muon's "
+            "gather of a tp slice's shards is not; use tp=1 with the sharding, or sharding='none' with tp (a tp rank "
+            "gathers its slice's update from its tp group)"
+        )
+    if cfg.sharded.optimizer and cfg.torch_impl:
+        out.append(
+            f"optim name='muon' with sharding={cfg.sharding!r} and impl='torch' is not built yet: FSDP2 with "
+            "torch.optim.Muon is not (it takes plain tensors, not FSDP2's DTensor shards); use impl='lab', whose "
+            "ZeRO and FSDP gather each matrix's update whole (Distributed Muon)"
         )
     if cfg.torch_impl and (cfg.tp > 1 or cfg.pp > 1):
         out.append(

@@ -161,8 +161,11 @@ def estimate(
     given, model = model, model.padded(cfg.tp)  # a padded vocabulary's rows priced as the ranks hold them
     layout = MeshLayout.of(cfg)
     stage, shard = _classes(cfg, layout)
-    if not (cfg.sharded.fsdp and cfg.torch_impl):
-        shard = np.zeros_like(shard)  # only FSDP2's uneven dim-0 chunks differ by shard index
+    # only FSDP2's uneven dim-0 chunks differ by shard index, and Distributed Muon's state: a slice holds
+    # its own share of Muon's matrices (theory/exact/sharding.py state_bytes)
+    muon_sharded = optim is not None and optim.kind.muon and cfg.sharded.optimizer
+    if not (cfg.sharded.fsdp and cfg.torch_impl) and not muon_sharded:
+        shard = np.zeros_like(shard)
     # one rank_memory per (stage, shard) class; every rank of the class shares its dict
     keys = list(zip(stage.tolist(), shard.tolist(), _window_class(cfg, model, layout).tolist()))
     first: dict[tuple, int] = {}

@@ -9,7 +9,7 @@ with the allocator's reserve, NCCL's buffers, the CUDA context and the backward'
 from __future__ import annotations
 
 from labkit.config import ModelConfig
-from labkit.config.choices import recomputation
+from labkit.config.choices import recomputation, sharded, zero_stages
 from labkit.theory.exact import latent
 from labkit.theory.exact.experts import layer_activation_bytes
 
@@ -30,13 +30,16 @@ def model_state_bytes(params: int, dp: int, precision: str = "bf16") -> dict[str
         raise ValueError(f"precision={precision!r}: use 'fp32', 'bf16' or 'fp8'")
     p, g, k = STATE_BYTES[precision]
     psi, n = float(params), float(dp)
-    stages = {
-        "none": (p * psi, g * psi, k * psi),
-        "zero1": (p * psi, g * psi, k * psi / n),
-        "zero2": (p * psi, g * psi / n, k * psi / n),
-        "zero3": (p * psi / n, g * psi / n, k * psi / n),
-    }
-    return {s: {"params": a, "grads": b, "optimizer": c, "total": a + b + c} for s, (a, b, c) in stages.items()}
+    out = {}
+    for name in zero_stages().values():  # each state divided by N_d where the stage shards it
+        sh = sharded(name)
+        a, b, c = (
+            p * psi / (n if sh.params else 1),
+            g * psi / (n if sh.grads else 1),
+            k * psi / (n if sh.optimizer else 1),
+        )
+        out[name] = {"params": a, "grads": b, "optimizer": c, "total": a + b + c}
+    return out
 
 
 def activation_bytes(

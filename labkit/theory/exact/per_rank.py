@@ -29,17 +29,21 @@ def rank_memory(cfg: ParallelConfig, model: ModelConfig, layout, rank: int, opti
     index = coords["dp"] % sharding.dp_shard(cfg) if cfg.torch_impl else 0
     # sliding windows under cp: each cp rank's chunks see their own number of keys (context.py)
     cp_rank = coords["cp"] if context.window_exchanged(cfg, model) else 0
-    return dict(_rank_memory(cfg, model, coords["pp"], index, cp_rank, optim))
+    indices = None  # Muon's state on a sharded slice depends on which pieces the slice holds (sharding.state_bytes)
+    if optim is not None and optim.kind.muon and cfg.sharded.optimizer and not cfg.torch_impl:
+        buffers = sharding.flat_buffers(cfg, model, None, coords["pp"])
+        indices = tuple(layout.group_of(rank, *p.dims).index(rank) for p in buffers)
+    return dict(_rank_memory(cfg, model, coords["pp"], index, cp_rank, optim, indices))
 
 
 @lru_cache(maxsize=4096)
 def _rank_memory(
-    cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int, cp_rank: int = 0, optim=None
+    cfg: ParallelConfig, model: ModelConfig, pp_rank: int, index: int, cp_rank: int = 0, optim=None, indices=None
 ) -> tuple:
     """rank_memory of every rank at pipeline coordinate `pp_rank` (and FSDP2 data index `index`):
     the rest of a rank's coordinates change nothing, so an estimate at scale computes this once
     per coordinate."""
-    out = sharding.state_bytes(cfg, model, None, index, pp_rank, optim)
+    out = sharding.state_bytes(cfg, model, None, index, pp_rank, optim, indices)
     out["activations"] = activations.peak(cfg, model, pp_rank, cp_rank=cp_rank)
     if cfg.pp > 1 and cfg.pipeline.splits_backward and not cfg.torch_impl:  # what our B keeps for W
         out["held_for_w"] = pipeline.held_peak(cfg, model, pp_rank)
@@ -59,7 +63,7 @@ def comm_rows(comm: Comm, cfg: ParallelConfig, model: ModelConfig, layout, optim
     experts.comm_rows(comm, cfg, model, layout)
     pipeline.p2p_rows(comm, cfg, model, layout)
     pipeline.tied_rows(comm, cfg, model, layout)
-    sharding.comm_rows(comm, cfg, model, layout)
+    sharding.comm_rows(comm, cfg, model, layout, optim)  # with Distributed Muon's gathers
     muon.comm_rows(comm, cfg, model, layout, optim)  # OptimConfig name='muon': a tp rank's gathers
 
 

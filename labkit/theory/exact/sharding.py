@@ -22,7 +22,7 @@ from labkit.layout.mesh import DATA_DIMS, shard_dims
 from labkit.layout.precision import ELEM, REDUCE
 from labkit.layout.schedules import schedule_table, stage_of, style
 from labkit.theory.exact.float8 import amax_rows, gather_elem, gathered_fp8
-from labkit.theory.exact.muon import muon_names, state_per_element
+from labkit.theory.exact.muon import GATHER, STATE, muon_names, state_per_element
 from labkit.theory.exact.params import chunk_local_params, rank_entries
 
 
@@ -61,12 +61,20 @@ def fsdp2_rows(d0: int, n: int, index: int) -> tuple[int, int]:
 
 
 def state_bytes(
-    cfg: ParallelConfig, model: ModelConfig, n: int | None = None, index: int = 0, pp_rank: int = 0, optim=None
+    cfg: ParallelConfig,
+    model: ModelConfig,
+    n: int | None = None,
+    index: int = 0,
+    pp_rank: int = 0,
+    optim=None,
+    indices: tuple[int, ...] | None = None,
 ) -> dict[str, int]:
     """Bytes of params / grads / optimizer after a step on a rank at pipeline coordinate
     `pp_rank` and data index `index` (FSDP2's uneven rows depend on it). n: as in `flat_buffers`.
-    `optim` (an OptimConfig): Muon's parameters keep one fp32 buffer, not Adam's two (theory/exact/muon.py;
-    Muon runs on unsharded layouts: labkit/config/validation.py muon_problems)."""
+    `optim` (an OptimConfig): Muon's parameters keep one fp32 buffer, not Adam's two (theory/exact/muon.py);
+    sharded, each on the real elements of its piece in the rank's slice, where AdamW keeps its moments over
+    the rest of the slice, padding included (engines/muon.py ShardedMuon): `indices`, the rank's shard index
+    in each flat buffer, says which pieces."""
     e, k = ELEM[cfg.precision], 8 + (4 if cfg.numerics.mixed else 0)  # + fp32 master weights
     entries = rank_entries(cfg, model, pp_rank)
     if not cfg.sharded.optimizer:
@@ -86,10 +94,14 @@ def state_bytes(
         return {"params": 4 * padded_local, "grads": 4 * padded_local, "optimizer": 8 * held}
     ps = flat_buffers(cfg, model, n, pp_rank)
     P, S = sum(p.padded for p in ps), sum(p.shard for p in ps)
+    muon = muon_names(model, optim)
+    held = 0  # Muon's elements in this rank's slices: 4 bytes of state, not Adam's 8
+    for p, i in zip(ps, indices or [0] * len(ps)) if muon else ():
+        held += sum(hi - lo for name, _, lo, hi, _ in p.pieces(i) if name in muon)
     return {  # a shard gathered in fp8 is held in fp8 (engines/parallel/zero3_float8.py)
         "params": sum(p.shard * gather_elem(cfg, p.fp8) for p in ps) if cfg.sharded.params else e * P,
         "grads": e * (S if cfg.sharded.grads else P),
-        "optimizer": k * S,
+        "optimizer": k * S - (STATE["adamw"] - STATE["muon"]) * held,
     }
 
 
@@ -260,7 +272,7 @@ def norm_dims(layout) -> tuple[str, ...]:
     return tuple(d for d in ("tp", "pp", "ep", dp, "cp") if layout.size(d) > 1)
 
 
-def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
+def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout, optim=None) -> None:
     """Every data-parallel collective of one step, per rank, in the order the engines issue them:
     DDP's buckets and then the global norm (sharding='none'); or ZeRO / FSDP's buffers, each over
     its own group (FlatLayout.dims), and the norm over `norm_dims`. Ranks at one pipeline
@@ -270,7 +282,22 @@ def comm_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:
         grad_norm(comm, cfg, layout)
         return
     of_stage = torch_fsdp_ops if cfg.torch_impl else ops
-    comm.per_stage(layout, lambda pp_rank: of_stage(cfg, model, layout, pp_rank))
+    comm.per_stage(
+        layout, lambda pp_rank: of_stage(cfg, model, layout, pp_rank) + muon_gathers(cfg, model, layout, pp_rank, optim)
+    )
+
+
+def muon_gathers(cfg: ParallelConfig, model: ModelConfig, layout, pp_rank: int, optim) -> list[tuple]:
+    """Distributed Muon's gathers (engines/muon.py ShardedMuon), after the norm: each flat buffer that holds a
+    Muon parameter all-gathers its slices' updates over its shard group once a step, in bf16."""
+    muon = muon_names(model, optim)
+    if not muon or cfg.torch_impl:
+        return []
+    return [
+        (layout.label(*p.dims), "all_gather", p.padded * GATHER, p.n, 1)
+        for p in flat_buffers(cfg, model, None, pp_rank)
+        if any(name in muon for name in p.names)
+    ]
 
 
 def ddp_rows(comm, cfg: ParallelConfig, model: ModelConfig, layout) -> None:

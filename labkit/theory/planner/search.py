@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from labkit.config import ConfigError, ModelConfig, ParallelConfig
-from labkit.config.choices import Precision, pipeline_shape, recomputation
+from labkit.config.choices import SHARDINGS, Precision, Sharded, pipeline_shape, recomputation, sharded
 from labkit.theory.planner.candidates import hybrids, with_kinds
 from labkit.theory.planner.evaluate import Plan, _evaluate, _over, fullest_required, layout_problems
 from labkit.theory.planner.hardware import Hardware, hardware_of
@@ -91,6 +91,17 @@ class Plans(list):
         top3 = sorted(self.counts.items(), key=lambda x: -x[1])[:3]
         reasons = [reason + (f" ({n:,} layouts)" if n > 1 else "") for reason, n in top3]
         return "no layout fits or is valid: " + "; ".join(reasons)
+
+
+def searched(sh: Sharded, pp: int) -> bool:
+    """Whether the search tries a sharding (every value of SHARDINGS is decided here: a new one is searched
+    unless a rule below says why not). Stage 3 is tried in FSDP's units only: ZeRO-3's per-module units hold
+    the same states, and FSDP's per-block gathers are what the published runs use. Under a pipeline ZeRO-2
+    keeps every bucket's gradients from the first microbatch to the last (DERIVATIONS.md, "FSDP and ZeRO-2/3
+    under pipeline parallelism"): ZeRO-1's memory and traffic, the same plan as ZeRO-1's."""
+    if sh.params:
+        return sh.fsdp
+    return not (sh.grads and pp > 1)
 
 
 def _pow2(limit: int) -> list[int]:
@@ -301,9 +312,7 @@ def plan(
             tally.invalid("global_batch is not divisible by dp·ep")
             continue
         per = gb // (dp * ep)
-        # under a pipeline ZeRO-2 keeps every bucket's gradients from the first microbatch to the last
-        # (DERIVATIONS.md, "FSDP and ZeRO-2/3 under pipeline parallelism"): ZeRO-1's memory and traffic
-        shardings = ("none", "zero1", "fsdp") if pp > 1 else ("none", "zero1", "zero2", "fsdp")
+        shardings = tuple(s for s in SHARDINGS if searched(sharded(s), pp))
         for sharding, replicas in hybrids((fixed["sharding"],) if "sharding" in fixed else shardings, mesh, hw, fixed):
             # built once per pair: a config's construction checks every field, the search's main cost
             hybrid = mesh.replace(dp_replicate=replicas) if replicas > 1 else mesh
