@@ -107,8 +107,7 @@ class Sharded:
 
 @cache
 def zero_stages() -> dict[int, Sharding]:
-    """ZeRO's stages, each by the sharding that is it in ZeRO's own units ({0: 'none', 1: 'zero1', ...}): the
-    registry the theory's model states, its figure's columns and the planner read (FSDP is stage 3 in other units)."""
+    """ZeRO's stages by the sharding that is each in ZeRO's own units ({0: 'none', ...; FSDP: 3, other units})."""
     return {sharded(s).stage: s for s in SHARDINGS if not sharded(s).fsdp}
 
 
