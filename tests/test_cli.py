@@ -32,8 +32,9 @@ def test_default_run_writes_a_report(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "steps [########################] 3/3" in out.stderr  # the CLI's text bar, rewritten in place
     html = report.read_text()
-    assert len(re.findall(r'class="plotly-graph-div"', html)) == 4
-    for name in ("memory", "comm", "timeline", "loss"):
+    # every figure of widgets/figures.py RUN_FIGURES that a run without a pipeline has, each once
+    assert len(re.findall(r'class="plotly-graph-div"', html)) == 5
+    for name in ("memory", "comm", "timeline", "traffic", "loss"):
         assert f'<section id="{name}">' in html
 
 
