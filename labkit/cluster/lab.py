@@ -42,6 +42,7 @@ from labkit.config.validation import data_problems, muon_problems, optim_problem
 from labkit.engines import runtime
 from labkit.engines.measure import measure_rank
 from labkit.layout.mesh import MeshLayout
+from labkit.oracle.locate import locate_problems
 from labkit.oracle.verify_report import VerifyReport
 from labkit.results.measurement import Measurement
 from labkit.results.run import RunResult
@@ -269,6 +270,7 @@ class Lab:
         audit: bool = False,
         *,
         data: Data = "synthetic",
+        locate: bool = False,
         _comm_log: bool = True,
     ) -> RunResult:
         """Train `steps` steps of `model` laid out as `cfg` on the engines; returns a RunResult.
@@ -281,6 +283,9 @@ class Lab:
         data: 'synthetic' (the synthetic language) or 'text' (the Shakespeare corpus in bytes,
         labkit/layout/text.py; needs vocab >= 256): then the ranks also compute the validation loss
         (res.validation_loss) and the parameters come back, so that res.generate(prompt, tokens) works.
+        locate=True records the first step's every module output and its gradient on every rank (fp32, small
+        models: labkit/oracle/locate.py `locate_bytes`; off by default), for `locate(result, ref)` to say where
+        the run first left the one-process reference (the module, direction, ranks and rows).
         _comm_log=False runs without the collective log (only the overhead benchmark does).
         """
         cfg = ParallelConfig() if cfg is None else cfg
@@ -289,6 +294,7 @@ class Lab:
         # every argument's problem at once, before any engine work
         bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit)
         bad += data_problems(data, model)
+        bad += locate_problems(cfg, model, locate) if not bad else []  # it reads the configs' fields
         if bad:
             raise ConfigError(bad)
         validate(cfg, model, self.world)
@@ -308,6 +314,7 @@ class Lab:
             return_params=return_params or trains_on_text(data),  # generate() samples from them
             return_grads=return_params,  # what the oracle replays: a check asked for, not a text run's sampling
             audit=audit,
+            locate=locate,
             comm_log=bool(_comm_log),
         ).to_dict()  # plain data crosses to the engines
         t0 = time.perf_counter()

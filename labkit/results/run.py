@@ -194,6 +194,9 @@ class RunResult(RankViews):
     buffers: dict[str, np.ndarray] | None = field(default=None, repr=False)
     """Final buffers training changes (the MoE routers' aux-loss-free biases), assembled like params
     (return_params=True): every rank's copy must agree, and the oracle compares them (checks.buffers)."""
+    activations: list[dict] | None = field(default=None, repr=False)
+    """locate=True: per rank, {"rank", "coords", "records", "order", "bytes"}: its first step's module outputs
+    and their gradients (engines/locate.py), which labkit/oracle/locate.py puts together and locates."""
 
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
@@ -266,6 +269,9 @@ class RunResult(RankViews):
             validation_loss=validation,
             padding=padding or None,
             buffers=found["buffer_pieces"],
+            activations=[{"rank": r["rank"], "coords": r["coords"], **r["activations"]} for r in active]
+            if any("activations" in r for r in active)
+            else None,
         )
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:

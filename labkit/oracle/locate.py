@@ -1,0 +1,312 @@
+"""Where a run first left the one-process reference: the module, the direction, the ranks and the rows.
+
+`Lab.run(cfg, ..., locate=True)` records on every rank its first step's module outputs and the gradients
+that flowed into them (engines/locate.py); `locate(result, ref)` runs the reference's first step on one
+process with the same hooks, maps every rank's piece of every record onto the reference's tensor by the
+layout, and walks the records in execution order (forward in the order the modules ran, then backward in
+the order the gradients arrived). The first record a piece of which is beyond its bound is where the run
+went wrong: every record before it matched, its inputs among them. A layout puts a record's pieces:
+
+  data ranks (dp)  each its rows of the global batch (engines/train.py `data_index`), each microbatch its
+                   rows of those (engines/data.py); a rank's loss is its rows' mean, so its gradients are
+                   dp times the reference's (compared divided by dp)
+  tp               a column-parallel output (wq, wk, wv, fc1, gate, up, the head's logits) split on its
+                   last dim; a row-parallel output, after its all-reduce, whole on every tp rank, as every
+                   norm's, block's and the embedding's (labkit/layout/tensor.py `tp_styles`)
+  sp               those whole ones split along the sequence instead (the reduce-scatter's chunks)
+  pp               each stage's modules on its ranks, under their full names
+
+A padded vocabulary's logits beyond `vocab` must be the mask's -inf, and their gradient zero. Where every
+record matched, the bug is outside any module: the phase is named from the oracle's own first mismatch
+(labkit/oracle/checks.py): the gradients' reduction, the clip, the update. The bound is fp32's
+(bounds.FP32: DERIVATIONS.md, "Locating a divergence"): each piece's error relative to its floored scale.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import numpy as np
+
+from labkit.layout.tensor import tp_styles
+from labkit.oracle.bounds import FP32
+from labkit.oracle.checks import mismatches
+
+LIMIT_BYTES = 2**28
+"""What locate=True may record per rank (256 MiB, forward and backward): small models only."""
+
+
+def locate_bytes(cfg, model) -> int:
+    """Bytes a rank's records hold (fp32, forward and backward), at most: every recorded module's output
+    over the rank's rows of the batch, its full width or its tp slice (engines/locate.py `RECORDED`)."""
+    t = cfg.tp
+    q, kv = model.heads * model.head_dim, model.n_kv_heads * model.head_dim
+    # ln1, wo, attn, ln2, fc2 (down), mlp, the block's output (and Gemma's two post-norms): h wide each
+    per_layer = (7 + (2 if model.family.sandwich_norm else 0)) * model.hidden + (q + 2 * kv) // t
+    per_layer += (2 if model.family.gated_mlp else 1) * model.ffn // t  # fc1 (gate and up)
+    width = model.layers * per_layer + 2 * model.hidden + model.padded_vocab(t) // t  # embed, head.norm, logits
+    return 2 * 4 * width * model.seq * cfg.global_batch // (cfg.dp * cfg.ep)
+
+
+def locate_problems(cfg, model, locate) -> list[str]:
+    """What locate=True cannot locate yet, each with the fix (Lab.run raises them as a ConfigError)."""
+    if not isinstance(locate, bool):
+        return [f"locate={locate!r} must be True or False"]
+    if not locate:
+        return []
+    out = []
+    if cfg.cp > 1:
+        out.append(
+            f"locate=True under context parallelism (cp={cfg.cp}): putting CP's sequence chunks back in their "
+            "zigzag order is not yet built; locate the same layout with cp=1"
+        )
+    if cfg.ep > 1 or model.experts:
+        out.append(
+            f"locate=True with experts (experts={model.experts}, ep={cfg.ep}): the experts' placement and the "
+            "routers' load-balancing loss (no row of the batch owns it alone) are not yet located; locate a "
+            "dense model (experts=0)"
+        )
+    if cfg.precision != "fp32":
+        out.append(
+            f"locate=True in {cfg.precision}: bounds per activation are derived for fp32 only (bf16's and fp8's "
+            "are not yet built); locate the same layout in fp32 (precision='fp32'), which holds its logic at 1e-5"
+        )
+    if cfg.torch_impl and cfg.tp > 1:
+        out.append("locate=True with DTensor's TP (impl='torch', tp > 1) is not yet built; locate impl='lab'")
+    if cfg.compile:
+        out.append("locate=True with compiled blocks: hooks inside a compiled block are not run; compile=False")
+    size = locate_bytes(cfg, model)
+    if size > LIMIT_BYTES:
+        out.append(
+            f"locate=True would record {size / 2**20:.0f} MiB per rank, over its {LIMIT_BYTES // 2**20} MiB: "
+            "small models only; fewer layers, a smaller hidden, seq or global_batch"
+        )
+    return out
+
+
+@dataclass(frozen=True)
+class Point:
+    """One record (a module's output, or the gradient into it) where some rank's piece is beyond its bound."""
+
+    module: str
+    """The module's name in the full model, e.g. 'blocks.1.attn.wo'."""
+    direction: str
+    """'forward' (its output) or 'backward' (the gradient that flowed into its output)."""
+    where: str
+    """The failing ranks (their mesh coordinates) and the rows / columns that differ, e.g. 'tp rank 1,
+    columns 125-127'."""
+    error: float
+    """The worst failing piece's ||run - reference|| over its floored scale (inf: the padding not masked)."""
+    bound: float
+    note: str = ""
+
+    def __str__(self) -> str:
+        what = "forward output" if self.direction == "forward" else "backward, the gradient into its output"
+        tail = f" ({self.note})" if self.note else ""
+        return (
+            f"{module_words(self.module)} {what}, {self.where}: {self.error:.2g} over a bound of "
+            f"{self.bound:.2g}{tail}; its inputs matched"
+        )
+
+
+@dataclass(frozen=True)
+class Located:
+    """Where a run first went wrong: a record (`point`), or, every record matching, a phase."""
+
+    point: Point | None
+    phase: str = ""
+    """Where no record differs: 'the gradients' reduction', 'the clip', 'the update', ..."""
+    mismatch: str = ""
+    """The oracle's first mismatch of that phase (checks.Mismatch as text)."""
+
+    def __str__(self) -> str:
+        if self.point is not None:
+            return str(self.point)
+        return f"{self.phase}, after every module's forward and backward matched at step 0: {self.mismatch}"
+
+
+def module_words(name: str) -> str:
+    """'blocks.1.attn.wo' -> 'block 1, attn.wo'; 'head.proj' -> 'head.proj (the logits)'."""
+    m = re.fullmatch(r"blocks\.(\d+)(?:\.(.+))?", name)
+    if m:
+        return f"block {m[1]}" + (f", {m[2]}" if m[2] else "")
+    return "head.proj (the logits)" if name == "head.proj" else name
+
+
+def placement(name: str, styles: dict, sp: bool) -> str | None:
+    """How tp puts a record of module `name`: 'cols' (its last dim split), 'seq' (its sequence split, SP),
+    'whole' (every tp rank holds it all), or None (not compared: a KV head shared by several tp ranks)."""
+    style = styles.get(name, {})
+    if "kv_groups" in style:
+        return None
+    if style.get("style") == "colwise" or name == "head.proj":
+        return "cols"
+    return "seq" if sp else "whole"
+
+
+def reference_records(result, ref) -> dict:
+    """The reference's first step on one process (fp32, the whole global batch), recorded with the run's hooks."""
+    # torch where the reference runs, not when the oracle is imported
+    from labkit.engines import data as batches
+    from labkit.engines.locate import Recorder
+    from labkit.engines.model import build_model
+
+    seed = result.seed if ref.seed is None else ref.seed
+    batch = result.config.global_batch if ref.global_batch is None else ref.global_batch
+    net = build_model(ref.model, seed)
+    recorder = Recorder([net])
+    tokens, targets = batches.batch(ref.data, 0, seed, batch, ref.model)
+    net(tokens, targets).backward()
+    return recorder.finish()
+
+
+def locate(result, ref, own: dict | None = None) -> Located | None:
+    """Where `result` (run with locate=True) first left `ref`'s one-process training; None where it did not
+    (every record within its bound and the oracle finds nothing). `own`: the reference's records
+    (`reference_records`), computed here where not given."""
+    if result.activations is None:
+        raise ValueError("the run recorded nothing to locate with: run it with Lab.run(..., locate=True)")
+    point = first_divergence(result, own or reference_records(result, ref))
+    if point is not None:
+        return Located(point)
+    found = mismatches(result, ref)
+    return phase(found)
+
+
+PHASES = (
+    ("a value not finite", lambda m: m.check == "finite"),
+    ("the gradients' reduction", lambda m: m.check == "gradients" or m.message.startswith("gradients ")),
+    ("the clip (the gradient norm)", lambda m: m.check == "grad norms"),
+    ("the update", lambda m: m.check in ("parameters", "replicas", "working weights", "buffers", "padding")),
+    ("a later step", lambda m: True),
+)
+"""The phases after the modules' forward and backward, in the order a step runs them; a mismatch belongs
+to the first whose test it passes (a replica's gradients that differ are the reduction's)."""
+
+
+def phase(found: list) -> Located | None:
+    """The earliest phase that any of the oracle's mismatches `found` belongs to (None: nothing found)."""
+    for name, test in PHASES:
+        # the reduced gradient against the reference's says more than two ranks' copies that differ
+        hits = sorted((m for m in found if test(m)), key=lambda m: m.check != "gradients")
+        if hits:
+            return Located(None, name, str(hits[0]))
+    return None
+
+
+def margin(result, own: dict) -> float:
+    """The worst piece's error over its bound, every record of a run that locates nothing (< 1)."""
+    seen: list[float] = []
+    first_divergence(result, own, seen)
+    return max(seen, key=lambda e: np.inf if np.isnan(e) else e) / FP32.grads
+
+
+def first_divergence(result, own: dict, seen: list | None = None) -> Point | None:
+    """The first record, in the reference's execution order, one of whose pieces is beyond its bound
+    (`seen`: every piece's error, of the records compared, appended)."""
+    cfg, model = result.config, result.model
+    styles = tp_styles(model, cfg.sequence_parallel, cfg.tp) if cfg.tp > 1 else {}
+    mine = {(r["name"], r["direction"]): r["values"] for r in own["records"]}
+    pieces: dict[tuple[str, str], list] = {}
+    for rank in result.activations:
+        for r in rank["records"]:
+            pieces.setdefault((r["name"], r["direction"]), []).append((rank["coords"], r["microbatch"], r["values"]))
+    for key in map(tuple, own["order"]):
+        how = placement(key[0], styles, cfg.sequence_parallel and cfg.tp > 1)
+        if how is not None:
+            found = compare(key, mine[key], pieces.get(key, []), how, cfg, seen)
+            if found is not None:
+                return found
+    return None
+
+
+def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, seen: list | None = None) -> Point | None:
+    """Every rank's piece of one record against the reference's `ref` (B, s, F): a Point where any piece
+    is beyond the bound, or some element of `ref` is in no rank's piece."""
+    name, direction = key
+    bound, total = FP32.grads, float(np.linalg.norm(ref.astype(np.float64)))
+    data_ranks = cfg.dp * cfg.ep
+    rows = ref.shape[0] // data_ranks // cfg.microbatches  # a microbatch's rows of the global batch
+    covered = np.zeros(ref.shape[:2] + (max(ref.shape[-1], 1),), dtype=bool)
+    failing = []
+    for coords, mb, values in pieces:
+        d = coords["dp"] * cfg.ep + coords["ep"]
+        b0 = (d * cfg.microbatches + mb) * rows
+        s0 = coords["tp"] * values.shape[1] if how == "seq" else 0
+        c0 = coords["tp"] * values.shape[-1] if how == "cols" else 0
+        box = (slice(b0, b0 + values.shape[0]), slice(s0, s0 + values.shape[1]), slice(c0, c0 + values.shape[-1]))
+        run = values.astype(np.float64) / (data_ranks if direction == "backward" else 1)
+        real = max(0, min(box[2].stop, ref.shape[-1]) - c0)  # columns that are tokens (the rest: padding)
+        want = ref[box[0], box[1], c0 : c0 + real].astype(np.float64)
+        covered[box[0], box[1], c0 : c0 + real] = True
+        diff = np.abs(run[..., :real] - want)
+        scale = max(float(np.linalg.norm(want)), total * (want.size / max(ref.size, 1)) ** 0.5)
+        err = float(np.linalg.norm(run[..., :real] - want)) / scale if scale else (0.0 if not diff.any() else np.inf)
+        bad = ~(diff <= bound * scale / max(want.size, 1) ** 0.5)
+        note = ""
+        if real < run.shape[-1]:  # a padded vocabulary's columns: -inf forward (the mask), 0 backward
+            pad = run[..., real:]
+            wrong = ~(pad == -np.inf) if direction == "forward" else ~(pad == 0)
+            bad = np.concatenate([bad, wrong], axis=-1)
+            if wrong.any():
+                err = np.inf
+                note = f"the padding's logits are {np.nanmax(pad[wrong]):.3g}, not the mask's -inf"
+                if direction == "backward":
+                    note = f"the padding's gradient is {np.nanmax(np.abs(pad)):.3g}, not zero"
+        if seen is not None:
+            seen.append(err)
+        if not err <= bound:
+            failing.append((coords, mb, err, region(bad, (b0, s0, c0)), note))
+    if not covered.all():
+        b, s, c = (np.flatnonzero((~covered).any(axis=tuple(i for i in range(3) if i != ax))) for ax in range(3))
+        hole = f"batch rows {spans(b)}, sequence rows {spans(s)}, columns {spans(c)}"
+        return Point(name, direction, f"{hole} computed on no rank", np.inf, bound, "a piece no rank recorded")
+    if not failing:
+        return None
+    groups: dict[tuple[str, str], list] = {}
+    for coords, mb, err, where, note in failing:
+        groups.setdefault((where, note), []).append((coords, mb, err))
+    parts = [
+        ranks_words([c for c, _, _ in g], [mb for _, mb, _ in g], cfg) + (f", {w}" if w else "")
+        for (w, _), g in groups.items()
+    ]
+    worst = max((e for _, _, e, _, _ in failing), key=lambda e: np.inf if np.isnan(e) else e)
+    note = next((n for _, _, _, _, n in failing if n), "")
+    return Point(name, direction, "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else ""), worst, bound, note)
+
+
+def region(bad: np.ndarray, start: tuple[int, int, int]) -> str:
+    """The rows and columns of a piece where its elements differ, in the reference's coordinates; a dim
+    where every index of the piece differs is left out."""
+    words = ("batch rows", "sequence rows", "columns")
+    out = []
+    for ax, word in enumerate(words):
+        hit = np.flatnonzero(bad.any(axis=tuple(i for i in range(bad.ndim) if i != ax)))
+        if 0 < hit.size < bad.shape[ax]:
+            out.append(f"{word} {spans(hit + start[ax])}")
+    return ", ".join(out)
+
+
+def spans(idx: np.ndarray, most: int = 3) -> str:
+    """Sorted indices as runs: [8..15, 20] -> '8-15, 20'."""
+    idx = np.asarray(idx)
+    if idx.size == 0:
+        return "none"
+    cuts = np.flatnonzero(np.diff(idx) != 1) + 1
+    runs = [(int(r[0]), int(r[-1])) for r in np.split(idx, cuts)]
+    text = [f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:most]]
+    return ", ".join(text) + (", ..." if len(runs) > most else "")
+
+
+def ranks_words(coords: list[dict], mbs: list[int], cfg) -> str:
+    """The mesh coordinates of failing pieces, dims of size > 1 alone: 'tp rank 1, dp ranks 0-1'."""
+    out = []
+    for dim in ("tp", "dp", "pp"):
+        if getattr(cfg, dim) > 1:
+            vals = np.array(sorted({c[dim] for c in coords}))
+            out.append(f"{dim} rank{'s' if vals.size > 1 else ''} {spans(vals)}")
+    if cfg.microbatches > 1:
+        vals = np.array(sorted(set(mbs)))
+        out.append(f"microbatch{'es' if vals.size > 1 else ''} {spans(vals)}")
+    return ", ".join(out) or "rank 0"

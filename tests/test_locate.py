@@ -1,0 +1,175 @@
+"""Where a run first leaves the one-process reference (labkit/oracle/locate.py): bugs planted on the real
+cluster's engines (tests/mutation_bugs.py, planted as tests/test_mutations.py plants them) are located at
+the module, direction, ranks and rows they corrupt first, or at the phase outside every module; correct
+layouts locate nothing; what is not yet located is refused at the door by name."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from conftest import TINY
+from mutation_bugs import (
+    STEPS,
+    bucket_never_reduced,
+    padding_in_the_loss,
+    row_parallel_not_reduced,
+    sequence_not_gathered,
+    summed_not_averaged,
+)
+from test_mutations import DDP4, PADDED, mutated, skipped
+
+from labkit import ConfigError, ParallelConfig, reference
+from labkit.oracle.checks import mismatches
+from labkit.oracle.locate import locate, locate_bytes, margin, reference_records
+
+E = "labkit.engines.parallel."
+TP_SP = ParallelConfig(tp=2, dp=2, sequence_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def refs():
+    cache = {}
+
+    def get(model):
+        if model not in cache:
+            ref = reference(model, steps=STEPS)
+            cache[model] = ref, reference_records(_Stub(model), ref)
+        return cache[model]
+
+    return get
+
+
+class _Stub:
+    """What reference_records reads of a run where the reference says nothing (its seed and batch)."""
+
+    def __init__(self, model):
+        self.model, self.seed, self.config = model, 0, ParallelConfig()
+
+
+def run_located(lab, refs, cfg, model=TINY):
+    ref, own = refs(model)
+    res = lab.run(cfg, model=model, steps=STEPS, return_params=True, locate=True)
+    where = locate(res, ref, own)
+    print(f"\n{cfg}: {where}")
+    return res, where
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        DDP4,
+        ParallelConfig(dp=2, sharding="zero3", microbatches=2),
+        TP_SP,
+        ParallelConfig(tp=2, dp=2, checkpoint_activations=True),
+        ParallelConfig(pp=2, dp=2, microbatches=2),
+        ParallelConfig(pp=2, tp=2, microbatches=2, sequence_parallel=True),
+    ],
+    ids=["ddp", "zero3-microbatches", "tp-sp", "tp-checkpointed", "pp-dp", "pp-tp-sp"],
+)
+def test_a_correct_run_locates_nothing(lab, refs, cfg):
+    """Every rank's piece of every module's output and gradient, put back by the layout (rows over dp and
+    microbatches, tp's columns or SP's sequence, pp's stages), within fp32's bound of one process; and every
+    element of the reference's tensors in some rank's piece (else locate names the hole)."""
+    ref, own = refs(TINY)
+    res, where = run_located(lab, refs, cfg)
+    print(f"the worst piece's error over its bound: {margin(res, own):.3g}")
+    assert where is None
+    assert mismatches(res, ref) == []
+    held = [rk["bytes"] for rk in res.activations]
+    assert max(held) <= locate_bytes(cfg, TINY)
+    if cfg.tp == 1 and cfg.pp == 1:  # the estimate is exact where every rank holds every module whole
+        assert held == [locate_bytes(cfg, TINY)] * cfg.world
+
+
+def test_a_row_parallel_output_not_reduced_is_located_at_attention_s_wo(lab, refs):
+    """The all-reduce after attention's wo skipped: wo's output is each tp rank's partial sum, every row."""
+    with mutated(lab, (E + "tensor", "RowParallelLinear", "forward"), row_parallel_not_reduced):
+        _, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2))
+    p = where.point
+    assert (p.module, p.direction) == ("blocks.0.attn.wo", "forward")
+    assert p.where == "tp ranks 0-1, dp ranks 0-1" and p.error > 1e3 * p.bound
+    assert str(where).startswith("block 0, attn.wo forward output, tp ranks 0-1, dp ranks 0-1: ")
+    assert str(where).endswith("over a bound of 1e-05; its inputs matched")
+
+
+def test_a_sequence_not_gathered_is_located_at_the_rows_each_tp_rank_lacks(lab, refs):
+    """SP's all-gather skipped: each tp rank repeats its own s/2 rows, so wq, the first to read the gathered
+    input, is wrong on tp rank 0 in the second half of the sequence and on tp rank 1 in the first."""
+    with mutated(lab, (E + "tensor", "Gather", "forward"), sequence_not_gathered):
+        _, where = run_located(lab, refs, TP_SP)
+    p = where.point
+    assert (p.module, p.direction) == ("blocks.0.attn.wq", "forward")
+    half = TINY.seq // 2
+    first, second = f"0-{half - 1}", f"{half}-{TINY.seq - 1}"
+    assert p.where == f"tp rank 0, dp ranks 0-1, sequence rows {second}; tp rank 1, dp ranks 0-1, sequence rows {first}"
+
+
+@pytest.mark.parametrize("bug", [bucket_never_reduced, summed_not_averaged], ids=["bucket", "summed"])
+def test_a_data_parallel_bug_is_located_at_the_reduction(lab, refs, bug):
+    """Outside every module: each rank's forward and backward are one process's on its rows, so every record
+    matches, and the phase is the gradients' reduction, with the oracle's words for what it got wrong."""
+    target = "_launch_ready" if bug is bucket_never_reduced else "finish"
+    with mutated(lab, (E + "ddp", "DDP", target), bug):
+        _, where = run_located(lab, refs, DDP4)
+    assert where.point is None and where.phase == "the gradients' reduction"
+    if bug is bucket_never_reduced:
+        assert any(name in where.mismatch for name in skipped(DDP4))
+    else:
+        assert "4 times the reference's" in where.mismatch
+    assert str(where).startswith("the gradients' reduction, after every module's forward and backward matched")
+
+
+def test_padding_logits_left_in_the_loss_are_located_at_the_head_columns_on_their_tp_rank(lab, refs):
+    """tp=2 on vocab 125 padded to 128: tp rank 1 holds columns 64-127, of which 125-127 are padding. With
+    the mask skipped they are 0, not -inf, where the loss reads them: the logits' forward, those columns,
+    that rank (tp rank 0's columns are all tokens and match)."""
+    with mutated(lab, ("labkit.engines.loss", "MaskPadding", "forward"), padding_in_the_loss):
+        _, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2), PADDED)
+    p = where.point
+    assert (p.module, p.direction) == ("head.proj", "forward")
+    assert p.where == "tp rank 1, dp ranks 0-1, columns 125-127"
+    assert "not the mask's -inf" in p.note
+    assert str(where).startswith("head.proj (the logits) forward output, tp rank 1, dp ranks 0-1, columns 125-127")
+
+
+def test_the_same_layout_unmutated_with_padding_locates_nothing(lab, refs):
+    """The control of the padding row: the mask's -inf is what a correct run holds there."""
+    _, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2), PADDED)
+    assert where is None
+
+
+@pytest.mark.parametrize(
+    "cfg, model, words",
+    [
+        (ParallelConfig(cp=2, dp=2), TINY, "context parallelism (cp=2)"),
+        (ParallelConfig(ep=2, dp=2), TINY.replace(experts=4, top_k=2), "with experts (experts=4, ep=2)"),
+        (ParallelConfig(dp=4, precision="bf16"), TINY, "locate=True in bf16"),
+        (DDP4, TINY.replace(layers=64, hidden=512, heads=8, ffn=2048, seq=256), "MiB per rank"),
+    ],
+    ids=["cp", "ep", "bf16", "too-large"],
+)
+def test_what_is_not_yet_located_is_refused_by_name(lab, cfg, model, words):
+    with pytest.raises(ConfigError, match="locate=True") as err:
+        lab.run(cfg, model=model, steps=1, locate=True)
+    assert words in str(err.value)
+
+
+def test_the_cost_of_locating(lab, refs):
+    """What locate=True costs on TINY under dp=4: the bytes each rank ships (its records) and the wall time
+    against the same run without it (printed for the note; asserted only to be finite and bounded)."""
+    walls = {}
+    for flag in (False, True, False, True):
+        t0 = time.perf_counter()
+        res = lab.run(DDP4, model=TINY, steps=STEPS, locate=flag)
+        walls.setdefault(flag, []).append(time.perf_counter() - t0)
+    ref, own = refs(TINY)
+    t0 = time.perf_counter()
+    assert locate(res, ref, own) is None
+    oracle = time.perf_counter() - t0
+    per_rank = res.activations[0]["bytes"]
+    print(
+        f"\nlocate on TINY, dp=4, {STEPS} steps: {per_rank} bytes per rank; run {min(walls[False]):.2f} s, "
+        f"with locate {min(walls[True]):.2f} s; the oracle's comparison {oracle:.3f} s"
+    )
+    assert per_rank == locate_bytes(DDP4, TINY)
