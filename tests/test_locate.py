@@ -12,14 +12,21 @@ from conftest import TINY
 from mutation_bugs import (
     STEPS,
     bucket_never_reduced,
+    clipping_skipped_on_rank_1,
+    copy_grad_not_reduced,
+    nan_on_rank_2,
     padding_in_the_loss,
+    replica_drifts_at_the_end,
     row_parallel_not_reduced,
     sequence_not_gathered,
+    shard_off_by_one,
+    stale_gather,
     summed_not_averaged,
+    wrong_microbatch,
 )
 from test_mutations import DDP4, PADDED, mutated, skipped
 
-from labkit import ConfigError, ParallelConfig, reference
+from labkit import ConfigError, OptimConfig, ParallelConfig, reference
 from labkit.oracle.checks import mismatches
 from labkit.oracle.locate import locate, locate_bytes, margin, reference_records
 
@@ -31,11 +38,11 @@ TP_SP = ParallelConfig(tp=2, dp=2, sequence_parallel=True)
 def refs():
     cache = {}
 
-    def get(model):
-        if model not in cache:
-            ref = reference(model, steps=STEPS)
-            cache[model] = ref, reference_records(_Stub(model), ref)
-        return cache[model]
+    def get(model, optim=None):
+        if (model, optim) not in cache:
+            ref = reference(model, steps=STEPS, optim=optim)
+            cache[model, optim] = ref, reference_records(_Stub(model), ref)
+        return cache[model, optim]
 
     return get
 
@@ -47,9 +54,9 @@ class _Stub:
         self.model, self.seed, self.config = model, 0, ParallelConfig()
 
 
-def run_located(lab, refs, cfg, model=TINY):
-    ref, own = refs(model)
-    res = lab.run(cfg, model=model, steps=STEPS, return_params=True, locate=True)
+def run_located(lab, refs, cfg, model=TINY, optim=None):
+    ref, own = refs(model, optim)
+    res = lab.run(cfg, model=model, steps=STEPS, optim=optim, return_params=True, locate=True)
     where = locate(res, ref, own)
     print(f"\n{cfg}: {where}")
     return res, where
@@ -118,6 +125,50 @@ def test_a_data_parallel_bug_is_located_at_the_reduction(lab, refs, bug):
     else:
         assert "4 times the reference's" in where.mismatch
     assert str(where).startswith("the gradients' reduction, after every module's forward and backward matched")
+
+
+def test_f_s_backward_not_reduced_is_located_in_backward_at_the_first_replicated_input(lab, refs):
+    """Copy's backward all-reduce skipped: every forward matches; in backward the first gradient into a
+    replicated input is the head's (head.norm's output, read by each tp rank's vocabulary slice)."""
+    with mutated(lab, (E + "tensor.ops", "Copy", "backward"), copy_grad_not_reduced):
+        _, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2))
+    p = where.point
+    assert (p.module, p.direction, p.where) == ("head.norm", "backward", "tp ranks 0-1, dp ranks 0-1")
+    assert str(where).startswith("head.norm backward, the gradient into its output, tp ranks 0-1, dp ranks 0-1: ")
+
+
+def test_a_stage_fed_the_wrong_microbatch_is_located_at_its_first_module_on_its_pp_rank(lab, refs):
+    """The second stage receives the other microbatch's activations: its first module (block 1's ln1) is
+    wrong on pp rank 1 for both microbatches, every row; stage 0's every record matched."""
+    with mutated(lab, (E + "pipeline", "PipelineExecutor", "_tag"), wrong_microbatch):
+        _, where = run_located(lab, refs, ParallelConfig(pp=2, dp=2, microbatches=2))
+    p = where.point
+    assert (p.module, p.direction, p.where) == ("blocks.1.ln1", "forward", "dp ranks 0-1, pp rank 1, microbatches 0-1")
+
+
+CLIP = OptimConfig(clip=0.5)
+"""Where clipping must act (TINY's norms are 0.82 to 0.92)."""
+
+
+@pytest.mark.parametrize(
+    "cfg, target, bug, optim, phase",
+    [
+        (ParallelConfig(dp=4, sharding="zero1"), ("zero", "ZeRO12", "finish"), shard_off_by_one, None,
+         "the gradients' reduction"),
+        (DDP4, ("ddp", "DDP", "step"), clipping_skipped_on_rank_1, CLIP, "the update"),
+        (DDP4, ("ddp", "DDP", "step"), replica_drifts_at_the_end, None, "the update"),
+        (DDP4, ("ddp", "DDP", "finish"), nan_on_rank_2, None, "step 1 (locate records step 0 alone)"),
+        (ParallelConfig(dp=4, sharding="zero3"), ("zero3", "ZeRO3", "_free"), stale_gather, None, "the update"),
+    ],
+    ids=["zero-shard", "clip-skipped", "replica-drift", "nan", "stale-gather"],
+)  # fmt: skip
+def test_a_bug_outside_every_module_is_located_at_its_phase(lab, refs, cfg, target, bug, optim, phase):
+    """Every record matched: the phase is the oracle's first mismatch's, at the first step it names (ZeRO-3's
+    stale gather: the working weights not refreshed after the update; the NaN: planted in step 1's gradient)."""
+    module, owner, attr = target
+    with mutated(lab, (E + module, owner, attr), bug):
+        _, where = run_located(lab, refs, cfg, optim=optim)
+    assert where.point is None and where.phase == phase
 
 
 def test_padding_logits_left_in_the_loss_are_located_at_the_head_columns_on_their_tp_rank(lab, refs):

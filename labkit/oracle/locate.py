@@ -179,19 +179,33 @@ PHASES = (
     ("the gradients' reduction", lambda m: m.check == "gradients" or m.message.startswith("gradients ")),
     ("the clip (the gradient norm)", lambda m: m.check == "grad norms"),
     ("the update", lambda m: m.check in ("parameters", "replicas", "working weights", "buffers", "padding")),
-    ("a later step", lambda m: True),
+    ("the loss", lambda m: True),
 )
 """The phases after the modules' forward and backward, in the order a step runs them; a mismatch belongs
 to the first whose test it passes (a replica's gradients that differ are the reduction's)."""
 
 
+def named_step(message: str) -> int | None:
+    """The first step a mismatch's message names ('step 1', 'step(s) [1]'), or None."""
+    m = re.search(r"step(?:\(s\))? \[?(\d+)", message)
+    return int(m[1]) if m else None
+
+
 def phase(found: list) -> Located | None:
-    """The earliest phase that any of the oracle's mismatches `found` belongs to (None: nothing found)."""
+    """The earliest phase that any of the oracle's mismatches `found` belongs to, at the first step any
+    names (None: nothing found). A message naming no step (the final parameters) takes the first step its
+    check names elsewhere, else step 0. A later step's is named as that step alone: locate records step 0."""
+    named: dict[str, int] = {}  # each check's first named step
+    for m in found:
+        if (n := named_step(m.message)) is not None:
+            named[m.check] = min(named.get(m.check, n), n)
+    step = {id(m): n if (n := named_step(m.message)) is not None else named.get(m.check, 0) for m in found}
+    first = min(step.values(), default=None)
     for name, test in PHASES:
         # the reduced gradient against the reference's says more than two ranks' copies that differ
-        hits = sorted((m for m in found if test(m)), key=lambda m: m.check != "gradients")
+        hits = sorted((m for m in found if test(m) and step[id(m)] == first), key=lambda m: m.check != "gradients")
         if hits:
-            return Located(None, name, str(hits[0]))
+            return Located(None, name if first == 0 else f"step {first} (locate records step 0 alone)", str(hits[0]))
     return None
 
 
