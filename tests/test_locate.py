@@ -57,7 +57,8 @@ class _Stub:
 def run_located(lab, refs, cfg, model=TINY, optim=None):
     ref, own = refs(model, optim)
     res = lab.run(cfg, model=model, steps=STEPS, optim=optim, return_params=True, locate=True)
-    where = locate(res, ref, own)
+    # bf16: the reference in the run's arithmetic (its threads, its batch split), read off the run
+    where = locate(res, ref, own if cfg.precision == "fp32" else None)
     print(f"\n{cfg}: {where}")
     return res, where
 
@@ -195,15 +196,37 @@ def test_the_same_layout_unmutated_with_padding_locates_nothing(lab, refs):
     [
         (ParallelConfig(cp=2, dp=2), TINY, "context parallelism (cp=2)"),
         (ParallelConfig(ep=2, dp=2), TINY.replace(experts=4, top_k=2), "with experts (experts=4, ep=2)"),
-        (ParallelConfig(dp=4, precision="bf16"), TINY, "locate=True in bf16"),
+        (ParallelConfig(tp=2, dp=2, precision="bf16"), TINY, "in bf16 under a layout whose arithmetic is not"),
+        (ParallelConfig(dp=4, precision="fp8"), TINY, "locate=True in fp8"),
         (DDP4, TINY.replace(layers=64, hidden=512, heads=8, ffn=2048, seq=256), "MiB per rank"),
     ],
-    ids=["cp", "ep", "bf16", "too-large"],
+    ids=["cp", "ep", "bf16-tp", "fp8", "too-large"],
 )
 def test_what_is_not_yet_located_is_refused_by_name(lab, cfg, model, words):
     with pytest.raises(ConfigError, match="locate=True") as err:
         lab.run(cfg, model=model, steps=1, locate=True)
     assert words in str(err.value)
+
+
+BF16 = {"ddp": DDP4.replace(precision="bf16"), "pp": ParallelConfig(pp=2, dp=2, microbatches=2, precision="bf16")}
+
+
+def test_bf16_layouts_that_split_only_the_batch_are_held_to_one_rounding(lab, refs):
+    """bf16 where one process computes the run's every rounding but its reduction's (labkit/oracle/
+    arithmetic.py): the reference split as the layout splits its batch, each record the run's to the bit
+    (margin 0), held at one bf16 rounding. The controls unmutated locate nothing; the bugs are located as
+    in fp32: the wrong microbatch at block 1's ln1 on pp rank 1, a bucket never reduced at the reduction."""
+    for cfg in BF16.values():
+        res, where = run_located(lab, refs, cfg)
+        assert where is None
+        assert margin(res, reference_records(res, refs(TINY)[0])) == 0.0
+    with mutated(lab, (E + "pipeline", "PipelineExecutor", "_tag"), wrong_microbatch):
+        _, where = run_located(lab, refs, BF16["pp"])
+    assert (where.point.module, where.point.where) == ("blocks.1.ln1", "dp ranks 0-1, pp rank 1, microbatches 0-1")
+    assert f"over a bound of {2**-8:.2g}" in str(where)
+    with mutated(lab, (E + "ddp", "DDP", "_launch_ready"), bucket_never_reduced):
+        _, where = run_located(lab, refs, BF16["ddp"])
+    assert where.point is None and where.phase == "the gradients' reduction"
 
 
 def test_the_cost_of_locating(lab, refs):

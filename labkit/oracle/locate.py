@@ -18,8 +18,10 @@ went wrong: every record before it matched, its inputs among them. A layout puts
 
 A padded vocabulary's logits beyond `vocab` must be the mask's -inf, and their gradient zero. Where every
 record matched, the bug is outside any module: the phase is named from the oracle's own first mismatch
-(labkit/oracle/checks.py): the gradients' reduction, the clip, the update. The bound is fp32's
-(bounds.FP32: DERIVATIONS.md, "Locating a divergence"): each piece's error relative to its floored scale.
+(labkit/oracle/checks.py): the gradients' reduction, the clip, the update. Each piece's error is relative
+to its floored scale; the bound is fp32's 1e-5, or one bf16 rounding where the reference shares a bf16
+layout's arithmetic (labkit/oracle/arithmetic.py: each record then the run's to the bit); DERIVATIONS.md,
+"Locating a divergence".
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from labkit.layout.tensor import tp_styles
-from labkit.oracle.bounds import FP32
+from labkit.oracle.arithmetic import arithmetic, twin
+from labkit.oracle.bounds import FP32, UNIT_ROUNDOFF
 from labkit.oracle.checks import mismatches
 
 LIMIT_BYTES = 2**28
@@ -67,10 +70,16 @@ def locate_problems(cfg, model, locate) -> list[str]:
             "routers' load-balancing loss (no row of the batch owns it alone) are not yet located; locate a "
             "dense model (experts=0)"
         )
-    if cfg.precision != "fp32":
+    if cfg.precision == "fp8" or (cfg.precision == "bf16" and twin(cfg) is not None):
         out.append(
-            f"locate=True in {cfg.precision}: bounds per activation are derived for fp32 only (bf16's and fp8's "
-            "are not yet built); locate the same layout in fp32 (precision='fp32'), which holds its logic at 1e-5"
+            f"locate=True in {cfg.precision}"
+            + (
+                " under a layout whose arithmetic is not one process's (tp, cp, compile)"
+                if cfg.precision == "bf16"
+                else ""
+            )
+            + ": bounds per activation are derived for fp32 and for bf16 layouts that split only the batch; "
+            "locate the same layout in fp32 (precision='fp32'), which holds its logic at 1e-5"
         )
     if cfg.torch_impl and cfg.tp > 1:
         out.append("locate=True with DTensor's TP (impl='torch', tp > 1) is not yet built; locate impl='lab'")
@@ -146,19 +155,36 @@ def placement(name: str, styles: dict, sp: bool) -> str | None:
 
 
 def reference_records(result, ref) -> dict:
-    """The reference's first step on one process (fp32, the whole global batch), recorded with the run's hooks."""
+    """The reference's first step on one process, recorded with the run's hooks, in the run's reference
+    arithmetic (labkit/oracle/arithmetic.py): fp32 on the whole global batch; bf16 where the layout splits
+    only the batch, split as the layout splits it, each part's records the run's to the bit."""
     # torch where the reference runs, not when the oracle is imported
+    import torch
+
     from labkit.engines import data as batches
     from labkit.engines.locate import Recorder
     from labkit.engines.model import build_model
+    from labkit.engines.precision import compute_copy
 
+    arith = arithmetic(result)
+    if arith.precision != "fp32" and not arith.shared:
+        raise ValueError(f"locate holds {arith.precision} only where its arithmetic is one process's: {arith.why}")
     seed = result.seed if ref.seed is None else ref.seed
     batch = result.config.global_batch if ref.global_batch is None else ref.global_batch
-    net = build_model(ref.model, seed)
-    recorder = Recorder([net])
+    compute = compute_copy(build_model(ref.model, seed), arith.precision)
+    recorder = Recorder([compute.module])
     tokens, targets = batches.batch(ref.data, 0, seed, batch, ref.model)
-    net(tokens, targets).backward()
-    return recorder.finish()
+    before = torch.get_num_threads()
+    torch.set_num_threads(arith.threads or before)
+    try:
+        for i in range(arith.shards):  # each part's loss divided by its rank's microbatches, as the run's
+            part = compute.module(batches.shard(tokens, i, arith.shards), batches.shard(targets, i, arith.shards))
+            (part / arith.microbatches).backward()
+            compute.zero_grads()
+    finally:
+        torch.set_num_threads(before)
+    bound = FP32.grads if arith.precision == "fp32" else UNIT_ROUNDOFF["bf16"]
+    return {**recorder.finish(), "shards": arith.shards, "microbatches": arith.microbatches, "bound": bound}
 
 
 def locate(result, ref, own: dict | None = None) -> Located | None:
@@ -213,7 +239,7 @@ def margin(result, own: dict) -> float:
     """The worst piece's error over its bound, every record of a run that locates nothing (< 1)."""
     seen: list[float] = []
     first_divergence(result, own, seen)
-    return max(seen, key=lambda e: np.inf if np.isnan(e) else e) / FP32.grads
+    return max(seen, key=lambda e: np.inf if np.isnan(e) else e) / own["bound"]
 
 
 def first_divergence(result, own: dict, seen: list | None = None) -> Point | None:
@@ -221,7 +247,12 @@ def first_divergence(result, own: dict, seen: list | None = None) -> Point | Non
     (`seen`: every piece's error, of the records compared, appended)."""
     cfg, model = result.config, result.model
     styles = tp_styles(model, cfg.sequence_parallel, cfg.tp) if cfg.tp > 1 else {}
-    mine = {(r["name"], r["direction"]): r["values"] for r in own["records"]}
+    parts: dict[tuple[str, str], list] = {}  # the reference's parts of the batch, in order
+    for r in sorted(own["records"], key=lambda r: r["microbatch"]):
+        parts.setdefault((r["name"], r["direction"]), []).append(r["values"])
+    mine = {key: np.concatenate(v) for key, v in parts.items()}
+    # a rank's loss is its rows' mean, each part's the reference's: its gradients are dp / parts times theirs
+    factor = cfg.dp * cfg.ep * own["microbatches"] / own["shards"]
     pieces: dict[tuple[str, str], list] = {}
     for rank in result.activations:
         for r in rank["records"]:
@@ -229,17 +260,18 @@ def first_divergence(result, own: dict, seen: list | None = None) -> Point | Non
     for key in map(tuple, own["order"]):
         how = placement(key[0], styles, cfg.sequence_parallel and cfg.tp > 1)
         if how is not None:
-            found = compare(key, mine[key], pieces.get(key, []), how, cfg, seen)
+            found = compare(key, mine[key], pieces.get(key, []), how, cfg, (own["bound"], factor), seen)
             if found is not None:
                 return found
     return None
 
 
-def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, seen: list | None = None) -> Point | None:
+def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, held: tuple, seen: list | None = None) -> Point | None:
     """Every rank's piece of one record against the reference's `ref` (B, s, F): a Point where any piece
-    is beyond the bound, or some element of `ref` is in no rank's piece."""
+    is beyond the bound, or some element of `ref` is in no rank's piece. `held`: (the bound, what the run's
+    gradients are times the reference's)."""
     name, direction = key
-    bound, total = FP32.grads, float(np.linalg.norm(ref.astype(np.float64)))
+    (bound, factor), total = held, float(np.linalg.norm(ref.astype(np.float64)))
     data_ranks = cfg.dp * cfg.ep
     rows = ref.shape[0] // data_ranks // cfg.microbatches  # a microbatch's rows of the global batch
     covered = np.zeros(ref.shape[:2] + (max(ref.shape[-1], 1),), dtype=bool)
@@ -250,7 +282,7 @@ def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, seen: list | None
         s0 = coords["tp"] * values.shape[1] if how == "seq" else 0
         c0 = coords["tp"] * values.shape[-1] if how == "cols" else 0
         box = (slice(b0, b0 + values.shape[0]), slice(s0, s0 + values.shape[1]), slice(c0, c0 + values.shape[-1]))
-        run = values.astype(np.float64) / (data_ranks if direction == "backward" else 1)
+        run = values.astype(np.float64) / (factor if direction == "backward" else 1)
         real = max(0, min(box[2].stop, ref.shape[-1]) - c0)  # columns that are tokens (the rest: padding)
         want = ref[box[0], box[1], c0 : c0 + real].astype(np.float64)
         covered[box[0], box[1], c0 : c0 + real] = True
