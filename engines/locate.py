@@ -25,6 +25,10 @@ RECORDED = re.compile(
 )
 """The modules recorded, by their name in the full model (engines/model.py); the same names on every
 layout's ranks (tensor parallelism swaps the modules, not their names; a pipeline keeps full names)."""
+INPUTS = re.compile(r"blocks\.\d+\.(attn\.(wq|wo)|mlp\.(fc1|fc2|gate|down))")
+"""The linears whose input is recorded too, as `<name>.input`: what no recorded module outputs (attention's
+core before wo, the activation before fc2 / down, the input operator of tp or SP before wq and fc1), so
+that a record whose inputs matched has every input recorded (wk, wv and up read wq's and gate's input)."""
 
 
 def canonical(name: str) -> str:
@@ -55,18 +59,21 @@ class Recorder:
                     self.handles.append(module.register_forward_hook(self._hook(name)))
 
     def _hook(self, name: str):
-        def forward_hook(_module, _args, out):
+        def forward_hook(_module, args, out):
             if not isinstance(out, torch.Tensor):
                 return
             again = in_backward()
             mb = self.calls.get((name, again), 0)
             self.calls[name, again] = mb + 1
-            if not again:
-                record = {"name": name, "direction": "forward", "microbatch": mb}
-                self.pending.append((record, out.detach()))
-                self._seen(name, "forward")
-            if out.requires_grad:
-                out.register_hook(lambda g, name=name, mb=mb: self._grad(name, mb, g))
+            tensors = [(name, out)]
+            if INPUTS.fullmatch(name) and args and isinstance(args[0], torch.Tensor):
+                tensors.insert(0, (name + ".input", args[0]))  # read before the module ran
+            for key, t in tensors:
+                if not again:
+                    self.pending.append(({"name": key, "direction": "forward", "microbatch": mb}, t.detach()))
+                    self._seen(key, "forward")
+                if t.requires_grad:
+                    t.register_hook(lambda g, key=key, mb=mb: self._grad(key, mb, g))
 
         return forward_hook
 

@@ -90,6 +90,18 @@ def test_a_correct_run_locates_nothing(lab, refs, cfg):
         assert held == [locate_bytes(cfg, TINY)] * cfg.world
 
 
+def test_a_piece_no_rank_recorded_is_located_as_a_hole(lab, refs):
+    """The reassembly covers every element of the reference's records: rank 3's records dropped from a
+    correct DDP run leave the global batch's last two rows in no piece, named at the first record."""
+    ref, own = refs(TINY)
+    res = lab.run(DDP4, model=TINY, steps=STEPS, locate=True)
+    assert locate(res, ref, own) is None
+    res.activations = [rk for rk in res.activations if rk["rank"] != 3]
+    p = locate(res, ref, own).point
+    assert (p.module, p.direction) == ("embed", "forward")
+    assert p.where == "batch rows 6-7, sequence rows 0-15, columns 0-31 computed on no rank"
+
+
 def test_a_row_parallel_output_not_reduced_is_located_at_attention_s_wo(lab, refs):
     """The all-reduce after attention's wo skipped: wo's output is each tp rank's partial sum, every row."""
     with mutated(lab, (E + "tensor", "RowParallelLinear", "forward"), row_parallel_not_reduced):
@@ -102,15 +114,18 @@ def test_a_row_parallel_output_not_reduced_is_located_at_attention_s_wo(lab, ref
 
 
 def test_a_sequence_not_gathered_is_located_at_the_rows_each_tp_rank_lacks(lab, refs):
-    """SP's all-gather skipped: each tp rank repeats its own s/2 rows, so wq, the first to read the gathered
-    input, is wrong on tp rank 0 in the second half of the sequence and on tp rank 1 in the first."""
+    """SP's all-gather skipped: each tp rank repeats its own s/2 rows, so the gathered input wq reads (ln1's
+    output, which matched, through the all-gather) is wrong on tp rank 0 in the second half of the sequence
+    and on tp rank 1 in the first."""
     with mutated(lab, (E + "tensor", "Gather", "forward"), sequence_not_gathered):
         _, where = run_located(lab, refs, TP_SP)
     p = where.point
-    assert (p.module, p.direction) == ("blocks.0.attn.wq", "forward")
+    assert (p.module, p.direction) == ("blocks.0.attn.wq.input", "forward")
     half = TINY.seq // 2
     first, second = f"0-{half - 1}", f"{half}-{TINY.seq - 1}"
     assert p.where == f"tp rank 0, dp ranks 0-1, sequence rows {second}; tp rank 1, dp ranks 0-1, sequence rows {first}"
+    assert str(where).startswith("block 0, attn.wq forward input, tp rank 0")
+    assert str(where).endswith("; what it was made from matched")
 
 
 @pytest.mark.parametrize("bug", [bucket_never_reduced, summed_not_averaged], ids=["bucket", "summed"])

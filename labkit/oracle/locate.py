@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from labkit.config.choices import numerics
 from labkit.layout.tensor import tp_styles
 from labkit.oracle.arithmetic import arithmetic, twin
 from labkit.oracle.bounds import FP32, UNIT_ROUNDOFF
@@ -48,6 +49,7 @@ def locate_bytes(cfg, model) -> int:
     # ln1, wo, attn, ln2, fc2 (down), mlp, the block's output (and Gemma's two post-norms): h wide each
     per_layer = (7 + (2 if model.family.sandwich_norm else 0)) * model.hidden + (q + 2 * kv) // t
     per_layer += (2 if model.family.gated_mlp else 1) * model.ffn // t  # fc1 (gate and up)
+    per_layer += 2 * model.hidden + q // t + model.ffn // t  # the inputs of wq, fc1 (gate), wo, fc2 (down)
     width = model.layers * per_layer + 2 * model.hidden + model.padded_vocab(t) // t  # embed, head.norm, logits
     return 2 * 4 * width * model.seq * cfg.global_batch // (cfg.dp * cfg.ep)
 
@@ -70,15 +72,12 @@ def locate_problems(cfg, model, locate) -> list[str]:
             "routers' load-balancing loss (no row of the batch owns it alone) are not yet located; locate a "
             "dense model (experts=0)"
         )
-    if cfg.precision == "fp8" or (cfg.precision == "bf16" and twin(cfg) is not None):
+    kind = cfg.numerics
+    if kind.fp8 or (kind.mixed and twin(cfg) is not None):
+        where = "" if kind.fp8 else " under a layout whose arithmetic is not one process's (tp, cp, compile)"
         out.append(
-            f"locate=True in {cfg.precision}"
-            + (
-                " under a layout whose arithmetic is not one process's (tp, cp, compile)"
-                if cfg.precision == "bf16"
-                else ""
-            )
-            + ": bounds per activation are derived for fp32 and for bf16 layouts that split only the batch; "
+            f"locate=True in {cfg.precision}{where}: bounds per activation are derived for fp32 and for bf16 "
+            "layouts that split only the batch; "
             "locate the same layout in fp32 (precision='fp32'), which holds its logic at 1e-5"
         )
     if cfg.torch_impl and cfg.tp > 1:
@@ -111,11 +110,14 @@ class Point:
     note: str = ""
 
     def __str__(self) -> str:
-        what = "forward output" if self.direction == "forward" else "backward, the gradient into its output"
+        which = "input" if self.module.endswith(".input") else "output"
+        what = f"forward {which}" if self.direction == "forward" else f"backward, the gradient into its {which}"
         tail = f" ({self.note})" if self.note else ""
+        # an input's record follows the output it was made from: the op between the two is at fault
+        before = "its inputs matched" if which == "output" else "what it was made from matched"
         return (
-            f"{module_words(self.module)} {what}, {self.where}: {self.error:.2g} over a bound of "
-            f"{self.bound:.2g}{tail}; its inputs matched"
+            f"{module_words(self.module.removesuffix('.input'))} {what}, {self.where}: {self.error:.2g} over a "
+            f"bound of {self.bound:.2g}{tail}; {before}"
         )
 
 
@@ -143,9 +145,17 @@ def module_words(name: str) -> str:
     return "head.proj (the logits)" if name == "head.proj" else name
 
 
-def placement(name: str, styles: dict, sp: bool) -> str | None:
+def placement(name: str, direction: str, styles: dict, sp: bool) -> str | None:
     """How tp puts a record of module `name`: 'cols' (its last dim split), 'seq' (its sequence split, SP),
-    'whole' (every tp rank holds it all), or None (not compared: a KV head shared by several tp ranks)."""
+    'whole' (every tp rank holds it all), or None (not compared: a KV head shared by several tp ranks).
+    A linear's input (`<name>.input`): a row-parallel one's is split as its weight's columns, a
+    column-parallel one's is whole (SP's all-gather before it); the gradient into the latter is each tp
+    rank's partial sum, not compared (f's backward sums it into the norm's output gradient, recorded)."""
+    if name.endswith(".input"):
+        style = styles.get(name.removesuffix(".input"), {}).get("style")
+        if style == "colwise" and direction == "backward":
+            return None
+        return "cols" if style == "rowwise" else "whole"
     style = styles.get(name, {})
     if "kv_groups" in style:
         return None
@@ -167,7 +177,7 @@ def reference_records(result, ref) -> dict:
     from labkit.engines.precision import compute_copy
 
     arith = arithmetic(result)
-    if arith.precision != "fp32" and not arith.shared:
+    if numerics(arith.precision).mixed and not arith.shared:
         raise ValueError(f"locate holds {arith.precision} only where its arithmetic is one process's: {arith.why}")
     seed = result.seed if ref.seed is None else ref.seed
     batch = result.config.global_batch if ref.global_batch is None else ref.global_batch
@@ -183,7 +193,7 @@ def reference_records(result, ref) -> dict:
             compute.zero_grads()
     finally:
         torch.set_num_threads(before)
-    bound = FP32.grads if arith.precision == "fp32" else UNIT_ROUNDOFF["bf16"]
+    bound = UNIT_ROUNDOFF["bf16"] if numerics(arith.precision).mixed else FP32.grads
     return {**recorder.finish(), "shards": arith.shards, "microbatches": arith.microbatches, "bound": bound}
 
 
@@ -205,7 +215,7 @@ PHASES = (
     ("the gradients' reduction", lambda m: m.check == "gradients" or m.message.startswith("gradients ")),
     ("the clip (the gradient norm)", lambda m: m.check == "grad norms"),
     ("the update", lambda m: m.check in ("parameters", "replicas", "working weights", "buffers", "padding")),
-    ("the loss", lambda m: True),
+    ("the loss", lambda m: m.check == "losses"),
 )
 """The phases after the modules' forward and backward, in the order a step runs them; a mismatch belongs
 to the first whose test it passes (a replica's gradients that differ are the reduction's)."""
@@ -221,6 +231,8 @@ def phase(found: list) -> Located | None:
     """The earliest phase that any of the oracle's mismatches `found` belongs to, at the first step any
     names (None: nothing found). A message naming no step (the final parameters) takes the first step its
     check names elsewhere, else step 0. A later step's is named as that step alone: locate records step 0."""
+    if not found:
+        return None
     named: dict[str, int] = {}  # each check's first named step
     for m in found:
         if (n := named_step(m.message)) is not None:
@@ -232,7 +244,7 @@ def phase(found: list) -> Located | None:
         hits = sorted((m for m in found if test(m) and step[id(m)] == first), key=lambda m: m.check != "gradients")
         if hits:
             return Located(None, name if first == 0 else f"step {first} (locate records step 0 alone)", str(hits[0]))
-    return None
+    return Located(None, f"the {found[0].check} check", str(found[0]))  # none of a step's (float8, routing)
 
 
 def margin(result, own: dict) -> float:
@@ -258,7 +270,7 @@ def first_divergence(result, own: dict, seen: list | None = None) -> Point | Non
         for r in rank["records"]:
             pieces.setdefault((r["name"], r["direction"]), []).append((rank["coords"], r["microbatch"], r["values"]))
     for key in map(tuple, own["order"]):
-        how = placement(key[0], styles, cfg.sequence_parallel and cfg.tp > 1)
+        how = placement(*key, styles, cfg.sequence_parallel and cfg.tp > 1)
         if how is not None:
             found = compare(key, mine[key], pieces.get(key, []), how, cfg, (own["bound"], factor), seen)
             if found is not None:
