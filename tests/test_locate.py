@@ -59,7 +59,7 @@ def run_located(lab, refs, cfg, model=TINY, optim=None):
     res = lab.run(cfg, model=model, steps=STEPS, optim=optim, return_params=True, locate=True)
     # bf16: the reference in the run's arithmetic (its threads, its batch split), read off the run
     where = locate(res, ref, own if cfg.precision == "fp32" else None)
-    print(f"\n{cfg}: {where}")
+    print(f"\nlocated: {where}")
     return res, where
 
 
