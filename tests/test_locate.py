@@ -72,8 +72,10 @@ def run_located(lab, refs, cfg, model=TINY, optim=None):
         ParallelConfig(tp=2, dp=2, checkpoint_activations=True),
         ParallelConfig(pp=2, dp=2, microbatches=2),
         ParallelConfig(pp=2, tp=2, microbatches=2, sequence_parallel=True),
+        ParallelConfig(pp=2, dp=2, microbatches=2, schedule="zbh1"),
+        ParallelConfig(pp=2, dp=2, microbatches=2, schedule="gpipe", sharding="zero2"),
     ],
-    ids=["ddp", "zero3-microbatches", "tp-sp", "tp-checkpointed", "pp-dp", "pp-tp-sp"],
+    ids=["ddp", "zero3-microbatches", "tp-sp", "tp-checkpointed", "pp-dp", "pp-tp-sp", "zero-bubble", "gpipe-zero2"],
 )
 def test_a_correct_run_locates_nothing(lab, refs, cfg):
     """Every rank's piece of every module's output and gradient, put back by the layout (rows over dp and
@@ -105,9 +107,10 @@ def test_a_piece_no_rank_recorded_is_located_as_a_hole(lab, refs):
 def test_a_row_parallel_output_not_reduced_is_located_at_attention_s_wo(lab, refs):
     """The all-reduce after attention's wo skipped: wo's output is each tp rank's partial sum, every row."""
     with mutated(lab, (E + "tensor", "RowParallelLinear", "forward"), row_parallel_not_reduced):
-        _, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2))
+        res, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2))
     p = where.point
     assert (p.module, p.direction) == ("blocks.0.attn.wo", "forward")
+    assert str(res.located(refs(TINY)[0])) == str(where)  # the result's own verdict, its reference computed
     assert p.where == "tp ranks 0-1, dp ranks 0-1" and p.error > 1e3 * p.bound
     assert str(where).startswith("block 0, attn.wo forward output, tp ranks 0-1, dp ranks 0-1: ")
     assert str(where).endswith("over a bound of 1e-05; its inputs matched")
@@ -221,6 +224,12 @@ def test_what_is_not_yet_located_is_refused_by_name(lab, cfg, model, words):
     with pytest.raises(ConfigError, match="locate=True") as err:
         lab.run(cfg, model=model, steps=1, locate=True)
     assert words in str(err.value)
+
+
+def test_locate_is_a_bool_and_off_by_default(lab):
+    with pytest.raises(ConfigError, match="locate=1 must be True or False"):
+        lab.run(DDP4, model=TINY, steps=1, locate=1)
+    assert lab.run(DDP4, model=TINY, steps=1).activations is None
 
 
 BF16 = {"ddp": DDP4.replace(precision="bf16"), "pp": ParallelConfig(pp=2, dp=2, microbatches=2, precision="bf16")}

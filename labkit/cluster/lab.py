@@ -42,7 +42,6 @@ from labkit.config.validation import data_problems, muon_problems, optim_problem
 from labkit.engines import runtime
 from labkit.engines.measure import measure_rank
 from labkit.layout.mesh import MeshLayout
-from labkit.oracle.locate import locate_problems
 from labkit.oracle.verify_report import VerifyReport
 from labkit.results.measurement import Measurement
 from labkit.results.run import RunResult
@@ -283,18 +282,15 @@ class Lab:
         data: 'synthetic' (the synthetic language) or 'text' (the Shakespeare corpus in bytes,
         labkit/layout/text.py; needs vocab >= 256): then the ranks also compute the validation loss
         (res.validation_loss) and the parameters come back, so that res.generate(prompt, tokens) works.
-        locate=True records the first step's every module output and its gradient on every rank (fp32, small
-        models: labkit/oracle/locate.py `locate_bytes`; off by default), for `locate(result, ref)` to say where
-        the run first left the one-process reference (the module, direction, ranks and rows).
+        locate=True records step 0's every module output and gradient on every rank, for res.located(ref).
         _comm_log=False runs without the collective log (only the overhead benchmark does).
         """
         cfg = ParallelConfig() if cfg is None else cfg
         model = ModelConfig() if model is None else model
         optim = OptimConfig() if optim is None else optim
         # every argument's problem at once, before any engine work
-        bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit)
+        bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit, locate)
         bad += data_problems(data, model)
-        bad += locate_problems(cfg, model, locate) if not bad else []  # it reads the configs' fields
         if bad:
             raise ConfigError(bad)
         validate(cfg, model, self.world)

@@ -12,6 +12,7 @@ from labkit.config.choices import Data
 from labkit.config.table import Rows, card
 from labkit.layout.mesh import MeshLayout
 from labkit.oracle.assembly import PieceIssue, assemble
+from labkit.oracle.locate import Located, locate
 from labkit.oracle.routes import place
 from labkit.results.views import RankViews
 
@@ -283,6 +284,13 @@ class RunResult(RankViews):
         from labkit.engines.generate import generate  # torch: loaded when sampling, not with the results
 
         return generate(self.model, self.params, prompt, tokens, temperature, seed)
+
+    def located(self, ref) -> Located | None:
+        """Where this run (locate=True) first left `ref`'s one-process training: `str()` of it is the
+        sentence ("block 0, attn.wo forward output, tp ranks 0-1, ...: 0.73 over a bound of 1e-05; its
+        inputs matched", or the phase outside every module); None where nothing is wrong (labkit/oracle/
+        locate.py)."""
+        return locate(self, ref)
 
     # -- persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict:
