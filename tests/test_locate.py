@@ -14,14 +14,18 @@ from mutation_bugs import (
     bucket_never_reduced,
     clipping_skipped_on_rank_1,
     copy_grad_not_reduced,
+    gathered_dkv_kept_home,
+    heads_sent_reversed,
     nan_on_rank_2,
     padding_in_the_loss,
     replica_drifts_at_the_end,
     row_parallel_not_reduced,
+    run_chunks_swapped,
     sequence_not_gathered,
     shard_off_by_one,
     stale_gather,
     summed_not_averaged,
+    unmasked_ring_block,
     wrong_microbatch,
 )
 from test_mutations import DDP4, PADDED, mutated, skipped
@@ -74,8 +78,25 @@ def run_located(lab, refs, cfg, model=TINY, optim=None):
         ParallelConfig(pp=2, tp=2, microbatches=2, sequence_parallel=True),
         ParallelConfig(pp=2, dp=2, microbatches=2, schedule="zbh1"),
         ParallelConfig(pp=2, dp=2, microbatches=2, schedule="gpipe", sharding="zero2"),
+        ParallelConfig(cp=2, dp=2),
+        ParallelConfig(cp=2, tp=2, sequence_parallel=True),
+        ParallelConfig(cp=2, dp=2, cp_kind="ulysses"),
+        ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2),
     ],
-    ids=["ddp", "zero3-microbatches", "tp-sp", "tp-checkpointed", "pp-dp", "pp-tp-sp", "zero-bubble", "gpipe-zero2"],
+    ids=[
+        "ddp",
+        "zero3-microbatches",
+        "tp-sp",
+        "tp-checkpointed",
+        "pp-dp",
+        "pp-tp-sp",
+        "zero-bubble",
+        "gpipe-zero2",
+        "cp-ring",
+        "cp-tp-sp",
+        "cp-ulysses",
+        "cp-hierarchical",
+    ],  # fmt: skip
 )
 def test_a_correct_run_locates_nothing(lab, refs, cfg):
     """Every rank's piece of every module's output and gradient, put back by the layout (rows over dp and
@@ -165,6 +186,36 @@ def test_a_stage_fed_the_wrong_microbatch_is_located_at_its_first_module_on_its_
     assert (p.module, p.direction, p.where) == ("blocks.1.ln1", "forward", "dp ranks 0-1, pp rank 1, microbatches 0-1")
 
 
+def test_context_parallel_bugs_are_located_at_the_zigzag_rows_of_their_cp_rank(lab, refs):
+    """CP's records put back by the zigzag (cp rank r holds chunks r and 2cp-1-r of 2cp): ring attention's
+    diagonal blocks unmasked on global rank 0 (cp rank 0 of dp rank 0) make attention's core, wo's input,
+    wrong at its chunks' rows but each chunk's last (which sees its whole chunk anyway); the all-gather
+    kind's dK/dV kept home is located in backward at block 1's wv; Ulysses' heads sent reversed, at block 0's
+    wo's input on every rank; the hierarchical ring reading its runs' chunks swapped, at the same place."""
+    c = TINY.seq // 4  # a chunk's rows at cp=2
+    cases = [
+        (ParallelConfig(cp=2, dp=2), "_scores", unmasked_ring_block),
+        (ParallelConfig(cp=2, dp=2, cp_kind="allgather"), "reduce_scatter_single", gathered_dkv_kept_home),
+        (ParallelConfig(cp=2, dp=2, cp_kind="ulysses"), "_to_heads", heads_sent_reversed),
+        (ParallelConfig(cp=4, cp_kind="hierarchical", cp_a2a=2), "zigzag_chunks", run_chunks_swapped),
+    ]
+    found = []
+    for cfg, attr, bug in cases:
+        module = "context" if bug is unmasked_ring_block else "context.kinds"
+        with mutated(lab, (E + module, None, attr), bug):
+            found.append(run_located(lab, refs, cfg)[1].point)
+    ring, dkv, heads, runs = found
+    assert (ring.module, ring.direction) == ("blocks.0.attn.wo.input", "forward")
+    assert ring.where == f"cp rank 0, dp rank 0, sequence rows 0-{c - 2}, {3 * c}-{4 * c - 2}"
+    assert (dkv.module, dkv.direction) == ("blocks.1.attn.wv", "backward")
+    assert (heads.module, heads.direction, heads.where) == (
+        "blocks.0.attn.wo.input",
+        "forward",
+        "cp ranks 0-1, dp ranks 0-1",
+    )
+    assert (runs.module, runs.direction) == ("blocks.0.attn.wo.input", "forward")
+
+
 CLIP = OptimConfig(clip=0.5)
 """Where clipping must act (TINY's norms are 0.82 to 0.92)."""
 
@@ -212,13 +263,12 @@ def test_the_same_layout_unmutated_with_padding_locates_nothing(lab, refs):
 @pytest.mark.parametrize(
     "cfg, model, words",
     [
-        (ParallelConfig(cp=2, dp=2), TINY, "context parallelism (cp=2)"),
         (ParallelConfig(ep=2, dp=2), TINY.replace(experts=4, top_k=2), "with experts (experts=4, ep=2)"),
         (ParallelConfig(tp=2, dp=2, precision="bf16"), TINY, "in bf16 under a layout whose arithmetic is not"),
         (ParallelConfig(dp=4, precision="fp8"), TINY, "locate=True in fp8"),
         (DDP4, TINY.replace(layers=64, hidden=512, heads=8, ffn=2048, seq=256), "MiB per rank"),
     ],
-    ids=["cp", "ep", "bf16-tp", "fp8", "too-large"],
+    ids=["ep", "bf16-tp", "fp8", "too-large"],
 )
 def test_what_is_not_yet_located_is_refused_by_name(lab, cfg, model, words):
     with pytest.raises(ConfigError, match="locate=True") as err:

@@ -14,6 +14,9 @@ went wrong: every record before it matched, its inputs among them. A layout puts
                    last dim; a row-parallel output, after its all-reduce, whole on every tp rank, as every
                    norm's, block's and the embedding's (labkit/layout/tensor.py `tp_styles`)
   sp               those whole ones split along the sequence instead (the reduce-scatter's chunks)
+  cp               the sequence's 2cp chunks, chunks r and 2cp-1-r on cp rank r (the zigzag: `zigzag`), every
+                   kind alike (ring, all-gather, Ulysses, hierarchical); a rank's loss is its tokens' mean,
+                   so its gradients are dp·cp times the reference's
   pp               each stage's modules on its ranks, under their full names
 
 A padded vocabulary's logits beyond `vocab` must be the mask's -inf, and their gradient zero. Where every
@@ -51,7 +54,7 @@ def locate_bytes(cfg, model) -> int:
     per_layer += (2 if model.family.gated_mlp else 1) * model.ffn // t  # fc1 (gate and up)
     per_layer += 2 * model.hidden + q // t + model.ffn // t  # the inputs of wq, fc1 (gate), wo, fc2 (down)
     width = model.layers * per_layer + 2 * model.hidden + model.padded_vocab(t) // t  # embed, head.norm, logits
-    return 2 * 4 * width * model.seq * cfg.global_batch // (cfg.dp * cfg.ep)
+    return 2 * 4 * width * model.seq * cfg.global_batch // (cfg.dp * cfg.ep * cfg.cp)
 
 
 def locate_problems(cfg, model, locate) -> list[str]:
@@ -61,11 +64,6 @@ def locate_problems(cfg, model, locate) -> list[str]:
     if not locate:
         return []
     out = []
-    if cfg.cp > 1:
-        out.append(
-            f"locate=True under context parallelism (cp={cfg.cp}): putting CP's sequence chunks back in their "
-            "zigzag order is not yet built; locate the same layout with cp=1"
-        )
     if cfg.ep > 1 or model.experts:
         out.append(
             f"locate=True with experts (experts={model.experts}, ep={cfg.ep}): the experts' placement and the "
@@ -263,8 +261,8 @@ def first_divergence(result, own: dict, seen: list | None = None) -> Point | Non
     for r in sorted(own["records"], key=lambda r: r["microbatch"]):
         parts.setdefault((r["name"], r["direction"]), []).append(r["values"])
     mine = {key: np.concatenate(v) for key, v in parts.items()}
-    # a rank's loss is its rows' mean, each part's the reference's: its gradients are dp / parts times theirs
-    factor = cfg.dp * cfg.ep * own["microbatches"] / own["shards"]
+    # a rank's loss is its tokens' mean, each part's the reference's: its gradients are dp·cp / parts times theirs
+    factor = cfg.dp * cfg.ep * cfg.cp * own["microbatches"] / own["shards"]
     pieces: dict[tuple[str, str], list] = {}
     for rank in result.activations:
         for r in rank["records"]:
@@ -291,9 +289,11 @@ def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, held: tuple, seen
     for coords, mb, values in pieces:
         d = coords["dp"] * cfg.ep + coords["ep"]
         b0 = (d * cfg.microbatches + mb) * rows
-        s0 = coords["tp"] * values.shape[1] if how == "seq" else 0
+        positions = zigzag(ref.shape[1], cfg.cp, coords["cp"])  # this cp rank's, in its local order
+        if how == "seq":  # SP: the tp rank's chunk of them
+            positions = positions.reshape(cfg.tp, -1)[coords["tp"]]
         c0 = coords["tp"] * values.shape[-1] if how == "cols" else 0
-        box = (slice(b0, b0 + values.shape[0]), slice(s0, s0 + values.shape[1]), slice(c0, c0 + values.shape[-1]))
+        box = (slice(b0, b0 + values.shape[0]), positions, slice(c0, c0 + values.shape[-1]))
         run = values.astype(np.float64) / (factor if direction == "backward" else 1)
         real = max(0, min(box[2].stop, ref.shape[-1]) - c0)  # columns that are tokens (the rest: padding)
         want = ref[box[0], box[1], c0 : c0 + real].astype(np.float64)
@@ -315,7 +315,8 @@ def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, held: tuple, seen
         if seen is not None:
             seen.append(err)
         if not err <= bound:
-            failing.append((coords, mb, err, region(bad, (b0, s0, c0)), note))
+            axes = (np.arange(b0, b0 + values.shape[0]), positions, np.arange(c0, c0 + values.shape[-1]))
+            failing.append((coords, mb, err, region(bad, axes), note))
     if not covered.all():
         b, s, c = (np.flatnonzero((~covered).any(axis=tuple(i for i in range(3) if i != ax))) for ax in range(3))
         hole = f"batch rows {spans(b)}, sequence rows {spans(s)}, columns {spans(c)}"
@@ -334,16 +335,25 @@ def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, held: tuple, seen
     return Point(name, direction, "; ".join(parts[:4]) + ("; ..." if len(parts) > 4 else ""), worst, bound, note)
 
 
-def region(bad: np.ndarray, start: tuple[int, int, int]) -> str:
-    """The rows and columns of a piece where its elements differ, in the reference's coordinates; a dim
-    where every index of the piece differs is left out."""
+def region(bad: np.ndarray, axes: tuple) -> str:
+    """The rows and columns of a piece where its elements differ, in the reference's coordinates (`axes`:
+    each dim's indices there); a dim where every index of the piece differs is left out."""
     words = ("batch rows", "sequence rows", "columns")
     out = []
     for ax, word in enumerate(words):
         hit = np.flatnonzero(bad.any(axis=tuple(i for i in range(bad.ndim) if i != ax)))
         if 0 < hit.size < bad.shape[ax]:
-            out.append(f"{word} {spans(hit + start[ax])}")
+            out.append(f"{word} {spans(np.sort(axes[ax][hit]))}")
     return ", ".join(out)
+
+
+def zigzag(seq: int, cp: int, rank: int) -> np.ndarray:
+    """The sequence positions cp rank `rank` holds, in its local order: chunks rank and 2cp-1-rank of 2cp
+    (engines/parallel/context/ `zigzag_index`, which the ranks' inputs are cut by); every position at cp=1."""
+    if cp == 1:
+        return np.arange(seq)
+    c = seq // (2 * cp)
+    return np.concatenate([np.arange(k * c, (k + 1) * c) for k in (rank, 2 * cp - 1 - rank)])
 
 
 def spans(idx: np.ndarray, most: int = 3) -> str:
@@ -360,7 +370,7 @@ def spans(idx: np.ndarray, most: int = 3) -> str:
 def ranks_words(coords: list[dict], mbs: list[int], cfg) -> str:
     """The mesh coordinates of failing pieces, dims of size > 1 alone: 'tp rank 1, dp ranks 0-1'."""
     out = []
-    for dim in ("tp", "dp", "pp"):
+    for dim in ("tp", "cp", "dp", "pp"):
         if getattr(cfg, dim) > 1:
             vals = np.array(sorted({c[dim] for c in coords}))
             out.append(f"{dim} rank{'s' if vals.size > 1 else ''} {spans(vals)}")
