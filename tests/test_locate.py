@@ -5,6 +5,7 @@ layouts locate nothing; what is not yet located is refused at the door by name."
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -25,10 +26,11 @@ from mutation_bugs import (
     shard_off_by_one,
     stale_gather,
     summed_not_averaged,
+    tokens_to_the_wrong_rank,
     unmasked_ring_block,
     wrong_microbatch,
 )
-from test_mutations import DDP4, PADDED, mutated, skipped
+from test_mutations import DDP4, MOE, PADDED, mutated, skipped
 
 from labkit import ConfigError, OptimConfig, ParallelConfig, reference
 from labkit.oracle.checks import mismatches
@@ -216,6 +218,21 @@ def test_context_parallel_bugs_are_located_at_the_zigzag_rows_of_their_cp_rank(l
     assert (runs.module, runs.direction) == ("blocks.0.attn.wo.input", "forward")
 
 
+def test_experts_under_ep_and_tp_locate_nothing_and_a_token_sent_home_wrong_is_located(lab, refs):
+    """The MoE model (4 experts, top 2): under ep x dp and tp + SP (the layer replicated over tp, SP's rows
+    gathered in and split out) nothing is located; experts' results sent home swapped (the combine swaps two
+    routed slots on every rank) are located at block 0's MoE output, on every (ep, dp) rank, at the two
+    tokens each swap reached and no others."""
+    for cfg in (ParallelConfig(ep=2, dp=2), ParallelConfig(tp=2, dp=2, sequence_parallel=True)):
+        assert run_located(lab, refs, cfg, MOE)[1] is None
+    with mutated(lab, (E + "experts", "ExpertParallel", "__call__"), tokens_to_the_wrong_rank):
+        _, where = run_located(lab, refs, ParallelConfig(ep=2, dp=2), MOE)
+    p = where.point
+    assert (p.module, p.direction) == ("blocks.0.mlp", "forward")
+    parts = p.where.split("; ")
+    assert len(parts) == 4 and all(re.search(r"dp rank \d, batch rows \d, sequence rows \d+, \d+$", x) for x in parts)
+
+
 CLIP = OptimConfig(clip=0.5)
 """Where clipping must act (TINY's norms are 0.82 to 0.92)."""
 
@@ -263,12 +280,11 @@ def test_the_same_layout_unmutated_with_padding_locates_nothing(lab, refs):
 @pytest.mark.parametrize(
     "cfg, model, words",
     [
-        (ParallelConfig(ep=2, dp=2), TINY.replace(experts=4, top_k=2), "with experts (experts=4, ep=2)"),
         (ParallelConfig(tp=2, dp=2, precision="bf16"), TINY, "in bf16 under a layout whose arithmetic is not"),
         (ParallelConfig(dp=4, precision="fp8"), TINY, "locate=True in fp8"),
         (DDP4, TINY.replace(layers=64, hidden=512, heads=8, ffn=2048, seq=256), "MiB per rank"),
     ],
-    ids=["ep", "bf16-tp", "fp8", "too-large"],
+    ids=["bf16-tp", "fp8", "too-large"],
 )
 def test_what_is_not_yet_located_is_refused_by_name(lab, cfg, model, words):
     with pytest.raises(ConfigError, match="locate=True") as err:

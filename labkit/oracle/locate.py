@@ -17,6 +17,9 @@ went wrong: every record before it matched, its inputs among them. A layout puts
   cp               the sequence's 2cp chunks, chunks r and 2cp-1-r on cp rank r (the zigzag: `zigzag`), every
                    kind alike (ring, all-gather, Ulysses, hierarchical); a rank's loss is its tokens' mean,
                    so its gradients are dp·cp times the reference's
+  ep               an MoE layer's output back on the rank whose rows it is (the combine), whole: a data
+                   rank as dp's; its experts inside are not recorded, the router's balance loss is per
+                   sequence (engines/moe.py), so any split of the batch holds the reference's
   pp               each stage's modules on its ranks, under their full names
 
 A padded vocabulary's logits beyond `vocab` must be the mask's -inf, and their gradient zero. Where every
@@ -64,12 +67,6 @@ def locate_problems(cfg, model, locate) -> list[str]:
     if not locate:
         return []
     out = []
-    if cfg.ep > 1 or model.experts:
-        out.append(
-            f"locate=True with experts (experts={model.experts}, ep={cfg.ep}): the experts' placement and the "
-            "routers' load-balancing loss (no row of the batch owns it alone) are not yet located; locate a "
-            "dense model (experts=0)"
-        )
     kind = cfg.numerics
     if kind.fp8 or (kind.mixed and twin(cfg) is not None):
         where = "" if kind.fp8 else " under a layout whose arithmetic is not one process's (tp, cp, compile)"
@@ -370,7 +367,7 @@ def spans(idx: np.ndarray, most: int = 3) -> str:
 def ranks_words(coords: list[dict], mbs: list[int], cfg) -> str:
     """The mesh coordinates of failing pieces, dims of size > 1 alone: 'tp rank 1, dp ranks 0-1'."""
     out = []
-    for dim in ("tp", "cp", "dp", "pp"):
+    for dim in ("tp", "cp", "ep", "dp", "pp"):
         if getattr(cfg, dim) > 1:
             vals = np.array(sorted({c[dim] for c in coords}))
             out.append(f"{dim} rank{'s' if vals.size > 1 else ''} {spans(vals)}")
