@@ -75,8 +75,11 @@ def locate_problems(cfg, model, locate) -> list[str]:
             "layouts that split only the batch; "
             "locate the same layout in fp32 (precision='fp32'), which holds its logic at 1e-5"
         )
-    if cfg.torch_impl and cfg.tp > 1:
-        out.append("locate=True with DTensor's TP (impl='torch', tp > 1) is not yet built; locate impl='lab'")
+    if cfg.torch_impl and (cfg.tp > 1 or cfg.pp > 1):
+        out.append(
+            "locate=True with DTensor's TP or torch.distributed.pipelining (impl='torch', tp or pp > 1) is not yet "
+            "built (DTensor's placements; pipelining's own forwards, its shapes inferred); locate impl='lab'"
+        )
     if cfg.compile:
         out.append("locate=True with compiled blocks: hooks inside a compiled block are not run; compile=False")
     size = locate_bytes(cfg, model)
