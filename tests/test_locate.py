@@ -34,7 +34,8 @@ from test_mutations import DDP4, MOE, PADDED, mutated, skipped
 
 from labkit import ConfigError, OptimConfig, ParallelConfig, reference
 from labkit.oracle.checks import mismatches
-from labkit.oracle.locate import locate, locate_bytes, margin, reference_records
+from labkit.oracle.locate import locate, locate_bytes, margin, ratios, reference_records
+from labkit.widgets.figures import locate_figure
 
 E = "labkit.engines.parallel."
 TP_SP = ParallelConfig(tp=2, dp=2, sequence_parallel=True)
@@ -255,12 +256,19 @@ def test_padding_logits_left_in_the_loss_are_located_at_the_head_columns_on_thei
     the mask skipped they are 0, not -inf, where the loss reads them: the logits' forward, those columns,
     that rank (tp rank 0's columns are all tokens and match)."""
     with mutated(lab, ("labkit.engines.loss", "MaskPadding", "forward"), padding_in_the_loss):
-        _, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2), PADDED)
+        res, where = run_located(lab, refs, ParallelConfig(tp=2, dp=2), PADDED)
     p = where.point
     assert (p.module, p.direction) == ("head.proj", "forward")
     assert p.where == "tp rank 1, dp ranks 0-1, columns 125-127"
     assert "not the mask's -inf" in p.note
     assert str(where).startswith("head.proj (the logits) forward output, tp rank 1, dp ranks 0-1, columns 125-127")
+    # drawn: every record before it green (under the bound), the logits' forward at the ceiling, marked first
+    rows = ratios(res, refs(PADDED)[1])
+    fig = locate_figure(rows)
+    heat = fig.data[0]
+    z = dict(zip(heat.y, heat.z))
+    assert z["head.proj"][0] == 4.0 and all(z[m][0] < 0 for m in heat.y[: list(heat.y).index("head.proj")])
+    assert (fig.layout.annotations[0].y, fig.layout.annotations[0].x) == ("head.proj", "forward")
 
 
 def test_the_same_layout_unmutated_with_padding_locates_nothing(lab, refs):

@@ -247,14 +247,28 @@ def phase(found: list) -> Located | None:
 
 def margin(result, own: dict) -> float:
     """The worst piece's error over its bound, every record of a run that locates nothing (< 1)."""
-    seen: list[float] = []
-    first_divergence(result, own, seen)
-    return max(seen, key=lambda e: np.inf if np.isnan(e) else e) / own["bound"]
+    return max((r["ratio"] for r in ratios(result, own)), key=lambda e: np.inf if np.isnan(e) else e)
 
 
-def first_divergence(result, own: dict, seen: list | None = None) -> Point | None:
-    """The first record, in the reference's execution order, one of whose pieces is beyond its bound
-    (`seen`: every piece's error, of the records compared, appended)."""
+def ratios(result, own: dict) -> list[dict]:
+    """Every record compared, in execution order: {module, direction, ratio (its worst piece's error over the
+    bound; inf: a hole or the padding unmasked), failed}: what widgets/locate_figure.py draws."""
+    out = []
+    for (name, direction), point, errs in compared(result, own):
+        worst = max(errs, key=lambda e: np.inf if np.isnan(e) else e, default=0.0)
+        if point is not None and point.error == np.inf:  # a hole has no piece's error to say it
+            worst = np.inf
+        out.append({"module": name, "direction": direction, "ratio": worst / own["bound"], "failed": point is not None})
+    return out
+
+
+def first_divergence(result, own: dict) -> Point | None:
+    """The first record, in the reference's execution order, one of whose pieces is beyond its bound."""
+    return next((point for _, point, _ in compared(result, own) if point is not None), None)
+
+
+def compared(result, own: dict):
+    """(record, its Point or None, every piece's error) for each record compared, in execution order."""
     cfg, model = result.config, result.model
     styles = tp_styles(model, cfg.sequence_parallel, cfg.tp) if cfg.tp > 1 else {}
     parts: dict[tuple[str, str], list] = {}  # the reference's parts of the batch, in order
@@ -270,10 +284,8 @@ def first_divergence(result, own: dict, seen: list | None = None) -> Point | Non
     for key in map(tuple, own["order"]):
         how = placement(*key, styles, cfg.sequence_parallel and cfg.tp > 1)
         if how is not None:
-            found = compare(key, mine[key], pieces.get(key, []), how, cfg, (own["bound"], factor), seen)
-            if found is not None:
-                return found
-    return None
+            errs: list[float] = []
+            yield key, compare(key, mine[key], pieces.get(key, []), how, cfg, (own["bound"], factor), errs), errs
 
 
 def compare(key, ref: np.ndarray, pieces: list, how: str, cfg, held: tuple, seen: list | None = None) -> Point | None:
