@@ -7,24 +7,20 @@ from __future__ import annotations
 
 import re
 import time
+from contextlib import nullcontext
 
 import pytest
 from conftest import TINY
 from mutation_bugs import (
     STEPS,
     bucket_never_reduced,
-    clipping_skipped_on_rank_1,
     copy_grad_not_reduced,
     gathered_dkv_kept_home,
     heads_sent_reversed,
-    nan_on_rank_2,
     padding_in_the_loss,
-    replica_drifts_at_the_end,
     row_parallel_not_reduced,
     run_chunks_swapped,
     sequence_not_gathered,
-    shard_off_by_one,
-    stale_gather,
     summed_not_averaged,
     tokens_to_the_wrong_rank,
     unmasked_ring_block,
@@ -226,31 +222,6 @@ def test_experts_under_ep_and_tp_locate_nothing_and_a_token_sent_home_wrong_is_l
     assert len(parts) == 4 and all(re.search(r"dp rank \d, batch rows \d, sequence rows \d+, \d+$", x) for x in parts)
 
 
-CLIP = OptimConfig(clip=0.5)
-"""Where clipping must act (TINY's norms are 0.82 to 0.92)."""
-
-
-@pytest.mark.parametrize(
-    "cfg, target, bug, optim, phase",
-    [
-        (ParallelConfig(dp=4, sharding="zero1"), ("zero", "ZeRO12", "finish"), shard_off_by_one, None,
-         "the gradients' reduction"),
-        (DDP4, ("ddp", "DDP", "step"), clipping_skipped_on_rank_1, CLIP, "the update"),
-        (DDP4, ("ddp", "DDP", "step"), replica_drifts_at_the_end, None, "the update"),
-        (DDP4, ("ddp", "DDP", "finish"), nan_on_rank_2, None, "step 1 (locate records step 0 alone)"),
-        (ParallelConfig(dp=4, sharding="zero3"), ("zero3", "ZeRO3", "_free"), stale_gather, None, "the update"),
-    ],
-    ids=["zero-shard", "clip-skipped", "replica-drift", "nan", "stale-gather"],
-)  # fmt: skip
-def test_a_bug_outside_every_module_is_located_at_its_phase(lab, refs, cfg, target, bug, optim, phase):
-    """Every record matched: the phase is the oracle's first mismatch's, at the first step it names (ZeRO-3's
-    stale gather: the working weights not refreshed after the update; the NaN: planted in step 1's gradient)."""
-    module, owner, attr = target
-    with mutated(lab, (E + module, owner, attr), bug):
-        _, where = run_located(lab, refs, cfg, optim=optim)
-    assert where.point is None and where.phase == phase
-
-
 def test_padding_logits_left_in_the_loss_are_located_at_the_head_columns_on_their_tp_rank(lab, refs):
     """tp=2 on vocab 125 padded to 128: tp rank 1 holds columns 64-127, of which 125-127 are padding. With
     the mask skipped they are 0, not -inf, where the loss reads them: the logits' forward, those columns,
@@ -338,3 +309,61 @@ def test_the_cost_of_locating(lab, refs):
         f"with locate {min(walls[True]):.2f} s; the oracle's comparison {oracle:.3f} s"
     )
     assert per_rank == locate_bytes(DDP4, TINY)
+
+
+REDUCTION, UPDATE = "the gradients' reduction", "the update"
+WHERE = {
+    "a DDP bucket never reduced": REDUCTION,
+    "gradients summed, not averaged": REDUCTION,
+    "TP's row-parallel all-reduce skipped": ("blocks.0.attn.wo", "forward"),
+    "SP's all-gather skipped": ("blocks.0.attn.wq.input", "forward"),
+    "a ZeRO shard off by one element": REDUCTION,
+    "ZeRO-3 using stale gathered parameters": UPDATE,
+    "a replica diverging only in the last step": UPDATE,
+    "a pipeline stage receiving the wrong microbatch": ("blocks.1.ln1", "forward"),
+    "ring attention without the causal mask on one rank's blocks": ("blocks.0.attn.wo.input", "forward"),
+    "all-gather CP's dK/dV not reduce-scattered": ("blocks.1.attn.wv", "backward"),
+    "Ulysses' all-to-all splitting the heads wrongly": ("blocks.0.attn.wo.input", "forward"),
+    "hierarchical CP's ring reading a run's chunks in the wrong order": ("blocks.0.attn.wo.input", "forward"),
+    "HSDP's replicate all-reduce skipped": REDUCTION,
+    "HSDP's norm counted once per replica": "the clip (the gradient norm)",
+    "an expert's tokens returned to the wrong rank": ("blocks.0.mlp", "forward"),
+    "gradient clipping skipped on one rank": UPDATE,
+    "a NaN appearing on one rank": "step 1 (locate records step 0 alone)",
+    "a padded vocabulary's padding logits left in the loss": ("head.proj", "forward"),
+    "every norm's gradient halved": REDUCTION,
+    "attention's wq and wk gradients never produced": REDUCTION,
+    "the MLP's fc1 gradients 0.8 of themselves": REDUCTION,
+    "every gradient averaged twice (halved)": REDUCTION,
+    "a ZeRO-1 shard stepping with the next shard's Adam moments": UPDATE,
+    "Adam's step counter one ahead": UPDATE,
+    "gradient clipping skipped on a sharded layout, where it binds": UPDATE,
+    "PyTorch's DDP summing the ranks' gradients, not averaging": REDUCTION,
+    "Muon orthogonalizing each tp rank's slice alone, not the whole matrix": UPDATE,
+    "Distributed Muon orthogonalizing each ZeRO slice alone, not the gathered matrix": UPDATE,
+    "Muon's momentum reset every step": UPDATE,
+    "the MLP's fc1 routed to AdamW, not Muon": UPDATE,
+}
+"""Where each fp32 mutation of tests/test_mutations.py is located: the module and direction it first
+corrupts, or the phase outside every module (the two fp8 / bf16-only rows are refused at the door)."""
+
+
+def test_every_mutation_of_the_oracle_s_suite_is_located_where_it_acts(lab, refs):
+    """Each mutation tests/test_mutations.py plants, in fp32 where its layout runs: located at the module
+    it changes or first corrupts, or at its phase; each row named (a new mutation needs its row here)."""
+    from test_mutations import MUTATIONS
+
+    rows, wrong = [], []
+    for m in MUTATIONS:
+        cfg = next((c for c in m.runs() if c.precision == "fp32"), None)
+        if cfg is None:
+            continue
+        with mutated(lab, m.target, m.make), mutated(lab, *m.also) if m.also else nullcontext():
+            _, where = run_located(lab, refs, cfg, m.model, m.optim if m.optim != OptimConfig() else None)
+        got = None if where is None else where.phase or (where.point.module, where.point.direction)
+        rows.append((m.name, got, str(where)))
+        if got != WHERE.get(m.name, "a row of WHERE"):
+            wrong.append(f"{m.name}: {got}")
+    for name, _, sentence in rows:
+        print(f"{name:<70} {sentence[:150]}")
+    assert len(rows) == len(WHERE) and wrong == []
