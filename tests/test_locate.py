@@ -104,6 +104,19 @@ def test_a_correct_run_locates_nothing(lab, refs, cfg):
         assert held == [locate_bytes(cfg, model)] * cfg.world
 
 
+FAMILIES = {
+    "llama-tp4": (TINY.replace(arch="llama", kv_heads=2), ParallelConfig(tp=4)),  # KV heads shared: not compared
+    "gpt2-pp-tp": (TINY.replace(arch="gpt2"), ParallelConfig(pp=2, tp=2, microbatches=2)),  # tied, biases
+    "gemma3-tp-sp": (TINY.replace(arch="gemma3", kv_heads=2), TP_SP),  # four norms a block, windows, GeGLU
+}
+
+
+@pytest.mark.parametrize("model, cfg", FAMILIES.values(), ids=FAMILIES.keys())
+def test_the_other_families_locate_nothing_when_correct(lab, refs, model, cfg):
+    """SwiGLU's gate/up/down, GQA, biases, a tied head across stages, Gemma's post-norms: placed as TINY's."""
+    assert run_located(lab, refs, cfg, model)[1] is None
+
+
 def test_a_piece_no_rank_recorded_is_located_as_a_hole(lab, refs):
     """The reassembly covers every element of the reference's records: rank 3's records dropped from a
     correct DDP run leave the global batch's last two rows in no piece, named at the first record."""
