@@ -272,6 +272,8 @@ def test_the_same_layout_unmutated_with_padding_locates_nothing(lab, refs):
     ids=["bf16-tp", "fp8", "torch-pp", "too-large"],
 )
 def test_what_is_not_yet_located_is_refused_by_name(lab, cfg, model, words):
+    """At the door, before any engine work: bf16 where the arithmetic is not one process's, fp8, PyTorch's
+    pipelining (its own forwards), and a model whose records would pass 256 MiB a rank; each names the fix."""
     with pytest.raises(ConfigError, match="locate=True") as err:
         lab.run(cfg, model=model, steps=1, locate=True)
     assert words in str(err.value)
