@@ -15,6 +15,7 @@ import torch
 
 from labkit.config import DIMS, RunSpec
 from labkit.engines import data, evaluate, runtime
+from labkit.engines.locate import Recorder
 from labkit.engines.mesh import Mesh
 from labkit.engines.meters.audit import CommAudit
 from labkit.engines.meters.bundle import Meters
@@ -67,6 +68,8 @@ def run_rank(spec: dict) -> dict:
     for moe in moes:
         moe.route_log = routes
 
+    # the first step's every module, recorded on this rank (engines/locate.py): locate=True alone
+    recorder = Recorder(rank_model.chunks) if run.locate else None
     index, count = data_index(mesh)
     shapes_only = rt.backend == "fake"  # a dry run (engines/dryrun.py): its tensors hold no values
     losses, norms, step_times, grad_pieces = [], [], [], []  # grad_pieces: per step
@@ -86,8 +89,10 @@ def run_rank(spec: dict) -> dict:
                 with meters.phase("backward"), meters.span("sync"):
                     rank_model.grads.finish()
                 meters.wait_device()  # the gradients' collectives: step() reads their norm
-                if run.return_grads or (run.return_params and step == 0):  # the reference replays every step's
+                if run.return_grads or ((run.return_params or run.locate) and step == 0):  # the replay: every step's
                     grad_pieces.append(rank_model.grads.grad_pieces())
+                if recorder is not None and step == 0:  # before the update: what locate compares is this step's
+                    located = recorder.finish()
                 with meters.phase("optimizer"), meters.span("opt"):
                     norm = rank_model.grads.step()
                     update_expert_bias(modules, tokens_group)  # DeepSeek-V3's aux-loss-free bias, if any
@@ -123,6 +128,9 @@ def run_rank(spec: dict) -> dict:
         report["audit"] = dict(audit.counts)
     if float8 is not None:
         report["float8_matmuls"] = float8.steps
+    if recorder is not None:
+        report["activations"] = located
+        report["grad_pieces"] = grad_pieces  # the first step's reduction, located as a phase
     if run.return_params:
         report["pieces"] = rank_model.grads.param_pieces()
         report["grad_pieces"] = grad_pieces

@@ -43,6 +43,16 @@ def row_parallel_not_reduced(original):
     return forward
 
 
+def copy_grad_not_reduced(original):
+    """engines/parallel/tensor/ops.py Copy.backward (f's backward) without its all-reduce: the gradient into
+    a replicated input (a norm's output, read by every tp rank's slice) stays this rank's partial sum."""
+
+    def backward(ctx, grad):
+        return grad, None
+
+    return backward
+
+
 def sequence_not_gathered(original):
     """tensor.py Gather.forward (SP's entry) without its all-gather: this rank's s/t rows stand in
     for every rank's (shapes hold, so the run goes on)."""

@@ -21,6 +21,7 @@ import plotly.graph_objects as go
 
 from labkit.widgets.context_figure import context_kinds_figure, context_scale_figure  # noqa: F401  (re-exported)
 from labkit.widgets.experts_figure import expert_load_figure, token_crossing_figure  # noqa: F401
+from labkit.widgets.locate_figure import locate_figure  # noqa: F401  (re-exported)
 from labkit.widgets.mesh_figure import mesh_figure  # noqa: F401  (re-exported)
 from labkit.widgets.planner_figures import (  # noqa: F401  (re-exported)
     alternatives_figure,
@@ -322,6 +323,7 @@ __all__ = [
     "timeline_comparison_figure",
     "verify_figure",
     "verifies_figure",
+    "locate_figure",
     "expert_load_figure",
     "token_crossing_figure",
     "links_figure",

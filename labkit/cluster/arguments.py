@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from labkit.config import ModelConfig, OptimConfig, ParallelConfig
+from labkit.oracle.locate import locate_problems
 
 
 def _is_real(x) -> bool:
@@ -18,7 +19,7 @@ def timeout_problems(timeout, name: str = "timeout") -> list[str]:
     return []
 
 
-def run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit) -> list[str]:
+def run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit, locate=False) -> list[str]:
     """What is wrong with the arguments of Lab.run (their types; the layout is validation.validate's)."""
     bad = []
     for name, value, kind in (
@@ -40,4 +41,5 @@ def run_problems(cfg, model, optim, steps, seed, timeout, progress, return_param
     for name, value in (("return_params", return_params), ("audit", audit)):
         if not isinstance(value, bool):
             bad.append(f"{name}={value!r} must be True or False")
-    return bad
+    # what locate=True cannot locate yet (labkit/oracle/locate.py), once the configs are what they must be
+    return bad or locate_problems(cfg, model, locate)

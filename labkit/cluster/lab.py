@@ -269,6 +269,7 @@ class Lab:
         audit: bool = False,
         *,
         data: Data = "synthetic",
+        locate: bool = False,
         _comm_log: bool = True,
     ) -> RunResult:
         """Train `steps` steps of `model` laid out as `cfg` on the engines; returns a RunResult.
@@ -281,13 +282,14 @@ class Lab:
         data: 'synthetic' (the synthetic language) or 'text' (the Shakespeare corpus in bytes,
         labkit/layout/text.py; needs vocab >= 256): then the ranks also compute the validation loss
         (res.validation_loss) and the parameters come back, so that res.generate(prompt, tokens) works.
+        locate=True records step 0's every module output and gradient on every rank, for res.located(ref).
         _comm_log=False runs without the collective log (only the overhead benchmark does).
         """
         cfg = ParallelConfig() if cfg is None else cfg
         model = ModelConfig() if model is None else model
         optim = OptimConfig() if optim is None else optim
         # every argument's problem at once, before any engine work
-        bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit)
+        bad = run_problems(cfg, model, optim, steps, seed, timeout, progress, return_params, audit, locate)
         bad += data_problems(data, model)
         if bad:
             raise ConfigError(bad)
@@ -308,6 +310,7 @@ class Lab:
             return_params=return_params or trains_on_text(data),  # generate() samples from them
             return_grads=return_params,  # what the oracle replays: a check asked for, not a text run's sampling
             audit=audit,
+            locate=locate,
             comm_log=bool(_comm_log),
         ).to_dict()  # plain data crosses to the engines
         t0 = time.perf_counter()

@@ -81,6 +81,9 @@ class RunSpec(_Dict):
     (for generate) do not, so a long run on text ships no step's gradients."""
     audit: bool = False
     """Run a TorchDispatchMode beside the comm meter and count what it sees (slow; tests use it)."""
+    locate: bool = False
+    """Record every module's output and its gradient in the first step (engines/locate.py), and that step's
+    reduced gradients, for the oracle to locate where a run leaves the reference (labkit/oracle/locate.py)."""
     comm_log: bool = True
     """Record collectives in the job's log; False only for the overhead benchmark (nothing is recorded)."""
 

@@ -12,6 +12,7 @@ from labkit.config.choices import Data
 from labkit.config.table import Rows, card
 from labkit.layout.mesh import MeshLayout
 from labkit.oracle.assembly import PieceIssue, assemble
+from labkit.oracle.locate import Located, locate
 from labkit.oracle.routes import place
 from labkit.results.views import RankViews
 
@@ -194,6 +195,9 @@ class RunResult(RankViews):
     buffers: dict[str, np.ndarray] | None = field(default=None, repr=False)
     """Final buffers training changes (the MoE routers' aux-loss-free biases), assembled like params
     (return_params=True): every rank's copy must agree, and the oracle compares them (checks.buffers)."""
+    activations: list[dict] | None = field(default=None, repr=False)
+    """locate=True: per rank, {"rank", "coords", "records", "order", "bytes"}: its first step's module outputs
+    and their gradients (engines/locate.py), which labkit/oracle/locate.py puts together and locates."""
 
     # -- assembling from the engines' plain data ----------------------------------------------
     @classmethod
@@ -266,6 +270,9 @@ class RunResult(RankViews):
             validation_loss=validation,
             padding=padding or None,
             buffers=found["buffer_pieces"],
+            activations=[{"rank": r["rank"], "coords": r["coords"], **r["activations"]} for r in active]
+            if any("activations" in r for r in active)
+            else None,
         )
 
     def generate(self, prompt: str, tokens: int, temperature: float = 0.8, seed: int = 0) -> str:
@@ -277,6 +284,13 @@ class RunResult(RankViews):
         from labkit.engines.generate import generate  # torch: loaded when sampling, not with the results
 
         return generate(self.model, self.params, prompt, tokens, temperature, seed)
+
+    def located(self, ref) -> Located | None:
+        """Where this run (locate=True) first left `ref`'s one-process training: `str()` of it is the
+        sentence ("block 0, attn.wo forward output, tp ranks 0-1, ...: 0.73 over a bound of 1e-05; its
+        inputs matched", or the phase outside every module); None where nothing is wrong (labkit/oracle/
+        locate.py)."""
+        return locate(self, ref)
 
     # -- persistence --------------------------------------------------------------------------
     def to_dict(self) -> dict:
