@@ -40,6 +40,7 @@ from student_net import join_netns, link, netns_down, netns_up
 from student_space import directories, empty_tmpdir, enter_private_space, make_directories
 from traitlets import Bool, Float, Integer, Unicode
 
+from labkit.cluster.census import live_processes
 from labkit.cluster.gpus import read_table  # the machine's GPUs: NVML or nvidia-smi
 
 __all__ = ["ClassroomSpawner", "link", "share_out", "sweep"]
@@ -250,7 +251,7 @@ class ClassroomSpawner(LocalProcessSpawner):
             cgroup = StudentCgroup.of(self.user.name, made["cgroup"])
         ended = {"cgroup": [], "outside": [], "left": []}
         if cgroup is not None:
-            ended["cgroup"] = [_named(p) for p in _processes(cgroup.pids())]
+            ended["cgroup"] = [_named(p) for p in live_processes(cgroup.pids())]
             cgroup.kill()
         if made.get("netns"):
             outside = sweep(f"/run/netns/{made['netns']}", user.pw_uid)

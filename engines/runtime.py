@@ -227,7 +227,7 @@ def poll(since: int = 0, log_tail: int = 0) -> dict:
     # a script's log (engines/script/log.py) knows its own process's groups and main thread: the job
     # thread only waits for that process, and the engine's groups are not the script's
     script = meter if hasattr(meter, "registry") else None
-    out["registry"] = script.registry() if script is not None else _registry()
+    out["registry"] = script.registry() if script is not None else group_registry()
     if (
         _state.runtime is not None and _state.runtime.backend == "nccl" and script is None
     ):  # what the GPU has not finished
@@ -242,7 +242,7 @@ def poll(since: int = 0, log_tail: int = 0) -> dict:
     return out
 
 
-def _registry() -> dict[str, list[int]]:
+def group_registry() -> dict[str, list[int]]:
     """Process groups this rank is a member of: name -> global ranks (torch's own bookkeeping)."""
     from torch.distributed import distributed_c10d as c10d  # engines only
 

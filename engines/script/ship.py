@@ -19,8 +19,6 @@ import threading
 import time
 import traceback
 
-from torch.distributed import distributed_c10d as c10d
-
 from labkit.engines import runtime
 
 TICK_S = 0.05
@@ -93,7 +91,7 @@ class Shipper(threading.Thread):
                 if e["end"] is None or e.get("error"):
                     still.append(i)
             self.sent, self.open = n, still
-            self._changed("groups", self.meter.group_counts(), _registry())
+            self._changed("groups", self.meter.group_counts(), runtime.group_registry())
             self._changed("dims", sorted([list(k), v] for k, v in self.meter.dims_by_ranks.items()))
             records = runtime.current_job().progress  # the Tracker's closed steps (runtime.progress)
             for rec in records[self.progress :]:
@@ -118,15 +116,3 @@ class Shipper(threading.Thread):
         self.flush()
         if self.is_alive() and threading.current_thread() is not self:
             self.join(JOIN_S)
-
-
-def _registry() -> dict[str, list[int]]:
-    """The script's process groups: name -> global ranks (what engines/runtime.py's poll reports)."""
-    try:
-        return {
-            str(c10d._world.pg_names[pg]): sorted(ranks)
-            for pg, ranks in c10d._world.pg_group_ranks.items()
-            if pg in c10d._world.pg_names
-        }
-    except Exception:  # torch's bookkeeping mid-change: the next tick reads it
-        return {}

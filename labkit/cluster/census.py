@@ -49,7 +49,7 @@ def labs() -> Rows:
             except (psutil.Error, OSError):
                 pass
         memory, pss = 0, True
-        for p in [*_alive([kernel]), *procs]:  # the kernel's own memory is the student's too
+        for p in [*live_processes([kernel]), *procs]:  # the kernel's own memory is the student's too
             try:
                 memory += p.memory_full_info().pss
             except psutil.AccessDenied:  # another user's memory map: RSS is what can be read
@@ -194,7 +194,8 @@ def _uid(pid: int) -> int | None:
         return None
 
 
-def _alive(pids) -> list[psutil.Process]:
+def live_processes(pids) -> list[psutil.Process]:
+    """The processes of `pids` still alive (a pid gone between its listing and here is left out)."""
     out = []
     for pid in pids:
         try:
